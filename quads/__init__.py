@@ -1,0 +1,37 @@
+"""quads: NVFP4 precision policies for stable RL of LLMs (QUADS).
+
+Trainer side: asymmetric W4A16 QAT (NVFP4 fake-quant weights, BF16 activations).
+Rollout side: packed NVFP4 weights, W4A4 with residual activation compensation.
+Both sides share one quantizer, so the rollout's weights equal the trainer's bit for bit.
+
+    import quads
+    quads.quantize_(trainer_model, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(rollout_model, quads.QuadsPolicy(side="rollout", residual_fraction=0.5))
+    quads.sync_weights_(rollout_model, trainer_model)   # after every optimizer step
+"""
+
+from quads.ops import ActivationQuant, use_backend
+from quads.policies import (
+    QuadsPolicy,
+    calibrate_residual_channels,
+    quantize_,
+    quantized_modules,
+    sync_weights_,
+)
+from quads.tensor import NVFP4Tensor, nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ActivationQuant",
+    "NVFP4Tensor",
+    "QuadsPolicy",
+    "calibrate_residual_channels",
+    "nvfp4_dequantize",
+    "nvfp4_fake_quantize",
+    "nvfp4_quantize",
+    "quantize_",
+    "quantized_modules",
+    "sync_weights_",
+    "use_backend",
+]

@@ -1,0 +1,139 @@
+"""The quads layers: trainer (fake-quant QAT) and rollout (packed NVFP4) forwards.
+
+`quantize_` converts modules in place by swapping their class for a subclass that mixes in
+one of the forwards below, so parameter names, state_dict keys and model-specific
+attributes (``act_fn``, ``_apply_gate``, ``config``) are untouched. Two module kinds:
+
+* ``nn.Linear`` (and subclasses);
+* transformers-5 fused MoE experts: 3-D ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``
+  (Qwen3-MoE, Mixtral, OLMoE, ...). The trainer fake-quantizes each 3-D weight once per
+  forward (one global scale per expert), not once per expert slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from quads.ops.activation_quant import ActivationQuant
+from quads.ops.moe_experts import experts_loop, rollout_experts
+from quads.ops.rollout_linear import rollout_linear
+from quads.policies.policy import QuadsPolicy
+from quads.policies.ste import fake_quantize_activation, fake_quantize_weight
+
+__all__ = [
+    "QuadsModule",
+    "TrainerLinear",
+    "RolloutLinear",
+    "TrainerExperts",
+    "RolloutExperts",
+    "is_fused_experts",
+]
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A transformers-5 fused experts module (3-D gate_up_proj and down_proj parameters)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+    )
+
+
+class QuadsModule:
+    """Marker mixin of every converted module; ``quads_policy`` is the policy applied."""
+
+    quads_policy: QuadsPolicy
+
+    @property
+    def quads_act(self) -> ActivationQuant | None:
+        return self.quads_policy.activation_quant
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        p = self.quads_policy
+        extra = f"quads={p.side}, activations={p.activations}"
+        if p.side == "rollout" and p.activations == "nvfp4":
+            extra += f", residual={p.residual_fraction}/{p.residual_selection}"
+        return f"{base}, {extra}" if base else extra
+
+
+class TrainerLinear(QuadsModule):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quads_act is not None:
+            x = fake_quantize_activation(x, self.quads_act)
+        return F.linear(x, fake_quantize_weight(self.weight), self.bias)
+
+
+class RolloutLinear(QuadsModule):
+    #: calibrated channel mask (K,) for residual_selection="static", else None
+    quads_static_mask: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rollout_linear(x, self.weight, self.bias, self.quads_act, self.quads_static_mask)
+
+
+def _apply_gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+    gate_fn = getattr(module, "_apply_gate", None)
+    if gate_fn is not None:
+        return gate_fn(gate_up_out)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def _bias(module: nn.Module, name: str) -> torch.Tensor | None:
+    if not getattr(module, "has_bias", False):
+        return None
+    return getattr(module, name, None)
+
+
+class TrainerExperts(QuadsModule):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        gate_up = fake_quantize_weight(self.gate_up_proj)  # once per forward, all experts
+        down = fake_quantize_weight(self.down_proj)
+        gate_up_bias, down_bias = _bias(self, "gate_up_proj_bias"), _bias(self, "down_proj_bias")
+        act = self.quads_act
+
+        def mlp(rows: torch.Tensor, e: int) -> torch.Tensor:
+            if act is not None:
+                rows = fake_quantize_activation(rows, act)
+            h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
+            h = _apply_gate(self, h)
+            if act is not None:
+                h = fake_quantize_activation(h, act)
+            return F.linear(h, down[e], None if down_bias is None else down_bias[e])
+
+        return experts_loop(hidden_states, top_k_index, top_k_weights, gate_up.shape[0], mlp)
+
+
+class RolloutExperts(QuadsModule):
+    #: calibrated channel masks (H,) for gate_up's input and (I,) for down's input
+    quads_static_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    #: set by calibration: called with (input_name, activation) for every quantized input
+    quads_observer = None
+
+    def _gate_and_observe(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        h = _apply_gate(self, gate_up_out)
+        if self.quads_observer is not None:
+            self.quads_observer("down_proj", h)
+        return h
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.quads_observer is not None:
+            self.quads_observer("gate_up_proj", hidden_states)
+        return rollout_experts(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.gate_up_proj,
+            self.down_proj,
+            self._gate_and_observe,
+            self.quads_act,
+            _bias(self, "gate_up_proj_bias"),
+            _bias(self, "down_proj_bias"),
+            self.quads_static_masks,
+        )

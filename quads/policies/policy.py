@@ -1,0 +1,81 @@
+"""`QuadsPolicy`: what `quantize_` does to a model, for the trainer or the rollout side."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from quads.ops.activation_quant import ActivationQuant
+
+__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS"]
+
+SIDES = ("trainer", "rollout")
+ACTIVATION_MODES = ("bf16", "nvfp4")
+
+# Module-name regexes never quantized by default: embeddings, the LM head, MoE routers /
+# gates (the routing decision is discrete, a flipped expert is a large log-prob error) and
+# norms. `gate_proj` (an MLP projection) is *not* a router and stays quantized.
+DEFAULT_SKIP_PATTERNS = (
+    r"(^|\.)lm_head$",
+    r"(^|\.)embed[^.]*$",
+    r"(^|\.)(gate|router|shared_expert_gate)$",
+    r"(^|\.)[^.]*norm[^.]*$",
+)
+
+
+@dataclass(frozen=True)
+class QuadsPolicy:
+    """The precision policy of one side of QUADS.
+
+    side: ``"trainer"`` (BF16 masters, NVFP4 fake-quant weights with straight-through
+        gradient) or ``"rollout"`` (packed NVFP4 weights, online activation quantization).
+    activations: ``"bf16"`` or ``"nvfp4"``. Default: ``"bf16"`` for the trainer (asymmetric
+        W4A16 QAT, the QUADS default), ``"nvfp4"`` for the rollout (W4A4). ``"nvfp4"`` on the
+        trainer is the symmetric-QAT ablation.
+    residual_fraction: rollout only: fraction of channels whose activation-quantization
+        residual is re-quantized and added back (0.5 default; 0 = naive W4A4).
+    residual_selection: ``"per_token"`` (top-k |residual| channels of each token, default)
+        or ``"static"`` (a per-layer channel set from ``calibrate_residual_channels``).
+    activation_global_scale: ``"row"`` (per-token NVFP4 global scale, batch invariant,
+        default) or ``"tensor"``.
+    skip_patterns: regexes of module names left in high precision (see DEFAULT_SKIP_PATTERNS).
+    extra_skip_patterns: regexes added to ``skip_patterns`` (the usual override).
+    """
+
+    side: str
+    activations: str | None = None
+    residual_fraction: float = 0.5
+    residual_selection: str = "per_token"
+    activation_global_scale: str = "row"
+    skip_patterns: tuple[str, ...] = DEFAULT_SKIP_PATTERNS
+    extra_skip_patterns: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.side not in SIDES:
+            raise ValueError(f"QuadsPolicy.side must be one of {SIDES}, got {self.side!r}")
+        if self.activations is None:
+            object.__setattr__(self, "activations", "bf16" if self.side == "trainer" else "nvfp4")
+        if self.activations not in ACTIVATION_MODES:
+            raise ValueError(f"QuadsPolicy.activations must be one of {ACTIVATION_MODES}, got {self.activations!r}")
+        for pattern in self.all_skip_patterns:
+            re.compile(pattern)
+        self.activation_quant  # validates the residual fields
+
+    @property
+    def all_skip_patterns(self) -> tuple[str, ...]:
+        return tuple(self.skip_patterns) + tuple(self.extra_skip_patterns)
+
+    @property
+    def activation_quant(self) -> ActivationQuant | None:
+        """The activation quantizer this side applies, or None for BF16 activations.
+
+        The trainer's symmetric-QAT ablation quantizes activations without residual
+        compensation (it models a naive W4A4 rollout).
+        """
+        if self.activations == "bf16":
+            return None
+        fraction = self.residual_fraction if self.side == "rollout" else 0.0
+        return ActivationQuant(fraction, self.residual_selection, self.activation_global_scale)
+
+    def skips(self, module_name: str) -> bool:
+        return any(re.search(p, module_name) for p in self.all_skip_patterns)

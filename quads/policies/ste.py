@@ -1,0 +1,50 @@
+"""Straight-through fake quantization for the trainer side.
+
+Forward: the NVFP4 round trip ``DQ(Q(w))`` in the weight's dtype, computed by the one recipe
+in :mod:`quads.tensor.nvfp4_math` (so the rollout's dequantized weight is the same bits).
+Backward: the gradient passes to the BF16 master unchanged (straight-through estimator).
+A custom autograd.Function, not ``w + (fq - w).detach()``: the latter re-rounds in BF16 and
+would break bit-exact alignment.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quads.ops.activation_quant import ActivationQuant, dequantize_activation
+from quads.tensor.nvfp4_math import nvfp4_fake_quantize
+
+__all__ = ["fake_quantize_weight", "fake_quantize_activation"]
+
+
+class _FakeQuantWeightSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        return nvfp4_fake_quantize(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _FakeQuantActivationSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, config: ActivationQuant) -> torch.Tensor:
+        from quads.ops.rollout_linear import quantize_activation
+
+        x2 = x.reshape(-1, x.shape[-1])
+        return dequantize_activation(quantize_activation(x2, config)).to(x.dtype).reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def fake_quantize_weight(weight: torch.Tensor) -> torch.Tensor:
+    """NVFP4 fake-quant of a 2-D weight (one global scale) or 3-D experts (one per expert)."""
+    return _FakeQuantWeightSTE.apply(weight)
+
+
+def fake_quantize_activation(x: torch.Tensor, config: ActivationQuant) -> torch.Tensor:
+    """NVFP4 fake-quant of activations (symmetric-QAT ablation), straight-through."""
+    return _FakeQuantActivationSTE.apply(x, config)

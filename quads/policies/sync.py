@@ -1,0 +1,37 @@
+"""Trainer -> rollout weight sync: re-quantize the BF16 masters into the rollout in place."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from quads.tensor.nvfp4_tensor import NVFP4Tensor
+
+__all__ = ["sync_weights_"]
+
+
+@torch.no_grad()
+def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module) -> int:
+    """Copy every parameter of ``trainer_model`` into ``rollout_model`` (same architecture).
+
+    Packed NVFP4 rollout parameters are re-quantized from the trainer's BF16 masters with the
+    recipe the trainer's fake quantizer uses, into their existing storage, so afterwards
+    ``rollout_param.dequantize(w.dtype)`` equals the trainer's forward weight bit for bit.
+    Other parameters (embeddings, norms, routers, lm_head) are copied as they are.
+    Returns the number of parameters synced.
+    """
+    masters = dict(trainer_model.named_parameters())
+    synced = 0
+    for name, param in rollout_model.named_parameters():
+        master = masters.get(name)
+        if master is None:
+            raise KeyError(f"sync_weights_: trainer model has no parameter {name!r} (architectures differ?)")
+        if tuple(master.shape) != tuple(param.shape):
+            raise ValueError(f"sync_weights_: {name} has shape {tuple(master.shape)} in the trainer, {tuple(param.shape)} in the rollout")
+        source = master.detach()
+        if isinstance(param, NVFP4Tensor):
+            param.copy_(source.to(param.device))
+        else:
+            param.copy_(source)
+        synced += 1
+    return synced

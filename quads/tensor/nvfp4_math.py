@@ -1,0 +1,235 @@
+"""The NVFP4 recipe: the one implementation of the quantization math in quads.
+
+Every other path (the trainer's fake quantizer, the rollout's weight packing, online
+activation quantization, the residual compensation and the references the Triton kernels
+are checked against) calls the functions in this module. The recipe is NVIDIA's, as
+implemented by TransformerEngine / ModelOpt; ``docs/nvfp4_spec.md`` states it with the
+tie table and the NaN/Inf behaviour. All arithmetic is float32.
+
+Layout conventions
+------------------
+* Blocks of 16 elements run along the last dimension ``K`` (which must be a multiple of 16).
+* ``qdata``: uint8, shape ``(..., K/2)``, two E2M1 codes per byte, **even element in the low
+  nibble**. Bit 3 of a code is the sign, bits 0-2 the magnitude index into
+  ``E2M1_VALUES = (0, 0.5, 1, 1.5, 2, 3, 4, 6)``.
+* ``scale``: float8_e4m3fn, shape ``(..., K/16)``, plain row-major (no swizzle).
+* ``global_encode_scale``: float32 ``S_enc = 448*6/amax``; multiply to encode, divide to
+  decode. Its shape is the "global-scale group" shape: ``()`` for one scale per tensor,
+  ``(E,)`` for one per expert of a 3-D weight, ``x.shape[:-1]`` for one per row (token).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "E2M1_VALUES",
+    "NVFP4Parts",
+    "check_quantizable",
+    "e2m1_codes_rne",
+    "e2m1_decode",
+    "pack_e2m1",
+    "unpack_e2m1",
+    "global_encode_scale_from_amax",
+    "global_amax",
+    "nvfp4_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_fake_quantize",
+]
+
+BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+FLT_MAX = torch.finfo(torch.float32).max
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# float32(1/6), as the recipe multiplies by it (one rounding in block_amax * (S_enc * (1/6))).
+_ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()
+
+_SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Global-scale granularity names accepted by `nvfp4_quantize`.
+GLOBAL_SCALE_GRANULARITIES = ("tensor", "expert", "row")
+
+
+class NVFP4Parts(NamedTuple):
+    """The three stored pieces of an NVFP4-quantized tensor."""
+
+    qdata: torch.Tensor  # uint8 (..., K/2)
+    scale: torch.Tensor  # float8_e4m3fn (..., K/16)
+    global_encode_scale: torch.Tensor  # float32, group shape (see module doc)
+
+
+def check_quantizable(x: torch.Tensor, what: str = "tensor") -> None:
+    """Raise a clear error if ``x`` cannot be NVFP4-quantized (dtype, rank, K % 16)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _SUPPORTED_INPUT_DTYPES:
+        raise TypeError(
+            f"{what}: NVFP4 quantization takes float32/bfloat16/float16, got {x.dtype}"
+        )
+    if x.dim() < 1:
+        raise ValueError(f"{what}: cannot quantize a 0-d tensor")
+    if x.shape[-1] % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"{what}: the last dimension (K={x.shape[-1]}) must be a multiple of {BLOCK_SIZE} "
+            f"for NVFP4 (shape {tuple(x.shape)})"
+        )
+
+
+def e2m1_codes_rne(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values (already clamped to [-6, 6]) to 4-bit E2M1 codes, ties to even.
+
+    The sign bit is taken from the IEEE sign of ``v`` (so -0.0 and small negatives that
+    round to zero give code 0x8, as hardware conversion does). NaN gives magnitude 0.
+    Thresholds (ties go to the even code): 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2.0,
+    2.5->2.0, 3.5->4.0, 5.0->4.0.
+    """
+    a = v.abs()
+    mag = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75).to(torch.uint8)
+        + (a > 1.25).to(torch.uint8)
+        + (a >= 1.75).to(torch.uint8)
+        + (a > 2.5).to(torch.uint8)
+        + (a >= 3.5).to(torch.uint8)
+        + (a > 5.0).to(torch.uint8)
+    )
+    sign = torch.signbit(v).to(torch.uint8) << 3
+    return mag | sign
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Decode 4-bit E2M1 codes (uint8 in 0..15) to float32 values."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -mag, mag)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes (..., K) into bytes (..., K/2), even element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(qdata: torch.Tensor) -> torch.Tensor:
+    """Unpack bytes (..., K/2) into codes (..., K)."""
+    low = qdata & 0x0F
+    high = qdata >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def global_encode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``S_enc = 448*6/amax``, clamped to FLT_MAX; 1 where amax == 0 or S_enc == 0.
+
+    amax = +inf gives S_enc = 0 and therefore 1 (the recipe's guard); amax = NaN gives NaN,
+    which poisons every scale of that group (see the spec's NaN/Inf section).
+    """
+    amax = amax.to(torch.float32)
+    s = torch.clamp((E4M3_MAX * E2M1_MAX) / amax, max=FLT_MAX)
+    bad = (amax == 0) | (s == 0)
+    return torch.where(bad, torch.ones_like(s), s)
+
+
+def global_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
+    """max|x| over each global-scale group; NaN propagates (torch.amax semantics)."""
+    a = x.detach().abs().to(torch.float32)
+    if granularity == "tensor":
+        return a.amax() if a.numel() else a.new_zeros(())
+    if granularity == "expert":
+        if x.dim() != 3:
+            raise ValueError(f"'expert' global scales need a 3-D tensor, got {tuple(x.shape)}")
+        return a.amax(dim=(1, 2))
+    if granularity == "row":
+        return a.amax(dim=-1)
+    raise ValueError(f"unknown global-scale granularity {granularity!r}; use one of {GLOBAL_SCALE_GRANULARITIES}")
+
+
+def _default_granularity(x: torch.Tensor) -> str:
+    return "expert" if x.dim() == 3 else "tensor"
+
+
+def _broadcast_group(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Reshape a group-shaped scale so it broadcasts against (..., K/16, 1)-shaped blocks."""
+    nlead = x.dim() - 1  # dims before K
+    s = s.reshape(s.shape + (1,) * (nlead - s.dim()))  # pad trailing lead dims
+    return s.unsqueeze(-1).unsqueeze(-1)  # (..., 1, 1) against (..., K/16, 16)
+
+
+def nvfp4_quantize(
+    x: torch.Tensor,
+    granularity: str | None = None,
+    global_encode_scale: torch.Tensor | None = None,
+) -> NVFP4Parts:
+    """Quantize ``x`` (..., K) to NVFP4 per the recipe.
+
+    Args:
+        x: float32/bfloat16/float16 tensor, K a multiple of 16.
+        granularity: global-scale groups: ``"tensor"`` (default for 1-D/2-D), ``"expert"``
+            (default for 3-D: one scale per ``x[e]``) or ``"row"`` (one per row, i.e. per
+            token, for activations: keeps a row's result independent of the other rows).
+        global_encode_scale: use this ``S_enc`` instead of computing it from amax (shape of
+            the groups, or broadcastable to it).
+
+    Returns:
+        NVFP4Parts(qdata, scale, global_encode_scale).
+    """
+    check_quantizable(x)
+    granularity = granularity or _default_granularity(x)
+    if global_encode_scale is None:
+        global_encode_scale = global_encode_scale_from_amax(global_amax(x, granularity))
+    else:
+        global_encode_scale = global_encode_scale.to(device=x.device, dtype=torch.float32)
+
+    xf = x.detach().to(torch.float32)
+    blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    s_enc = _broadcast_group(global_encode_scale, x)  # (..., 1, 1)
+
+    block_amax = blocks.abs().amax(dim=-1, keepdim=True)  # (..., K/16, 1)
+    scale_f32 = torch.clamp(block_amax * (s_enc * _ONE_SIXTH), max=E4M3_MAX)
+    scale_e4m3 = scale_f32.to(torch.float8_e4m3fn)
+
+    # enc = min(1 / (f32(s) * (1/S_enc)), FLT_MAX); a zero block scale gives FLT_MAX.
+    decode_scale = scale_e4m3.to(torch.float32) * (1.0 / s_enc)
+    enc = torch.clamp(1.0 / decode_scale, max=FLT_MAX)
+    scaled = torch.clamp(blocks * enc, min=-E2M1_MAX, max=E2M1_MAX)
+    codes = e2m1_codes_rne(scaled).reshape(xf.shape)
+
+    return NVFP4Parts(
+        qdata=pack_e2m1(codes),
+        scale=scale_e4m3.squeeze(-1),
+        global_encode_scale=global_encode_scale,
+    )
+
+
+def nvfp4_dequantize(
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    global_encode_scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``x_hat = (e2m1(q) * f32(s)) / S_enc`` in float32, then cast to ``dtype``.
+
+    The product ``e2m1(q) * f32(s)`` is exact in float32 (at most 6 significant bits), so
+    the only float32 rounding is the division by ``S_enc``. This is the dequantization every
+    path uses; the trainer's forward weight is this function's output in the weight dtype.
+    """
+    codes = unpack_e2m1(qdata)
+    vals = e2m1_decode(codes)
+    blocks = vals.reshape(*vals.shape[:-1], vals.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    s_enc = _broadcast_group(global_encode_scale.to(torch.float32), vals)
+    out = (blocks * scale.to(torch.float32).unsqueeze(-1)) / s_enc
+    return out.reshape(vals.shape).to(dtype)
+
+
+def nvfp4_fake_quantize(
+    x: torch.Tensor,
+    granularity: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``DQ(Q(x))`` in ``dtype`` (default ``x.dtype``); no gradient logic (see policies.ste)."""
+    parts = nvfp4_quantize(x, granularity)
+    return nvfp4_dequantize(*parts, dtype=dtype or x.dtype)
