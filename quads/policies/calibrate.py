@@ -7,6 +7,7 @@ layer's static compensation set. The per-token selection needs no calibration.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import torch
@@ -55,7 +56,10 @@ def calibrate_residual_channels(model: nn.Module, batches: Iterable[dict | torch
         raise ValueError("calibrate_residual_channels: the model has no quads rollout layers")
     stats = _ResidualStats()
     hooks = []
+    policies = {name: module.quads_policy for name, module in layers.items()}
     for name, module in layers.items():
+        # No mask exists yet: calibrate while running the per-token selection.
+        module.quads_policy = dataclasses.replace(policies[name], residual_selection="per_token")
         if isinstance(module, RolloutLinear):
             hooks.append(module.register_forward_pre_hook(lambda m, args, n=name: stats.observe(n, args[0])))
         else:
@@ -66,7 +70,8 @@ def calibrate_residual_channels(model: nn.Module, batches: Iterable[dict | torch
     finally:
         for h in hooks:
             h.remove()
-        for module in layers.values():
+        for name, module in layers.items():
+            module.quads_policy = policies[name]
             if isinstance(module, RolloutExperts):
                 module.quads_observer = None
     for name, module in layers.items():

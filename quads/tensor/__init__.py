@@ -8,6 +8,7 @@ from quads.tensor.nvfp4_math import (
     nvfp4_quantize,
 )
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
+from quads.tensor.serialization import load_safetensors, save_safetensors
 
 __all__ = [
     "BLOCK_SIZE",
@@ -16,4 +17,6 @@ __all__ = [
     "nvfp4_dequantize",
     "nvfp4_fake_quantize",
     "nvfp4_quantize",
+    "load_safetensors",
+    "save_safetensors",
 ]

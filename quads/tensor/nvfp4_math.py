@@ -129,7 +129,8 @@ def global_encode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     which poisons every scale of that group (see the spec's NaN/Inf section).
     """
     amax = amax.to(torch.float32)
-    s = torch.clamp((E4M3_MAX * E2M1_MAX) / amax, max=FLT_MAX)
+    # Tensor / tensor: `scalar / tensor` in torch is reciprocal-then-multiply (two roundings).
+    s = torch.clamp(torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax, max=FLT_MAX)
     bad = (amax == 0) | (s == 0)
     return torch.where(bad, torch.ones_like(s), s)
 
@@ -193,8 +194,9 @@ def nvfp4_quantize(
     scale_e4m3 = scale_f32.to(torch.float8_e4m3fn)
 
     # enc = min(1 / (f32(s) * (1/S_enc)), FLT_MAX); a zero block scale gives FLT_MAX.
-    decode_scale = scale_e4m3.to(torch.float32) * (1.0 / s_enc)
-    enc = torch.clamp(1.0 / decode_scale, max=FLT_MAX)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    decode_scale = scale_e4m3.to(torch.float32) * (one / s_enc)
+    enc = torch.clamp(one / decode_scale, max=FLT_MAX)
     scaled = torch.clamp(blocks * enc, min=-E2M1_MAX, max=E2M1_MAX)
     codes = e2m1_codes_rne(scaled).reshape(xf.shape)
 
