@@ -1,0 +1,171 @@
+"""Relative output error vs BF16 of one layer and of a whole model, per precision config.
+
+Measures what the core issue asks: trainer W4A16 (weight fake-quant), the symmetric W4A4 QAT
+ablation, rollout naive W4A4, and rollout W4A4 + residual compensation at k = 25/50/75%
+(per-token selection) and 50% static (calibrated). Errors are relative Frobenius norms
+against the unquantized model run in float32.
+
+    python benchmarks/error_table.py                 # embedded trained MoE (quads.tasks)
+    python benchmarks/error_table.py --random-model  # tiny random Qwen3-MoE instead
+
+Prints a markdown table (paste into docs/results.md with the command, machine and date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import torch
+
+import quads
+from quads.ops import ActivationQuant, quantize_activation, dequantize_activation
+
+CONFIGS = [
+    # name, side, policy kwargs
+    ("trainer W4A16 (QUADS trainer)", "trainer", {}),
+    ("trainer W4A4 (sym. QAT ablation)", "trainer", {"activations": "nvfp4"}),
+    ("rollout W4A4 naive (k=0)", "rollout", {"residual_fraction": 0.0}),
+    ("rollout W4A4 + residual k=25%", "rollout", {"residual_fraction": 0.25}),
+    ("rollout W4A4 + residual k=50% (QUADS)", "rollout", {"residual_fraction": 0.5}),
+    ("rollout W4A4 + residual k=75%", "rollout", {"residual_fraction": 0.75}),
+    ("rollout W4A4 + residual k=50% static", "rollout", {"residual_fraction": 0.5, "residual_selection": "static"}),
+]
+
+
+def load_model(random_model: bool):
+    if not random_model:
+        try:
+            from quads.tasks import load_default_model
+            from quads.tasks.arithmetic import make_prompts
+
+            model, tok = load_default_model()
+            prompts = make_prompts(64, seed=7, split="heldout")
+            texts = [p["prompt"] + p["answer"] for p in prompts]
+            batch = tok(texts, padding=True, return_tensors="pt")
+            return model, batch["input_ids"], batch["attention_mask"], "embedded trained Qwen3-MoE (quads.tasks)"
+        except Exception as exc:  # noqa: BLE001 - fall back, but say so
+            print(f"# embedded model unavailable ({exc!r}); using a random tiny model")
+    from tests.tiny_models import build
+
+    model = build("qwen3_moe")
+    ids = torch.randint(0, 96, (16, 24), generator=torch.Generator().manual_seed(0))
+    return model, ids, torch.ones_like(ids), "random tiny Qwen3-MoE (weights x3)"
+
+
+def capture_inputs(model, ids, mask, module_name):
+    """Inputs of one nn.Linear during a forward of the unquantized model."""
+    module = dict(model.named_modules())[module_name]
+    seen = []
+    h = module.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    h.remove()
+    x = torch.cat(seen)
+    keep = mask.reshape(-1).bool() if x.shape[0] == mask.numel() else slice(None)
+    return module, x[keep]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def layer_table(model, ids, mask, layer_name):
+    linear, x = capture_inputs(model, ids, mask, layer_name)
+    w = linear.weight.detach()
+    ref = x.float() @ w.float().T
+    rows = []
+    w_nvfp4 = quads.NVFP4Tensor.from_float(w)
+    static_k = None
+    for name, side, kw in CONFIGS:
+        policy = quads.QuadsPolicy(side=side, **kw)
+        act = policy.activation_quant
+        if act is None:
+            x_used = x.float()
+        else:
+            static_mask = None
+            if act.selection == "static":
+                # calibrate on the first half of the tokens, evaluate on all
+                r = (x[: len(x) // 2].float() - dequantize_activation(quantize_activation(x[: len(x) // 2], ActivationQuant(0.0))))
+                static_k = quads.ops.activation_quant.num_residual_channels(x.shape[1], act.residual_fraction)
+                static_mask = torch.zeros(x.shape[1], dtype=torch.bool)
+                static_mask[r.abs().mean(0).topk(static_k).indices] = True
+            x_used = dequantize_activation(quantize_activation(x, act, static_mask))
+        y = x_used @ w_nvfp4.dequantize().T
+        rows.append({"config": name, "act_rel_err": rel(x_used, x), "out_rel_err": rel(y, ref)})
+    return rows
+
+
+def model_table(model, ids, mask):
+    with torch.no_grad():
+        ref_model = copy.deepcopy(model).float()
+        ref = ref_model(input_ids=ids, attention_mask=mask).logits.float()
+        ref_logp = torch.log_softmax(ref, -1)
+    tgt = ids[:, 1:]
+    m = mask[:, 1:].bool()
+    trainer = copy.deepcopy(model)
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    with torch.no_grad():
+        trainer_logits = trainer(input_ids=ids, attention_mask=mask).logits.float()
+    trainer_logp = torch.log_softmax(trainer_logits, -1)
+
+    def token_gap(logp, other):
+        return (logp[:, :-1].gather(-1, tgt[..., None]) - other[:, :-1].gather(-1, tgt[..., None])).squeeze(-1)[m].abs()
+
+    rows = []
+    for name, side, kw in CONFIGS:
+        qm = copy.deepcopy(model)
+        quads.quantize_(qm, quads.QuadsPolicy(side=side, **kw))
+        if kw.get("residual_selection") == "static":
+            quads.calibrate_residual_channels(qm, [{"input_ids": ids[:8], "attention_mask": mask[:8]}])
+        with torch.no_grad():
+            logits = qm(input_ids=ids, attention_mask=mask).logits.float()
+        logp = torch.log_softmax(logits, -1)
+        gap = token_gap(logp, ref_logp)
+        gap_trainer = token_gap(logp, trainer_logp)
+        rows.append({
+            "vs_w4a16_trainer_logits_rel_err": rel(logits[mask.bool()], trainer_logits[mask.bool()]),
+            "vs_w4a16_trainer_gap_mean": gap_trainer.mean().item(),
+            "vs_w4a16_trainer_gap_max": gap_trainer.max().item(),
+            "config": name,
+            "logits_rel_err": rel(logits[mask.bool()], ref[mask.bool()]),
+            "token_logp_gap_mean": gap.mean().item(),
+            "token_logp_gap_max": gap.max().item(),
+        })
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--random-model", action="store_true")
+    ap.add_argument("--layer", default=None, help="nn.Linear to study (default: layer 0 q_proj)")
+    ap.add_argument("--json", default=None, help="also write the numbers here")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    model, ids, mask, what = load_model(args.random_model)
+    model.eval()
+    layer = args.layer or "model.layers.0.self_attn.q_proj"
+    lt = layer_table(model, ids, mask, layer)
+    mt = model_table(model, ids, mask)
+    print(f"model: {what}; tokens: {int(mask.sum())}; reference: unquantized model in float32\n")
+    print(f"one layer ({layer}, real activations from the model):\n")
+    print("| config | activation rel. err | output rel. err |\n|---|---|---|")
+    for r in lt:
+        print(f"| {r['config']} | {r['act_rel_err']:.4f} | {r['out_rel_err']:.4f} |")
+    print("\nwhole model (teacher-forced on the batch):\n")
+    print("| config | logits rel. err vs BF16 | mean / max abs token log-prob gap vs BF16 "
+          "| logits rel. err vs W4A16 trainer | mean / max gap vs W4A16 trainer |\n|---|---|---|---|---|")
+    for r in mt:
+        print(
+            f"| {r['config']} | {r['logits_rel_err']:.4f} | {r['token_logp_gap_mean']:.4f} / {r['token_logp_gap_max']:.4f} "
+            f"| {r['vs_w4a16_trainer_logits_rel_err']:.4f} | {r['vs_w4a16_trainer_gap_mean']:.4f} / {r['vs_w4a16_trainer_gap_max']:.4f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": what, "layer": layer, "layer_rows": lt, "model_rows": mt}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
