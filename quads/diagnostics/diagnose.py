@@ -1,0 +1,269 @@
+"""``quads diagnose``: how far an NVFP4 rollout's log-probs drift from the trainer's.
+
+For a local HF causal LM (dense or MoE) and a set of prompts, the BF16 model samples
+completions once; every configuration then scores *the same* completions twice:
+
+* the **rollout engine path**: incremental decoding with a KV cache, token by token, as a
+  generation engine computes sampling log-probs, with the eager attention kernel;
+* the **trainer path**: one teacher-forced forward over prompt + completion (SDPA attention).
+
+Per configuration it reports the per-token |log p_rollout - log p_trainer| (mean, p99, max)
+and the k3 KL estimate, plus a per-layer table of activation quantization error. Rows:
+
+| row | rollout | trainer |
+|---|---|---|
+| bf16-floor | BF16 (incremental) | BF16: engine drift alone |
+| fp8-w8a8 | FP8 W8A8 | BF16 (reference point) |
+| naive | NVFP4 W4A4 | BF16 |
+| sym-qat | NVFP4 W4A4 | W4A4 QAT (symmetric, ablation) |
+| w4a16-qat | NVFP4 W4A4 | W4A16 QAT (asymmetric) |
+| quads-25/50/75 | W4A4 + residual k | W4A16 QAT |
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from quads.diagnostics.fp8_reference import fp8_w8a8_
+from quads.diagnostics.mismatch import k3_kl, logp_gap_stats
+from quads.ops.activation_quant import ActivationQuant, dequantize_activation, quantize_activation_reference
+from quads.policies import QuadsPolicy, quantize_
+from quads.policies.modules import is_fused_experts
+
+__all__ = ["ROWS", "DiagnoseRow", "run_diagnose", "score_incremental", "score_teacher_forced", "add_parser"]
+
+GENERIC_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1 + 1 =",
+    "The quick brown fox",
+    "In reinforcement learning, the policy",
+    "Q: What is 12 times 7?\nA:",
+    "import torch\n",
+]
+
+
+@dataclass(frozen=True)
+class DiagnoseRow:
+    name: str
+    rollout: str  # key into the rollout builders
+    trainer: str  # key into the trainer builders
+    description: str
+
+
+ROWS = [
+    DiagnoseRow("bf16-floor", "bf16", "bf16", "BF16 rollout engine path vs BF16 trainer (engine drift floor)"),
+    DiagnoseRow("fp8-w8a8", "fp8", "bf16", "FP8 W8A8 rollout vs BF16 trainer"),
+    DiagnoseRow("naive", "w4a4-k0", "bf16", "NVFP4 W4A4 rollout vs BF16 trainer"),
+    DiagnoseRow("sym-qat", "w4a4-k0", "w4a4-qat", "W4A4 rollout vs symmetric W4A4 QAT trainer"),
+    DiagnoseRow("w4a16-qat", "w4a4-k0", "w4a16-qat", "W4A4 rollout vs asymmetric W4A16 QAT trainer"),
+    DiagnoseRow("quads-25", "w4a4-k0.25", "w4a16-qat", "W4A4 + 25% residual vs W4A16 QAT trainer"),
+    DiagnoseRow("quads-50", "w4a4-k0.5", "w4a16-qat", "QUADS: W4A4 + 50% residual vs W4A16 QAT trainer"),
+    DiagnoseRow("quads-75", "w4a4-k0.75", "w4a16-qat", "W4A4 + 75% residual vs W4A16 QAT trainer"),
+]
+
+
+def _variant(base: nn.Module, key: str) -> nn.Module:
+    """A converted deep copy of the BF16 base model (this tool owns its models, no TRL patching)."""
+    model = copy.deepcopy(base)
+    if key == "bf16":
+        return model
+    if key == "fp8":
+        return fp8_w8a8_(model)
+    if key == "w4a16-qat":
+        return quantize_(model, QuadsPolicy(side="trainer"))
+    if key == "w4a4-qat":
+        return quantize_(model, QuadsPolicy(side="trainer", activations="nvfp4"))
+    if key.startswith("w4a4-k"):
+        return quantize_(model, QuadsPolicy(side="rollout", residual_fraction=float(key[len("w4a4-k"):])))
+    raise ValueError(key)
+
+
+def _use_engine_attention(model: nn.Module) -> None:
+    """The rollout engine path runs a different attention kernel from the trainer's (eager
+    vs the default SDPA), as a real engine does; on CPU, incremental and full-sequence SDPA
+    are otherwise bit-identical and the BF16 floor would read 0."""
+    if getattr(model.config, "_attn_implementation", None) != "eager" and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+
+
+@torch.no_grad()
+def score_teacher_forced(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
+    """log p of the last ``n_completion`` tokens from one full forward (the trainer path)."""
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
+    logits = logits[:, -n_completion - 1 : -1].float() / temperature
+    target = input_ids[:, -n_completion:]
+    return torch.log_softmax(logits, -1).gather(-1, target[..., None]).squeeze(-1)
+
+
+@torch.no_grad()
+def score_incremental(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
+    """log p of the last ``n_completion`` tokens by prefill + one-token decode steps with a
+    KV cache (the rollout engine path)."""
+    prompt_len = input_ids.shape[1] - n_completion
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids[:, :prompt_len], attention_mask=attention_mask[:, :prompt_len],
+                position_ids=pos[:, :prompt_len], use_cache=True)
+    past, steps = out.past_key_values, [out.logits[:, -1]]
+    for t in range(prompt_len, input_ids.shape[1] - 1):
+        out = model(input_ids=input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
+                    position_ids=pos[:, t : t + 1], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        steps.append(out.logits[:, -1])
+    logits = torch.stack(steps, dim=1).float() / temperature
+    target = input_ids[:, prompt_len:]
+    return torch.log_softmax(logits, -1).gather(-1, target[..., None]).squeeze(-1)
+
+
+@torch.no_grad()
+def sample_completions(model, tokenizer, prompts, max_new_tokens: int, temperature: float, seed: int):
+    """Sample one completion per prompt with the BF16 model; returns ids, mask, completion mask."""
+    torch.manual_seed(seed)
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                         max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    completion = out[:, enc["input_ids"].shape[1]:]
+    eos = tokenizer.eos_token_id
+    is_eos = completion == eos
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # tokens after the first EOS
+    completion_mask = ~after_eos
+    attention_mask = torch.cat([enc["attention_mask"], completion_mask.long()], dim=1)
+    return out, attention_mask, completion_mask
+
+
+@torch.no_grad()
+def layer_activation_errors(model, input_ids, attention_mask, fractions=(0.0, 0.5)) -> list[dict]:
+    """Relative activation quantization error per quantizable layer input, on real inputs."""
+    policy = QuadsPolicy(side="rollout")
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if policy.skips(name) or not (isinstance(module, nn.Linear) or is_fused_experts(module)):
+            continue
+        def hook(m, args, name=name):
+            x = args[0].detach()
+            seen.setdefault(name, []).append(x.reshape(-1, x.shape[-1]))
+        hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    for name, xs in seen.items():
+        x = torch.cat(xs).float()
+        row = {"layer": name, "K": x.shape[1], "tokens": x.shape[0]}
+        for f in fractions:
+            xh = dequantize_activation(quantize_activation_reference(x, ActivationQuant(f)))
+            row[f"rel_err_k{int(f * 100)}"] = ((xh - x).norm() / x.norm().clamp_min(1e-30)).item()
+        rows.append(row)
+    return rows
+
+
+def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, seed=0,
+                 progress: Callable | None = None) -> dict:
+    """The whole report as a dict (see module doc)."""
+    model.eval()
+    ids, attn, comp_mask = sample_completions(model, tokenizer, prompts, max_new_tokens, temperature, seed)
+    n = comp_mask.shape[1]
+    rollout_keys = sorted({r.rollout for r in ROWS})
+    trainer_keys = sorted({r.trainer for r in ROWS})
+    bar = progress(total=len(rollout_keys) + len(trainer_keys) + 1) if progress else None
+    rollout_lp, trainer_lp = {}, {}
+    for key in rollout_keys:
+        engine = _variant(model, key)
+        _use_engine_attention(engine)
+        rollout_lp[key] = score_incremental(engine, ids, attn, n, temperature)
+        bar and bar.update(1)
+    for key in trainer_keys:
+        trainer_lp[key] = score_teacher_forced(_variant(model, key), ids, attn, n, temperature)
+        bar and bar.update(1)
+    rows = []
+    for row in ROWS:
+        gap = logp_gap_stats(rollout_lp[row.rollout], trainer_lp[row.trainer], comp_mask)
+        rows.append({"config": row.name, "description": row.description,
+                     "gap_mean": gap["mean"], "gap_p99": gap["p99"], "gap_max": gap["max"],
+                     "k3_kl": k3_kl(rollout_lp[row.rollout], trainer_lp[row.trainer], comp_mask)})
+    layers = layer_activation_errors(model, ids, attn)
+    bar and bar.update(1)
+    bar and bar.close()
+    return {"num_prompts": len(prompts), "completion_tokens": int(comp_mask.sum()),
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+            "rows": rows, "layers": layers}
+
+
+def format_report(report: dict) -> str:
+    floor = next(r for r in report["rows"] if r["config"] == "bf16-floor")["gap_max"]
+    lines = [f"{report['num_prompts']} prompts, {report['completion_tokens']} completion tokens, "
+             f"T={report['temperature']}", "",
+             f"{'config':<11} {'gap mean':>9} {'gap p99':>9} {'gap max':>9} {'max/floor':>9} {'k3 KL':>10}  description"]
+    for r in report["rows"]:
+        ratio = r["gap_max"] / floor if floor > 0 else float("nan")
+        lines.append(f"{r['config']:<11} {r['gap_mean']:>9.4f} {r['gap_p99']:>9.4f} {r['gap_max']:>9.4f} "
+                     f"{ratio:>9.2f} {r['k3_kl']:>10.2e}  {r['description']}")
+    lines += ["", f"{'layer input':<45} {'K':>5} {'W4A4 err':>9} {'+50% res':>9}"]
+    for l in report["layers"]:
+        lines.append(f"{l['layer']:<45} {l['K']:>5} {l['rel_err_k0']:>9.4f} {l['rel_err_k50']:>9.4f}")
+    return "\n".join(lines)
+
+
+def _load(path: str | None):
+    if path is None:
+        from quads.tasks import load_default_model
+        from quads.tasks.arithmetic import make_prompts
+
+        model, tok = load_default_model()
+        return model, tok, [p["prompt"] for p in make_prompts(32, seed=11, split="heldout")]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok, GENERIC_PROMPTS
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(args.threads)
+    model, tok, prompts = _load(args.model)
+    if args.prompts:
+        with open(args.prompts) as f:
+            prompts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+    prompts = (prompts * args.repeat)[: max(len(prompts), 1) * args.repeat]
+    report = run_diagnose(model, tok, prompts, args.max_new_tokens, args.temperature, args.seed,
+                          progress=lambda total: tqdm(total=total, desc="scoring configs", file=sys.stderr))
+    report["model"] = args.model or "embedded tiny-moe-arith"
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nJSON written to {args.json}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("diagnose", help="rollout-vs-trainer log-prob mismatch per precision config",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="local HF causal LM directory (default: the embedded MoE)")
+    p.add_argument("--prompts", default=None, help="text file, one prompt per line (\\n escapes allowed)")
+    p.add_argument("--repeat", type=int, default=1, help="sample each prompt this many times")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the report as JSON here")
+    p.set_defaults(func=_cmd)

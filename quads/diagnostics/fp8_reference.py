@@ -1,0 +1,62 @@
+"""FP8 W8A8 fake quantization, for reference rows in ``quads diagnose`` (not a quads policy).
+
+The FP8 recipe verl / NeMo-RL rollouts use: E4M3 weights with one scale per output channel
+(per expert and channel for fused MoE weights), E4M3 activations with one scale per token,
+scale = amax / 448, round to nearest even (torch's cast). Applied by class swap like
+``quantize_`` so the same routing loop runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from quads.ops.moe_experts import experts_loop
+from quads.policies.modules import _apply_gate, is_fused_experts
+from quads.policies.policy import QuadsPolicy
+
+__all__ = ["fp8_fake_quantize", "fp8_w8a8_"]
+
+E4M3_MAX = 448.0
+
+
+def fp8_fake_quantize(x: torch.Tensor) -> torch.Tensor:
+    """E4M3 round trip with one scale per row of the last dim (amax/448; all-zero rows stay 0)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return ((xf / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+class _FP8Linear:
+    def forward(self, x):
+        return F.linear(fp8_fake_quantize(x), fp8_fake_quantize(self.weight), self.bias)
+
+
+class _FP8Experts:
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        gate_up, down = fp8_fake_quantize(self.gate_up_proj), fp8_fake_quantize(self.down_proj)
+
+        def mlp(rows, e):
+            h = _apply_gate(self, F.linear(fp8_fake_quantize(rows), gate_up[e]))
+            return F.linear(fp8_fake_quantize(h), down[e])
+
+        return experts_loop(hidden_states, top_k_index, top_k_weights, gate_up.shape[0], mlp)
+
+
+def fp8_w8a8_(model: nn.Module) -> nn.Module:
+    """Swap every Linear / fused experts module quads would quantize to W8A8 fake quant
+    (same skip rules as ``QuadsPolicy``: lm_head, embeddings, routers, norms stay BF16)."""
+    skip_rules = QuadsPolicy(side="trainer")
+    for name, module in model.named_modules():
+        if skip_rules.skips(name):
+            continue
+        if isinstance(module, nn.Linear):
+            mixin = _FP8Linear
+        elif is_fused_experts(module):
+            mixin = _FP8Experts
+        else:
+            continue
+        module.__class__ = type(f"FP8{type(module).__name__}", (mixin, type(module)), {})
+    return model

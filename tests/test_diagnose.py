@@ -1,0 +1,37 @@
+"""`quads diagnose` end to end on a tiny saved MoE (CLI, JSON, rows, ordering)."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from quads.cli import main
+from quads.diagnostics.diagnose import ROWS
+from tests.tiny_models import build
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_moe")
+    build("qwen3_moe").save_pretrained(path)
+    vocab = {chr(97 + i): i for i in range(26)} | {"[PAD]": 90, "[EOS]": 91, "[UNK]": 92}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]").save_pretrained(path)
+    return str(path)
+
+
+def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert main(["diagnose", "--model", saved_model, "--max-new-tokens", "6", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["config"]: r for r in report["rows"]}
+    assert list(rows) == [r.name for r in ROWS]
+    assert report["completion_tokens"] > 0
+    # residual compensation shrinks the gap monotonically in k; the floor is the smallest
+    assert rows["quads-75"]["gap_mean"] < rows["quads-50"]["gap_mean"] < rows["quads-25"]["gap_mean"] < rows["w4a16-qat"]["gap_mean"]
+    assert rows["bf16-floor"]["gap_mean"] < rows["quads-50"]["gap_mean"]
+    assert all(l["rel_err_k50"] < l["rel_err_k0"] for l in report["layers"])
+    printed = capsys.readouterr().out
+    assert "quads-50" in printed and "layer input" in printed
