@@ -20,9 +20,25 @@ from quads.ops.dispatch import select_backend
 from quads.ops.rollout_linear import rollout_linear
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
-__all__ = ["experts_loop", "rollout_experts"]
+__all__ = ["route_by_expert", "experts_loop", "rollout_experts"]
 
 ExpertMLP = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def route_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, choice) rows by expert: ``(order, counts)``.
+
+    ``order`` sorts the flattened rows by expert id (stable, so rows of one expert keep token
+    order); ``counts[e]`` is the number of rows of expert ``e``. Ids outside ``[0, E)``
+    (expert-parallel sentinels) are sorted last and counted nowhere. Shared by the reference
+    loop and the grouped kernel so both see the same row order.
+    """
+    flat = top_k_index.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    return order, counts
 
 
 def experts_loop(
@@ -38,9 +54,7 @@ def experts_loop(
     """
     num_tokens, hidden_dim = hidden.shape
     top_k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat.clamp(0, num_experts), minlength=num_experts + 1)[:num_experts]
+    order, counts = route_by_expert(top_k_index, num_experts)
     out = hidden.new_zeros(num_tokens * top_k, hidden_dim)
     start = 0
     for expert, count in enumerate(counts.tolist()):

@@ -1,0 +1,677 @@
+"""NVFP4 quantization kernels (Triton), bit-exact with :mod:`quads.tensor.nvfp4_math`.
+
+Two kernels:
+
+* ``_act_quant_row_kernel``: one program per activation row. The whole row lives in registers,
+  so the per-row global scale (``granularity="row"``), the main quantization, the residual
+  ``r = x - DQ(Q(x))``, the per-token top-k selection of ``|r|`` (exact, ties included) and the
+  residual's own quantization are one pass over ``x``. Outputs: the packed NVFP4 parts (bit-exact
+  with the reference) and/or the *unscaled* dequantized values ``e2m1 * f32(scale)`` in fp16
+  (exact, see QUADS.md section 3), which is what the GEMM kernels consume.
+* ``_quant_given_scale_kernel``: tiles of a 2-D tensor quantized with a given per-row-group global
+  scale (weights: ``"tensor"``/``"expert"`` granularity; activations with ``"tensor"``
+  granularity). The global amax comes from ``_amax_rows_kernel`` (max of |x| bit patterns, which
+  is exact, order-independent and NaN-propagating), and ``S_enc`` from the reference function.
+
+Bit-exactness notes (all float32, as the recipe):
+
+* every division is ``tl.math.div_rn`` (IEEE round-to-nearest), never the approximate ``/``;
+* the E4M3 cast (round-to-nearest-even, subnormals, NaN) is done with integer arithmetic, so it
+  does not depend on the Triton version's fp8 conversion;
+* clamps are written as ``where(v > hi, hi, v)`` so NaN propagates like ``torch.clamp``
+  (``tl.minimum`` would drop NaN on the GPU);
+* amax is a max over ``|x|`` bit patterns: for non-negative floats the integer order is the
+  float order and every NaN pattern sorts above +inf, so NaN propagates like ``torch.amax``;
+* the sign nibble of an element whose scaled value is NaN is platform-defined in the reference
+  too (x86 propagates the NaN operand's sign, CUDA returns a canonical NaN); dequantization gives
+  NaN either way.
+* ``DQ = (e2m1 * s) / S_enc`` is computed as ``2^e * div_rn(f * s, S_enc)`` with ``e2m1 = 2^e * f``,
+  ``f in {1, 1.5}``: exact because scaling by a power of two commutes with rounding while the
+  results stay normal; rows where a result could be subnormal take the per-element ``div_rn``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from quads.tensor.nvfp4_math import (
+    BLOCK_SIZE,
+    NVFP4Parts,
+    global_encode_scale_from_amax,
+)
+
+__all__ = [
+    "quantize_rows",
+    "quantize_given_scale",
+    "amax_rows",
+    "ActQuantOut",
+]
+
+FLT_MAX = 3.4028234663852886e38
+# float32(1/6): the recipe multiplies by it (S_enc * (1/6) rounded once, then * block_amax).
+ONE_SIXTH = 0.1666666716337204
+TWO_POW_M125 = 2.350988701644575e-38  # 2**-125
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _interp_safe(x: torch.Tensor) -> torch.Tensor:
+    """The Triton interpreter (3.9) converts bf16 subnormals to fp32 wrongly (its bit-level
+    converter; fp16 uses numpy and is right): hand it an exact fp32 copy instead. GPU: no-op."""
+    return x.float() if _interpreting() and x.dtype == torch.bfloat16 else x
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _abs_bits(v):
+    """|v| as int32 bit pattern (non-negative; NaN patterns sort above +inf)."""
+    return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _with_sign(mag, neg):
+    """Set the sign bit of ``mag`` (>= 0) where ``neg``: bit operation, so -0.0 is kept (a float
+    negation may be lowered as ``0 - x``, which turns -0.0 into +0.0)."""
+    b = mag.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_encode(v):
+    """float32 v (>= 0 or NaN, already clamped to <= 448) -> E4M3 byte (int32), RNE, like torch."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # normal range [2^-6, 448]: drop 20 mantissa bits with round-to-nearest-even
+    rn = a + 0x7FFFF + ((a >> 20) & 1)
+    normal_code = (rn >> 20) - (120 << 3)
+    # subnormal range: round v * 2^9 to an integer (0..8), ties to even
+    exp = a >> 23
+    mant = (a & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(141 - exp, 25)
+    q = mant >> sh
+    rem = mant & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    q = q + up.to(tl.int32)
+    code = tl.where(a < 0x3C800000, q, normal_code)
+    code = tl.where(a > 0x7F800000, 0x7F, code)
+    return code | sign
+
+
+@triton.jit
+def _e4m3_decode(code):
+    """E4M3 byte (int32 0..255) -> float32 value (exact)."""
+    e = (code >> 3) & 0xF
+    m = code & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    val = tl.where(e == 0, sub, normal)
+    val = tl.where((code & 0x7F) == 0x7F, float("nan"), val)
+    return _with_sign(val, (code & 0x80) != 0)
+
+
+@triton.jit
+def _global_scale(amax):
+    """S_enc = 2688 / amax, clamped to FLT_MAX; 1 where amax == 0 or S_enc == 0 (NaN stays)."""
+    s = tl.math.div_rn(2688.0 + tl.zeros_like(amax), amax)
+    s = tl.where(s > 3.4028234663852886e38, 3.4028234663852886e38, s)
+    return tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
+
+
+@triton.jit
+def _e2m1_mag_code(a):
+    """|v| in [0, 6] (or NaN) -> E2M1 magnitude index 0..7, round to nearest even, NaN -> 0.
+
+    The E2M1 grid has spacing 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: the index is
+    ``rne(a * f) + o`` with (f, o) = (2, 0), (1, 2), (0.5, 4). ``rne`` by the 2^23 trick: for
+    0 <= t <= 4, ``t + 2^23`` rounds t to an integer (ties to even) in the low mantissa bits
+    (a * f is exact, so an FMA contraction gives the same bits). Same results as the
+    reference's threshold ladder (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
+    3.5 -> 4, 5 -> 4): checked exhaustively against it in tests/kernels.
+    """
+    f = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    o = tl.where(a < 2.0, 0, tl.where(a < 4.0, 2, 4))
+    t = a * f + 8388608.0
+    m = (t.to(tl.int32, bitcast=True) - 0x4B000000) + o
+    return tl.where(a == a, m, 0)
+
+
+@triton.jit
+def _quant_blocks(x, s_enc):
+    """Quantize blocks ``x`` (B, 16) float32 with per-block global scale ``s_enc`` (B,).
+
+    Returns (codes (B,16) int32 with sign bit 8, magnitude value qv (B,16) fp32 (unsigned),
+    negative mask (B,16), scale byte (B,) int32, f32(scale) (B,)).
+    """
+    blk_amax = tl.max(_abs_bits(x), axis=1).to(tl.float32, bitcast=True)
+    t = s_enc * 0.1666666716337204
+    sc = blk_amax * t
+    sc = tl.where(sc > 448.0, 448.0, sc)
+    s_code = _e4m3_encode(sc)
+    s_f32 = _e4m3_decode(s_code)
+    decode_scale = s_f32 * tl.math.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)
+    enc = tl.math.div_rn(1.0 + tl.zeros_like(decode_scale), decode_scale)
+    enc = tl.where(enc > 3.4028234663852886e38, 3.4028234663852886e38, enc)
+    v = x * enc[:, None]
+    v = tl.where(v > 6.0, 6.0, v)
+    v = tl.where(v < -6.0, -6.0, v)
+    a = tl.abs(v)
+    mag = _e2m1_mag_code(a)
+    neg = v.to(tl.int32, bitcast=True) < 0
+    codes = mag | tl.where(neg, 8, 0)
+    qv = tl.where(mag < 4, mag.to(tl.float32) * 0.5, tl.where(mag < 7, mag.to(tl.float32) - 2.0, 6.0))
+    return codes, qv, neg, s_code, s_f32
+
+
+@triton.jit
+def _dequant_blocks(qv, neg, s_f32, s_enc, FAST: tl.constexpr):
+    """(±qv * s) / S_enc in float32, exactly as the reference (see module doc)."""
+    if FAST:
+        q1 = tl.math.div_rn(s_f32, s_enc)
+        q3 = tl.math.div_rn(s_f32 * 1.5, s_enc)
+        qb = qv.to(tl.int32, bitcast=True)
+        pow2 = (qb & 0x7F800000).to(tl.float32, bitcast=True)  # 2^e (0 for qv == 0)
+        f = tl.where((qb & 0x00400000) != 0, q3[:, None], q1[:, None])
+        mag = f * pow2
+    else:
+        mag = tl.math.div_rn(qv * s_f32[:, None], s_enc[:, None] + tl.zeros_like(qv))
+    return _with_sign(mag, neg)
+
+
+@triton.jit
+def _dequant_exact(qv, neg, s_f32, s_enc_scalar):
+    """Row-level choice of the fast exact path (all results normal) or per-element div_rn."""
+    q1 = tl.math.div_rn(s_f32, s_enc_scalar + tl.zeros_like(s_f32))
+    bad = (s_f32 > 0.0) & (q1 < 2.350988701644575e-38)
+    nbad = tl.sum(bad.to(tl.int32), axis=0)
+    s_vec = s_enc_scalar + tl.zeros_like(s_f32)
+    if nbad == 0:
+        out = _dequant_blocks(qv, neg, s_f32, s_vec, True)
+    else:
+        out = _dequant_blocks(qv, neg, s_f32, s_vec, False)
+    return out
+
+
+@triton.jit
+def _pack_store(codes, q_ptr, s_ptr, s_code, row_q_off, row_s_off, blk, jj8, bmask,
+                NB: tl.constexpr):
+    """Store codes (NB,16) as bytes (even element low nibble) and scale bytes (NB,)."""
+    c3 = tl.reshape(codes, (NB, 8, 2))
+    lo, hi = tl.split(c3)
+    byte = (lo | (hi << 4)).to(tl.uint8)
+    tl.store(q_ptr + row_q_off + blk[:, None] * 8 + jj8[None, :], byte, mask=bmask[:, None])
+    tl.store(s_ptr + row_s_off + blk, s_code.to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _radix_round(bits, prefix, k_rem, idx, SH: tl.constexpr, W: tl.constexpr, FIRST: tl.constexpr):
+    """One radix-select round on digit bits [SH, SH+W) among elements matching ``prefix`` above.
+
+    Histogram (512 bins: digits 0..255, 256 = not in the prefix, ignored) -> the bucket b that
+    holds the k_rem-th largest; returns (prefix | b << SH, k_rem - #elements above bucket b).
+    """
+    if FIRST:
+        match = bits >= 0
+    else:
+        match = ((bits >> (SH + W)) == (prefix >> (SH + W))) & (bits >= 0)
+    d = tl.where(match, (bits >> SH) & ((1 << W) - 1), 256)
+    h = tl.histogram(d, 512)
+    h = tl.where(idx < 256, h, 0)
+    cs = tl.cumsum(h, 0)
+    total = tl.sum(h, axis=0)
+    ge = total - cs + h  # elements (in the prefix) whose digit >= b
+    b = tl.max(tl.where(ge >= k_rem, idx, -1), axis=0)
+    gt = tl.sum(tl.where(idx == b, ge - h, 0), axis=0)  # strictly above bucket b
+    return prefix | (b << SH), k_rem - gt
+
+
+@triton.jit
+def _topk_threshold_bits(bits, k, RADIX_BITS: tl.constexpr):
+    """Bit pattern of the k-th largest of ``bits`` (1-D int32, entries >= 0; padding -1).
+
+    Exact search over the int32 order (= float order for |r|; NaN patterns sort above +inf).
+
+    * ``RADIX_BITS == 0``: radix select with ``tl.histogram``: 4 rounds over the digits
+      (bits 30-23, 22-15, 14-7, 6-0); each round histograms the current digit of the elements
+      that share the prefix found so far and picks the bucket holding the k-th largest.
+    * ``RADIX_BITS == 1``: binary search on the threshold (31 count rounds, early exit when a
+      candidate has exactly k elements above it: the answer is then the smallest of those).
+    * ``RADIX_BITS == 4``: 5-ary search whose 4 counts travel in one packed int64 reduction
+      (~13 rounds of one reduction each: the latency-optimal choice for few rows).
+    * ``RADIX_BITS in (2, 3)``: 2^RADIX_BITS-ary search with separate counts (slower).
+    """
+    if RADIX_BITS == 0:
+        idx = tl.arange(0, 512)
+        prefix = tl.zeros((), dtype=tl.int32)
+        k_rem = k + tl.zeros((), dtype=tl.int32)
+        prefix, k_rem = _radix_round(bits, prefix, k_rem, idx, 23, 8, True)
+        prefix, k_rem = _radix_round(bits, prefix, k_rem, idx, 15, 8, False)
+        prefix, k_rem = _radix_round(bits, prefix, k_rem, idx, 7, 8, False)
+        prefix, k_rem = _radix_round(bits, prefix, k_rem, idx, 0, 7, False)
+        lo = prefix
+    else:
+        lo = tl.zeros((), dtype=tl.int32)
+        hi = tl.full((), 0x7F800000, tl.int32)  # +inf; NaN rows end here and select nothing
+        if RADIX_BITS == 1:
+            while lo < hi:
+                mid = lo + (hi - lo + 1) // 2
+                cnt = tl.sum((bits >= mid).to(tl.int32), axis=0)
+                if cnt == k:
+                    lo = tl.min(tl.where(bits >= mid, bits, 0x7FFFFFFF), axis=0)
+                    hi = lo
+                elif cnt > k:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        elif RADIX_BITS == 4:
+            # 5-ary search, 4 candidate counts packed in 16-bit fields of ONE int64 reduction
+            # per round (the reduction's barrier latency, not the compares, bounds a round):
+            # ~13 rounds instead of 31. Needs K < 65536 (the wrapper checks).
+            while lo < hi:
+                step = (hi - lo + 5) // 5
+                c1 = lo + step
+                c2 = lo + 2 * step
+                c3 = lo + 3 * step
+                c4 = lo + 4 * step
+                packed = ((bits >= c1).to(tl.int64) + ((bits >= c2).to(tl.int64) << 16)
+                          + ((bits >= c3).to(tl.int64) << 32) + ((bits >= c4).to(tl.int64) << 48))
+                tot = tl.sum(packed, axis=0)
+                n1 = ((tot & 0xFFFF) >= k) & (c1 <= hi)
+                n2 = (((tot >> 16) & 0xFFFF) >= k) & (c2 <= hi)
+                n3 = (((tot >> 32) & 0xFFFF) >= k) & (c3 <= hi)
+                n4 = (((tot >> 48) & 0xFFFF) >= k) & (c4 <= hi)
+                n = n1.to(tl.int32) + n2.to(tl.int32) + n3.to(tl.int32) + n4.to(tl.int32)
+                cnt_sel = ((tot >> (16 * tl.maximum(n - 1, 0)).to(tl.int64)) & 0xFFFF).to(tl.int32)
+                new_lo = lo + n * step
+                new_hi = tl.minimum(lo + (n + 1) * step - 1, hi)
+                if (n > 0) & (cnt_sel == k):
+                    lo = tl.min(tl.where(bits >= new_lo, bits, 0x7FFFFFFF), axis=0)
+                    hi = lo
+                else:
+                    lo = new_lo
+                    hi = new_hi
+        else:
+            NC: tl.constexpr = 1 << RADIX_BITS
+            j = tl.arange(0, NC)
+            while lo < hi:
+                width = hi - lo + 1
+                step = (width + NC - 1) // NC
+                cand = lo + j * step
+                cnt = tl.sum((bits[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+                valid = cand <= hi
+                ok = valid & (cnt >= k)
+                nok = tl.sum(ok.to(tl.int32), axis=0)  # ok is a prefix (cnt non-increasing); j=0 always ok
+                sel = nok - 1
+                new_lo = lo + sel * step
+                cnt_sel = tl.sum(tl.where(j == sel, cnt, 0), axis=0)
+                new_hi = tl.minimum(lo + (sel + 1) * step - 1, hi)
+                if cnt_sel == k:
+                    lo = tl.min(tl.where(bits >= new_lo, bits, 0x7FFFFFFF), axis=0)
+                    hi = lo
+                else:
+                    lo = new_lo
+                    hi = new_hi
+    return lo
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _act_quant_row_kernel(
+    X, ROW_IDX, stride_xm, K,
+    GS_IN,
+    QX, SX, GX, DX,
+    QR, SR, GR, DR,
+    RSEL, RAMAX,
+    SMASK,
+    k_top,
+    NB: tl.constexpr,
+    HAS_ROW_IDX: tl.constexpr,
+    MAIN_GS_GIVEN: tl.constexpr,
+    RES_MODE: tl.constexpr,  # 0 none, 1 per-token top-k, 2 static mask
+    RES_DEFER: tl.constexpr,  # residual global scale over the tensor: write selected r + row amax
+    WRITE_PACKED: tl.constexpr,
+    WRITE_DQ: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_ROW_IDX:
+        src = tl.load(ROW_IDX + row).to(tl.int64)
+    else:
+        src = row
+    blk = tl.arange(0, NB)
+    jj = tl.arange(0, 16)
+    jj8 = tl.arange(0, 8)
+    nblk = K // 16
+    bmask = blk < nblk
+    offs = blk[:, None] * 16 + jj[None, :]
+    emask = bmask[:, None] & (jj[None, :] < 16)
+    x = tl.load(X + src * stride_xm + offs, mask=emask, other=0.0).to(tl.float32)
+
+    if MAIN_GS_GIVEN:
+        s_main = tl.load(GS_IN)
+    else:
+        amax = tl.max(tl.max(_abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
+        s_main = _global_scale(amax)
+    s_vec = s_main + tl.zeros((NB,), dtype=tl.float32)
+    codes, qv, neg, s_code, s_f32 = _quant_blocks(x, s_vec)
+
+    q_off = row * (K // 2)
+    s_off = row * (K // 16)
+    if not MAIN_GS_GIVEN:
+        tl.store(GX + row, s_main)
+    if WRITE_PACKED:
+        _pack_store(codes, QX, SX, s_code, q_off, s_off, blk, jj8, bmask, NB)
+    if WRITE_DQ:
+        u = _with_sign(qv, neg) * s_f32[:, None]
+        tl.store(DX + row * K + offs, u.to(tl.float16), mask=emask)
+
+    if RES_MODE != 0:
+        xh = _dequant_exact(qv, neg, s_f32, s_main)
+        r = x - xh
+        if RES_MODE == 1:
+            mbits = tl.where(emask, _abs_bits(r), -1)
+            thr_bits = _topk_threshold_bits(tl.reshape(mbits, (NB * 16,)), k_top, RADIX_BITS)
+            thr = thr_bits.to(tl.float32, bitcast=True)
+            sel = (tl.abs(r) >= thr) & (k_top > 0) & emask
+        else:
+            sm = tl.load(SMASK + offs, mask=emask, other=0)
+            sel = (sm != 0) & emask
+        rs = tl.where(sel, r, 0.0)
+        if RES_DEFER:
+            tl.store(RSEL + row * K + offs, rs, mask=emask)
+            ramax_bits = tl.max(tl.max(_abs_bits(rs), axis=1), axis=0)
+            tl.store(RAMAX + row, ramax_bits.to(tl.float32, bitcast=True))
+        else:
+            ramax = tl.max(tl.max(_abs_bits(rs), axis=1), axis=0).to(tl.float32, bitcast=True)
+            s_res = _global_scale(ramax)
+            rs_vec = s_res + tl.zeros((NB,), dtype=tl.float32)
+            rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks(rs, rs_vec)
+            tl.store(GR + row, s_res)
+            if WRITE_PACKED:
+                _pack_store(rcodes, QR, SR, rs_code, q_off, s_off, blk, jj8, bmask, NB)
+            if WRITE_DQ:
+                ru = _with_sign(rqv, rneg) * rs_f32[:, None]
+                tl.store(DR + row * K + offs, ru.to(tl.float16), mask=emask)
+
+
+@triton.jit
+def _quant_given_scale_kernel(
+    X, stride_xm, K, GS, rows_per_group,
+    Q, S, D,
+    n_rows,
+    BR: tl.constexpr, BB: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_DQ: tl.constexpr,
+):
+    """Quantize a (BR rows) x (BB blocks of 16) tile with global scale GS[row // rows_per_group]."""
+    pid_r = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
+    blks = pid_b * BB + tl.arange(0, BB)
+    jj = tl.arange(0, 16)
+    jj8 = tl.arange(0, 8)
+    rmask = rows < n_rows
+    bmask = blks < (K // 16)
+    m3 = rmask[:, None, None] & bmask[None, :, None] & (jj[None, None, :] < 16)
+    offs = rows[:, None, None] * stride_xm + blks[None, :, None] * 16 + jj[None, None, :]
+    x = tl.load(X + offs, mask=m3, other=0.0).to(tl.float32)
+    s_enc = tl.load(GS + rows // rows_per_group, mask=rmask, other=1.0)
+    x2 = tl.reshape(x, (BR * BB, 16))
+    s2 = tl.reshape(tl.broadcast_to(s_enc[:, None], (BR, BB)), (BR * BB,))
+    codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
+    if WRITE_PACKED:
+        c3 = tl.reshape(codes, (BR, BB, 8, 2))
+        lo, hi = tl.split(c3)
+        byte = (lo | (hi << 4)).to(tl.uint8)
+        qoffs = rows[:, None, None] * (K // 2) + blks[None, :, None] * 8 + jj8[None, None, :]
+        m8 = rmask[:, None, None] & bmask[None, :, None] & (jj8[None, None, :] < 8)
+        tl.store(Q + qoffs, byte, mask=m8)
+        sc = tl.reshape(s_code, (BR, BB)).to(tl.uint8)
+        tl.store(S + rows[:, None] * (K // 16) + blks[None, :], sc, mask=rmask[:, None] & bmask[None, :])
+    if WRITE_DQ:
+        u = _with_sign(qv, neg) * s_f32[:, None]
+        u3 = tl.reshape(u, (BR, BB, 16))
+        doffs = rows[:, None, None] * K + blks[None, :, None] * 16 + jj[None, None, :]
+        tl.store(D + doffs, u3.to(tl.float16), mask=m3)
+
+
+@triton.jit
+def _amax_rows_kernel(X, stride_xm, K, OUT, n_rows, BR: tl.constexpr, BC: tl.constexpr):
+    """OUT[row] = max |X[row, :]| (as float32; NaN if any NaN), for BR rows per program."""
+    pid = tl.program_id(0)
+    rows = (pid * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = tl.arange(0, BC)
+    rmask = rows < n_rows
+    acc = tl.zeros((BR, BC), dtype=tl.int32)
+    for c0 in range(0, K, BC):
+        m = rmask[:, None] & ((c0 + cols)[None, :] < K)
+        x = tl.load(X + rows[:, None] * stride_xm + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _abs_bits(x))
+    tl.store(OUT + rows, tl.max(acc, axis=1).to(tl.float32, bitcast=True), mask=rmask)
+
+
+@triton.jit
+def _e2m1_probe_kernel(A, OUT, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(A + offs, mask=offs < n, other=0.0)
+    tl.store(OUT + offs, _e2m1_mag_code(a), mask=offs < n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrappers
+
+
+def _e2m1_code_probe(a: torch.Tensor) -> torch.Tensor:
+    """Test hook: the kernel's E2M1 magnitude index of |v| values in [0, 6] (int32)."""
+    a = a.float().contiguous()
+    out = torch.empty(a.shape, dtype=torch.int32, device=a.device)
+    _e2m1_probe_kernel[(triton.cdiv(a.numel(), 1024),)](a, out, a.numel(), BLOCK=1024)
+    return out
+# ---------------------------------------------------------------------------------------------
+
+
+LAST_LAUNCH: dict = {}  # last compiled-kernel handle per kernel (benchmarks read registers/PTX)
+
+
+class ActQuantOut:
+    """What ``quantize_rows`` produced (fields are None where not requested)."""
+
+    __slots__ = ("qx", "sx", "gx", "dx", "qr", "sr", "gr", "dr")
+
+    def __init__(self, **kw):
+        for name in self.__slots__:
+            setattr(self, name, kw.get(name))
+
+    def main_parts(self) -> NVFP4Parts:
+        return NVFP4Parts(self.qx, self.sx.view(torch.float8_e4m3fn), self.gx)
+
+    def residual_parts(self) -> NVFP4Parts | None:
+        if self.qr is None:
+            return None
+        return NVFP4Parts(self.qr, self.sr.view(torch.float8_e4m3fn), self.gr)
+
+
+def _num_warps_for(k: int) -> int:
+    if k <= 1024:
+        return 4
+    if k <= 4096:
+        return 8
+    return 16
+
+
+def default_radix_bits(rows: int) -> int:
+    """Top-k search method (see ``_topk_threshold_bits``); ``QUADS_TOPK_RADIX`` overrides."""
+    env = os.environ.get("QUADS_TOPK_RADIX")
+    if env is not None:
+        return int(env)
+    return 4 if rows <= 256 else 1
+
+
+def amax_rows(x2d: torch.Tensor) -> torch.Tensor:
+    """float32 (rows,) = max |x| per row (NaN-propagating)."""
+    x2d = _interp_safe(x2d)
+    n_rows, k = x2d.shape
+    out = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    br = 4
+    bc = min(1024, triton.next_power_of_2(max(k, 16)))
+    _amax_rows_kernel[(triton.cdiv(n_rows, br),)](x2d, x2d.stride(0), k, out, n_rows, BR=br, BC=bc, num_warps=4)
+    return out
+
+
+def quantize_given_scale(
+    x2d: torch.Tensor,
+    global_encode_scale: torch.Tensor,
+    rows_per_group: int,
+    write_packed: bool = True,
+    write_dq: bool = False,
+):
+    """Quantize rows of ``x2d`` (R, K) with ``S_enc = global_encode_scale[row // rows_per_group]``.
+
+    Returns (qdata uint8 (R,K/2), scale uint8 (R,K/16), dq fp16 (R,K) or None).
+    """
+    x2d = _interp_safe(x2d)
+    n_rows, k = x2d.shape
+    dev = x2d.device
+    gs = global_encode_scale.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
+    q = torch.empty((n_rows, k // 2), dtype=torch.uint8, device=dev) if write_packed else None
+    s = torch.empty((n_rows, k // 16), dtype=torch.uint8, device=dev) if write_packed else None
+    d = torch.empty((n_rows, k), dtype=torch.float16, device=dev) if write_dq else None
+    if _interpreting():
+        br, bb, nw = 2, 4, 4
+    else:
+        br, bb, nw = 4, 16, 4
+    bb = min(bb, triton.next_power_of_2(max(k // 16, 1)))
+    grid = (triton.cdiv(n_rows, br), triton.cdiv(k // 16, bb))
+    dummy = gs
+    _quant_given_scale_kernel[grid](
+        x2d, x2d.stride(0), k, gs, rows_per_group,
+        q if q is not None else dummy, s if s is not None else dummy, d if d is not None else dummy,
+        n_rows, BR=br, BB=bb, WRITE_PACKED=write_packed, WRITE_DQ=write_dq, num_warps=nw,
+    )
+    return q, s, d
+
+
+def quantize_rows(
+    x2d: torch.Tensor,
+    *,
+    residual: str = "none",  # "none" | "per_token" | "static"
+    k_top: int = 0,
+    static_mask: torch.Tensor | None = None,
+    global_scale: str = "row",  # "row" | "tensor"
+    write_packed: bool = True,
+    write_dq: bool = False,
+    row_idx: torch.Tensor | None = None,
+    radix_bits: int | None = None,
+    num_warps: int | None = None,
+) -> ActQuantOut:
+    """One pass per row: main NVFP4 quantization (+ residual compensation), see module doc.
+
+    ``row_idx`` (optional, int32/int64 (R,)): quantize ``x2d[row_idx]`` without materializing it.
+    """
+    if x2d.dim() != 2 or x2d.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"quantize_rows expects (M, K) with K % 16 == 0, got {tuple(x2d.shape)}")
+    x2d = _interp_safe(x2d)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    k = x2d.shape[1]
+    n_rows = x2d.shape[0] if row_idx is None else row_idx.shape[0]
+    dev = x2d.device
+    nb = triton.next_power_of_2(max(k // 16, 1))
+    res_mode = {"none": 0, "per_token": 1, "static": 2}[residual]
+    radix = default_radix_bits(n_rows) if radix_bits is None else radix_bits
+    if radix == 4 and k >= 65536:
+        radix = 1  # packed 16-bit counts
+
+    def u8(*shape):
+        return torch.empty(shape, dtype=torch.uint8, device=dev)
+
+    out = ActQuantOut()
+    f32 = dict(dtype=torch.float32, device=dev)
+    if global_scale == "tensor":
+        src = x2d if row_idx is None else x2d[row_idx.long()]
+        amax = amax_rows(src).amax() if n_rows else torch.zeros((), **f32)
+        s_main = global_encode_scale_from_amax(amax).reshape(1).contiguous()
+        out.gx = s_main.reshape(())
+    elif global_scale == "row":
+        s_main = None
+        out.gx = torch.empty(n_rows, **f32)
+    else:
+        raise ValueError(f"global_scale must be 'row' or 'tensor', got {global_scale!r}")
+    if write_packed:
+        out.qx, out.sx = u8(n_rows, k // 2), u8(n_rows, k // 16)
+    if write_dq:
+        out.dx = torch.empty((n_rows, k), dtype=torch.float16, device=dev)
+    defer = res_mode != 0 and global_scale == "tensor"
+    rsel = ramax = None
+    if res_mode != 0:
+        if defer:
+            rsel = torch.empty((n_rows, k), **f32)
+            ramax = torch.empty(n_rows, **f32)
+        else:
+            out.gr = torch.empty(n_rows, **f32)
+            if write_packed:
+                out.qr, out.sr = u8(n_rows, k // 2), u8(n_rows, k // 16)
+            if write_dq:
+                out.dr = torch.empty((n_rows, k), dtype=torch.float16, device=dev)
+    smask = None
+    if res_mode == 2:
+        if static_mask is None:
+            raise ValueError("residual='static' needs a static_mask")
+        smask = static_mask.reshape(-1).to(device=dev, dtype=torch.uint8).contiguous()
+        if smask.numel() != k:
+            raise ValueError(f"static mask has {smask.numel()} channels, K={k}")
+
+    if n_rows == 0:
+        _finish_deferred(out, rsel, ramax, write_packed, write_dq, k)
+        return out
+    dummy = out.gx if out.gx.numel() else torch.zeros(1, **f32)
+    d = lambda t: t if t is not None else dummy  # noqa: E731
+    ridx = row_idx.contiguous() if row_idx is not None else None
+    kargs = (
+        x2d, d(ridx), x2d.stride(0), k,
+        d(s_main),
+        d(out.qx), d(out.sx), d(out.gx), d(out.dx),
+        d(out.qr), d(out.sr), d(out.gr), d(out.dr),
+        d(rsel), d(ramax),
+        d(smask),
+        int(k_top),
+    )
+    kw = dict(
+        NB=nb,
+        HAS_ROW_IDX=ridx is not None,
+        MAIN_GS_GIVEN=s_main is not None,
+        RES_MODE=res_mode,
+        RES_DEFER=defer,
+        WRITE_PACKED=write_packed,
+        WRITE_DQ=write_dq,
+        num_warps=num_warps or _num_warps_for(k),
+    )
+    LAST_LAUNCH["act_quant"] = _act_quant_row_kernel[(n_rows,)](*kargs, RADIX_BITS=radix, **kw)
+    if defer:
+        _finish_deferred(out, rsel, ramax, write_packed, write_dq, k)
+    return out
+
+
+def _finish_deferred(out, rsel, ramax, write_packed, write_dq, k):
+    """Residual with one global scale over the tensor: quantize the selected residual."""
+    if rsel is None:
+        return
+    amax = ramax.amax() if ramax.numel() else torch.zeros((), dtype=torch.float32, device=ramax.device)
+    s_res = global_encode_scale_from_amax(amax)
+    out.gr = s_res.reshape(())
+    q, s, d = quantize_given_scale(rsel, s_res.reshape(1), max(rsel.shape[0], 1), write_packed, write_dq)
+    out.qr, out.sr, out.dr = q, s, d

@@ -1,0 +1,429 @@
+"""Exact W4A4 (+ residual) GEMM on Hopper: NVFP4 weights dequantized in registers, fp16 MMA.
+
+QUADS.md section 3: an E2M1 value times an E4M3 scale is exact in fp16, so
+``y = x̂ Ŵᵀ + r̂ Ŵᵀ`` is reproduced by multiplying the *unscaled* operands ``e2m1 * s`` on fp16
+tensor cores with fp32 accumulation and dividing by ``S_x[row] * S_w`` (and ``S_r[row] * S_w``)
+in the epilogue, exactly as :func:`quads.ops.rollout_linear.w4a4_matmul_reference` does. Only
+the fp32 summation order differs from the reference.
+
+Operands
+--------
+* weight: packed NVFP4 parts (``qdata`` uint8 (N, K/2), ``scale`` E4M3 bytes (N, K/16), fp32
+  ``S_w``), dequantized per tile in registers. The E2M1 nibble becomes an fp16 bit pattern
+  (``mag << 9 | sign << 15`` is ``e2m1 * 2^-14``) and is multiplied by ``s * 2^7`` (one fp16
+  multiply, exact): the MMA operand is ``e2m1 * s * 2^-7`` and the epilogue multiplies by 2^7.
+  On the GPU an inline-PTX variant does the nibble → f16x2 conversion and the scale multiply
+  with 32-bit bit operations (``USE_ASM``); the interpreter uses the plain path (same bits).
+  Prefill (``w_mode=1``): the weight is dequantized once to the same fp16 values by
+  ``dequant_weight_fp16`` and both MMA operands come from shared memory (same bits again).
+* activations: fp16 ``e2m1 * s`` (exact), written by the fused quantization kernel
+  (:mod:`quads.kernels.quantize_nvfp4`), with per-row fp32 global scales.
+
+Swap-AB: the weight tile is the MMA's A operand (rows = output features, from registers) and
+the tokens are the MMA's N dimension, so decode (M = 1..16) pads tokens to 16, not to 64.
+
+Deterministic, batch-invariant reduction order
+----------------------------------------------
+K is cut into canonical segments of ``SEG_K`` (1024) channels. Each segment is accumulated from
+zero by a chain of ``tl.dot`` over ``BLOCK_K`` tiles; the segment sums are then added in segment
+order: ``((p0 + p1) + p2) + ...``. The decode kernel computes one segment per program
+(split-K, partials in a workspace, no atomics in the sum; the last-arriving program of a tile,
+found with an arrival counter, adds them in segment order); the prefill kernel walks the
+segments itself and adds them in the same order. A row's bits therefore do not depend on M, on
+the other rows, or on which kernel ran (as long as the MMA instruction's own arithmetic does not
+depend on the tile shape: checked on the H200, see docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["w4a4_gemm", "SEG_K", "GemmConfig", "pick_config", "dequant_weight_fp16"]
+
+SEG_K = 1024
+WSHIFT = 7  # weight operand is e2m1 * s * 2^-WSHIFT; the epilogue multiplies by 2^WSHIFT
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight tile dequantization
+# ---------------------------------------------------------------------------------------------
+
+_ASM_LO = tl.constexpr("""
+{
+.reg .b32 z, s0, s1, t0, t1, a, b;
+mov.b32 z, 0;
+mov.b32 s0, 0x4140;
+mov.b32 s1, 0x4342;
+prmt.b32 t0, $2, z, s0;
+prmt.b32 t1, $2, z, s1;
+shl.b32 a, t0, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, t0, 12;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.f16x2 $0, a, $3;
+shl.b32 a, t1, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, t1, 12;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.f16x2 $1, a, $4;
+}
+""")
+
+_ASM_HI = tl.constexpr("""
+{
+.reg .b32 z, s0, s1, t0, t1, a, b;
+mov.b32 z, 0;
+mov.b32 s0, 0x4140;
+mov.b32 s1, 0x4342;
+prmt.b32 t0, $2, z, s0;
+prmt.b32 t1, $2, z, s1;
+shl.b32 a, t0, 5;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, t0, 8;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.f16x2 $0, a, $3;
+shl.b32 a, t1, 5;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, t1, 8;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.f16x2 $1, a, $4;
+}
+""")
+
+
+@triton.jit
+def _e2m1_bits_f16(c):
+    """4-bit code (uint8) -> fp16 with value e2m1 * 2^-14 (exact; 0.5 -> subnormal 2^-15)."""
+    c16 = c.to(tl.uint16)
+    bits = ((c16 & 7) << 9) | ((c16 & 8) << 12)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _dequant_w(b, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed bytes (BN, BK/2) + scale bytes (BN, BK/16) -> fp16 (BN, BK) = e2m1 * s * 2^-7."""
+    # E4M3 byte -> fp16 bits << 7 is s * 2^-8 (exact, subnormals included); * 2^15 -> s * 2^7.
+    s16 = ((sb.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * 32768.0
+    if USE_ASM:
+        sbb = tl.reshape(tl.broadcast_to(s16[:, :, None], (BN, BK // 16, 8)), (BN, BK // 2))
+        lo = tl.inline_asm_elementwise(_ASM_LO, "=r,=r,r,r,r", [b, sbb], dtype=tl.float16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_ASM_HI, "=r,=r,r,r,r", [b, sbb], dtype=tl.float16, is_pure=True, pack=4)
+        w = tl.reshape(tl.join(lo, hi), (BN, BK))
+    else:
+        lo = _e2m1_bits_f16(b & 0xF)
+        hi = _e2m1_bits_f16(b >> 4)
+        w = tl.reshape(tl.join(lo, hi), (BN, BK // 16, 16))
+        w = tl.reshape(w * s16[:, :, None], (BN, BK))
+    return w
+
+
+@triton.jit
+def _segment_partial(
+    X, R, WQ, WS, W16, row_x, row_r, mmask, offs_n, nmask,
+    k_lo, k_hi, K, KH, KS,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    HAS_RES: tl.constexpr, USE_ASM: tl.constexpr, W_MODE: tl.constexpr,
+):
+    """fp32 sums over channels [k_lo, k_hi) (a canonical segment), accumulated from zero.
+
+    W_MODE 0: packed weight dequantized in registers; 1: weight pre-dequantized to fp16
+    (same values e2m1 * s * 2^-7, so the same bits come out); 2: benchmark-only fake dequant.
+    """
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    accr = tl.zeros((BN, BM), dtype=tl.float32)
+    kk = tl.arange(0, BK)
+    kb = tl.arange(0, BK // 2)
+    ks = tl.arange(0, BK // 16)
+    for k0 in range(k_lo, k_hi, BK):
+        kmask = (k0 + kk) < K
+        if W_MODE == 3:
+            # K-permuted variant (experimental): even channels (low nibbles) then odd channels
+            # (high nibbles) of each BLOCK_K tile, two dots, elementwise-only operand chain.
+            kmask_b = (k0 // 2 + kb) < KH
+            wmask = nmask[:, None] & kmask_b[None, :]
+            b = tl.load(WQ + offs_n[:, None] * KH + (k0 // 2 + kb)[None, :], mask=wmask, other=0)
+            se = tl.load(WS + offs_n[:, None] * KS + (k0 // 16 + kb // 8)[None, :], mask=wmask, other=0)
+            s16 = ((se.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * 32768.0
+            if USE_ASM:
+                lo = tl.inline_asm_elementwise(_ASM_LO, "=r,=r,r,r,r", [b, s16], dtype=tl.float16,
+                                               is_pure=True, pack=4)
+                hi = tl.inline_asm_elementwise(_ASM_HI, "=r,=r,r,r,r", [b, s16], dtype=tl.float16,
+                                               is_pure=True, pack=4)
+            else:
+                lo = _e2m1_bits_f16(b & 0xF) * s16
+                hi = _e2m1_bits_f16(b >> 4) * s16
+            xm = mmask[:, None] & kmask_b[None, :]
+            xe = tl.load(X + row_x[:, None] + (k0 + 2 * kb)[None, :], mask=xm, other=0.0)
+            xo = tl.load(X + row_x[:, None] + (k0 + 2 * kb + 1)[None, :], mask=xm, other=0.0)
+            acc = tl.dot(lo, tl.trans(xe), acc)
+            acc = tl.dot(hi, tl.trans(xo), acc)
+            if HAS_RES:
+                re = tl.load(R + row_r[:, None] + (k0 + 2 * kb)[None, :], mask=xm, other=0.0)
+                ro = tl.load(R + row_r[:, None] + (k0 + 2 * kb + 1)[None, :], mask=xm, other=0.0)
+                accr = tl.dot(lo, tl.trans(re), accr)
+                accr = tl.dot(hi, tl.trans(ro), accr)
+        else:
+            if W_MODE == 1:
+                w = tl.load(W16 + offs_n[:, None].to(tl.int64) * K + (k0 + kk)[None, :],
+                            mask=nmask[:, None] & kmask[None, :], other=0.0)
+            else:
+                kmask_b = (k0 // 2 + kb) < KH
+                b = tl.load(WQ + offs_n[:, None] * KH + (k0 // 2 + kb)[None, :],
+                            mask=nmask[:, None] & kmask_b[None, :], other=0)
+                if W_MODE == 2:
+                    w = tl.reshape(tl.join((b & 15).to(tl.float16), (b >> 4).to(tl.float16)), (BN, BK))
+                else:
+                    sb = tl.load(WS + offs_n[:, None] * KS + (k0 // 16 + ks)[None, :],
+                                 mask=nmask[:, None] & ((k0 // 16 + ks) < KS)[None, :], other=0)
+                    w = _dequant_w(b, sb, BN, BK, USE_ASM)
+            x = tl.load(X + row_x[:, None] + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc)
+            if HAS_RES:
+                r = tl.load(R + row_r[:, None] + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+                accr = tl.dot(w, tl.trans(r), accr)
+    return acc, accr
+
+
+@triton.jit
+def _epilogue(acc, accr, SX, SR, s_idx, sw, BIAS, Y, y_rows, mmask, offs_n, nmask, stride_ym,
+              HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[m, n] = acc / (Sx[m] Sw) (+ accr / (Sr[m] Sw)) (+ bias[n]), as the reference.
+
+    ``s_idx``: rows of SX/SR (the activation rows); ``y_rows``: rows of Y to write.
+    """
+    sx = tl.load(SX + s_idx, mask=mmask, other=1.0)
+    den = sx * sw
+    y = tl.math.div_rn(acc * 128.0, den[None, :] + tl.zeros_like(acc))
+    if HAS_RES:
+        sr = tl.load(SR + s_idx, mask=mmask, other=1.0)
+        den_r = sr * sw
+        y = y + tl.math.div_rn(accr * 128.0, den_r[None, :] + tl.zeros_like(accr))
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        y = y + bias[:, None]
+    ptrs = Y + y_rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    tl.store(ptrs, y.to(Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+
+
+@triton.jit
+def _w4a4_gemm_kernel(
+    X, R, SX, SR,
+    WQ, WS, W16, SW,
+    BIAS, Y, PART, LOCKS,
+    M, N, K, KH, KS, stride_xm, stride_rm, stride_ym,
+    SEG: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, W_MODE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mmask = offs_m < M
+    row_x = offs_m.to(tl.int64) * stride_xm
+    row_r = offs_m.to(tl.int64) * stride_rm
+    sw = tl.load(SW)
+    num_seg = tl.cdiv(K, SEG)
+    if SPLIT:
+        k_lo = pid_s * SEG
+        acc, accr = _segment_partial(X, R, WQ, WS, W16, row_x, row_r, mmask, offs_n, nmask,
+                                     k_lo, tl.minimum(k_lo + SEG, K), K, KH, KS, BN, BM, BK, HAS_RES, USE_ASM, W_MODE)
+        # workspace PART: (num_seg, 2, M_pad, N) fp32; this program's partials
+        m_pad = tl.num_programs(2) * BM
+        pofs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        pmask = nmask[:, None] & mmask[None, :]
+        base = PART + pid_s.to(tl.int64) * 2 * m_pad * N
+        tl.store(base + pofs, acc, mask=pmask)
+        if HAS_RES:
+            tl.store(base + m_pad * N + pofs, accr, mask=pmask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(LOCKS + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_seg - 1:
+            tot = tl.zeros((BN, BM), dtype=tl.float32)
+            totr = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(0, num_seg):
+                sbase = PART + s * 2 * m_pad * N
+                tot += tl.load(sbase + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
+                if HAS_RES:
+                    totr += tl.load(sbase + m_pad * N + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(LOCKS + tile, 0)
+            _epilogue(tot, totr, SX, SR, offs_m, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym, HAS_RES, HAS_BIAS)
+    else:
+        tot = tl.zeros((BN, BM), dtype=tl.float32)
+        totr = tl.zeros((BN, BM), dtype=tl.float32)
+        for s in range(0, num_seg):
+            acc, accr = _segment_partial(X, R, WQ, WS, W16, row_x, row_r, mmask, offs_n, nmask,
+                                         s * SEG, tl.minimum(s * SEG + SEG, K), K, KH, KS, BN, BM, BK, HAS_RES,
+                                         USE_ASM, W_MODE)
+            tot += acc
+            totr += accr
+        _epilogue(tot, totr, SX, SR, offs_m, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym, HAS_RES, HAS_BIAS)
+
+
+@triton.jit
+def _dequant_weight_kernel(WQ, WS, W16, N, K, KH, KS, BR: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    """W16 (N, K) fp16 = e2m1 * s * 2^-7: the prefill path's MMA operand (exact, same values as
+    the in-register dequantization)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    k0 = tl.program_id(1) * BK
+    rmask = rows < N
+    kb = tl.arange(0, BK // 2)
+    ks = tl.arange(0, BK // 16)
+    kk = tl.arange(0, BK)
+    r64 = rows.to(tl.int64)
+    b = tl.load(WQ + r64[:, None] * KH + (k0 // 2 + kb)[None, :],
+                mask=rmask[:, None] & ((k0 // 2 + kb) < KH)[None, :], other=0)
+    sb = tl.load(WS + r64[:, None] * KS + (k0 // 16 + ks)[None, :],
+                 mask=rmask[:, None] & ((k0 // 16 + ks) < KS)[None, :], other=0)
+    w = _dequant_w(b, sb, BR, BK, USE_ASM)
+    tl.store(W16 + r64[:, None] * K + (k0 + kk)[None, :], w, mask=rmask[:, None] & ((k0 + kk) < K)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+
+class GemmConfig:
+    """Tile config. ``w_mode``: 0 = dequantize the packed weight in registers (decode),
+    1 = dequantize it once to fp16 and run an fp16 tensor-core GEMM (prefill); experiments kept for
+    the benchmark (docs/kernels.md): 2 = fake dequantization (wrong values; measures the cost of
+    the dequantization arithmetic), 3 = K-permuted operands without ``tl.join`` (slower, and a
+    different summation order, so not batch-invariant with modes 0/1)."""
+
+    __slots__ = ("bn", "bm", "bk", "split", "num_warps", "num_stages", "use_asm", "w_mode")
+
+    def __init__(self, bn, bm, bk, split, num_warps=4, num_stages=3, use_asm=True, w_mode=0):
+        self.bn, self.bm, self.bk, self.split = bn, bm, bk, split
+        self.num_warps, self.num_stages, self.use_asm, self.w_mode = num_warps, num_stages, use_asm, w_mode
+
+    def __repr__(self):
+        return (f"GemmConfig(bn={self.bn}, bm={self.bm}, bk={self.bk}, split={self.split}, "
+                f"warps={self.num_warps}, stages={self.num_stages}, asm={self.use_asm}, w_mode={self.w_mode})")
+
+
+CONFIG_OVERRIDES: dict = {}  # bucket -> GemmConfig (benchmarks/bench_kernels.py --tune sets these)
+
+
+def m_bucket(m: int) -> str:
+    return "m16" if m <= 16 else "m64" if m <= 64 else "m256" if m <= 256 else "large"
+
+
+def pick_config(m: int, n: int, k: int) -> GemmConfig:
+    """Tile choice by token count (tuned on the H200, see docs/kernels.md)."""
+    over = CONFIG_OVERRIDES.get(m_bucket(m))
+    if over is not None:
+        return over
+    if _interpreting():
+        return GemmConfig(bn=16, bm=16, bk=32, split=m <= 4, num_warps=1, num_stages=1, use_asm=False,
+                          w_mode=1 if m > 8 else 0)
+    # tuned on the H200 (benchmarks/bench_kernels.py --tune, 2026-11-29; docs/kernels.md)
+    if m <= 64:
+        return GemmConfig(bn=64, bm=16 if m <= 16 else 64, bk=128, split=True, num_warps=4, num_stages=4)
+    if m <= 256:
+        return GemmConfig(bn=64, bm=128, bk=128, split=True, num_warps=4, num_stages=3)
+    return GemmConfig(bn=128, bm=128, bk=64, split=False, num_warps=8, num_stages=4, w_mode=1)
+
+
+def dequant_weight_fp16(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """(N, K) fp16 = e2m1 * s * 2^-7 of a packed NVFP4 weight (no global scale)."""
+    n, kh = wq.shape
+    k = kh * 2
+    out = torch.empty((n, k), dtype=torch.float16, device=wq.device)
+    ws_u8 = ws.view(torch.uint8) if ws.dtype != torch.uint8 else ws
+    br, bk = (16, 32) if _interpreting() else (32, 256)
+    bk = min(bk, max(16, triton.next_power_of_2(k)))
+    _dequant_weight_kernel[(triton.cdiv(n, br), triton.cdiv(k, bk))](
+        wq, ws_u8, out, n, k, k // 2, k // 16, BR=br, BK=bk, USE_ASM=not _interpreting(), num_warps=4)
+    return out
+
+
+_LOCKS: dict = {}
+LAST_LAUNCH: dict = {}  # the last compiled-kernel handle per kernel (registers/spills/PTX in benchmarks)
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters (int32, zero between launches: the last program resets its counter).
+
+    One buffer per (device, stream): launches on one stream never overlap.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _LOCKS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _LOCKS[key] = buf
+    return buf
+
+
+def w4a4_gemm(
+    x16: torch.Tensor,
+    sx: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    sw: torch.Tensor,
+    r16: torch.Tensor | None = None,
+    sr: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    config: GemmConfig | None = None,
+    out: torch.Tensor | None = None,
+    seg_k: int = SEG_K,
+) -> torch.Tensor:
+    """``y (M, N) = (x16 @ Ŵᵀ)/(sx Sw) [+ (r16 @ Ŵᵀ)/(sr Sw)] [+ bias]``, see module doc.
+
+    x16/r16: fp16 (M, K) unscaled activations; sx/sr fp32 (M,); wq uint8 (N, K/2); ws uint8
+    or float8_e4m3fn (N, K/16); sw fp32 scalar tensor.
+    """
+    m, k = x16.shape
+    n = wq.shape[0]
+    cfg = config or pick_config(m, n, k)
+    if seg_k % cfg.bk:
+        raise ValueError(f"BLOCK_K={cfg.bk} must divide the K segment {seg_k}")
+    dev = x16.device
+    if _interpreting() and out_dtype == torch.bfloat16 and out is None:
+        # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even
+        return w4a4_gemm(x16, sx, wq, ws, sw, r16, sr, bias, torch.float32, config, None, seg_k).to(out_dtype)
+    y = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=dev)
+    if m == 0:
+        return y
+    ws_u8 = ws.view(torch.uint8) if ws.dtype != torch.uint8 else ws
+    has_res = r16 is not None
+    num_seg = triton.cdiv(k, seg_k)
+    split = cfg.split and num_seg > 1
+    grid_m = triton.cdiv(m, cfg.bm)
+    grid = (triton.cdiv(n, cfg.bn), num_seg if split else 1, grid_m)
+    if split:
+        # split-K workspace, addressed by the kernel as (num_seg, 2, M_pad, N) fp32
+        part = torch.empty((num_seg, 2, grid_m * cfg.bm, n), dtype=torch.float32, device=dev)
+        locks = _locks(dev, grid[0] * grid[2])
+    else:
+        part = locks = sx  # unused
+    w16 = dequant_weight_fp16(wq, ws_u8) if cfg.w_mode == 1 else sx
+    LAST_LAUNCH["gemm"] = _w4a4_gemm_kernel[grid](
+        x16, r16 if has_res else x16, sx, sr if has_res else sx,
+        wq, ws_u8, w16, sw.reshape(1) if sw.dim() == 0 else sw,
+        bias if bias is not None else sx, y, part, locks,
+        m, n, k, k // 2, k // 16, x16.stride(0), (r16 if has_res else x16).stride(0), y.stride(0),
+        SEG=seg_k, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, SPLIT=split,
+        HAS_RES=has_res, HAS_BIAS=bias is not None, USE_ASM=cfg.use_asm and not _interpreting(),
+        W_MODE=cfg.w_mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
