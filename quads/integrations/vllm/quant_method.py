@@ -1,0 +1,446 @@
+"""The ``quads`` quantization method for vLLM (linear layers and fused MoE experts).
+
+Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
+``quantization_config`` in the checkpoint's ``config.json`` (or
+``LLM(..., hf_overrides={"quantization_config": {...}})``):
+
+.. code-block:: json
+
+    {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 0.5,
+     "residual_selection": "per_token", "activation_global_scale": "row",
+     "extra_skip_patterns": []}
+
+The keys are the rollout side of :class:`quads.QuadsPolicy`; :func:`quads_quantization_config`
+builds the dict.
+
+How it works
+------------
+* **Weights arrive in BF16** (an ordinary checkpoint, or a trainer's masters pushed with
+  :func:`quads.integrations.vllm.weight_push.push_weights`). ``process_weights_after_loading``
+  packs them with quads' NVFP4 quantizer (:meth:`quads.NVFP4Tensor.from_float`), the function
+  the trainer's fake quantizer uses, so ``DQ(engine weight) == nvfp4_fake_quantize(master)`` bit
+  for bit. Afterwards each layer holds only the packed parts: ``weight`` (uint8 ``(N, K/2)``),
+  ``weight_scale`` (float8_e4m3fn ``(N, K/16)``) and ``weight_global_scale`` (float32, one per
+  *logical* weight); MoE layers hold ``w13_weight``/``w2_weight`` plus ``*_weight_scale`` and
+  ``*_weight_global_scale`` (one per expert).
+* **Fused vLLM layers are quantized per logical weight.** vLLM merges ``q/k/v_proj`` into
+  ``qkv_proj`` and ``gate_proj/up_proj`` into ``gate_up_proj``; a transformers trainer has one
+  ``nn.Linear`` (hence one NVFP4 global scale) per logical weight. So each shard of a merged
+  layer gets its own global scale, and the forward runs one W4A4 product per shard (the
+  activation is quantized once): exactly the transformers rollout model's computation. MoE
+  experts are already fused in transformers 5 (``gate_up_proj (E, 2I, H)``, one global scale per
+  expert), which is vLLM's ``w13_weight`` layout, gate rows first.
+* **Forward**: W4A4 + residual compensation via :func:`quads.ops.rollout_linear` and
+  :func:`quads.ops.moe_experts.rollout_experts` (Triton kernels on Hopper/Blackwell GPUs, the
+  torch reference elsewhere, e.g. vLLM's CPU build). ``activations="bf16"`` gives W4A16.
+* **Not quantized** (as on the trainer side, :data:`quads.policies.policy.DEFAULT_SKIP_PATTERNS`):
+  embeddings, ``lm_head``, MoE routers (``GateLinear``, ``...gate``), and anything matched by
+  ``extra_skip_patterns``.
+* **Weight reload** (``llm.collective_rpc("reload_weights", ...)``): vLLM restores the BF16
+  ``weight`` layout recorded at construction, loads the new tensors, calls
+  ``process_weights_after_loading`` again and copies the packed result into the existing
+  storage, so the method is reload-safe with no extra work.
+
+Limits: tensor/expert parallel size 1 (NVFP4 global scales are per whole logical weight; a TP
+shard would see a different amax), ``residual_selection="per_token"`` only (the calibrated
+``"static"`` masks have no checkpoint format yet), linear inputs a multiple of 16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, GateLinear, RoutedExperts
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.utils import set_weight_attrs
+
+from quads.ops.activation_quant import ActivationQuant
+from quads.ops.dispatch import select_backend
+from quads.ops.moe_experts import rollout_experts
+from quads.ops.rollout_linear import quantize_activation, rollout_linear, w4a4_matmul_reference
+from quads.policies.policy import QuadsPolicy
+from quads.tensor.nvfp4_math import BLOCK_SIZE
+from quads.tensor.nvfp4_tensor import NVFP4Tensor
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "QUADS_CONFIG_KEYS",
+    "QuadsConfig",
+    "QuadsLinearMethod",
+    "QuadsFusedMoEMethod",
+    "quads_quantization_config",
+    "dequantize_linear_weight",
+    "dequantize_moe_weights",
+]
+
+#: Keys of the ``quantization_config`` dict (besides ``quant_method``), with their defaults.
+QUADS_CONFIG_KEYS: dict[str, Any] = {
+    "activations": "nvfp4",
+    "residual_fraction": 0.5,
+    "residual_selection": "per_token",
+    "activation_global_scale": "row",
+    "extra_skip_patterns": [],
+}
+
+
+def quads_quantization_config(**overrides: Any) -> dict[str, Any]:
+    """The ``quantization_config`` dict selecting the quads method (for config.json or hf_overrides)."""
+    unknown = set(overrides) - set(QUADS_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown quads quantization_config keys {sorted(unknown)}; known: {sorted(QUADS_CONFIG_KEYS)}")
+    cfg = {"quant_method": "quads", **QUADS_CONFIG_KEYS, **overrides}
+    cfg["extra_skip_patterns"] = list(cfg["extra_skip_patterns"])
+    QuadsConfig.from_config(cfg)  # validate
+    return cfg
+
+
+@register_quantization_config("quads")
+class QuadsConfig(QuantizationConfig):
+    """vLLM quantization config of the quads rollout side (see the module doc)."""
+
+    def __init__(
+        self,
+        activations: str = "nvfp4",
+        residual_fraction: float = 0.5,
+        residual_selection: str = "per_token",
+        activation_global_scale: str = "row",
+        extra_skip_patterns: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        super().__init__()
+        if residual_selection != "per_token":
+            raise NotImplementedError(
+                "the vLLM quads method supports residual_selection='per_token' only (static "
+                "channel masks from calibrate_residual_channels have no checkpoint format yet)"
+            )
+        self.policy = QuadsPolicy(
+            side="rollout",
+            activations=activations,
+            residual_fraction=float(residual_fraction),
+            residual_selection=residual_selection,
+            activation_global_scale=activation_global_scale,
+            extra_skip_patterns=tuple(extra_skip_patterns),
+        )
+
+    # -- QuantizationConfig interface ----------------------------------------------------
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "quads"
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        # The torch reference runs anywhere; quads.ops picks Triton kernels where they exist.
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # no separate file: config.json's quantization_config, or the defaults
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "QuadsConfig":
+        config = dict(config)
+        method = config.pop("quant_method", "quads")
+        if method != "quads":
+            raise ValueError(f"QuadsConfig got quant_method={method!r}")
+        unknown = set(config) - set(QUADS_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)} in the quads quantization_config; known: {sorted(QUADS_CONFIG_KEYS)}")
+        return cls(**{k: config.get(k, v) for k, v in QUADS_CONFIG_KEYS.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.policy
+        return {
+            "quant_method": "quads",
+            "activations": p.activations,
+            "residual_fraction": p.residual_fraction,
+            "residual_selection": p.residual_selection,
+            "activation_global_scale": p.activation_global_scale,
+            "extra_skip_patterns": list(p.extra_skip_patterns),
+        }
+
+    @property
+    def activation_quant(self) -> ActivationQuant | None:
+        return self.policy.activation_quant
+
+    def _skips(self, prefix: str) -> bool:
+        """Whether the layer at ``prefix`` stays high precision; a merged vLLM layer is checked
+        through its logical shard names (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``)."""
+        head, _, last = prefix.rpartition(".")
+        shards = self.packed_modules_mapping.get(last)
+        if not shards:
+            return self.policy.skips(prefix)
+        names = [f"{head}.{s}" if head else s for s in shards]
+        skipped = [self.policy.skips(n) for n in names]
+        if all(skipped) or self.policy.skips(prefix):
+            return True
+        if any(skipped):
+            raise ValueError(
+                f"quads: the skip patterns match only some shards of the merged vLLM layer {prefix} "
+                f"({[n for n, s in zip(names, skipped) if s]}); vLLM runs them as one layer, skip all or none"
+            )
+        return False
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            if isinstance(layer, GateLinear) or self._skips(prefix):
+                return UnquantizedLinearMethod()
+            return QuadsLinearMethod(self)
+        if isinstance(layer, RoutedExperts):
+            if self._skips(prefix):
+                return None  # vLLM falls back to its unquantized MoE method
+            return QuadsFusedMoEMethod(self, layer.moe_config)
+        return None  # embeddings, lm_head, attention: unquantized
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_k(k: int, what: str) -> None:
+    if k % BLOCK_SIZE:
+        raise ValueError(
+            f"quads: {what} has input dim {k}, not a multiple of {BLOCK_SIZE}; NVFP4 cannot quantize it "
+            "(add the layer to extra_skip_patterns)"
+        )
+
+
+def _frozen(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t, requires_grad=False)
+
+
+def _replace(layer: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    if name in layer._parameters:
+        delattr(layer, name)
+    layer.register_parameter(name, _frozen(tensor))
+
+
+def _packed(layer: torch.nn.Module, prefix: str, dtype: torch.dtype) -> NVFP4Tensor:
+    return NVFP4Tensor(
+        getattr(layer, prefix),
+        getattr(layer, f"{prefix}_scale"),
+        getattr(layer, f"{prefix}_global_scale"),
+        orig_dtype=dtype,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers
+# ---------------------------------------------------------------------------------------------
+
+
+class QuadsLinearMethod(LinearMethodBase):
+    """W4A4 + residual (or W4A16) linear; each logical shard of a merged layer has its own
+    NVFP4 global scale (see the module doc)."""
+
+    def __init__(self, config: QuadsConfig):
+        self.config = config
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
+        if input_size_per_partition != input_size or sum(output_partition_sizes) != output_size:
+            raise NotImplementedError(
+                f"quads: tensor parallelism is not supported ({getattr(layer, 'prefix', '?')}: "
+                f"input {input_size_per_partition}/{input_size}, output {sum(output_partition_sizes)}/{output_size}); "
+                "NVFP4 global scales are per whole logical weight"
+            )
+        _check_k(input_size_per_partition, getattr(layer, "prefix", "a linear layer"))
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        weight = ModelWeightParameter(
+            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=weight_loader,
+        )
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.quads_output_partition_sizes = list(output_partition_sizes)
+        layer.quads_orig_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        weight = layer.weight.data
+        if weight.dtype == torch.uint8:
+            return  # already packed
+        packed = [
+            NVFP4Tensor.from_float(shard) for shard in weight.split(layer.quads_output_partition_sizes, dim=0)
+        ]
+        _replace(layer, "weight", torch.cat([p.qdata for p in packed]))
+        _replace(layer, "weight_scale", torch.cat([p.scale for p in packed]))
+        _replace(layer, "weight_global_scale", torch.stack([p.global_encode_scale for p in packed]))
+
+    def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
+        """The packed logical weights of ``layer`` (views of its parameters)."""
+        out, start = [], 0
+        for i, n in enumerate(layer.quads_output_partition_sizes):
+            rows = slice(start, start + n)
+            out.append(
+                NVFP4Tensor(
+                    layer.weight[rows],
+                    layer.weight_scale[rows],
+                    layer.weight_global_scale[i],
+                    orig_dtype=layer.quads_orig_dtype,
+                )
+            )
+            start += n
+        return out
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return shard_linear(x, self.shards(layer), bias, self.config.activation_quant)
+
+
+def shard_linear(
+    x: torch.Tensor, shards: list[NVFP4Tensor], bias: torch.Tensor | None, act: ActivationQuant | None
+) -> torch.Tensor:
+    """``cat_i rollout_linear(x, shard_i, bias_i, act)`` along the output dim.
+
+    On the torch backend the activation is quantized once and shared by the shards (same
+    result: the quantization depends on ``x`` only); kernels get one call per shard.
+    """
+    if len(shards) == 1:
+        return rollout_linear(x, shards[0], bias, act)
+    sizes = [s.shape[0] for s in shards]
+    biases = [None] * len(shards) if bias is None else list(bias.split(sizes))
+    if act is None or select_backend(x.device) != "torch":
+        return torch.cat([rollout_linear(x, s, b, act) for s, b in zip(shards, biases)], dim=-1)
+    x2 = x.reshape(-1, x.shape[-1])
+    qa = quantize_activation(x2, act)
+    outs = []
+    for s, b in zip(shards, biases):
+        y = w4a4_matmul_reference(qa, s.parts)
+        if b is not None:
+            y = y + b.to(torch.float32)
+        outs.append(y.to(x.dtype))
+    return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], sum(sizes))
+
+
+def dequantize_linear_weight(layer: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """The dequantized logical weights of a quads linear layer (one per shard), for checks."""
+    return [s.dequantize(dtype) for s in layer.quant_method.shards(layer)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused MoE experts
+# ---------------------------------------------------------------------------------------------
+
+_GATED = {
+    "silu": F.silu,
+    "gelu": lambda t: F.gelu(t),
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
+class QuadsFusedMoEMethod(FusedMoEMethodBase):
+    """Routed experts with packed NVFP4 ``w13`` (E, 2I, H) and ``w2`` (E, H, I), one global
+    scale per expert (= transformers-5 ``gate_up_proj``/``down_proj`` on the trainer side)."""
+
+    def __init__(self, config: QuadsConfig, moe: FusedMoEConfig):
+        super().__init__(moe)
+        self.config = config
+        activation = getattr(moe.activation, "value", str(moe.activation))
+        if activation not in _GATED:
+            raise NotImplementedError(
+                f"quads: MoE activation {activation!r} is not supported (supported: gated {sorted(_GATED)})"
+            )
+        self._act_fn = _GATED[activation]
+        if moe.tp_size != 1 or moe.ep_size != 1:
+            raise NotImplementedError(
+                f"quads: MoE with tensor/expert parallelism (tp={moe.tp_size}, ep={moe.ep_size}) is not supported"
+            )
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
+        _check_k(hidden_size, "MoE w13 (gate_up_proj)")
+        _check_k(intermediate_size_per_partition, "MoE w2 (down_proj)")
+        w13 = _frozen(torch.empty(num_experts, 2 * intermediate_size_per_partition, hidden_size, dtype=params_dtype))
+        layer.register_parameter("w13_weight", w13)
+        set_weight_attrs(w13, extra_weight_attrs)
+        w2 = _frozen(torch.empty(num_experts, hidden_size, intermediate_size_per_partition, dtype=params_dtype))
+        layer.register_parameter("w2_weight", w2)
+        set_weight_attrs(w2, extra_weight_attrs)
+        if self.moe.has_bias:
+            b13 = _frozen(torch.zeros(num_experts, 2 * intermediate_size_per_partition, dtype=params_dtype))
+            layer.register_parameter("w13_bias", b13)
+            set_weight_attrs(b13, extra_weight_attrs)
+            b2 = _frozen(torch.zeros(num_experts, hidden_size, dtype=params_dtype))
+            layer.register_parameter("w2_bias", b2)
+            set_weight_attrs(b2, extra_weight_attrs)
+        layer.quads_orig_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(layer, name).data
+            if weight.dtype == torch.uint8:
+                continue  # already packed
+            packed = NVFP4Tensor.from_float(weight)  # 3-D: one global scale per expert
+            _replace(layer, name, packed.qdata)
+            _replace(layer, f"{name}_scale", packed.scale)
+            _replace(layer, f"{name}_global_scale", packed.global_encode_scale)
+
+    def packed_weights(self, layer: torch.nn.Module) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        dtype = layer.quads_orig_dtype
+        return _packed(layer, "w13_weight", dtype), _packed(layer, "w2_weight", dtype)
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
+        return None  # no modular kernel: apply() runs quads' experts op
+
+    def _apply_gate(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return self._act_fn(gate) * up
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts=None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Shared experts (if any) run in vLLM's MoE runner (no overlap without a modular kernel).
+        if layer.apply_router_weight_on_input:
+            raise NotImplementedError("quads: apply_router_weight_on_input MoE models are not supported")
+        gate_up, down = self.packed_weights(layer)
+        return rollout_experts(
+            x,
+            topk_ids.long(),
+            topk_weights.to(x.dtype),  # as transformers' routers hand them to the experts
+            gate_up,
+            down,
+            self._apply_gate,
+            self.config.activation_quant,
+            getattr(layer, "w13_bias", None),
+            getattr(layer, "w2_bias", None),
+        )
+
+
+def dequantize_moe_weights(layer: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized ``(w13 (E, 2I, H), w2 (E, H, I))`` of a quads MoE layer, for checks."""
+    gate_up, down = layer.quant_method.packed_weights(layer)
+    return gate_up.dequantize(dtype), down.dequantize(dtype)
