@@ -50,7 +50,7 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 #: Operands have 1..MAX_DIGITS digits.
-MAX_DIGITS = 3
+MAX_DIGITS = 4
 #: One problem in HELDOUT_BUCKETS (by CRC32 of the unordered pair) is held out.
 HELDOUT_BUCKETS = 10
 #: Longest answer (MAX_DIGITS + 1 digits) plus ``<eos>``; enough for generation.
@@ -187,7 +187,10 @@ def parse_answer(text: str) -> str:
 
 def reward_exact_match(completions: Iterable[Any], answer: Iterable[Any], **kwargs: Any) -> list[float]:
     """TRL reward function: 1.0 where the parsed completion equals the answer exactly, else 0.0."""
-    return [1.0 if parse_answer(_completion_text(c)) == str(a).strip() else 0.0 for c, a in zip(completions, answer, strict=True)]
+    return [
+        1.0 if parse_answer(_completion_text(c)) == str(a).strip() else 0.0
+        for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +220,8 @@ def generate_completions(
             if seed is not None:
                 torch.manual_seed(seed)
             for i in range(0, len(prompts), batch_size):
-                enc = tokenizer(list(prompts[i : i + batch_size]), padding=True, padding_side="left", return_tensors="pt")
+                batch = list(prompts[i : i + batch_size])
+                enc = tokenizer(batch, padding=True, padding_side="left", return_tensors="pt")
                 enc = {k: v.to(device) for k, v in enc.items()}
                 gen_kwargs: dict[str, Any] = dict(
                     max_new_tokens=max_new_tokens,

@@ -17,7 +17,9 @@ __all__ = ["DEFAULT_MODEL_DIR", "default_model_config", "load_default_model", "l
 DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "assets" / "tiny-moe-arith"
 
 
-def default_model_config(vocab_size: int = 32, pad_token_id: int = 0, bos_token_id: int = 1, eos_token_id: int = 2) -> Qwen3MoeConfig:
+def default_model_config(
+    vocab_size: int = 32, pad_token_id: int = 0, bos_token_id: int = 1, eos_token_id: int = 2
+) -> Qwen3MoeConfig:
     """Config of the default model.
 
     Every linear layer's input dim is a multiple of 16 (NVFP4 blocks): hidden 128,
