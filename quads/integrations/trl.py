@@ -39,11 +39,9 @@ On top of TRL's metrics, every step logs (``self._metrics[mode]``, so they reach
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -51,14 +49,18 @@ import torch.nn as nn
 from quads.diagnostics.mismatch import mismatch_metrics
 from quads.policies import QuadsPolicy, quantize_, sync_weights_
 from quads.policies.quantize import quantized_modules
+from quads.tensor import NVFP4Tensor
 
 __all__ = [
     "TESTED_TRL_VERSION",
     "PolicyPreset",
     "POLICY_PRESETS",
     "get_preset",
+    "copy_model",
     "build_rollout_model",
     "score_completions",
+    "build_scoring_batch",
+    "measure_policy_gap",
     "QuadsRolloutEngine",
     "QuadsGRPOTrainer",
 ]
@@ -132,44 +134,60 @@ def _master_state(trainer_model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in trainer_model.named_parameters()}
 
 
+def copy_model(model: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> nn.Module:
+    """A fresh, unquantized copy of a transformers model: same class and config, parameters copied.
+
+    Built with ``type(model)._from_config`` and a parameter copy, never ``copy.deepcopy`` (TRL
+    patches the trainer model's ``forward``; a deep copy would keep calling the trainer's weights).
+    ``model`` may carry quads *trainer* layers (their parameters are the BF16/FP32 masters);
+    the copy does not. The copy is in eval mode with gradients off, in ``dtype`` (default: the
+    dtype of ``model``'s first parameter) on ``device`` (default: ``model``'s).
+    """
+    first = next(model.parameters())
+    dtype = dtype or first.dtype
+    device = device or first.device
+    config = copy.deepcopy(model.config)
+    from_config = getattr(type(model), "_from_config", None)
+    if from_config is None:
+        raise TypeError(f"{type(model).__name__} has no _from_config; pass a transformers PreTrainedModel")
+    with torch.random.fork_rng(devices=[]):  # random init must not shift the caller's RNG stream
+        clone = from_config(config, dtype=dtype)
+    impl = getattr(model.config, "_experts_implementation", None)
+    if impl is not None:
+        clone.config._experts_implementation = impl
+    masters = _master_state(model)
+    with torch.no_grad():
+        for name, param in clone.named_parameters():
+            if name not in masters:
+                raise KeyError(f"copy_model: source model has no parameter {name!r} (architectures differ?)")
+            src = masters[name]
+            if isinstance(src, NVFP4Tensor):
+                raise TypeError(f"copy_model: {name} is a {type(src).__name__}; copy from the trainer (masters), not a rollout model")
+            param.copy_(src)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        clone.generation_config = copy.deepcopy(generation_config)
+    clone.to(device)
+    clone.eval()
+    clone.requires_grad_(False)
+    return clone
+
+
 def build_rollout_model(
     trainer_model: nn.Module,
     policy: QuadsPolicy | None,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
 ) -> nn.Module:
-    """A fresh copy of ``trainer_model`` (same class and config, weights copied), quantized per ``policy``.
+    """A rollout model: :func:`copy_model` of ``trainer_model`` quantized per ``policy``, synced.
 
-    Built with ``type(model)._from_config`` and a parameter copy, never ``copy.deepcopy`` (TRL
-    patches the trainer model's ``forward``; a deep copy would keep calling the trainer's weights).
-    ``policy=None`` leaves the copy unquantized (a BF16 rollout engine). The copy is in eval mode
-    with gradients off. Works whether or not the trainer model is already quads-quantized.
+    ``policy=None`` leaves the copy unquantized (a BF16 rollout engine). Otherwise
+    ``quads.quantize_(copy, policy)`` then ``quads.sync_weights_(copy, trainer_model)``, so the
+    rollout's dequantized weights equal the trainer's fake-quant weights bit for bit.
     """
     if policy is not None and policy.side != "rollout":
         raise ValueError(f"build_rollout_model needs a rollout-side policy, got side={policy.side!r}")
-    config = copy.deepcopy(trainer_model.config)
-    from_config = getattr(type(trainer_model), "_from_config", None)
-    if from_config is None:
-        raise TypeError(f"{type(trainer_model).__name__} has no _from_config; pass a transformers PreTrainedModel")
-    rollout = from_config(config, dtype=dtype)
-    # Same expert kernel choice as the trainer (quads' rollout experts replace it when quantized).
-    impl = getattr(trainer_model.config, "_experts_implementation", None)
-    if impl is not None:
-        rollout.config._experts_implementation = impl
-    masters = _master_state(trainer_model)
-    with torch.no_grad():
-        for name, param in rollout.named_parameters():
-            if name not in masters:
-                raise KeyError(f"build_rollout_model: trainer model has no parameter {name!r}")
-            param.copy_(masters[name])
-    generation_config = getattr(trainer_model, "generation_config", None)
-    if generation_config is not None:
-        rollout.generation_config = copy.deepcopy(generation_config)
-    if device is None:
-        device = next(trainer_model.parameters()).device
-    rollout.to(device)
-    rollout.eval()
-    rollout.requires_grad_(False)
+    rollout = copy_model(trainer_model, dtype, device)
     if policy is not None:
         quantize_(rollout, policy)
         sync_weights_(rollout, trainer_model)
@@ -201,6 +219,75 @@ def score_completions(
         target = ids[:, -logits_to_keep:]
         out.append(torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1))
     return torch.cat(out, dim=0)
+
+
+def build_scoring_batch(
+    prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_token_id: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """TRL's layout of a scoring batch: prompts left-padded, completions right-padded.
+
+    Returns ``(input_ids, attention_mask, completion_mask, logits_to_keep)``; pass the first two
+    and ``logits_to_keep`` to :func:`score_completions`, use ``completion_mask`` as the metrics mask.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError("build_scoring_batch: one completion per prompt")
+    b = len(prompt_ids)
+    pw = max(len(p) for p in prompt_ids)
+    cw = max(1, max(len(c) for c in completion_ids))
+    ids = torch.full((b, pw + cw), pad_token_id, dtype=torch.long)
+    am = torch.zeros((b, pw + cw), dtype=torch.long)
+    cm = torch.zeros((b, cw), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        if p:
+            ids[i, pw - len(p) : pw] = torch.tensor(p)
+            am[i, pw - len(p) : pw] = 1
+        if c:
+            ids[i, pw : pw + len(c)] = torch.tensor(c)
+            am[i, pw : pw + len(c)] = 1
+            cm[i, : len(c)] = 1
+    if device is not None:
+        ids, am, cm = ids.to(device), am.to(device), cm.to(device)
+    return ids, am, cm, cw
+
+
+@torch.no_grad()
+def measure_policy_gap(
+    model: nn.Module,
+    policy: str | PolicyPreset,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    rollout_dtype: torch.dtype = torch.bfloat16,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+    is_mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+    batch_size: int | None = None,
+) -> dict[str, float]:
+    """Mismatch metrics of a preset on fixed completions (teacher forcing), without TRL.
+
+    Builds the preset's trainer (float32 masters of ``model``, trainer policy, forward under
+    ``autocast_dtype`` autocast like ``GRPOConfig(bf16=True)``) and its rollout model
+    (:func:`build_rollout_model`), scores the same sequences with both and returns
+    :func:`quads.diagnostics.mismatch_metrics` (names ``sampling/quads/...``). ``model`` is
+    not modified. Use it to compare presets on identical prompts and completions.
+    """
+    preset = get_preset(policy)
+    trainer = copy_model(model, torch.float32)
+    if preset.trainer is not None:
+        quantize_(trainer, preset.trainer)
+    rollout = build_rollout_model(trainer, preset.rollout, dtype=rollout_dtype)
+    keep = completion_mask.size(1)
+    device_type = input_ids.device.type
+    ctx = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    with ctx:
+        trainer_lp = score_completions(trainer, input_ids, attention_mask, keep, temperature, batch_size)
+    rollout_lp = score_completions(rollout, input_ids, attention_mask, keep, temperature, batch_size)
+    return mismatch_metrics(
+        rollout_lp, trainer_lp, completion_mask, is_mode=is_mode, clip_min=clip_min, clip_max=clip_max
+    )
 
 
 class QuadsRolloutEngine:

@@ -1,0 +1,389 @@
+#!/usr/bin/env python
+"""GRPO with TRL + QUADS on CPU: NVFP4 W4A4 rollouts, QAT trainer, mismatch metrics every step.
+
+The project's main job. Trains quads' embedded tiny Qwen3-MoE (integer addition, exact-match
+reward) with ``trl.GRPOTrainer`` through :class:`quads.integrations.trl.QuadsGRPOTrainer`:
+completions and their log-probs come from a separate NVFP4 rollout model that is re-synced
+from the trainer's masters before every generation; TRL's importance-sampling correction runs
+on those log-probs. Prints per-step reward and rollout-vs-trainer log-prob gap, held-out
+accuracy before and after, and writes into ``--output-dir``:
+
+* ``metrics.jsonl`` (every TRL log record), ``metrics.csv`` (one row per step),
+* ``reward_gap.png`` (reward and log-prob gap per step), ``summary.json``.
+
+    PYTHONPATH=. python examples/trl_grpo_quads.py                    # QUADS, ~25 steps
+    PYTHONPATH=. python examples/trl_grpo_quads.py --policy naive     # the baseline
+    PYTHONPATH=. python examples/trl_grpo_quads.py --model /path/to/local/hf-causal-lm
+
+Policies (``quads.integrations.trl.POLICY_PRESETS``): bf16, naive, w4a16-qat, sym-qat, quads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no OpenMP spin-waiting on a shared 2-core box
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import torch  # noqa: E402
+
+STEP_KEYS = [  # columns of metrics.csv (TRL's names, then quads')
+    "step",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "sampling/quads/logp_gap_mean",
+    "sampling/quads/logp_gap_p99",
+    "sampling/quads/logp_gap_max",
+    "sampling/quads/k3_kl",
+    "sampling/quads/is_ratio_raw_min",
+    "sampling/quads/is_ratio_raw_mean",
+    "sampling/quads/is_ratio_raw_max",
+    "sampling/quads/is_masked_fraction",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/quads/delta_num_abs_mean",
+    "sampling/quads/delta_weight_abs_mean",
+    "sampling/quads/delta_act_abs_mean",
+    "loss",
+    "grad_norm",
+    "entropy",
+    "step_time",
+]
+
+
+def parse_args(argv=None):
+    from quads.integrations.trl import POLICY_PRESETS
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", choices=sorted(POLICY_PRESETS), default="quads")
+    ap.add_argument("--max-steps", type=int, default=30)
+    ap.add_argument("--model", default=None, help="local HF causal LM directory (default: quads' embedded tiny MoE)")
+    ap.add_argument("--output-dir", default=None, help="default: runs/trl_grpo_<policy>")
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--num-generations", type=int, default=8)
+    ap.add_argument("--max-completion-length", type=int, default=None, help="default: the task's answer length (5)")
+    ap.add_argument("--learning-rate", type=float, default=1e-4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL's; 0 = no reference model)")
+    ap.add_argument("--is-mode", default="sequence_mask", help="TRL vllm_importance_sampling_mode")
+    ap.add_argument("--is-clip-max", type=float, default=3.0, help="TRL vllm_importance_sampling_clip_max")
+    ap.add_argument("--decompose", action="store_true", help="also log delta_num / delta_weight / delta_act")
+    ap.add_argument("--eval-n", type=int, default=512, help="held-out problems for accuracy before/after (0: skip)")
+    ap.add_argument("--train-prompts", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--compare", nargs="+", metavar="RUN_DIR", default=None,
+                    help="no training: plot reward and gap of finished runs (their metrics.csv) into "
+                         "<output-dir>/compare.png and print a table")
+    return ap.parse_args(argv)
+
+
+def load_models(args):
+    """(trainer model in float32 masters, tokenizer, max_completion_length)."""
+    from quads.tasks import MAX_NEW_TOKENS, load_default_model
+
+    if args.model is None:
+        model, tok = load_default_model(dtype=torch.float32)
+        max_len = args.max_completion_length or MAX_NEW_TOKENS
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        max_len = args.max_completion_length or 16
+    tok.padding_side = "left"
+    model.train()
+    return model, tok, max_len
+
+
+def held_out(trainer, tok, n, max_new_tokens, seed):
+    """Greedy held-out accuracy of the rollout engine (what serves) and of the trainer's forward."""
+    from quads.tasks import held_out_accuracy
+
+    trainer.quads_rollout.sync_weights()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    t = time.time()
+    with torch.no_grad():
+        rollout_acc = held_out_accuracy(trainer.rollout_model, tok, n=n, max_new_tokens=max_new_tokens, seed=seed)
+        with trainer.accelerator.autocast():
+            trainer_acc = held_out_accuracy(model, tok, n=n, max_new_tokens=max_new_tokens, seed=seed)
+    return {"rollout": rollout_acc, "trainer": trainer_acc, "seconds": time.time() - t}
+
+
+def make_step_callback(path_jsonl, total_steps, t0):
+    from tqdm.auto import tqdm
+    from transformers import TrainerCallback
+
+    class StepPrinter(TrainerCallback):
+        """One compact line per step (reward, gap, IS masking) and the raw records to JSONL."""
+
+        def __init__(self):
+            self.rows = []
+            self.bar = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stdout)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not logs:
+                return
+            rec = {"step": state.global_step, "elapsed_s": round(time.time() - t0, 2), **logs}
+            with open(path_jsonl, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if "reward" not in logs:
+                return
+            self.rows.append(rec)
+            g = lambda k: logs.get(f"sampling/quads/{k}", float("nan"))  # noqa: E731
+            line = (
+                f"step {state.global_step:3d}/{total_steps}  reward {logs['reward']:.3f}  "
+                f"gap mean {g('logp_gap_mean'):.4f} p99 {g('logp_gap_p99'):.3f} max {g('logp_gap_max'):.3f}  "
+                f"k3 {g('k3_kl'):.2e}  IS raw [{g('is_ratio_raw_min'):.2f}, {g('is_ratio_raw_max'):.2f}] "
+                f"masked {g('is_masked_fraction'):.2f}  ({logs.get('step_time', float('nan')):.1f}s)"
+            )
+            self.bar.write(line)
+            self.bar.update(state.global_step - self.bar.n)
+
+        def on_train_end(self, args, state, control, **kw):
+            if self.bar is not None:
+                self.bar.close()
+
+    return StepPrinter()
+
+
+def write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(STEP_KEYS)
+        for r in rows:
+            w.writerow([r.get(k, "") for k in STEP_KEYS])
+
+
+def plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    rewards = [r["reward"] for r in rows]
+    ax1.plot(steps, rewards, marker="o", ms=3, alpha=0.5, label="mean reward (exact match)")
+    ax1.plot(steps, _running_mean(rewards, 5), lw=2, label="running mean (5 steps)")
+    ax1.set_ylabel("reward")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.grid(alpha=0.3)
+    ax1.legend(loc="lower right")
+    for key, label in (("logp_gap_mean", "mean"), ("logp_gap_p99", "p99"), ("logp_gap_max", "max")):
+        ax2.plot(steps, [r.get(f"sampling/quads/{key}", float("nan")) for r in rows], marker="o", ms=3, label=label)
+    ax2.set_ylabel("|log p_rollout - log p_trainer|")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("GRPO step")
+    ax2.grid(alpha=0.3, which="both")
+    ax2.legend(loc="upper right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _running_mean(xs, w):
+    return [sum(xs[max(0, i - w + 1) : i + 1]) / len(xs[max(0, i - w + 1) : i + 1]) for i in range(len(xs))]
+
+
+def compare(run_dirs, out: Path):
+    """Overlay reward (running mean) and mean log-prob gap of several finished runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True)
+    print(f"{'run':28s} {'steps':>5s} {'reward first5':>13s} {'last5':>6s} {'gap mean':>9s} {'p99':>7s} {'max':>7s} "
+          f"{'k3':>9s} {'masked':>7s} {'held-out (rollout) before->after':>33s}")
+    for d in run_dirs:
+        d = Path(d)
+        with open(d / "metrics.csv") as f:
+            rows = [{k: float(v) if v not in ("", None) else float("nan") for k, v in r.items()} for r in csv.DictReader(f)]
+        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
+        label = summary.get("policy", d.name)
+        steps = [r["step"] for r in rows]
+        ax1.plot(steps, _running_mean([r["reward"] for r in rows], 5), lw=2, label=label)
+        ax2.plot(steps, [r["sampling/quads/logp_gap_mean"] for r in rows], marker="o", ms=3, label=label)
+        g = lambda k: _mean([r[k] for r in rows])  # noqa: E731
+        ho = ""
+        if summary.get("heldout_before") and summary.get("heldout_after"):
+            ho = f"{summary['heldout_before']['rollout']:.3f} -> {summary['heldout_after']['rollout']:.3f}"
+        print(f"{label:28s} {len(rows):5d} {summary.get('reward_first_steps', float('nan')):13.3f} "
+              f"{summary.get('reward_last_steps', float('nan')):6.3f} {g('sampling/quads/logp_gap_mean'):9.4f} "
+              f"{g('sampling/quads/logp_gap_p99'):7.3f} {max(r['sampling/quads/logp_gap_max'] for r in rows):7.3f} "
+              f"{g('sampling/quads/k3_kl'):9.2e} {g('sampling/quads/is_masked_fraction'):7.3f} {ho:>33s}")
+    ax1.set_ylabel("reward (running mean, 5 steps)")
+    ax1.grid(alpha=0.3)
+    ax1.legend(loc="lower right", fontsize=8)
+    ax2.set_ylabel("mean |log p_rollout - log p_trainer|")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("GRPO step")
+    ax2.grid(alpha=0.3, which="both")
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.suptitle("TRL GRPO on the embedded MoE: reward and rollout-vs-trainer gap per policy")
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "compare.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {out / 'compare.png'}")
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _describe(policy) -> str:
+    if policy is None:
+        return "BF16 (not quantized)"
+    if policy.side == "trainer":
+        return "NVFP4 fake-quant weights (STE), " + ("BF16 activations (W4A16 QAT)" if policy.activations == "bf16" else "NVFP4 fake-quant activations (W4A4 QAT)")
+    if policy.activations == "bf16":
+        return "packed NVFP4 weights, BF16 activations (W4A16)"
+    return f"packed NVFP4 weights, NVFP4 activations (W4A4), residual compensation {policy.residual_fraction:.0%} ({policy.residual_selection})"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    t0 = time.time()
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOConfig
+
+    from quads.integrations.trl import POLICY_PRESETS, QuadsGRPOTrainer
+    from quads.tasks import make_prompts, reward_exact_match
+
+    if args.compare:
+        compare(args.compare, Path(args.output_dir or "runs/compare"))
+        return {}
+    preset = POLICY_PRESETS[args.policy]
+    out = Path(args.output_dir or f"runs/trl_grpo_{args.policy}")
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "metrics.jsonl"
+    jsonl.unlink(missing_ok=True)
+    print(f"quads GRPO | policy {preset.name}: {preset.description}")
+    print(f"  trainer side: {_describe(preset.trainer)}\n  rollout side: {_describe(preset.rollout)}")
+
+    model, tok, max_len = load_models(args)
+    train = Dataset.from_list(make_prompts(args.train_prompts, seed=args.seed, split="train"))
+    config = GRPOConfig(
+        output_dir=str(out / "trainer"),
+        use_cpu=True,
+        bf16=True,  # float32 masters, bf16 autocast compute
+        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
+        num_generations=args.num_generations,
+        max_completion_length=max_len,
+        temperature=args.temperature,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=args.beta,
+        max_steps=args.max_steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        data_seed=args.seed,
+        vllm_importance_sampling_mode=args.is_mode,
+        vllm_importance_sampling_clip_max=args.is_clip_max,
+        dataloader_num_workers=0,
+    )
+    trainer = QuadsGRPOTrainer(
+        model,
+        reward_exact_match,
+        config,
+        train_dataset=train,
+        processing_class=tok,
+        quads_policy=preset,
+        decompose_mismatch=args.decompose,
+    )
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    printer = make_step_callback(jsonl, args.max_steps, t0)
+    trainer.add_callback(printer)
+    print(f"  setup {time.time() - t0:.1f}s")
+
+    before = after = None
+    if args.eval_n > 0:
+        before = held_out(trainer, tok, args.eval_n, max_len, args.seed)
+        print(f"held-out greedy accuracy before (n={args.eval_n}): rollout engine {before['rollout']:.3f}, "
+              f"trainer forward {before['trainer']:.3f}  ({before['seconds']:.1f}s)")
+    t_train = time.time()
+    trainer.train()
+    train_s = time.time() - t_train
+    if args.eval_n > 0:
+        after = held_out(trainer, tok, args.eval_n, max_len, args.seed)
+        print(f"held-out greedy accuracy after  (n={args.eval_n}): rollout engine {after['rollout']:.3f}, "
+              f"trainer forward {after['trainer']:.3f}  ({after['seconds']:.1f}s)")
+
+    rows = printer.rows
+    write_csv(rows, out / "metrics.csv")
+    if not args.no_plot and rows:
+        plot(rows, out / "reward_gap.png", f"TRL GRPO, policy={preset.name} ({len(rows)} steps)")
+    k = max(1, min(5, len(rows) // 3))
+    q = lambda key: [r.get(key) for r in rows]  # noqa: E731
+    summary = {
+        "policy": preset.name,
+        "steps": len(rows),
+        "train_seconds": round(train_s, 1),
+        "total_seconds": round(time.time() - t0, 1),
+        "reward_first_steps": _mean(q("reward")[:k]),
+        "reward_last_steps": _mean(q("reward")[-k:]),
+        "logp_gap_mean": _mean(q("sampling/quads/logp_gap_mean")),
+        "logp_gap_p99_mean": _mean(q("sampling/quads/logp_gap_p99")),
+        "logp_gap_max_max": max([x for x in q("sampling/quads/logp_gap_max") if x is not None], default=float("nan")),
+        "k3_kl_mean": _mean(q("sampling/quads/k3_kl")),
+        "is_masked_fraction_mean": _mean(q("sampling/quads/is_masked_fraction")),
+        "heldout_before": before,
+        "heldout_after": after,
+        "num_weight_syncs": trainer.quads_rollout.num_syncs,
+        "args": vars(args),
+    }
+    if args.decompose:
+        for part in ("num", "weight", "act"):
+            summary[f"delta_{part}_abs_mean"] = _mean(q(f"sampling/quads/delta_{part}_abs_mean"))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    print("\n==================== summary ====================")
+    print(f"policy            {preset.name}  ({preset.description})")
+    print(f"steps             {len(rows)}  in {train_s:.0f}s  (total {summary['total_seconds']:.0f}s incl. setup + eval)")
+    print(f"reward            first {k}: {summary['reward_first_steps']:.3f}  ->  last {k}: {summary['reward_last_steps']:.3f}")
+    print(f"log-prob gap      mean {summary['logp_gap_mean']:.4f}  p99 (avg) {summary['logp_gap_p99_mean']:.4f}  "
+          f"max {summary['logp_gap_max_max']:.4f}")
+    print(f"k3 KL             {summary['k3_kl_mean']:.3e}   IS masked fraction {summary['is_masked_fraction_mean']:.3f}")
+    if args.decompose:
+        print(f"decomposition     |d_num| {summary['delta_num_abs_mean']:.4f}  |d_weight| {summary['delta_weight_abs_mean']:.4f}  "
+              f"|d_act| {summary['delta_act_abs_mean']:.4f}")
+    if before and after:
+        print(f"held-out acc      rollout engine {before['rollout']:.3f} -> {after['rollout']:.3f}   "
+              f"trainer forward {before['trainer']:.3f} -> {after['trainer']:.3f}")
+    print(f"outputs           {out}/metrics.jsonl, metrics.csv, reward_gap.png, summary.json")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
