@@ -86,6 +86,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: trainer and rollout on the GPU")
     ap.add_argument("--compare", nargs="+", metavar="RUN_DIR", default=None,
                     help="no training: plot reward and gap of finished runs (their metrics.csv) into "
                          "<output-dir>/compare.png and print a table")
@@ -292,7 +293,7 @@ def main(argv=None) -> dict:
     train = Dataset.from_list(make_prompts(args.train_prompts, seed=args.seed, split="train"))
     config = GRPOConfig(
         output_dir=str(out / "trainer"),
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         bf16=True,  # float32 masters, bf16 autocast compute
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,
         num_generations=args.num_generations,
