@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from quads.policies.modules import is_fused_experts
+
 __all__ = ["checkpoint_weights", "push_weights", "engine_model", "split_fused_experts"]
 
 # Wrapper components that never exist in vLLM's names (torch.compile, FSDP1, activation
@@ -61,17 +63,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
         if inner is None:
             return model
         model = inner
-
-
-def _is_fused_experts(module: nn.Module) -> bool:
-    gate_up = getattr(module, "gate_up_proj", None)
-    down = getattr(module, "down_proj", None)
-    return (
-        isinstance(gate_up, torch.Tensor)
-        and isinstance(down, torch.Tensor)
-        and gate_up.dim() == 3
-        and down.dim() == 3
-    )
 
 
 def split_fused_experts(prefix: str, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,7 +104,7 @@ def checkpoint_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[int] = set()  # tied parameters (lm_head <- embed_tokens) go once, as named_parameters does
     with torch.no_grad():
         for mod_name, module in model.named_modules():
-            if _is_fused_experts(module):
+            if is_fused_experts(module):
                 state = {f"{mod_name}.{n}": p.detach() for n, p in module.named_parameters(recurse=False)}
                 reverted = _revert(model, state)
                 if reverted is None or any(t.dim() == 3 for t in reverted.values()):
