@@ -1,13 +1,10 @@
 """Blackwell native FP4 path (NOT RUN on this project's hardware): layout helper on CPU; the GEMM
 itself only on an sm_100+ GPU."""
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before quads.kernels is imported (jit decoration time)
 
 from quads.kernels.blackwell import fp4_unscaled_mm, is_blackwell, to_blocked
 from quads.ops.rollout_linear import _unscaled
