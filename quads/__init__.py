@@ -10,8 +10,9 @@ Both sides share one quantizer, so the rollout's weights equal the trainer's bit
     quads.sync_weights_(rollout_model, trainer_model)   # after every optimizer step
 """
 
-from quads.ops import ActivationQuant, use_backend
+from quads.ops import ActivationQuant, Backend, select_backend, use_backend
 from quads.policies import (
+    POLICY_PRESETS,
     QuadsPolicy,
     calibrate_residual_channels,
     quantize_,
@@ -23,7 +24,9 @@ from quads.tensor import NVFP4Tensor, nvfp4_dequantize, nvfp4_fake_quantize, nvf
 __version__ = "0.1.0"
 
 __all__ = [
+    "POLICY_PRESETS",
     "ActivationQuant",
+    "Backend",
     "NVFP4Tensor",
     "QuadsPolicy",
     "calibrate_residual_channels",
@@ -32,6 +35,7 @@ __all__ = [
     "nvfp4_quantize",
     "quantize_",
     "quantized_modules",
+    "select_backend",
     "sync_weights_",
     "use_backend",
 ]

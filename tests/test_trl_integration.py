@@ -26,7 +26,7 @@ from quads.integrations.trl import (  # noqa: E402
     build_scoring_batch,
     copy_model,
     measure_policy_gap,
-    score_completions,
+    score_teacher_forced,
 )
 from quads.policies.modules import RolloutExperts, RolloutLinear, TrainerExperts, TrainerLinear  # noqa: E402
 from quads.tasks import make_prompts, make_tokenizer  # noqa: E402
@@ -183,8 +183,8 @@ def test_rollout_logprobs_are_the_sampling_distribution(policy, tmp_path):
     p_ids, c_ids, lps, _ = trainer.vllm_generation.generate(prompts, None, 1)  # what TRL calls
     assert p_ids == prompts and len(c_ids) == len(prompts)
     ids, am, cm, keep = build_scoring_batch(p_ids, c_ids, tok.pad_token_id)
-    rescored = score_completions(trainer.rollout_model, ids, am, keep, temperature)
-    untempered = score_completions(trainer.rollout_model, ids, am, keep, 1.0)
+    rescored = score_teacher_forced(trainer.rollout_model, ids, am, keep, temperature)
+    untempered = score_teacher_forced(trainer.rollout_model, ids, am, keep, 1.0)
     got = torch.zeros_like(rescored)
     for i, seq in enumerate(lps):
         assert len(seq) == len(c_ids[i]) and all(len(x) == 1 for x in seq)

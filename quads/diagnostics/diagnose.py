@@ -34,11 +34,13 @@ import torch.nn as nn
 
 from quads.diagnostics.fp8_reference import fp8_w8a8_
 from quads.diagnostics.mismatch import k3_kl, logp_gap_stats
+from quads.diagnostics.scoring import positions_from_mask, score_incremental, score_teacher_forced
 from quads.ops.activation_quant import ActivationQuant, dequantize_activation, quantize_activation_reference
-from quads.policies import QuadsPolicy, quantize_
-from quads.policies.modules import is_fused_experts
+from quads.policies import POLICY_PRESETS, QuadsPolicy, quantize_
+from quads.policies.presets import with_residual_fraction
+from quads.policies.walk import conversion_targets
 
-__all__ = ["ROWS", "DiagnoseRow", "run_diagnose", "score_incremental", "score_teacher_forced", "add_parser"]
+__all__ = ["ROWS", "DiagnoseRow", "run_diagnose", "add_parser"]
 
 GENERIC_PROMPTS = [
     "The capital of France is",
@@ -51,41 +53,43 @@ GENERIC_PROMPTS = [
     "import torch\n",
 ]
 
+#: the FP8 W8A8 reference rollout (not a quads policy)
+FP8 = "fp8-w8a8"
+
 
 @dataclass(frozen=True)
 class DiagnoseRow:
     name: str
-    rollout: str  # key into the rollout builders
-    trainer: str  # key into the trainer builders
+    rollout: QuadsPolicy | str | None  # a rollout policy, FP8, or None (BF16)
+    trainer: QuadsPolicy | None  # a trainer policy, or None (BF16)
     description: str
 
 
+def _preset_row(name: str, preset, description: str | None = None) -> DiagnoseRow:
+    return DiagnoseRow(name, preset.rollout, preset.trainer, description or preset.description)
+
+
+_Q = POLICY_PRESETS["quads"]
 ROWS = [
-    DiagnoseRow("bf16-floor", "bf16", "bf16", "BF16 rollout engine path vs BF16 trainer (engine drift floor)"),
-    DiagnoseRow("fp8-w8a8", "fp8", "bf16", "FP8 W8A8 rollout vs BF16 trainer"),
-    DiagnoseRow("naive", "w4a4-k0", "bf16", "NVFP4 W4A4 rollout vs BF16 trainer"),
-    DiagnoseRow("sym-qat", "w4a4-k0", "w4a4-qat", "W4A4 rollout vs symmetric W4A4 QAT trainer"),
-    DiagnoseRow("w4a16-qat", "w4a4-k0", "w4a16-qat", "W4A4 rollout vs asymmetric W4A16 QAT trainer"),
-    DiagnoseRow("quads-25", "w4a4-k0.25", "w4a16-qat", "W4A4 + 25% residual vs W4A16 QAT trainer"),
-    DiagnoseRow("quads-50", "w4a4-k0.5", "w4a16-qat", "QUADS: W4A4 + 50% residual vs W4A16 QAT trainer"),
-    DiagnoseRow("quads-75", "w4a4-k0.75", "w4a16-qat", "W4A4 + 75% residual vs W4A16 QAT trainer"),
+    _preset_row("bf16-floor", POLICY_PRESETS["bf16"], "BF16 rollout engine path vs BF16 trainer (engine drift floor)"),
+    DiagnoseRow("fp8-w8a8", FP8, None, "FP8 W8A8 rollout vs BF16 trainer"),
+    _preset_row("naive", POLICY_PRESETS["naive"]),
+    _preset_row("sym-qat", POLICY_PRESETS["sym-qat"]),
+    _preset_row("w4a16-qat", POLICY_PRESETS["w4a16-qat"]),
+] + [
+    _preset_row(f"quads-{k}", with_residual_fraction(_Q, k / 100), f"W4A4 + {k}% residual vs W4A16 QAT trainer")
+    for k in (25, 50, 75, 100)
 ]
 
 
-def _variant(base: nn.Module, key: str) -> nn.Module:
+def _variant(base: nn.Module, policy: QuadsPolicy | str | None) -> nn.Module:
     """A converted deep copy of the BF16 base model (this tool owns its models, no TRL patching)."""
     model = copy.deepcopy(base)
-    if key == "bf16":
+    if policy is None:
         return model
-    if key == "fp8":
+    if policy == FP8:
         return fp8_w8a8_(model)
-    if key == "w4a16-qat":
-        return quantize_(model, QuadsPolicy(side="trainer"))
-    if key == "w4a4-qat":
-        return quantize_(model, QuadsPolicy(side="trainer", activations="nvfp4"))
-    if key.startswith("w4a4-k"):
-        return quantize_(model, QuadsPolicy(side="rollout", residual_fraction=float(key[len("w4a4-k"):])))
-    raise ValueError(key)
+    return quantize_(model, policy)
 
 
 def _use_engine_attention(model: nn.Module) -> None:
@@ -94,35 +98,6 @@ def _use_engine_attention(model: nn.Module) -> None:
     are otherwise bit-identical and the BF16 floor would read 0."""
     if getattr(model.config, "_attn_implementation", None) != "eager" and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("eager")
-
-
-@torch.no_grad()
-def score_teacher_forced(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
-    """log p of the last ``n_completion`` tokens from one full forward (the trainer path)."""
-    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
-    logits = logits[:, -n_completion - 1 : -1].float() / temperature
-    target = input_ids[:, -n_completion:]
-    return torch.log_softmax(logits, -1).gather(-1, target[..., None]).squeeze(-1)
-
-
-@torch.no_grad()
-def score_incremental(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
-    """log p of the last ``n_completion`` tokens by prefill + one-token decode steps with a
-    KV cache (the rollout engine path)."""
-    prompt_len = input_ids.shape[1] - n_completion
-    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids[:, :prompt_len], attention_mask=attention_mask[:, :prompt_len],
-                position_ids=pos[:, :prompt_len], use_cache=True)
-    past, steps = out.past_key_values, [out.logits[:, -1]]
-    for t in range(prompt_len, input_ids.shape[1] - 1):
-        out = model(input_ids=input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
-                    position_ids=pos[:, t : t + 1], past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        steps.append(out.logits[:, -1])
-    logits = torch.stack(steps, dim=1).float() / temperature
-    target = input_ids[:, prompt_len:]
-    return torch.log_softmax(logits, -1).gather(-1, target[..., None]).squeeze(-1)
 
 
 @torch.no_grad()
@@ -145,19 +120,15 @@ def sample_completions(model, tokenizer, prompts, max_new_tokens: int, temperatu
 @torch.no_grad()
 def layer_activation_errors(model, input_ids, attention_mask, fractions=(0.0, 0.5)) -> list[dict]:
     """Relative activation quantization error per quantizable layer input, on real inputs."""
-    policy = QuadsPolicy(side="rollout")
     seen: dict[str, list[torch.Tensor]] = {}
     hooks = []
-    for name, module in model.named_modules():
-        if policy.skips(name) or not (isinstance(module, nn.Linear) or is_fused_experts(module)):
-            continue
-        def hook(m, args, name=name):
+    for target in conversion_targets(model, QuadsPolicy(side="rollout").skips):
+        def hook(m, args, name=target.name):
             x = args[0].detach()
             seen.setdefault(name, []).append(x.reshape(-1, x.shape[-1]))
-        hooks.append(module.register_forward_pre_hook(hook))
+        hooks.append(target.module.register_forward_pre_hook(hook))
     try:
-        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask))
     finally:
         for h in hooks:
             h.remove()
@@ -178,8 +149,8 @@ def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, 
     model.eval()
     ids, attn, comp_mask = sample_completions(model, tokenizer, prompts, max_new_tokens, temperature, seed)
     n = comp_mask.shape[1]
-    rollout_keys = sorted({r.rollout for r in ROWS})
-    trainer_keys = sorted({r.trainer for r in ROWS})
+    rollout_keys = list(dict.fromkeys(r.rollout for r in ROWS))
+    trainer_keys = list(dict.fromkeys(r.trainer for r in ROWS))
     bar = progress(total=len(rollout_keys) + len(trainer_keys) + 1) if progress else None
     rollout_lp, trainer_lp = {}, {}
     for key in rollout_keys:
@@ -188,7 +159,7 @@ def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, 
         rollout_lp[key] = score_incremental(engine, ids, attn, n, temperature)
         bar and bar.update(1)
     for key in trainer_keys:
-        trainer_lp[key] = score_teacher_forced(_variant(model, key), ids, attn, n, temperature)
+        trainer_lp[key] = score_teacher_forced(_variant(model, key), ids, attn, n, temperature, mask_positions=True)
         bar and bar.update(1)
     rows = []
     for row in ROWS:

@@ -2,8 +2,8 @@
 
 The FP8 recipe verl / NeMo-RL rollouts use: E4M3 weights with one scale per output channel
 (per expert and channel for fused MoE weights), E4M3 activations with one scale per token,
-scale = amax / 448, round to nearest even (torch's cast). Applied by class swap like
-``quantize_`` so the same routing loop runs.
+scale = amax / 448, round to nearest even (torch's cast). Applied by class swap to the modules
+``quantize_`` would convert (the same walk and skip rules), so the same routing loop runs.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quads.ops.moe_experts import experts_loop
-from quads.policies.modules import _apply_gate, is_fused_experts
+from quads.ops.experts import experts_loop
+from quads.policies.modules import apply_gate
 from quads.policies.policy import QuadsPolicy
+from quads.policies.walk import conversion_targets
 
 __all__ = ["fp8_fake_quantize", "fp8_w8a8_"]
 
@@ -39,24 +40,16 @@ class _FP8Experts:
         gate_up, down = fp8_fake_quantize(self.gate_up_proj), fp8_fake_quantize(self.down_proj)
 
         def mlp(rows, e):
-            h = _apply_gate(self, F.linear(fp8_fake_quantize(rows), gate_up[e]))
+            h = apply_gate(self, F.linear(fp8_fake_quantize(rows), gate_up[e]))
             return F.linear(fp8_fake_quantize(h), down[e])
 
         return experts_loop(hidden_states, top_k_index, top_k_weights, gate_up.shape[0], mlp)
 
 
 def fp8_w8a8_(model: nn.Module) -> nn.Module:
-    """Swap every Linear / fused experts module quads would quantize to W8A8 fake quant
-    (same skip rules as ``QuadsPolicy``: lm_head, embeddings, routers, norms stay BF16)."""
-    skip_rules = QuadsPolicy(side="trainer")
-    for name, module in model.named_modules():
-        if skip_rules.skips(name):
-            continue
-        if isinstance(module, nn.Linear):
-            mixin = _FP8Linear
-        elif is_fused_experts(module):
-            mixin = _FP8Experts
-        else:
-            continue
+    """Swap every Linear / fused experts module quads would quantize to W8A8 fake quant."""
+    for target in conversion_targets(model, QuadsPolicy(side="trainer").skips):
+        mixin = _FP8Linear if target.kind == "linear" else _FP8Experts
+        module = target.module
         module.__class__ = type(f"FP8{type(module).__name__}", (mixin, type(module)), {})
     return model

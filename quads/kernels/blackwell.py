@@ -1,27 +1,25 @@
 """Native NVFP4 W4A4 on Blackwell (sm_100+) through cuBLASLt FP4 (``torch._scaled_mm``).
 
 **NOT RUN: no Blackwell GPU was available to this project (only H200s).** Written to the
-documented interfaces; dispatched only when ``torch.cuda.get_device_capability()[0] >= 10``
-(or forced with ``QUADS_BACKEND=blackwell`` on such a device). Its first run must be checked
-against :func:`quads.ops.rollout_linear.w4a4_matmul_reference` (``tests/kernels`` does this on a
-Blackwell GPU; on other devices the test is skipped).
+documented interfaces; used only when the ``blackwell`` backend is asked for explicitly
+(``QUADS_BACKEND=blackwell`` or ``quads.use_backend("blackwell")``): ``auto`` never picks it
+until it has run on such hardware. Its first run must pass
+``tests/kernels/test_kernel_blackwell.py::test_fp4_unscaled_mm_matches_emulation`` (skipped here).
 
 Math: the FP4 tensor-core MMA computes ``sum_k e2m1 * s_x * e2m1 * s_w`` (block scales E4M3,
-block 16) in fp32, exactly the unscaled product of QUADS.md section 3; the per-row global
-activation scale and the tensor/expert weight scale are applied in the epilogue here
-(``/ (S_x[row] * S_w)``), the residual term is a second FP4 GEMM with its own per-row scale.
-cuBLASLt wants the block scales in the 128x4 "swizzled" layout (:func:`to_blocked`), a
-kernel-time transform of the plain ``(rows, K/16)`` storage.
+block 16) in fp32, exactly the unscaled product of QUADS.md section 3; the caller applies the
+per-row activation and per-tensor weight global scales in the epilogue. cuBLASLt wants the block
+scales in the 128x4 "swizzled" layout (:func:`to_blocked`), a kernel-time transform of the plain
+``(rows, K/16)`` storage.
 """
 
 from __future__ import annotations
 
 import torch
 
-from quads.ops.activation_quant import ActivationQuant
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["to_blocked", "fp4_unscaled_mm", "rollout_linear_blackwell", "is_blackwell"]
+__all__ = ["to_blocked", "fp4_unscaled_mm", "is_blackwell"]
 
 
 def is_blackwell(device: torch.device) -> bool:
@@ -52,28 +50,3 @@ def fp4_unscaled_mm(a: NVFP4Parts, w: NVFP4Parts) -> torch.Tensor:
     sa = to_blocked(a.scale.view(torch.float8_e4m3fn))
     sb = to_blocked(w.scale.view(torch.float8_e4m3fn))
     return torch._scaled_mm(a_fp4, w_fp4.t(), sa, sb, out_dtype=torch.float32)
-
-
-def rollout_linear_blackwell(
-    x2: torch.Tensor,
-    weight: NVFP4Parts,
-    bias: torch.Tensor | None,
-    act: ActivationQuant,
-    static_mask: torch.Tensor | None,
-) -> torch.Tensor:
-    """W4A4 (+ residual) rollout linear on sm_100+ (NOT RUN here, see module doc)."""
-    from quads.kernels import quantize_activation_kernel
-
-    qa = quantize_activation_kernel(x2, act, static_mask)
-    sw = weight.global_encode_scale.to(torch.float32)
-    m = x2.shape[0]
-    sx = qa.main.global_encode_scale.reshape(-1, 1).expand(m, 1) if qa.main.global_encode_scale.dim() else \
-        qa.main.global_encode_scale.reshape(1, 1)
-    y = fp4_unscaled_mm(qa.main, weight) / (sx * sw)
-    if qa.residual is not None:
-        gr = qa.residual.global_encode_scale
-        sr = gr.reshape(-1, 1).expand(m, 1) if gr.dim() else gr.reshape(1, 1)
-        y = y + fp4_unscaled_mm(qa.residual, weight) / (sr * sw)
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x2.dtype)

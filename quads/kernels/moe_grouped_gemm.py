@@ -15,22 +15,14 @@ bits as the dense kernel's non-split path on that expert's weight.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from quads.kernels._interpreter import interpreting
 from quads.kernels.w4a4_gemm_hopper import SEG_K, _epilogue, _segment_partial
 
 __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]
-
-
-LAST_LAUNCH: dict = {}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -88,15 +80,9 @@ class MoeConfig:
                 f"stages={self.num_stages}, asm={self.use_asm})")
 
 
-MOE_OVERRIDES: dict = {}  # "decode"/"prefill" -> MoeConfig (bench --tune)
-
-
 def pick_moe_config(rows: int, num_experts: int, n: int, k: int) -> MoeConfig:
     per_expert = rows / max(num_experts, 1)
-    over = MOE_OVERRIDES.get("decode" if per_expert <= 16 else "prefill")
-    if over is not None:
-        return over
-    if _interpreting():
+    if interpreting():
         return MoeConfig(bn=16, bm=16, bk=32, num_warps=1, num_stages=1, use_asm=False)
     if per_expert <= 16:
         return MoeConfig(bn=64, bm=16, bk=128, num_warps=4, num_stages=4)
@@ -131,7 +117,7 @@ def moe_w4a4_gemm(
     cfg = config or pick_moe_config(num_rows, num_experts, n, k)
     if seg_k % cfg.bk:
         raise ValueError(f"BLOCK_K={cfg.bk} must divide the K segment {seg_k}")
-    if _interpreting() and out_dtype == torch.bfloat16:
+    if interpreting() and out_dtype == torch.bfloat16:
         # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even
         return moe_w4a4_gemm(x16, sx, rows, offsets, wq, ws, sw, num_rows, r16, sr, torch.float32,
                              config, seg_k).to(out_dtype)
@@ -141,13 +127,13 @@ def moe_w4a4_gemm(
     ws_u8 = ws.view(torch.uint8) if ws.dtype != torch.uint8 else ws
     has_res = r16 is not None
     grid = (triton.cdiv(n, cfg.bn), num_experts)
-    LAST_LAUNCH["moe"] = _moe_w4a4_kernel[grid](
+    _moe_w4a4_kernel[grid](
         x16, r16 if has_res else x16, sx, sr if has_res else sx, rows if rows is not None else offsets,
         wq, ws_u8, sw.reshape(-1), offsets,
         y,
         n, k, k // 2, k // 16, x16.stride(0), (r16 if has_res else x16).stride(0), y.stride(0),
         SEG=seg_k, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk,
-        HAS_RES=has_res, HAS_ROWS=rows is not None, USE_ASM=cfg.use_asm and not _interpreting(),
+        HAS_RES=has_res, HAS_ROWS=rows is not None, USE_ASM=cfg.use_asm and not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

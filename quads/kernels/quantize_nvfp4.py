@@ -32,40 +32,23 @@ Bit-exactness notes (all float32, as the recipe):
 
 from __future__ import annotations
 
-import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from quads.tensor.nvfp4_math import (
-    BLOCK_SIZE,
-    NVFP4Parts,
-    global_encode_scale_from_amax,
-)
+from quads.kernels._interpreter import interpreter_safe_input, interpreting
+from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts, global_encode_scale_from_amax
 
 __all__ = [
+    "QuantizedRows",
+    "RowQuantization",
+    "TOPK_SEARCHES",
     "quantize_rows",
     "quantize_given_scale",
     "amax_rows",
-    "ActQuantOut",
 ]
-
-FLT_MAX = 3.4028234663852886e38
-# float32(1/6): the recipe multiplies by it (S_enc * (1/6) rounded once, then * block_amax).
-ONE_SIXTH = 0.1666666716337204
-TWO_POW_M125 = 2.350988701644575e-38  # 2**-125
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _interp_safe(x: torch.Tensor) -> torch.Tensor:
-    """The Triton interpreter (3.9) converts bf16 subnormals to fp32 wrongly (its bit-level
-    converter; fp16 uses numpy and is right): hand it an exact fp32 copy instead. GPU: no-op."""
-    return x.float() if _interpreting() and x.dtype == torch.bfloat16 else x
-
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers
@@ -215,113 +198,54 @@ def _pack_store(codes, q_ptr, s_ptr, s_code, row_q_off, row_s_off, blk, jj8, bma
 
 
 @triton.jit
-def _radix_round(bits, prefix, k_rem, idx, SH: tl.constexpr, W: tl.constexpr, FIRST: tl.constexpr):
-    """One radix-select round on digit bits [SH, SH+W) among elements matching ``prefix`` above.
-
-    Histogram (512 bins: digits 0..255, 256 = not in the prefix, ignored) -> the bucket b that
-    holds the k_rem-th largest; returns (prefix | b << SH, k_rem - #elements above bucket b).
-    """
-    if FIRST:
-        match = bits >= 0
-    else:
-        match = ((bits >> (SH + W)) == (prefix >> (SH + W))) & (bits >= 0)
-    d = tl.where(match, (bits >> SH) & ((1 << W) - 1), 256)
-    h = tl.histogram(d, 512)
-    h = tl.where(idx < 256, h, 0)
-    cs = tl.cumsum(h, 0)
-    total = tl.sum(h, axis=0)
-    ge = total - cs + h  # elements (in the prefix) whose digit >= b
-    b = tl.max(tl.where(ge >= k_rem, idx, -1), axis=0)
-    gt = tl.sum(tl.where(idx == b, ge - h, 0), axis=0)  # strictly above bucket b
-    return prefix | (b << SH), k_rem - gt
-
-
-@triton.jit
-def _topk_threshold_bits(bits, k, RADIX_BITS: tl.constexpr):
+def _topk_threshold_bits(bits, k, PACKED_SEARCH: tl.constexpr):
     """Bit pattern of the k-th largest of ``bits`` (1-D int32, entries >= 0; padding -1).
 
-    Exact search over the int32 order (= float order for |r|; NaN patterns sort above +inf).
+    Exact search over the int32 order (= float order for |r|; NaN patterns sort above +inf):
 
-    * ``RADIX_BITS == 0``: radix select with ``tl.histogram``: 4 rounds over the digits
-      (bits 30-23, 22-15, 14-7, 6-0); each round histograms the current digit of the elements
-      that share the prefix found so far and picks the bucket holding the k-th largest.
-    * ``RADIX_BITS == 1``: binary search on the threshold (31 count rounds, early exit when a
-      candidate has exactly k elements above it: the answer is then the smallest of those).
-    * ``RADIX_BITS == 4``: 5-ary search whose 4 counts travel in one packed int64 reduction
-      (~13 rounds of one reduction each: the latency-optimal choice for few rows).
-    * ``RADIX_BITS in (2, 3)``: 2^RADIX_BITS-ary search with separate counts (slower).
+    * ``PACKED_SEARCH=False``: binary search on the threshold (31 count rounds, early exit when a
+      candidate has exactly k elements above it: the answer is then the smallest of those);
+    * ``PACKED_SEARCH=True``: 5-ary search whose 4 candidate counts travel in one packed int64
+      reduction per round (~13 rounds; the reduction's latency, not the compares, bounds a
+      round). Needs K < 65536 (the launcher checks).
     """
-    if RADIX_BITS == 0:
-        idx = tl.arange(0, 512)
-        prefix = tl.zeros((), dtype=tl.int32)
-        k_rem = k + tl.zeros((), dtype=tl.int32)
-        prefix, k_rem = _radix_round(bits, prefix, k_rem, idx, 23, 8, True)
-        prefix, k_rem = _radix_round(bits, prefix, k_rem, idx, 15, 8, False)
-        prefix, k_rem = _radix_round(bits, prefix, k_rem, idx, 7, 8, False)
-        prefix, k_rem = _radix_round(bits, prefix, k_rem, idx, 0, 7, False)
-        lo = prefix
+    lo = tl.zeros((), dtype=tl.int32)
+    hi = tl.full((), 0x7F800000, tl.int32)  # +inf; NaN rows end here and select nothing
+    if PACKED_SEARCH:
+        while lo < hi:
+            step = (hi - lo + 5) // 5
+            c1 = lo + step
+            c2 = lo + 2 * step
+            c3 = lo + 3 * step
+            c4 = lo + 4 * step
+            packed = ((bits >= c1).to(tl.int64) + ((bits >= c2).to(tl.int64) << 16)
+                      + ((bits >= c3).to(tl.int64) << 32) + ((bits >= c4).to(tl.int64) << 48))
+            tot = tl.sum(packed, axis=0)
+            n1 = ((tot & 0xFFFF) >= k) & (c1 <= hi)
+            n2 = (((tot >> 16) & 0xFFFF) >= k) & (c2 <= hi)
+            n3 = (((tot >> 32) & 0xFFFF) >= k) & (c3 <= hi)
+            n4 = (((tot >> 48) & 0xFFFF) >= k) & (c4 <= hi)
+            n = n1.to(tl.int32) + n2.to(tl.int32) + n3.to(tl.int32) + n4.to(tl.int32)
+            cnt_sel = ((tot >> (16 * tl.maximum(n - 1, 0)).to(tl.int64)) & 0xFFFF).to(tl.int32)
+            new_lo = lo + n * step
+            new_hi = tl.minimum(lo + (n + 1) * step - 1, hi)
+            if (n > 0) & (cnt_sel == k):
+                lo = tl.min(tl.where(bits >= new_lo, bits, 0x7FFFFFFF), axis=0)
+                hi = lo
+            else:
+                lo = new_lo
+                hi = new_hi
     else:
-        lo = tl.zeros((), dtype=tl.int32)
-        hi = tl.full((), 0x7F800000, tl.int32)  # +inf; NaN rows end here and select nothing
-        if RADIX_BITS == 1:
-            while lo < hi:
-                mid = lo + (hi - lo + 1) // 2
-                cnt = tl.sum((bits >= mid).to(tl.int32), axis=0)
-                if cnt == k:
-                    lo = tl.min(tl.where(bits >= mid, bits, 0x7FFFFFFF), axis=0)
-                    hi = lo
-                elif cnt > k:
-                    lo = mid
-                else:
-                    hi = mid - 1
-        elif RADIX_BITS == 4:
-            # 5-ary search, 4 candidate counts packed in 16-bit fields of ONE int64 reduction
-            # per round (the reduction's barrier latency, not the compares, bounds a round):
-            # ~13 rounds instead of 31. Needs K < 65536 (the wrapper checks).
-            while lo < hi:
-                step = (hi - lo + 5) // 5
-                c1 = lo + step
-                c2 = lo + 2 * step
-                c3 = lo + 3 * step
-                c4 = lo + 4 * step
-                packed = ((bits >= c1).to(tl.int64) + ((bits >= c2).to(tl.int64) << 16)
-                          + ((bits >= c3).to(tl.int64) << 32) + ((bits >= c4).to(tl.int64) << 48))
-                tot = tl.sum(packed, axis=0)
-                n1 = ((tot & 0xFFFF) >= k) & (c1 <= hi)
-                n2 = (((tot >> 16) & 0xFFFF) >= k) & (c2 <= hi)
-                n3 = (((tot >> 32) & 0xFFFF) >= k) & (c3 <= hi)
-                n4 = (((tot >> 48) & 0xFFFF) >= k) & (c4 <= hi)
-                n = n1.to(tl.int32) + n2.to(tl.int32) + n3.to(tl.int32) + n4.to(tl.int32)
-                cnt_sel = ((tot >> (16 * tl.maximum(n - 1, 0)).to(tl.int64)) & 0xFFFF).to(tl.int32)
-                new_lo = lo + n * step
-                new_hi = tl.minimum(lo + (n + 1) * step - 1, hi)
-                if (n > 0) & (cnt_sel == k):
-                    lo = tl.min(tl.where(bits >= new_lo, bits, 0x7FFFFFFF), axis=0)
-                    hi = lo
-                else:
-                    lo = new_lo
-                    hi = new_hi
-        else:
-            NC: tl.constexpr = 1 << RADIX_BITS
-            j = tl.arange(0, NC)
-            while lo < hi:
-                width = hi - lo + 1
-                step = (width + NC - 1) // NC
-                cand = lo + j * step
-                cnt = tl.sum((bits[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-                valid = cand <= hi
-                ok = valid & (cnt >= k)
-                nok = tl.sum(ok.to(tl.int32), axis=0)  # ok is a prefix (cnt non-increasing); j=0 always ok
-                sel = nok - 1
-                new_lo = lo + sel * step
-                cnt_sel = tl.sum(tl.where(j == sel, cnt, 0), axis=0)
-                new_hi = tl.minimum(lo + (sel + 1) * step - 1, hi)
-                if cnt_sel == k:
-                    lo = tl.min(tl.where(bits >= new_lo, bits, 0x7FFFFFFF), axis=0)
-                    hi = lo
-                else:
-                    lo = new_lo
-                    hi = new_hi
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            cnt = tl.sum((bits >= mid).to(tl.int32), axis=0)
+            if cnt == k:
+                lo = tl.min(tl.where(bits >= mid, bits, 0x7FFFFFFF), axis=0)
+                hi = lo
+            elif cnt > k:
+                lo = mid
+            else:
+                hi = mid - 1
     return lo
 
 
@@ -346,7 +270,7 @@ def _act_quant_row_kernel(
     RES_DEFER: tl.constexpr,  # residual global scale over the tensor: write selected r + row amax
     WRITE_PACKED: tl.constexpr,
     WRITE_DQ: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
+    PACKED_SEARCH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if HAS_ROW_IDX:
@@ -385,7 +309,7 @@ def _act_quant_row_kernel(
         r = x - xh
         if RES_MODE == 1:
             mbits = tl.where(emask, _abs_bits(r), -1)
-            thr_bits = _topk_threshold_bits(tl.reshape(mbits, (NB * 16,)), k_top, RADIX_BITS)
+            thr_bits = _topk_threshold_bits(tl.reshape(mbits, (NB * 16,)), k_top, PACKED_SEARCH)
             thr = thr_bits.to(tl.float32, bitcast=True)
             sel = (tl.abs(r) >= thr) & (k_top > 0) & emask
         else:
@@ -472,37 +396,37 @@ def _e2m1_probe_kernel(A, OUT, n, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------
-# Host wrappers
-
-
-def _e2m1_code_probe(a: torch.Tensor) -> torch.Tensor:
-    """Test hook: the kernel's E2M1 magnitude index of |v| values in [0, 6] (int32)."""
-    a = a.float().contiguous()
-    out = torch.empty(a.shape, dtype=torch.int32, device=a.device)
-    _e2m1_probe_kernel[(triton.cdiv(a.numel(), 1024),)](a, out, a.numel(), BLOCK=1024)
-    return out
+# Host launchers
 # ---------------------------------------------------------------------------------------------
 
 
-LAST_LAUNCH: dict = {}  # last compiled-kernel handle per kernel (benchmarks read registers/PTX)
+class QuantizedRows(NamedTuple):
+    """One quantization of a set of rows (fields are None where not requested).
+
+    ``qdata``/``scale``/``global_encode_scale`` are the NVFP4 parts (bit-exact with
+    ``nvfp4_quantize``); ``operand`` is the fp16 GEMM operand ``e2m1 * f32(scale)`` (unscaled:
+    exact, QUADS.md section 3).
+    """
+
+    qdata: torch.Tensor | None
+    scale: torch.Tensor | None
+    global_encode_scale: torch.Tensor
+    operand: torch.Tensor | None
+
+    def parts(self) -> NVFP4Parts:
+        return NVFP4Parts(self.qdata, self.scale, self.global_encode_scale)
 
 
-class ActQuantOut:
-    """What ``quantize_rows`` produced (fields are None where not requested)."""
+class RowQuantization(NamedTuple):
+    """What :func:`quantize_rows` produced: the main quantization and the residual's (or None)."""
 
-    __slots__ = ("qx", "sx", "gx", "dx", "qr", "sr", "gr", "dr")
+    main: QuantizedRows
+    residual: QuantizedRows | None
 
-    def __init__(self, **kw):
-        for name in self.__slots__:
-            setattr(self, name, kw.get(name))
 
-    def main_parts(self) -> NVFP4Parts:
-        return NVFP4Parts(self.qx, self.sx.view(torch.float8_e4m3fn), self.gx)
-
-    def residual_parts(self) -> NVFP4Parts | None:
-        if self.qr is None:
-            return None
-        return NVFP4Parts(self.qr, self.sr.view(torch.float8_e4m3fn), self.gr)
+RESIDUAL_MODES = {"none": 0, "per_token": 1, "static": 2}
+#: top-k threshold searches (see ``_topk_threshold_bits``); "auto" picks by row count
+TOPK_SEARCHES = ("auto", "binary", "packed5")
 
 
 def _num_warps_for(k: int) -> int:
@@ -513,17 +437,27 @@ def _num_warps_for(k: int) -> int:
     return 16
 
 
-def default_radix_bits(rows: int) -> int:
-    """Top-k search method (see ``_topk_threshold_bits``); ``QUADS_TOPK_RADIX`` overrides."""
-    env = os.environ.get("QUADS_TOPK_RADIX")
-    if env is not None:
-        return int(env)
-    return 4 if rows <= 256 else 1
+def _packed_search(search: str, rows: int, k: int) -> bool:
+    if search not in TOPK_SEARCHES:
+        raise ValueError(f"topk_search must be one of {TOPK_SEARCHES}, got {search!r}")
+    if k >= 65536:
+        return False  # the packed search counts in 16-bit fields
+    if search == "auto":
+        return rows <= 256  # latency-optimal for few rows (measured, docs/kernels.md)
+    return search == "packed5"
+
+
+def e2m1_code_probe(a: torch.Tensor) -> torch.Tensor:
+    """The kernel's E2M1 magnitude index of |v| values in [0, 6] (int32), for tests."""
+    a = a.float().contiguous()
+    out = torch.empty(a.shape, dtype=torch.int32, device=a.device)
+    _e2m1_probe_kernel[(triton.cdiv(a.numel(), 1024),)](a, out, a.numel(), BLOCK=1024)
+    return out
 
 
 def amax_rows(x2d: torch.Tensor) -> torch.Tensor:
     """float32 (rows,) = max |x| per row (NaN-propagating)."""
-    x2d = _interp_safe(x2d)
+    x2d = interpreter_safe_input(x2d)
     n_rows, k = x2d.shape
     out = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     br = 4
@@ -537,30 +471,27 @@ def quantize_given_scale(
     global_encode_scale: torch.Tensor,
     rows_per_group: int,
     write_packed: bool = True,
-    write_dq: bool = False,
+    write_operand: bool = False,
 ):
     """Quantize rows of ``x2d`` (R, K) with ``S_enc = global_encode_scale[row // rows_per_group]``.
 
-    Returns (qdata uint8 (R,K/2), scale uint8 (R,K/16), dq fp16 (R,K) or None).
+    Returns (qdata uint8 (R,K/2), scale uint8 (R,K/16), operand fp16 (R,K)), None where not asked.
     """
-    x2d = _interp_safe(x2d)
+    x2d = interpreter_safe_input(x2d)
     n_rows, k = x2d.shape
     dev = x2d.device
     gs = global_encode_scale.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     q = torch.empty((n_rows, k // 2), dtype=torch.uint8, device=dev) if write_packed else None
     s = torch.empty((n_rows, k // 16), dtype=torch.uint8, device=dev) if write_packed else None
-    d = torch.empty((n_rows, k), dtype=torch.float16, device=dev) if write_dq else None
-    if _interpreting():
-        br, bb, nw = 2, 4, 4
-    else:
-        br, bb, nw = 4, 16, 4
+    d = torch.empty((n_rows, k), dtype=torch.float16, device=dev) if write_operand else None
+    br, bb, nw = (2, 4, 4) if interpreting() else (4, 16, 4)
     bb = min(bb, triton.next_power_of_2(max(k // 16, 1)))
     grid = (triton.cdiv(n_rows, br), triton.cdiv(k // 16, bb))
     dummy = gs
     _quant_given_scale_kernel[grid](
         x2d, x2d.stride(0), k, gs, rows_per_group,
         q if q is not None else dummy, s if s is not None else dummy, d if d is not None else dummy,
-        n_rows, BR=br, BB=bb, WRITE_PACKED=write_packed, WRITE_DQ=write_dq, num_warps=nw,
+        n_rows, BR=br, BB=bb, WRITE_PACKED=write_packed, WRITE_DQ=write_operand, num_warps=nw,
     )
     return q, s, d
 
@@ -568,65 +499,66 @@ def quantize_given_scale(
 def quantize_rows(
     x2d: torch.Tensor,
     *,
-    residual: str = "none",  # "none" | "per_token" | "static"
+    residual: str = "none",
     k_top: int = 0,
     static_mask: torch.Tensor | None = None,
-    global_scale: str = "row",  # "row" | "tensor"
+    granularity: str = "row",
     write_packed: bool = True,
-    write_dq: bool = False,
+    write_operand: bool = False,
     row_idx: torch.Tensor | None = None,
-    radix_bits: int | None = None,
+    topk_search: str = "auto",
     num_warps: int | None = None,
-) -> ActQuantOut:
+) -> RowQuantization:
     """One pass per row: main NVFP4 quantization (+ residual compensation), see module doc.
 
-    ``row_idx`` (optional, int32/int64 (R,)): quantize ``x2d[row_idx]`` without materializing it.
+    ``residual``: ``"none"``, ``"per_token"`` (top ``k_top`` |r| channels of each row, ties at
+    the threshold included) or ``"static"`` (``static_mask``, K channels). ``granularity``:
+    ``"row"`` (one global scale per row) or ``"tensor"``. ``row_idx`` (optional int (R,)):
+    quantize ``x2d[row_idx]`` without materializing it. ``topk_search``/``num_warps``: kernel
+    choices (benchmarks sweep them; the defaults are the measured best).
     """
     if x2d.dim() != 2 or x2d.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"quantize_rows expects (M, K) with K % 16 == 0, got {tuple(x2d.shape)}")
-    x2d = _interp_safe(x2d)
+    if residual not in RESIDUAL_MODES:
+        raise ValueError(f"residual must be one of {tuple(RESIDUAL_MODES)}, got {residual!r}")
+    if granularity not in ("row", "tensor"):
+        raise ValueError(f"granularity must be 'row' or 'tensor', got {granularity!r}")
+    x2d = interpreter_safe_input(x2d)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     k = x2d.shape[1]
     n_rows = x2d.shape[0] if row_idx is None else row_idx.shape[0]
     dev = x2d.device
-    nb = triton.next_power_of_2(max(k // 16, 1))
-    res_mode = {"none": 0, "per_token": 1, "static": 2}[residual]
-    radix = default_radix_bits(n_rows) if radix_bits is None else radix_bits
-    if radix == 4 and k >= 65536:
-        radix = 1  # packed 16-bit counts
+    res_mode = RESIDUAL_MODES[residual]
+    f32 = dict(dtype=torch.float32, device=dev)
 
     def u8(*shape):
         return torch.empty(shape, dtype=torch.uint8, device=dev)
 
-    out = ActQuantOut()
-    f32 = dict(dtype=torch.float32, device=dev)
-    if global_scale == "tensor":
+    def f16(*shape):
+        return torch.empty(shape, dtype=torch.float16, device=dev)
+
+    if granularity == "tensor":
         src = x2d if row_idx is None else x2d[row_idx.long()]
         amax = amax_rows(src).amax() if n_rows else torch.zeros((), **f32)
         s_main = global_encode_scale_from_amax(amax).reshape(1).contiguous()
-        out.gx = s_main.reshape(())
-    elif global_scale == "row":
-        s_main = None
-        out.gx = torch.empty(n_rows, **f32)
+        gx = s_main.reshape(())
     else:
-        raise ValueError(f"global_scale must be 'row' or 'tensor', got {global_scale!r}")
-    if write_packed:
-        out.qx, out.sx = u8(n_rows, k // 2), u8(n_rows, k // 16)
-    if write_dq:
-        out.dx = torch.empty((n_rows, k), dtype=torch.float16, device=dev)
-    defer = res_mode != 0 and global_scale == "tensor"
-    rsel = ramax = None
+        s_main = None
+        gx = torch.empty(n_rows, **f32)
+    qx, sx = (u8(n_rows, k // 2), u8(n_rows, k // 16)) if write_packed else (None, None)
+    dx = f16(n_rows, k) if write_operand else None
+    defer = res_mode != 0 and granularity == "tensor"
+    rsel = ramax = gr = qr = sr = dr = None
     if res_mode != 0:
         if defer:
-            rsel = torch.empty((n_rows, k), **f32)
-            ramax = torch.empty(n_rows, **f32)
+            rsel, ramax = torch.empty((n_rows, k), **f32), torch.empty(n_rows, **f32)
         else:
-            out.gr = torch.empty(n_rows, **f32)
+            gr = torch.empty(n_rows, **f32)
             if write_packed:
-                out.qr, out.sr = u8(n_rows, k // 2), u8(n_rows, k // 16)
-            if write_dq:
-                out.dr = torch.empty((n_rows, k), dtype=torch.float16, device=dev)
+                qr, sr = u8(n_rows, k // 2), u8(n_rows, k // 16)
+            if write_operand:
+                dr = f16(n_rows, k)
     smask = None
     if res_mode == 2:
         if static_mask is None:
@@ -635,43 +567,36 @@ def quantize_rows(
         if smask.numel() != k:
             raise ValueError(f"static mask has {smask.numel()} channels, K={k}")
 
-    if n_rows == 0:
-        _finish_deferred(out, rsel, ramax, write_packed, write_dq, k)
-        return out
-    dummy = out.gx if out.gx.numel() else torch.zeros(1, **f32)
-    d = lambda t: t if t is not None else dummy  # noqa: E731
-    ridx = row_idx.contiguous() if row_idx is not None else None
-    kargs = (
-        x2d, d(ridx), x2d.stride(0), k,
-        d(s_main),
-        d(out.qx), d(out.sx), d(out.gx), d(out.dx),
-        d(out.qr), d(out.sr), d(out.gr), d(out.dr),
-        d(rsel), d(ramax),
-        d(smask),
-        int(k_top),
-    )
-    kw = dict(
-        NB=nb,
-        HAS_ROW_IDX=ridx is not None,
-        MAIN_GS_GIVEN=s_main is not None,
-        RES_MODE=res_mode,
-        RES_DEFER=defer,
-        WRITE_PACKED=write_packed,
-        WRITE_DQ=write_dq,
-        num_warps=num_warps or _num_warps_for(k),
-    )
-    LAST_LAUNCH["act_quant"] = _act_quant_row_kernel[(n_rows,)](*kargs, RADIX_BITS=radix, **kw)
+    if n_rows > 0:
+        dummy = gx if gx.numel() else torch.zeros(1, **f32)
+        d = lambda t: t if t is not None else dummy  # noqa: E731
+        ridx = row_idx.contiguous() if row_idx is not None else None
+        _act_quant_row_kernel[(n_rows,)](
+            x2d, d(ridx), x2d.stride(0), k,
+            d(s_main),
+            d(qx), d(sx), d(gx), d(dx),
+            d(qr), d(sr), d(gr), d(dr),
+            d(rsel), d(ramax),
+            d(smask),
+            int(k_top),
+            NB=triton.next_power_of_2(max(k // 16, 1)),
+            HAS_ROW_IDX=ridx is not None,
+            MAIN_GS_GIVEN=s_main is not None,
+            RES_MODE=res_mode,
+            RES_DEFER=defer,
+            WRITE_PACKED=write_packed,
+            WRITE_DQ=write_operand,
+            PACKED_SEARCH=_packed_search(topk_search, n_rows, k),
+            num_warps=num_warps or _num_warps_for(k),
+        )
+    e4m3 = lambda t: None if t is None else t.view(torch.float8_e4m3fn)  # noqa: E731
+    main = QuantizedRows(qx, e4m3(sx), gx, dx)
+    if res_mode == 0:
+        return RowQuantization(main, None)
     if defer:
-        _finish_deferred(out, rsel, ramax, write_packed, write_dq, k)
-    return out
-
-
-def _finish_deferred(out, rsel, ramax, write_packed, write_dq, k):
-    """Residual with one global scale over the tensor: quantize the selected residual."""
-    if rsel is None:
-        return
-    amax = ramax.amax() if ramax.numel() else torch.zeros((), dtype=torch.float32, device=ramax.device)
-    s_res = global_encode_scale_from_amax(amax)
-    out.gr = s_res.reshape(())
-    q, s, d = quantize_given_scale(rsel, s_res.reshape(1), max(rsel.shape[0], 1), write_packed, write_dq)
-    out.qr, out.sr, out.dr = q, s, d
+        # residual with one global scale over the tensor: quantize the selected residual
+        amax = ramax.amax() if n_rows else torch.zeros((), **f32)
+        s_res = global_encode_scale_from_amax(amax)
+        qr, sr, dr = quantize_given_scale(rsel, s_res.reshape(1), max(n_rows, 1), write_packed, write_operand)
+        gr = s_res.reshape(())
+    return RowQuantization(main, QuantizedRows(qr, e4m3(sr), gr, dr))

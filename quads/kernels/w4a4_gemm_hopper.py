@@ -36,11 +36,11 @@ depend on the tile shape: checked on the H200, see docs/kernels.md).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from quads.kernels._interpreter import interpreting
 
 __all__ = ["w4a4_gemm", "SEG_K", "GemmConfig", "pick_config", "dequant_weight_fp16"]
 
@@ -48,59 +48,26 @@ SEG_K = 1024
 WSHIFT = 7  # weight operand is e2m1 * s * 2^-WSHIFT; the epilogue multiplies by 2^WSHIFT
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # ---------------------------------------------------------------------------------------------
 # Weight tile dequantization
 # ---------------------------------------------------------------------------------------------
 
-_ASM_LO = tl.constexpr("""
-{
-.reg .b32 z, s0, s1, t0, t1, a, b;
-mov.b32 z, 0;
-mov.b32 s0, 0x4140;
-mov.b32 s1, 0x4342;
-prmt.b32 t0, $2, z, s0;
-prmt.b32 t1, $2, z, s1;
-shl.b32 a, t0, 9;
-and.b32 a, a, 0x0E000E00;
-shl.b32 b, t0, 12;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.f16x2 $0, a, $3;
-shl.b32 a, t1, 9;
-and.b32 a, a, 0x0E000E00;
-shl.b32 b, t1, 12;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.f16x2 $1, a, $4;
-}
-""")
 
-_ASM_HI = tl.constexpr("""
-{
-.reg .b32 z, s0, s1, t0, t1, a, b;
-mov.b32 z, 0;
-mov.b32 s0, 0x4140;
-mov.b32 s1, 0x4342;
-prmt.b32 t0, $2, z, s0;
-prmt.b32 t1, $2, z, s1;
-shl.b32 a, t0, 5;
-and.b32 a, a, 0x0E000E00;
-shl.b32 b, t0, 8;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.f16x2 $0, a, $3;
-shl.b32 a, t1, 5;
-and.b32 a, a, 0x0E000E00;
-shl.b32 b, t1, 8;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.f16x2 $1, a, $4;
-}
-""")
+def _nibbles_to_f16x2_ptx(shift: int) -> str:
+    """Inline PTX: 4 packed bytes -> 2 f16x2 registers of one nibble per byte (the low nibbles
+    for ``shift=9``, the high ones for ``shift=5``), each ``e2m1 * 2^-14`` (sign at bit 15)
+    times the f16x2 scale operand. ``prmt`` spreads bytes 0,1 / 2,3 into the two 16-bit halves."""
+    lines = ["{", ".reg .b32 z, s0, s1, t0, t1, a, b;", "mov.b32 z, 0;", "mov.b32 s0, 0x4140;",
+             "mov.b32 s1, 0x4342;", "prmt.b32 t0, $2, z, s0;", "prmt.b32 t1, $2, z, s1;"]
+    for t, out, scale in (("t0", "$0", "$3"), ("t1", "$1", "$4")):
+        lines += [f"shl.b32 a, {t}, {shift};", "and.b32 a, a, 0x0E000E00;",
+                  f"shl.b32 b, {t}, {shift + 3};", "and.b32 b, b, 0x80008000;",
+                  "or.b32 a, a, b;", f"mul.rn.f16x2 {out}, a, {scale};"]
+    return "\n".join(lines + ["}"])
+
+
+_ASM_LO = tl.constexpr(_nibbles_to_f16x2_ptx(9))
+_ASM_HI = tl.constexpr(_nibbles_to_f16x2_ptx(5))
 
 
 @triton.jit
@@ -139,7 +106,7 @@ def _segment_partial(
     """fp32 sums over channels [k_lo, k_hi) (a canonical segment), accumulated from zero.
 
     W_MODE 0: packed weight dequantized in registers; 1: weight pre-dequantized to fp16
-    (same values e2m1 * s * 2^-7, so the same bits come out); 2: benchmark-only fake dequant.
+    (same values e2m1 * s * 2^-7, so the same bits come out).
     """
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     accr = tl.zeros((BN, BM), dtype=tl.float32)
@@ -148,51 +115,21 @@ def _segment_partial(
     ks = tl.arange(0, BK // 16)
     for k0 in range(k_lo, k_hi, BK):
         kmask = (k0 + kk) < K
-        if W_MODE == 3:
-            # K-permuted variant (experimental): even channels (low nibbles) then odd channels
-            # (high nibbles) of each BLOCK_K tile, two dots, elementwise-only operand chain.
-            kmask_b = (k0 // 2 + kb) < KH
-            wmask = nmask[:, None] & kmask_b[None, :]
-            b = tl.load(WQ + offs_n[:, None] * KH + (k0 // 2 + kb)[None, :], mask=wmask, other=0)
-            se = tl.load(WS + offs_n[:, None] * KS + (k0 // 16 + kb // 8)[None, :], mask=wmask, other=0)
-            s16 = ((se.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * 32768.0
-            if USE_ASM:
-                lo = tl.inline_asm_elementwise(_ASM_LO, "=r,=r,r,r,r", [b, s16], dtype=tl.float16,
-                                               is_pure=True, pack=4)
-                hi = tl.inline_asm_elementwise(_ASM_HI, "=r,=r,r,r,r", [b, s16], dtype=tl.float16,
-                                               is_pure=True, pack=4)
-            else:
-                lo = _e2m1_bits_f16(b & 0xF) * s16
-                hi = _e2m1_bits_f16(b >> 4) * s16
-            xm = mmask[:, None] & kmask_b[None, :]
-            xe = tl.load(X + row_x[:, None] + (k0 + 2 * kb)[None, :], mask=xm, other=0.0)
-            xo = tl.load(X + row_x[:, None] + (k0 + 2 * kb + 1)[None, :], mask=xm, other=0.0)
-            acc = tl.dot(lo, tl.trans(xe), acc)
-            acc = tl.dot(hi, tl.trans(xo), acc)
-            if HAS_RES:
-                re = tl.load(R + row_r[:, None] + (k0 + 2 * kb)[None, :], mask=xm, other=0.0)
-                ro = tl.load(R + row_r[:, None] + (k0 + 2 * kb + 1)[None, :], mask=xm, other=0.0)
-                accr = tl.dot(lo, tl.trans(re), accr)
-                accr = tl.dot(hi, tl.trans(ro), accr)
+        if W_MODE == 1:
+            w = tl.load(W16 + offs_n[:, None].to(tl.int64) * K + (k0 + kk)[None, :],
+                        mask=nmask[:, None] & kmask[None, :], other=0.0)
         else:
-            if W_MODE == 1:
-                w = tl.load(W16 + offs_n[:, None].to(tl.int64) * K + (k0 + kk)[None, :],
-                            mask=nmask[:, None] & kmask[None, :], other=0.0)
-            else:
-                kmask_b = (k0 // 2 + kb) < KH
-                b = tl.load(WQ + offs_n[:, None] * KH + (k0 // 2 + kb)[None, :],
-                            mask=nmask[:, None] & kmask_b[None, :], other=0)
-                if W_MODE == 2:
-                    w = tl.reshape(tl.join((b & 15).to(tl.float16), (b >> 4).to(tl.float16)), (BN, BK))
-                else:
-                    sb = tl.load(WS + offs_n[:, None] * KS + (k0 // 16 + ks)[None, :],
-                                 mask=nmask[:, None] & ((k0 // 16 + ks) < KS)[None, :], other=0)
-                    w = _dequant_w(b, sb, BN, BK, USE_ASM)
-            x = tl.load(X + row_x[:, None] + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            acc = tl.dot(w, tl.trans(x), acc)
-            if HAS_RES:
-                r = tl.load(R + row_r[:, None] + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-                accr = tl.dot(w, tl.trans(r), accr)
+            kmask_b = (k0 // 2 + kb) < KH
+            b = tl.load(WQ + offs_n[:, None] * KH + (k0 // 2 + kb)[None, :],
+                        mask=nmask[:, None] & kmask_b[None, :], other=0)
+            sb = tl.load(WS + offs_n[:, None] * KS + (k0 // 16 + ks)[None, :],
+                         mask=nmask[:, None] & ((k0 // 16 + ks) < KS)[None, :], other=0)
+            w = _dequant_w(b, sb, BN, BK, USE_ASM)
+        x = tl.load(X + row_x[:, None] + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        if HAS_RES:
+            r = tl.load(R + row_r[:, None] + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            accr = tl.dot(w, tl.trans(r), accr)
     return acc, accr
 
 
@@ -302,10 +239,7 @@ def _dequant_weight_kernel(WQ, WS, W16, N, K, KH, KS, BR: tl.constexpr, BK: tl.c
 
 class GemmConfig:
     """Tile config. ``w_mode``: 0 = dequantize the packed weight in registers (decode),
-    1 = dequantize it once to fp16 and run an fp16 tensor-core GEMM (prefill); experiments kept for
-    the benchmark (docs/kernels.md): 2 = fake dequantization (wrong values; measures the cost of
-    the dequantization arithmetic), 3 = K-permuted operands without ``tl.join`` (slower, and a
-    different summation order, so not batch-invariant with modes 0/1)."""
+    1 = dequantize it once to fp16 and run an fp16 tensor-core GEMM (prefill)."""
 
     __slots__ = ("bn", "bm", "bk", "split", "num_warps", "num_stages", "use_asm", "w_mode")
 
@@ -318,19 +252,9 @@ class GemmConfig:
                 f"warps={self.num_warps}, stages={self.num_stages}, asm={self.use_asm}, w_mode={self.w_mode})")
 
 
-CONFIG_OVERRIDES: dict = {}  # bucket -> GemmConfig (benchmarks/bench_kernels.py --tune sets these)
-
-
-def m_bucket(m: int) -> str:
-    return "m16" if m <= 16 else "m64" if m <= 64 else "m256" if m <= 256 else "large"
-
-
 def pick_config(m: int, n: int, k: int) -> GemmConfig:
     """Tile choice by token count (tuned on the H200, see docs/kernels.md)."""
-    over = CONFIG_OVERRIDES.get(m_bucket(m))
-    if over is not None:
-        return over
-    if _interpreting():
+    if interpreting():
         return GemmConfig(bn=16, bm=16, bk=32, split=m <= 4, num_warps=1, num_stages=1, use_asm=False,
                           w_mode=1 if m > 8 else 0)
     # tuned on the H200 (benchmarks/bench_kernels.py --tune, 2026-11-29; docs/kernels.md)
@@ -347,15 +271,14 @@ def dequant_weight_fp16(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     k = kh * 2
     out = torch.empty((n, k), dtype=torch.float16, device=wq.device)
     ws_u8 = ws.view(torch.uint8) if ws.dtype != torch.uint8 else ws
-    br, bk = (16, 32) if _interpreting() else (32, 256)
+    br, bk = (16, 32) if interpreting() else (32, 256)
     bk = min(bk, max(16, triton.next_power_of_2(k)))
     _dequant_weight_kernel[(triton.cdiv(n, br), triton.cdiv(k, bk))](
-        wq, ws_u8, out, n, k, k // 2, k // 16, BR=br, BK=bk, USE_ASM=not _interpreting(), num_warps=4)
+        wq, ws_u8, out, n, k, k // 2, k // 16, BR=br, BK=bk, USE_ASM=not interpreting(), num_warps=4)
     return out
 
 
 _LOCKS: dict = {}
-LAST_LAUNCH: dict = {}  # the last compiled-kernel handle per kernel (registers/spills/PTX in benchmarks)
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
@@ -397,7 +320,7 @@ def w4a4_gemm(
     if seg_k % cfg.bk:
         raise ValueError(f"BLOCK_K={cfg.bk} must divide the K segment {seg_k}")
     dev = x16.device
-    if _interpreting() and out_dtype == torch.bfloat16 and out is None:
+    if interpreting() and out_dtype == torch.bfloat16 and out is None:
         # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even
         return w4a4_gemm(x16, sx, wq, ws, sw, r16, sr, bias, torch.float32, config, None, seg_k).to(out_dtype)
     y = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=dev)
@@ -416,13 +339,13 @@ def w4a4_gemm(
     else:
         part = locks = sx  # unused
     w16 = dequant_weight_fp16(wq, ws_u8) if cfg.w_mode == 1 else sx
-    LAST_LAUNCH["gemm"] = _w4a4_gemm_kernel[grid](
+    _w4a4_gemm_kernel[grid](
         x16, r16 if has_res else x16, sx, sr if has_res else sx,
         wq, ws_u8, w16, sw.reshape(1) if sw.dim() == 0 else sw,
         bias if bias is not None else sx, y, part, locks,
         m, n, k, k // 2, k // 16, x16.stride(0), (r16 if has_res else x16).stride(0), y.stride(0),
         SEG=seg_k, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, SPLIT=split,
-        HAS_RES=has_res, HAS_BIAS=bias is not None, USE_ASM=cfg.use_asm and not _interpreting(),
+        HAS_RES=has_res, HAS_BIAS=bias is not None, USE_ASM=cfg.use_asm and not interpreting(),
         W_MODE=cfg.w_mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -1,68 +1,88 @@
-"""Online NVFP4 activation quantization with residual compensation (torch reference).
+"""Online NVFP4 activation quantization with residual compensation: the op, reference and kernel glue.
 
 QUADS rollout activations: ``x_hat = DQ(Q(x))``; the residual ``r = x - x_hat``; a channel
 mask ``S`` (per token: the channels whose |r| is among the top ``k`` of that row; static: a
 calibrated per-layer channel set); ``r_hat = DQ(Q(r * 1_S))`` with its own global scale;
-the GEMM then uses ``x_hat + r_hat`` (computed as two W4A4 products, see rollout_linear).
+the GEMM then uses ``x_hat + r_hat`` (computed as two W4A4 products, see :mod:`quads.ops.linear`).
 
 Global activation scales are per row (per token) by default, so a token's quantization, and
 hence its log-probs, never depend on which other tokens share the batch (batch invariance;
-the Triton kernels get the whole row in one pass for free). ``"tensor"`` is available for
-comparison. Everything here calls :mod:`quads.tensor.nvfp4_math`; the Triton kernels are
-checked bit-exact against these functions.
+the Triton kernel gets the whole row in one pass for free). ``"tensor"`` is available for
+comparison. The reference calls :mod:`quads.tensor.nvfp4_math`; the Triton kernel
+(:func:`quads.kernels.quantize_nvfp4.quantize_rows`) is checked bit-exact against it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
+from quads.tensor.nvfp4_math import NVFP4Parts, check_quantizable, nvfp4_dequantize, nvfp4_quantize
 
 __all__ = [
     "ActivationQuant",
+    "ActivationOperands",
     "QuantizedActivation",
+    "RESIDUAL_SELECTIONS",
+    "ACTIVATION_GRANULARITIES",
     "num_residual_channels",
     "per_token_residual_mask",
     "quantize_activation_reference",
+    "quantize_activation_triton",
+    "activation_operands_triton",
     "dequantize_activation",
 ]
 
 RESIDUAL_SELECTIONS = ("per_token", "static")
-ACTIVATION_SCALE_GRANULARITIES = ("row", "tensor")
+ACTIVATION_GRANULARITIES = ("row", "tensor")
 
 
 @dataclass(frozen=True)
 class ActivationQuant:
-    """How a rollout layer quantizes its input.
+    """How a rollout layer quantizes its input (the defaults are the QUADS policy's defaults).
 
     residual_fraction: fraction k of the K channels whose residual is re-quantized and added
         back (0 = naive W4A4). The per-token channel count is ``round_half_up(k*K)``.
     selection: ``"per_token"`` (top-k |r| of each row, ties at the threshold all included) or
         ``"static"`` (the layer's calibrated channel mask, see ``quads.calibrate_residual_channels``).
-    global_scale: ``"row"`` (one NVFP4 global scale per token, batch invariant) or ``"tensor"``.
+    granularity: global-scale groups of the activation: ``"row"`` (one NVFP4 global scale per
+        token, batch invariant) or ``"tensor"``.
     """
 
     residual_fraction: float = 0.5
     selection: str = "per_token"
-    global_scale: str = "row"
+    granularity: str = "row"
 
     def __post_init__(self):
-        if not 0.0 <= self.residual_fraction <= 1.0:
-            raise ValueError(f"residual_fraction must be in [0, 1], got {self.residual_fraction}")
+        f = self.residual_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"residual_fraction must be a number in [0, 1], got {f!r}")
         if self.selection not in RESIDUAL_SELECTIONS:
             raise ValueError(f"selection must be one of {RESIDUAL_SELECTIONS}, got {self.selection!r}")
-        if self.global_scale not in ACTIVATION_SCALE_GRANULARITIES:
-            raise ValueError(
-                f"global_scale must be one of {ACTIVATION_SCALE_GRANULARITIES}, got {self.global_scale!r}"
-            )
+        if self.granularity not in ACTIVATION_GRANULARITIES:
+            raise ValueError(f"granularity must be one of {ACTIVATION_GRANULARITIES}, got {self.granularity!r}")
+
+    @property
+    def has_residual(self) -> bool:
+        return self.residual_fraction > 0.0
 
 
 class QuantizedActivation(NamedTuple):
     main: NVFP4Parts  # Q(x)
     residual: NVFP4Parts | None  # Q(r * 1_S), or None without compensation
+
+
+class ActivationOperands(NamedTuple):
+    """The GEMM-side form of a quantized activation: fp16 ``e2m1 * f32(scale)`` (exact, unscaled)
+    and per-row fp32 global scales, for the main term and the residual (or None)."""
+
+    main: torch.Tensor
+    main_scale: torch.Tensor
+    residual: torch.Tensor | None
+    residual_scale: torch.Tensor | None
 
 
 def num_residual_channels(k_dim: int, fraction: float) -> int:
@@ -84,29 +104,44 @@ def per_token_residual_mask(residual: torch.Tensor, fraction: float) -> torch.Te
     return mag >= threshold
 
 
+def _static_mask_for(x2d: torch.Tensor, static_mask: torch.Tensor | None) -> torch.Tensor:
+    if static_mask is None:
+        raise ValueError(
+            "selection='static' needs a calibrated channel mask: run "
+            "quads.calibrate_residual_channels(model, batches) first"
+        )
+    mask = static_mask.to(device=x2d.device, dtype=torch.bool)
+    if mask.numel() != x2d.shape[-1]:
+        raise ValueError(
+            f"the static residual mask must be one channel set of K={x2d.shape[-1]} per layer, "
+            f"got shape {tuple(mask.shape)}"
+        )
+    return mask.reshape(-1)
+
+
+def _check_2d(x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"quantize_activation expects (M, K), got {tuple(x.shape)}")
+    check_quantizable(x, "activation")
+
+
 def quantize_activation_reference(
     x: torch.Tensor,
     config: ActivationQuant,
     static_mask: torch.Tensor | None = None,
 ) -> QuantizedActivation:
-    """Quantize a 2-D activation ``x`` (M, K) per ``config`` (torch reference)."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize_activation expects (M, K), got {tuple(x.shape)}")
-    main = nvfp4_quantize(x, config.global_scale)
-    if config.residual_fraction == 0.0:
+    """Quantize a 2-D activation ``x`` (M, K) per ``config`` (torch reference: the spec)."""
+    _check_2d(x)
+    main = nvfp4_quantize(x, config.granularity)
+    if not config.has_residual:
         return QuantizedActivation(main, None)
     residual = x.to(torch.float32) - nvfp4_dequantize(*main, dtype=torch.float32)
     if config.selection == "per_token":
         mask = per_token_residual_mask(residual, config.residual_fraction)
     else:
-        if static_mask is None:
-            raise ValueError(
-                "selection='static' needs a calibrated channel mask: run "
-                "quads.calibrate_residual_channels(model, batches) first"
-            )
-        mask = static_mask.to(device=x.device, dtype=torch.bool).expand_as(residual)
+        mask = _static_mask_for(x, static_mask).expand_as(residual)
     selected = torch.where(mask, residual, torch.zeros_like(residual))
-    return QuantizedActivation(main, nvfp4_quantize(selected, config.global_scale))
+    return QuantizedActivation(main, nvfp4_quantize(selected, config.granularity))
 
 
 def dequantize_activation(qa: QuantizedActivation) -> torch.Tensor:
@@ -115,3 +150,50 @@ def dequantize_activation(qa: QuantizedActivation) -> torch.Tensor:
     if qa.residual is not None:
         out = out + nvfp4_dequantize(*qa.residual, dtype=torch.float32)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton glue
+# ---------------------------------------------------------------------------------------------
+
+
+def _kernel_residual_args(x2d: torch.Tensor, config: ActivationQuant, static_mask):
+    """(residual mode, k_top, static mask) as the row kernel takes them."""
+    if not config.has_residual:
+        return "none", 0, None
+    if config.selection == "static":
+        return "static", 0, _static_mask_for(x2d, static_mask)
+    return "per_token", num_residual_channels(x2d.shape[-1], config.residual_fraction), None
+
+
+def quantize_activation_triton(
+    x2d: torch.Tensor, config: ActivationQuant, static_mask: torch.Tensor | None = None
+) -> QuantizedActivation:
+    """Kernel twin of :func:`quantize_activation_reference` (same bits)."""
+    from quads.kernels.quantize_nvfp4 import quantize_rows
+
+    _check_2d(x2d)
+    residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
+    q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask,
+                      granularity=config.granularity, write_packed=True)
+    return QuantizedActivation(q.main.parts(), None if q.residual is None else q.residual.parts())
+
+
+def _per_row(s: torch.Tensor, m: int) -> torch.Tensor:
+    return s.reshape(1).expand(m).contiguous() if s.dim() == 0 else s
+
+
+def activation_operands_triton(
+    x2d: torch.Tensor, config: ActivationQuant, static_mask: torch.Tensor | None = None
+) -> ActivationOperands:
+    """Quantize rows straight into the GEMM operands (fp16 unscaled values, per-row scales)."""
+    from quads.kernels.quantize_nvfp4 import quantize_rows
+
+    residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
+    q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask,
+                      granularity=config.granularity, write_packed=False, write_operand=True)
+    m = x2d.shape[0]
+    main = (q.main.operand, _per_row(q.main.global_encode_scale, m))
+    if q.residual is None:
+        return ActivationOperands(*main, None, None)
+    return ActivationOperands(*main, q.residual.operand, _per_row(q.residual.global_encode_scale, m))

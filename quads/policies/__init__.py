@@ -1,14 +1,22 @@
-"""Precision policies: `QuadsPolicy`, `quantize_`, trainer->rollout weight sync, calibration."""
+"""Precision policies: `QuadsPolicy`, `quantize_`, trainer->rollout weight sync, calibration,
+named presets and rollout copies. Imports ``tensor``, ``kernels`` (through ``ops``) and ``ops``."""
 
 from quads.policies.calibrate import calibrate_residual_channels
 from quads.policies.policy import DEFAULT_SKIP_PATTERNS, QuadsPolicy
+from quads.policies.presets import POLICY_PRESETS, PolicyPreset, get_preset
 from quads.policies.quantize import quantize_, quantized_modules
+from quads.policies.rollout_copy import build_rollout_model, copy_model
 from quads.policies.sync import sync_weights_
 
 __all__ = [
     "DEFAULT_SKIP_PATTERNS",
+    "POLICY_PRESETS",
+    "PolicyPreset",
     "QuadsPolicy",
+    "build_rollout_model",
     "calibrate_residual_channels",
+    "copy_model",
+    "get_preset",
     "quantize_",
     "quantized_modules",
     "sync_weights_",

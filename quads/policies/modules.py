@@ -8,6 +8,9 @@ attributes (``act_fn``, ``_apply_gate``, ``config``) are untouched. Two module k
 * transformers-5 fused MoE experts: 3-D ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``
   (Qwen3-MoE, Mixtral, OLMoE, ...). The trainer fake-quantizes each 3-D weight once per
   forward (one global scale per expert), not once per expert slice.
+
+Rollout modules store the :class:`~quads.ops.Backend` that runs their ops (``quads_backend``),
+chosen when they are converted and again whenever they are moved to another device.
 """
 
 from __future__ import annotations
@@ -17,18 +20,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.moe_experts import experts_loop, rollout_experts
-from quads.ops.rollout_linear import rollout_linear
+from quads.ops.backend import Backend, select_backend
+from quads.ops.experts import experts_loop
+from quads.ops.functional import rollout_experts, rollout_linear
 from quads.policies.policy import QuadsPolicy
 from quads.policies.ste import fake_quantize_activation, fake_quantize_weight
 
 __all__ = [
     "QuadsModule",
+    "RolloutModule",
     "TrainerLinear",
     "RolloutLinear",
     "TrainerExperts",
     "RolloutExperts",
     "is_fused_experts",
+    "apply_gate",
 ]
 
 
@@ -59,7 +65,27 @@ class QuadsModule:
         extra = f"quads={p.side}, activations={p.activations}"
         if p.side == "rollout" and p.activations == "nvfp4":
             extra += f", residual={p.residual_fraction}/{p.residual_selection}"
+        if isinstance(self, RolloutModule):
+            extra += f", backend={self.quads_backend.name}"
         return f"{base}, {extra}" if base else extra
+
+
+class RolloutModule(QuadsModule):
+    """Rollout mixin: owns packed parameters and the backend chosen for their device."""
+
+    #: names of the packed NVFP4 parameters of this module kind
+    quads_packed_names: tuple[str, ...] = ()
+    quads_backend: Backend
+
+    def quads_select_backend(self) -> None:
+        """(Re)pick the backend for the device the packed weights are on."""
+        device = getattr(self, self.quads_packed_names[0]).device
+        self.quads_backend = select_backend(device)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.quads_select_backend()  # .to(device) / .cuda(): the backend follows the weights
+        return out
 
 
 class TrainerLinear(QuadsModule):
@@ -69,15 +95,17 @@ class TrainerLinear(QuadsModule):
         return F.linear(x, fake_quantize_weight(self.weight), self.bias)
 
 
-class RolloutLinear(QuadsModule):
+class RolloutLinear(RolloutModule):
+    quads_packed_names = ("weight",)
     #: calibrated channel mask (K,) for residual_selection="static", else None
     quads_static_mask: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rollout_linear(x, self.weight, self.bias, self.quads_act, self.quads_static_mask)
+        return rollout_linear(x, self.weight, self.bias, self.quads_act, self.quads_static_mask, self.quads_backend)
 
 
-def _apply_gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+def apply_gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """A fused experts module's gate: its ``_apply_gate`` if it has one, else ``act(gate) * up``."""
     gate_fn = getattr(module, "_apply_gate", None)
     if gate_fn is not None:
         return gate_fn(gate_up_out)
@@ -102,7 +130,7 @@ class TrainerExperts(QuadsModule):
             if act is not None:
                 rows = fake_quantize_activation(rows, act)
             h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
-            h = _apply_gate(self, h)
+            h = apply_gate(self, h)
             if act is not None:
                 h = fake_quantize_activation(h, act)
             return F.linear(h, down[e], None if down_bias is None else down_bias[e])
@@ -110,14 +138,15 @@ class TrainerExperts(QuadsModule):
         return experts_loop(hidden_states, top_k_index, top_k_weights, gate_up.shape[0], mlp)
 
 
-class RolloutExperts(QuadsModule):
+class RolloutExperts(RolloutModule):
+    quads_packed_names = ("gate_up_proj", "down_proj")
     #: calibrated channel masks (H,) for gate_up's input and (I,) for down's input
     quads_static_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     #: set by calibration: called with (input_name, activation) for every quantized input
     quads_observer = None
 
     def _gate_and_observe(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-        h = _apply_gate(self, gate_up_out)
+        h = apply_gate(self, gate_up_out)
         if self.quads_observer is not None:
             self.quads_observer("down_proj", h)
         return h
@@ -136,4 +165,5 @@ class RolloutExperts(QuadsModule):
             _bias(self, "gate_up_proj_bias"),
             _bias(self, "down_proj_bias"),
             self.quads_static_masks,
+            self.quads_backend,
         )

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from quads.ops.activation_quant import ActivationQuant
 
-__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS"]
+__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES"]
 
 SIDES = ("trainer", "rollout")
 ACTIVATION_MODES = ("bf16", "nvfp4")
+
+# The activation defaults live in one place: ActivationQuant's fields.
+_ACT_DEFAULTS = {f.name: f.default for f in fields(ActivationQuant)}
 
 # Module-name regexes never quantized by default: embeddings, the LM head, MoE routers /
 # gates (the routing decision is discrete, a flipped expert is a large log-prob error) and
@@ -33,20 +36,22 @@ class QuadsPolicy:
         W4A16 QAT, the QUADS default), ``"nvfp4"`` for the rollout (W4A4). ``"nvfp4"`` on the
         trainer is the symmetric-QAT ablation.
     residual_fraction: rollout only: fraction of channels whose activation-quantization
-        residual is re-quantized and added back (0.5 default; 0 = naive W4A4).
-    residual_selection: ``"per_token"`` (top-k |residual| channels of each token, default)
+        residual is re-quantized and added back (0 = naive W4A4).
+    residual_selection: ``"per_token"`` (top-k |residual| channels of each token)
         or ``"static"`` (a per-layer channel set from ``calibrate_residual_channels``).
-    activation_global_scale: ``"row"`` (per-token NVFP4 global scale, batch invariant,
-        default) or ``"tensor"``.
+    activation_granularity: global-scale groups of the activations: ``"row"`` (per-token
+        NVFP4 global scale, batch invariant) or ``"tensor"``.
     skip_patterns: regexes of module names left in high precision (see DEFAULT_SKIP_PATTERNS).
     extra_skip_patterns: regexes added to ``skip_patterns`` (the usual override).
+
+    Defaults of the three activation fields are :class:`~quads.ops.ActivationQuant`'s.
     """
 
     side: str
     activations: str | None = None
-    residual_fraction: float = 0.5
-    residual_selection: str = "per_token"
-    activation_global_scale: str = "row"
+    residual_fraction: float = _ACT_DEFAULTS["residual_fraction"]
+    residual_selection: str = _ACT_DEFAULTS["selection"]
+    activation_granularity: str = _ACT_DEFAULTS["granularity"]
     skip_patterns: tuple[str, ...] = DEFAULT_SKIP_PATTERNS
     extra_skip_patterns: tuple[str, ...] = field(default_factory=tuple)
 
@@ -57,9 +62,18 @@ class QuadsPolicy:
             object.__setattr__(self, "activations", "bf16" if self.side == "trainer" else "nvfp4")
         if self.activations not in ACTIVATION_MODES:
             raise ValueError(f"QuadsPolicy.activations must be one of {ACTIVATION_MODES}, got {self.activations!r}")
+        for name in ("skip_patterns", "extra_skip_patterns"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                raise TypeError(f"QuadsPolicy.{name} must be a tuple of regex strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
         for pattern in self.all_skip_patterns:
-            re.compile(pattern)
-        self.activation_quant  # validates the residual fields
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"QuadsPolicy: bad skip pattern {pattern!r}: {err}") from None
+        # validates the residual fields on every side (ActivationQuant checks them)
+        ActivationQuant(self.residual_fraction, self.residual_selection, self.activation_granularity)
 
     @property
     def all_skip_patterns(self) -> tuple[str, ...]:
@@ -75,7 +89,7 @@ class QuadsPolicy:
         if self.activations == "bf16":
             return None
         fraction = self.residual_fraction if self.side == "rollout" else 0.0
-        return ActivationQuant(fraction, self.residual_selection, self.activation_global_scale)
+        return ActivationQuant(fraction, self.residual_selection, self.activation_granularity)
 
     def skips(self, module_name: str) -> bool:
         return any(re.search(p, module_name) for p in self.all_skip_patterns)

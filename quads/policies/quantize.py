@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn as nn
 
+from quads.ops.backend import Backend, select_backend
 from quads.policies.modules import (
     QuadsModule,
     RolloutExperts,
     RolloutLinear,
     TrainerExperts,
     TrainerLinear,
-    is_fused_experts,
 )
 from quads.policies.policy import QuadsPolicy
+from quads.policies.walk import FilterFn, conversion_targets
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor, check_finite
 
-__all__ = ["quantize_", "quantized_modules"]
+__all__ = ["quantize_", "quantized_modules", "pack_weight"]
 
-FilterFn = Callable[[nn.Module, str], bool]
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
 
 
@@ -33,11 +31,15 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     module.__class__ = _CLASS_CACHE[key]
 
 
-def _pack_parameter(module: nn.Module, name: str, qualified: str) -> None:
+def pack_weight(weight: torch.Tensor, backend: Backend, what: str = "weight") -> NVFP4Tensor:
+    """A dense 2-D/3-D weight as an NVFP4Tensor, quantized by ``backend`` (same bits on any backend)."""
+    check_finite(weight, what)
+    return NVFP4Tensor(*backend.quantize_weight(weight.detach()), orig_dtype=weight.dtype)
+
+
+def _pack_parameter(module: nn.Module, name: str, qualified: str, backend: Backend) -> None:
     """Replace a BF16 parameter by its packed NVFP4Tensor (frozen) under the same name."""
-    weight = getattr(module, name).detach()
-    check_finite(weight, qualified)
-    packed = NVFP4Tensor.from_float(weight)
+    packed = pack_weight(getattr(module, name).detach(), backend, qualified)
     setattr(module, name, nn.Parameter(packed, requires_grad=False))
 
 
@@ -56,8 +58,10 @@ def _convert_linear(module: nn.Linear, name: str, policy: QuadsPolicy) -> None:
     if policy.side == "trainer":
         _swap_class(module, TrainerLinear)
     else:
-        _pack_parameter(module, "weight", f"{name}.weight")
+        backend = select_backend(module.weight.device)
+        _pack_parameter(module, "weight", f"{name}.weight", backend)
         _swap_class(module, RolloutLinear)
+        module.quads_backend = backend
     module.quads_policy = policy
 
 
@@ -71,9 +75,11 @@ def _convert_experts(module: nn.Module, name: str, policy: QuadsPolicy) -> None:
     if policy.side == "trainer":
         _swap_class(module, TrainerExperts)
     else:
+        backend = select_backend(module.gate_up_proj.device)
         for pname in ("gate_up_proj", "down_proj"):
-            _pack_parameter(module, pname, f"{name}.{pname}")
+            _pack_parameter(module, pname, f"{name}.{pname}", backend)
         _swap_class(module, RolloutExperts)
+        module.quads_backend = backend
     module.quads_policy = policy
 
 
@@ -89,7 +95,8 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
     matched by the policy's skip patterns and for which ``filter_fn(module, name)`` (if given)
     is true. Trainer side: weights stay BF16 parameters, fake-quantized in each forward with a
     straight-through gradient. Rollout side: weights become frozen ``NVFP4Tensor`` parameters
-    and activations are quantized online (W4A4 + residual compensation).
+    and activations are quantized online (W4A4 + residual compensation); each rollout module
+    stores the backend (:func:`quads.ops.select_backend`) for its weights' device.
 
     Raises ValueError if the model is already quantized or nothing matches.
     """
@@ -100,19 +107,7 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
         first = next(iter(already))
         raise ValueError(f"model is already quantized by quads (e.g. {first!r}); build a fresh model to re-quantize")
 
-    targets: list[tuple[str, nn.Module, str]] = []
-    for name, module in model.named_modules():
-        if policy.skips(name):
-            continue
-        if isinstance(module, nn.Linear):
-            kind = "linear"
-        elif is_fused_experts(module):
-            kind = "experts"
-        else:
-            continue
-        if filter_fn is not None and not filter_fn(module, name):
-            continue
-        targets.append((name, module, kind))
+    targets = conversion_targets(model, policy.skips, filter_fn)
     if not targets:
         raise ValueError(
             "quantize_: the policy matched no module (no nn.Linear or fused MoE experts outside "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from quads.ops.activation_quant import ActivationQuant, dequantize_activation
+from quads.ops.functional import quantize_activation
 from quads.tensor.nvfp4_math import nvfp4_fake_quantize
 
 __all__ = ["fake_quantize_weight", "fake_quantize_activation"]
@@ -30,8 +31,6 @@ class _FakeQuantWeightSTE(torch.autograd.Function):
 class _FakeQuantActivationSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, config: ActivationQuant) -> torch.Tensor:
-        from quads.ops.rollout_linear import quantize_activation
-
         x2 = x.reshape(-1, x.shape[-1])
         return dequantize_activation(quantize_activation(x2, config)).to(x.dtype).reshape(x.shape)
 

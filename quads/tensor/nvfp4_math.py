@@ -37,6 +37,8 @@ __all__ = [
     "unpack_e2m1",
     "global_encode_scale_from_amax",
     "global_amax",
+    "default_granularity",
+    "GLOBAL_SCALE_GRANULARITIES",
     "nvfp4_quantize",
     "nvfp4_dequantize",
     "nvfp4_fake_quantize",
@@ -142,14 +144,15 @@ def global_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
         return a.amax() if a.numel() else a.new_zeros(())
     if granularity == "expert":
         if x.dim() != 3:
-            raise ValueError(f"'expert' global scales need a 3-D tensor, got {tuple(x.shape)}")
+            raise ValueError(f"'expert' global scales need a 3-D (experts, N, K) tensor, got shape {tuple(x.shape)}")
         return a.amax(dim=(1, 2))
     if granularity == "row":
         return a.amax(dim=-1)
     raise ValueError(f"unknown global-scale granularity {granularity!r}; use one of {GLOBAL_SCALE_GRANULARITIES}")
 
 
-def _default_granularity(x: torch.Tensor) -> str:
+def default_granularity(x: torch.Tensor) -> str:
+    """One global scale per tensor for 1-D/2-D weights, one per expert for 3-D expert weights."""
     return "expert" if x.dim() == 3 else "tensor"
 
 
@@ -179,7 +182,7 @@ def nvfp4_quantize(
         NVFP4Parts(qdata, scale, global_encode_scale).
     """
     check_quantizable(x)
-    granularity = granularity or _default_granularity(x)
+    granularity = granularity or default_granularity(x)
     if global_encode_scale is None:
         global_encode_scale = global_encode_scale_from_amax(global_amax(x, granularity))
     else:

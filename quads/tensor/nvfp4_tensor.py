@@ -13,6 +13,8 @@ Ops on it are implemented in ``__torch_dispatch__`` by a small table of handlers
 on the parts; matrix ops (mm, addmm, bmm, ``_grouped_mm``) dequantize the weight to the other
 operand's dtype and run the high-precision op (the weight-only W4A16 path). The fast W4A4
 rollout path does not go through here: it calls ``quads.ops`` with the parts directly.
+This module computes with the recipe of :mod:`quads.tensor.nvfp4_math` only (the tensor layer
+imports nothing above it).
 Anything else raises ``NotImplementedError`` naming the op.
 
 A transpose of the last two dims is recorded as a flag (``transposed``); the parts always
@@ -31,6 +33,7 @@ from quads.tensor.nvfp4_math import (
     NVFP4Parts,
     check_quantizable,
     nvfp4_dequantize,
+    nvfp4_quantize,
 )
 
 aten = torch.ops.aten
@@ -38,15 +41,14 @@ aten = torch.ops.aten
 __all__ = ["NVFP4Tensor"]
 
 
-def _granularity_of(global_encode_scale: torch.Tensor) -> str:
-    return "tensor" if global_encode_scale.dim() == 0 else "expert"
-
-
-def _quantize_weight(x: torch.Tensor, granularity: str | None) -> NVFP4Parts:
-    # Lazy import: quads.ops depends on this module; it dispatches to a GPU kernel when one runs.
-    from quads.ops.quantize_weight import quantize_weight
-
-    return quantize_weight(x, granularity)
+def _granularity_of(t: "NVFP4Tensor") -> str:
+    """The global-scale granularity of a packed tensor, read off its global-scale shape."""
+    gs = t.global_encode_scale
+    if gs.dim() == 0:
+        return "tensor"
+    if t.qdata.dim() == 3 and tuple(gs.shape) == tuple(t.qdata.shape[:1]):
+        return "expert"
+    return "row"
 
 
 def check_finite(x: torch.Tensor, what: str) -> None:
@@ -99,13 +101,16 @@ class NVFP4Tensor(torch.Tensor):
 
     @classmethod
     def from_float(cls, x: torch.Tensor, granularity: str | None = None) -> "NVFP4Tensor":
-        """Quantize a 2-D (one global scale) or 3-D (one per expert) weight."""
+        """Quantize a 2-D (one global scale) or 3-D (one per expert) weight with the recipe.
+
+        (The rollout side quantizes through its backend, whose kernels give the same bits, and
+        wraps the parts: ``NVFP4Tensor(*parts, orig_dtype=...)``.)
+        """
         check_quantizable(x, "NVFP4Tensor.from_float")
         if x.dim() not in (2, 3):
             raise ValueError(f"NVFP4Tensor holds 2-D or 3-D weights, got shape {tuple(x.shape)}")
         check_finite(x, "NVFP4Tensor.from_float")
-        parts = _quantize_weight(x, granularity)
-        return cls(*parts, orig_dtype=x.dtype)
+        return cls(*nvfp4_quantize(x, granularity), orig_dtype=x.dtype)
 
     @property
     def parts(self) -> NVFP4Parts:
@@ -236,7 +241,7 @@ def _copy_(func, args, kwargs):
     else:
         dense = src.transpose(-2, -1) if dst.transposed else src
         check_finite(dense, "NVFP4Tensor.copy_")
-        parts = _quantize_weight(dense, _granularity_of(dst.global_encode_scale))
+        parts = nvfp4_quantize(dense, _granularity_of(dst))
     dst.qdata.copy_(parts.qdata)
     dst.scale.copy_(parts.scale)
     dst.global_encode_scale.copy_(parts.global_encode_scale)

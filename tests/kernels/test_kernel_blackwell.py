@@ -7,7 +7,7 @@ import torch
 
 
 from quads.kernels.blackwell import fp4_unscaled_mm, is_blackwell, to_blocked
-from quads.ops.rollout_linear import _unscaled
+from quads.ops.linear import unscaled_values
 from quads.tensor.nvfp4_math import nvfp4_quantize
 
 
@@ -29,5 +29,5 @@ def test_fp4_unscaled_mm_matches_emulation():
     a = nvfp4_quantize(torch.randn(256, 512, generator=g).cuda(), "row")
     w = nvfp4_quantize(torch.randn(384, 512, generator=g).cuda())
     got = fp4_unscaled_mm(a, w)
-    ref = _unscaled(a) @ _unscaled(w).T
+    ref = unscaled_values(a) @ unscaled_values(w).T
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-3)

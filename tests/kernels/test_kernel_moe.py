@@ -11,12 +11,10 @@ triton = pytest.importorskip("triton")
 # the interpreter evaluates 1/0 -> inf on purpose (E4M3 zero scales): numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-from quads.kernels import rollout_experts_kernel  # noqa: E402
 from quads.kernels.moe_grouped_gemm import MoeConfig, moe_w4a4_gemm  # noqa: E402
 from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
 from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
-from quads.ops import ActivationQuant, use_backend  # noqa: E402
-from quads.ops.moe_experts import rollout_experts  # noqa: E402
+from quads.ops import ActivationQuant, get_backend, rollout_experts, use_backend  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,7 +37,7 @@ def gate(h):
 
 
 @pytest.mark.parametrize("act", [ActivationQuant(), ActivationQuant(residual_fraction=0.0),
-                                 ActivationQuant(global_scale="tensor")], ids=["res", "plain", "tensor"])
+                                 ActivationQuant(granularity="tensor")], ids=["res", "plain", "tensor"])
 def test_experts_match_reference(act):
     gu, dn, hid, idx, wts = _experts()
     idx[0, 1] = E  # an expert-parallel sentinel: contributes nothing
@@ -63,20 +61,21 @@ def test_grouped_rows_equal_dense_kernel_bits():
     offsets = torch.zeros(E + 1, dtype=torch.int32)
     offsets[1:] = torch.cumsum(counts, 0)
     rows = (order // TOPK).to(torch.int32)
-    q = quantize_rows(hid.to(DEV), residual="per_token", k_top=H // 2, write_packed=False, write_dq=True)
+    q = quantize_rows(hid.to(DEV), residual="per_token", k_top=H // 2, write_packed=False, write_operand=True)
+    dx, gx, dr, gr = q.main.operand, q.main.global_encode_scale, q.residual.operand, q.residual.global_encode_scale
     p = gu.to(DEV).parts
     seg = 32 if INTERP else 1024
     mcfg = MoeConfig(16, 16, 32, 1, 1, False) if INTERP else MoeConfig(64, 16, 128, 4, 3)
     dcfg = GemmConfig(16, 16, 32, False, 1, 1, False) if INTERP else GemmConfig(64, 16, 128, False, 4, 3)
-    y = moe_w4a4_gemm(q.dx, q.gx, rows.to(DEV), offsets.to(DEV), p.qdata, p.scale, p.global_encode_scale,
-                      flat.numel(), q.dr, q.gr, config=mcfg, seg_k=seg)
+    y = moe_w4a4_gemm(dx, gx, rows.to(DEV), offsets.to(DEV), p.qdata, p.scale, p.global_encode_scale,
+                      flat.numel(), dr, gr, config=mcfg, seg_k=seg)
     for e in range(E):
         sel = order[offsets[e]:offsets[e + 1]]
         if sel.numel() == 0:
             continue
         toks = (sel // TOPK).to(DEV)
-        dense = w4a4_gemm(q.dx[toks], q.gx[toks], p.qdata[e], p.scale[e], p.global_encode_scale[e],
-                          q.dr[toks], q.gr[toks], config=dcfg, seg_k=seg)
+        dense = w4a4_gemm(dx[toks], gx[toks], p.qdata[e], p.scale[e], p.global_encode_scale[e],
+                          dr[toks], gr[toks], config=dcfg, seg_k=seg)
         assert torch.equal(y[offsets[e]:offsets[e + 1]].cpu(), dense.cpu())
 
 
@@ -85,6 +84,7 @@ def test_entry_point_no_tokens_for_most_experts():
     idx[:] = 3  # everyone routed to one expert (repeated: both choices)
     act = ActivationQuant()
     ref = rollout_experts(hid, idx, wts, gu, dn, gate, act)
-    got = rollout_experts_kernel(hid.to(DEV), idx.to(DEV), wts.to(DEV), gu.to(DEV), dn.to(DEV), gate, act)
+    got = rollout_experts(hid.to(DEV), idx.to(DEV), wts.to(DEV), gu.to(DEV), dn.to(DEV), gate, act,
+                          backend=get_backend("hopper"))
     err = (got.cpu().float() - ref.float()).norm() / ref.float().norm()
     assert err < 2e-2

@@ -12,14 +12,15 @@ triton = pytest.importorskip("triton")
 # the interpreter evaluates 1/0 -> inf on purpose (E4M3 zero scales): numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-from quads.kernels import quantize_activation_kernel, quantize_weight_kernel  # noqa: E402
 from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
 from quads.ops import use_backend  # noqa: E402
 from quads.ops.activation_quant import (  # noqa: E402
     ActivationQuant,
     num_residual_channels,
     quantize_activation_reference,
+    quantize_activation_triton,
 )
+from quads.ops.weight_quant import quantize_weight_triton  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 
@@ -75,41 +76,41 @@ CONFIGS = [
     ActivationQuant(residual_fraction=1.0),
     ActivationQuant(residual_fraction=0.0),
     ActivationQuant(residual_fraction=0.01),  # k = 0 channels: a zero residual, not None
-    ActivationQuant(global_scale="tensor"),
+    ActivationQuant(granularity="tensor"),
 ]
 
 
-def _check_activation(x, cfg, radix, static_mask=None, nan_rows=None):
+def _check_activation(x, cfg, search, static_mask=None, nan_rows=None):
     ref = quantize_activation_reference(x.cpu(), cfg, None if static_mask is None else static_mask.cpu())
     residual = "none" if cfg.residual_fraction == 0 else cfg.selection
     out = quantize_rows(
         x, residual=residual, k_top=num_residual_channels(x.shape[1], cfg.residual_fraction),
-        static_mask=static_mask, global_scale=cfg.global_scale, write_packed=True, write_dq=True,
-        radix_bits=radix,
+        static_mask=static_mask, granularity=cfg.granularity, write_packed=True, write_operand=True,
+        topk_search=search,
     )
     nan_elems = torch.isnan(x.cpu()) if nan_rows else None
-    assert_parts_equal(out.main_parts(), ref.main, nan_elems)
+    assert_parts_equal(out.main.parts(), ref.main, nan_elems)
     # the fp16 GEMM operand is exactly e2m1 * f32(scale)
     one = torch.ones((), dtype=torch.float32)
     unscaled = nvfp4_dequantize(ref.main.qdata, ref.main.scale, one).to(torch.float16)
     fin = ~torch.isnan(unscaled)
-    assert torch.equal(out.dx.cpu()[fin], unscaled[fin])
+    assert torch.equal(out.main.operand.cpu()[fin], unscaled[fin])
     if ref.residual is None:
-        assert out.qr is None
+        assert out.residual is None
     else:
-        assert_parts_equal(out.residual_parts(), ref.residual)
+        assert_parts_equal(out.residual.parts(), ref.residual)
         ru = nvfp4_dequantize(ref.residual.qdata, ref.residual.scale, one).to(torch.float16)
-        assert torch.equal(out.dr.cpu(), ru)
+        assert torch.equal(out.residual.operand.cpu(), ru)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.residual_fraction}-{c.selection}-{c.global_scale}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.residual_fraction}-{c.selection}-{c.granularity}")
 def test_activation_bit_exact(cfg):
-    _check_activation(adversarial(), cfg, radix=1)
+    _check_activation(adversarial(), cfg, search="binary")
 
 
-@pytest.mark.parametrize("radix", [0, 2, 3, 4])
-def test_topk_search_variants(radix):
-    _check_activation(adversarial(seed=1), ActivationQuant(), radix=radix)
+@pytest.mark.parametrize("search", ["binary", "packed5"])
+def test_topk_search_variants(search):
+    _check_activation(adversarial(seed=1), ActivationQuant(), search=search)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -117,35 +118,36 @@ def test_activation_low_precision_inputs(dtype):
     x = adversarial(m=7, dtype=dtype, seed=2)
     if dtype == torch.float16:
         x = torch.nan_to_num(x, posinf=60000.0, neginf=-60000.0)
-    _check_activation(x, ActivationQuant(), radix=0)
+    _check_activation(x, ActivationQuant(), search="packed5")
 
 
 def test_activation_k16_odd_m():
     x = (torch.randn(5, 16) * 4).to(DEV)
-    for cfg, radix in ((ActivationQuant(), 1), (ActivationQuant(), 0), (ActivationQuant(residual_fraction=0.0), 1)):
-        _check_activation(x, cfg, radix=radix)
+    for cfg, search in ((ActivationQuant(), "binary"), (ActivationQuant(), "packed5"),
+                        (ActivationQuant(residual_fraction=0.0), "binary")):
+        _check_activation(x, cfg, search=search)
 
 
 def test_activation_nan_rows():
     x = adversarial(m=5, seed=3)
     x[3, 9] = float("nan")
-    _check_activation(x, ActivationQuant(), radix=1, nan_rows=True)  # NaN row: residual zero
-    _check_activation(x, ActivationQuant(), radix=0, nan_rows=True)
-    _check_activation(x, ActivationQuant(), radix=4, nan_rows=True)
-    _check_activation(x, ActivationQuant(global_scale="tensor"), radix=1, nan_rows=True)
+    _check_activation(x, ActivationQuant(), search="binary", nan_rows=True)  # NaN row: residual zero
+    _check_activation(x, ActivationQuant(), search="packed5", nan_rows=True)
+    _check_activation(x, ActivationQuant(), search="packed5", nan_rows=True)
+    _check_activation(x, ActivationQuant(granularity="tensor"), search="binary", nan_rows=True)
 
 
 def test_activation_static_mask():
     x = adversarial(seed=4)
     mask = torch.rand(x.shape[1], generator=torch.Generator().manual_seed(0)) > 0.5
-    _check_activation(x, ActivationQuant(selection="static"), radix=1, static_mask=mask.to(DEV))
+    _check_activation(x, ActivationQuant(selection="static"), search="binary", static_mask=mask.to(DEV))
 
 
 def test_entry_point_and_dispatch():
     x = adversarial(m=3, seed=5).to(torch.bfloat16)  # odd M
     cfg = ActivationQuant()
     ref = quantize_activation_reference(x.cpu(), cfg)
-    got = quantize_activation_kernel(x, cfg)
+    got = quantize_activation_triton(x, cfg)
     assert_parts_equal(got.main, ref.main)
     assert_parts_equal(got.residual, ref.residual)
     from quads.ops import quantize_activation
@@ -154,9 +156,9 @@ def test_entry_point_and_dispatch():
         got2 = quantize_activation(x, cfg)
     assert_parts_equal(got2.residual, ref.residual)
     with pytest.raises(ValueError, match="calibrated channel mask"):
-        quantize_activation_kernel(x, ActivationQuant(selection="static"))
+        quantize_activation_triton(x, ActivationQuant(selection="static"))
     with pytest.raises(ValueError):
-        quantize_activation_kernel(x[0], cfg)
+        quantize_activation_triton(x[0], cfg)
 
 
 def test_row_gather():
@@ -164,8 +166,8 @@ def test_row_gather():
     idx = torch.tensor([4, 0, 0, 5], dtype=torch.int32, device=DEV)
     out = quantize_rows(x, residual="per_token", k_top=24, row_idx=idx, write_packed=True)
     ref = quantize_activation_reference(x.cpu()[idx.long().cpu()], ActivationQuant())
-    assert_parts_equal(out.main_parts(), ref.main)
-    assert_parts_equal(out.residual_parts(), ref.residual)
+    assert_parts_equal(out.main.parts(), ref.main)
+    assert_parts_equal(out.residual.parts(), ref.residual)
 
 
 def _weight(shape, dtype, seed):
@@ -189,31 +191,42 @@ def _weight(shape, dtype, seed):
 )
 def test_weight_bit_exact(shape, gran, dtype):
     w = _weight(shape, dtype, seed=len(shape))
-    assert_parts_equal(quantize_weight_kernel(w, gran), nvfp4_quantize(w.cpu(), gran))
+    assert_parts_equal(quantize_weight_triton(w, gran), nvfp4_quantize(w.cpu(), gran))
 
 
 def test_weight_nonfinite_agrees_with_reference():
     w = _weight((4, 32), torch.float32, seed=9)
     w[1, 4] = float("inf")
-    assert_parts_equal(quantize_weight_kernel(w, "row"), nvfp4_quantize(w.cpu(), "row"))
+    assert_parts_equal(quantize_weight_triton(w, "row"), nvfp4_quantize(w.cpu(), "row"))
     w[2, 5] = float("nan")
-    assert_parts_equal(quantize_weight_kernel(w, "row"), nvfp4_quantize(w.cpu(), "row"), torch.isnan(w.cpu()))
+    assert_parts_equal(quantize_weight_triton(w, "row"), nvfp4_quantize(w.cpu(), "row"), torch.isnan(w.cpu()))
 
 
-def test_weight_sync_through_tensor():
+def test_weight_sync_through_kernel_backend():
+    """quantize_ and sync_weights_ on a hopper-backend rollout module give the reference's bits."""
+    import torch.nn as nn
+
+    import quads
+
     w = _weight((16, 64), torch.bfloat16, seed=11)
-    ref = NVFP4Tensor.from_float(w.cpu())
+    trainer, rollout = nn.Linear(64, 16, bias=False), nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        trainer.weight.copy_(w.cpu().float())
+    rollout = rollout.to(torch.bfloat16).to(DEV)
     with use_backend("hopper"):
-        t = NVFP4Tensor.from_float(w)
-        t.copy_(w * 2)
-    ref.copy_(w.cpu() * 2)
-    assert_parts_equal(t.parts, ref.parts)
+        quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    assert rollout.quads_backend.name == "hopper"
+    ref = NVFP4Tensor.from_float(w.cpu() * 2)
+    with torch.no_grad():
+        trainer.weight.mul_(2)
+    quads.sync_weights_(rollout, trainer.to(torch.bfloat16).to(DEV))
+    assert_parts_equal(rollout.weight.parts, ref.parts)
 
 
 def test_e2m1_rounding_exhaustive():
     """The kernel's E2M1 rounding equals the reference's threshold ladder on every fp32 value
     of [0, 6] reachable by the tie points and their neighbours, plus a dense random sample."""
-    from quads.kernels.quantize_nvfp4 import _e2m1_code_probe
+    from quads.kernels.quantize_nvfp4 import e2m1_code_probe
     from quads.tensor.nvfp4_math import e2m1_codes_rne
 
     ties = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
@@ -221,6 +234,6 @@ def test_e2m1_rounding_exhaustive():
                       torch.nextafter(ties, torch.full_like(ties, -10.0)).clamp(min=0)])
     dense = torch.rand(20000, generator=torch.Generator().manual_seed(0)) * 6
     vals = torch.cat([near, dense, torch.tensor([float("nan"), 1e-40, 1e-45])])
-    got = _e2m1_code_probe(vals.to(DEV)).cpu()
+    got = e2m1_code_probe(vals.to(DEV)).cpu()
     ref = e2m1_codes_rne(vals)
     assert torch.equal(got.to(torch.uint8), ref & 0x7)

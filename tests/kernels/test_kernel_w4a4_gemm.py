@@ -15,11 +15,13 @@ triton = pytest.importorskip("triton")
 # the interpreter evaluates 1/0 -> inf on purpose (E4M3 zero scales): numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-from quads.kernels import rollout_linear_kernel  # noqa: E402
-from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
 from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
-from quads.ops import ActivationQuant, rollout_linear, use_backend, w4a4_matmul_reference  # noqa: E402
-from quads.ops.activation_quant import QuantizedActivation, quantize_activation_reference  # noqa: E402
+from quads.ops import ActivationQuant, get_backend, rollout_linear, use_backend, w4a4_matmul_reference  # noqa: E402
+from quads.ops.activation_quant import (  # noqa: E402
+    QuantizedActivation,
+    activation_operands_triton,
+    quantize_activation_reference,
+)
 from quads.tensor import NVFP4Tensor  # noqa: E402
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 
@@ -43,8 +45,7 @@ def _operands(m, k, n, seed=0, residual=True):
     wp = nvfp4_quantize(w.to(DEV))
     act = ActivationQuant(residual_fraction=0.5 if residual else 0.0)
     ref_qa = quantize_activation_reference(x, act)
-    q = quantize_rows(x.to(DEV), residual="per_token" if residual else "none", k_top=k // 2,
-                      write_packed=False, write_dq=True)
+    q = activation_operands_triton(x.to(DEV), act)
     return x, wp, ref_qa, q
 
 
@@ -65,8 +66,8 @@ def test_gemm_matches_reference(split, w_mode, residual):
     m, k, n = 5, 96, 40  # odd M, N not a multiple of the tile, 3 segments on CPU
     x, wp, qa, q = _operands(m, k, n, residual=residual)
     ref = w4a4_matmul_reference(qa, NVFP4Parts(wp.qdata.cpu(), wp.scale.cpu(), wp.global_encode_scale.cpu()))
-    y = w4a4_gemm(q.dx, q.gx, wp.qdata, wp.scale, wp.global_encode_scale,
-                  q.dr if residual else None, q.gr if residual else None, config=cfg(split, w_mode=w_mode), seg_k=SEG)
+    y = w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale,
+                  q.residual if residual else None, q.residual_scale if residual else None, config=cfg(split, w_mode=w_mode), seg_k=SEG)
     err = (y.cpu() - ref).abs()
     assert torch.all(err <= _bound(qa, wp, k)), err.max()
 
@@ -76,7 +77,7 @@ def test_gemm_k16_bias_and_tail():
     x, wp, qa, q = _operands(m, k, n, seed=1)
     bias = torch.randn(n).to(DEV)
     ref = w4a4_matmul_reference(qa, NVFP4Parts(wp.qdata.cpu(), wp.scale.cpu(), wp.global_encode_scale.cpu())) + bias.cpu()
-    y = w4a4_gemm(q.dx, q.gx, wp.qdata, wp.scale, wp.global_encode_scale, q.dr, q.gr, bias=bias,
+    y = w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual, q.residual_scale, bias=bias,
                   config=cfg(False), seg_k=SEG)
     assert torch.all((y.cpu() - ref).abs() <= _bound(qa, wp, k) + 1e-6 * bias.abs().cpu())
 
@@ -86,16 +87,16 @@ def test_batch_invariance_and_determinism():
     m, k, n = 7, 96, 32
     x, wp, qa, q = _operands(m, k, n, seed=2)
     args = (wp.qdata, wp.scale, wp.global_encode_scale)
-    full_split = w4a4_gemm(q.dx, q.gx, *args, q.dr, q.gr, config=cfg(True), seg_k=SEG)
-    full_plain = w4a4_gemm(q.dx, q.gx, *args, q.dr, q.gr, config=cfg(False), seg_k=SEG)
-    full_w16 = w4a4_gemm(q.dx, q.gx, *args, q.dr, q.gr, config=cfg(False, w_mode=1), seg_k=SEG)
-    again = w4a4_gemm(q.dx, q.gx, *args, q.dr, q.gr, config=cfg(True), seg_k=SEG)
+    full_split = w4a4_gemm(q.main, q.main_scale, *args, q.residual, q.residual_scale, config=cfg(True), seg_k=SEG)
+    full_plain = w4a4_gemm(q.main, q.main_scale, *args, q.residual, q.residual_scale, config=cfg(False), seg_k=SEG)
+    full_w16 = w4a4_gemm(q.main, q.main_scale, *args, q.residual, q.residual_scale, config=cfg(False, w_mode=1), seg_k=SEG)
+    again = w4a4_gemm(q.main, q.main_scale, *args, q.residual, q.residual_scale, config=cfg(True), seg_k=SEG)
     assert torch.equal(full_split, again)
     assert torch.equal(full_split, full_plain)
     assert torch.equal(full_split, full_w16)
     for row in (0, 3, 6):
-        q1 = quantize_rows(x[row:row + 1].to(DEV), residual="per_token", k_top=k // 2, write_packed=False, write_dq=True)
-        alone = w4a4_gemm(q1.dx, q1.gx, *args, q1.dr, q1.gr, config=cfg(True), seg_k=SEG)
+        q1 = activation_operands_triton(x[row:row + 1].to(DEV), ActivationQuant())
+        alone = w4a4_gemm(q1.main, q1.main_scale, *args, q1.residual, q1.residual_scale, config=cfg(True), seg_k=SEG)
         assert torch.equal(alone[0], full_split[row])
         assert torch.equal(alone[0], full_plain[row])
 
@@ -106,14 +107,14 @@ def test_nan_row_stays_in_its_row():
     x = torch.randn(m, k, generator=g)
     x[2, 5] = float("nan")
     wp = nvfp4_quantize((torch.randn(n, k, generator=g) * 0.1).to(DEV))
-    q = quantize_rows(x.to(DEV), residual="per_token", k_top=16, write_packed=False, write_dq=True)
-    y = w4a4_gemm(q.dx, q.gx, wp.qdata, wp.scale, wp.global_encode_scale, q.dr, q.gr, config=cfg(True), seg_k=SEG)
+    q = activation_operands_triton(x.to(DEV), ActivationQuant())
+    y = w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual, q.residual_scale, config=cfg(True), seg_k=SEG)
     assert torch.isnan(y[2]).all()
     assert torch.isfinite(y[[0, 1, 3]]).all()
 
 
 @pytest.mark.parametrize("act", [ActivationQuant(), ActivationQuant(residual_fraction=0.0),
-                                 ActivationQuant(global_scale="tensor")],
+                                 ActivationQuant(granularity="tensor")],
                          ids=["res", "plain", "tensor-scale"])
 def test_rollout_linear_dispatch(act):
     """quads.ops.rollout_linear with the kernel backend equals the torch backend (bf16 out)."""
@@ -137,6 +138,6 @@ def test_forced_blackwell_without_sm100_uses_emulation():
     ref = rollout_linear(x, w, None, act)
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10:
         pytest.skip("native Blackwell path: covered by test_kernel_blackwell")
-    got = rollout_linear_kernel(x.to(DEV), w.parts if not torch.cuda.is_available() else w.to(DEV).parts,
-                                None, act, None, backend="blackwell")
+    got = get_backend("blackwell").linear(x.to(DEV), w.parts if not torch.cuda.is_available() else w.to(DEV).parts,
+                                          None, act, None)
     assert torch.allclose(got.cpu(), ref, rtol=1e-5, atol=1e-6)

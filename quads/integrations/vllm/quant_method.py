@@ -7,7 +7,7 @@ Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
 .. code-block:: json
 
     {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 0.5,
-     "residual_selection": "per_token", "activation_global_scale": "row",
+     "residual_selection": "per_token", "activation_granularity": "row",
      "extra_skip_patterns": []}
 
 The keys are the rollout side of :class:`quads.QuadsPolicy`; :func:`quads_quantization_config`
@@ -18,7 +18,8 @@ How it works
 * **Weights arrive in BF16** (an ordinary checkpoint, or a trainer's masters pushed with
   :func:`quads.integrations.vllm.weight_push.push_weights`). ``process_weights_after_loading``
   packs them with quads' NVFP4 quantizer (:meth:`quads.NVFP4Tensor.from_float`), the function
-  the trainer's fake quantizer uses, so ``DQ(engine weight) == nvfp4_fake_quantize(master)`` bit
+  the trainer's fake quantizer uses (through the layer's backend, chosen here once for the
+  weight's device and stored as ``layer.quads_backend``), so ``DQ(engine weight) == nvfp4_fake_quantize(master)`` bit
   for bit. Afterwards each layer holds only the packed parts: ``weight`` (uint8 ``(N, K/2)``),
   ``weight_scale`` (float8_e4m3fn ``(N, K/16)``) and ``weight_global_scale`` (float32, one per
   *logical* weight); MoE layers hold ``w13_weight``/``w2_weight`` plus ``*_weight_scale`` and
@@ -62,10 +63,11 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.dispatch import select_backend
-from quads.ops.moe_experts import rollout_experts
-from quads.ops.rollout_linear import quantize_activation, rollout_linear, w4a4_matmul_reference
+from quads.ops.backend import Backend, select_backend
+from quads.ops.functional import quantize_activation, rollout_experts, rollout_linear
+from quads.ops.linear import w4a4_matmul_reference
 from quads.policies.policy import QuadsPolicy
+from quads.policies.quantize import pack_weight
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -81,13 +83,15 @@ __all__ = [
     "dequantize_moe_weights",
 ]
 
-#: Keys of the ``quantization_config`` dict (besides ``quant_method``), with their defaults.
+#: Keys of the ``quantization_config`` dict (besides ``quant_method``), with their defaults:
+#: the rollout side of :class:`QuadsPolicy` (one place for the defaults).
+_ROLLOUT_DEFAULTS = QuadsPolicy(side="rollout")
 QUADS_CONFIG_KEYS: dict[str, Any] = {
-    "activations": "nvfp4",
-    "residual_fraction": 0.5,
-    "residual_selection": "per_token",
-    "activation_global_scale": "row",
-    "extra_skip_patterns": [],
+    "activations": _ROLLOUT_DEFAULTS.activations,
+    "residual_fraction": _ROLLOUT_DEFAULTS.residual_fraction,
+    "residual_selection": _ROLLOUT_DEFAULTS.residual_selection,
+    "activation_granularity": _ROLLOUT_DEFAULTS.activation_granularity,
+    "extra_skip_patterns": list(_ROLLOUT_DEFAULTS.extra_skip_patterns),
 }
 
 
@@ -108,10 +112,10 @@ class QuadsConfig(QuantizationConfig):
 
     def __init__(
         self,
-        activations: str = "nvfp4",
-        residual_fraction: float = 0.5,
-        residual_selection: str = "per_token",
-        activation_global_scale: str = "row",
+        activations: str = QUADS_CONFIG_KEYS["activations"],
+        residual_fraction: float = QUADS_CONFIG_KEYS["residual_fraction"],
+        residual_selection: str = QUADS_CONFIG_KEYS["residual_selection"],
+        activation_granularity: str = QUADS_CONFIG_KEYS["activation_granularity"],
         extra_skip_patterns: tuple[str, ...] | list[str] = (),
     ) -> None:
         super().__init__()
@@ -125,7 +129,7 @@ class QuadsConfig(QuantizationConfig):
             activations=activations,
             residual_fraction=float(residual_fraction),
             residual_selection=residual_selection,
-            activation_global_scale=activation_global_scale,
+            activation_granularity=activation_granularity,
             extra_skip_patterns=tuple(extra_skip_patterns),
         )
 
@@ -166,7 +170,7 @@ class QuadsConfig(QuantizationConfig):
             "activations": p.activations,
             "residual_fraction": p.residual_fraction,
             "residual_selection": p.residual_selection,
-            "activation_global_scale": p.activation_global_scale,
+            "activation_granularity": p.activation_granularity,
             "extra_skip_patterns": list(p.extra_skip_patterns),
         }
 
@@ -281,8 +285,11 @@ class QuadsLinearMethod(LinearMethodBase):
         weight = layer.weight.data
         if weight.dtype == torch.uint8:
             return  # already packed
+        layer.quads_backend = select_backend(weight.device)
+        prefix = getattr(layer, "prefix", "linear")
         packed = [
-            NVFP4Tensor.from_float(shard) for shard in weight.split(layer.quads_output_partition_sizes, dim=0)
+            pack_weight(shard, layer.quads_backend, f"{prefix} shard {i}")
+            for i, shard in enumerate(weight.split(layer.quads_output_partition_sizes, dim=0))
         ]
         _replace(layer, "weight", torch.cat([p.qdata for p in packed]))
         _replace(layer, "weight_scale", torch.cat([p.scale for p in packed]))
@@ -305,25 +312,31 @@ class QuadsLinearMethod(LinearMethodBase):
         return out
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return shard_linear(x, self.shards(layer), bias, self.config.activation_quant)
+        return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend)
 
 
 def shard_linear(
-    x: torch.Tensor, shards: list[NVFP4Tensor], bias: torch.Tensor | None, act: ActivationQuant | None
+    x: torch.Tensor,
+    shards: list[NVFP4Tensor],
+    bias: torch.Tensor | None,
+    act: ActivationQuant | None,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """``cat_i rollout_linear(x, shard_i, bias_i, act)`` along the output dim.
 
     On the torch backend the activation is quantized once and shared by the shards (same
     result: the quantization depends on ``x`` only); kernels get one call per shard.
+    ``backend``: the layer's (stored at weight loading); None picks one for ``x``'s device.
     """
+    backend = backend or select_backend(x.device)
     if len(shards) == 1:
-        return rollout_linear(x, shards[0], bias, act)
+        return rollout_linear(x, shards[0], bias, act, backend=backend)
     sizes = [s.shape[0] for s in shards]
     biases = [None] * len(shards) if bias is None else list(bias.split(sizes))
-    if act is None or select_backend(x.device) != "torch":
-        return torch.cat([rollout_linear(x, s, b, act) for s, b in zip(shards, biases)], dim=-1)
+    if act is None or backend.name != "torch":
+        return torch.cat([rollout_linear(x, s, b, act, backend=backend) for s, b in zip(shards, biases)], dim=-1)
     x2 = x.reshape(-1, x.shape[-1])
-    qa = quantize_activation(x2, act)
+    qa = quantize_activation(x2, act, backend=backend)
     outs = []
     for s, b in zip(shards, biases):
         y = w4a4_matmul_reference(qa, s.parts)
@@ -398,7 +411,8 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             weight = getattr(layer, name).data
             if weight.dtype == torch.uint8:
                 continue  # already packed
-            packed = NVFP4Tensor.from_float(weight)  # 3-D: one global scale per expert
+            layer.quads_backend = select_backend(weight.device)
+            packed = pack_weight(weight, layer.quads_backend, f"MoE {name}")  # 3-D: one global scale per expert
             _replace(layer, name, packed.qdata)
             _replace(layer, f"{name}_scale", packed.scale)
             _replace(layer, f"{name}_global_scale", packed.global_encode_scale)
@@ -437,6 +451,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             self.config.activation_quant,
             getattr(layer, "w13_bias", None),
             getattr(layer, "w2_bias", None),
+            backend=layer.quads_backend,
         )
 
 

@@ -118,7 +118,7 @@ class QuadsVLLMGRPOTrainer(GRPOTrainer):
         trainer_policy: the trainer side's :class:`quads.QuadsPolicy` (default
             ``QuadsPolicy(side="trainer")``; ``None`` leaves the trainer in BF16).
         rollout_config: the engine's quads settings (``activations``, ``residual_fraction``,
-            ``activation_global_scale``, ``extra_skip_patterns``), see
+            ``activation_granularity``, ``extra_skip_patterns``), see
             :func:`quads.integrations.vllm.quant_method.quads_quantization_config`.
         llm_kwargs: extra ``vllm.LLM`` kwargs (default: ``enforce_eager=True`` on CPU).
     """

@@ -1,0 +1,92 @@
+"""The rollout engine TRL sees as ``trainer.vllm_generation``: sampling with the quads rollout model."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from quads.policies import sync_weights_
+
+if TYPE_CHECKING:
+    from quads.integrations.trl.trainer import QuadsGRPOTrainer
+
+__all__ = ["QuadsRolloutEngine"]
+
+
+class QuadsRolloutEngine:
+    """The rollout engine TRL sees as ``trainer.vllm_generation`` (its two-method contract).
+
+    ``sync_weights()`` re-quantizes the trainer's masters into the rollout model
+    (``quads.sync_weights_``, exact). ``generate(prompts, images, num_generations, profiler)``
+    samples one completion per prompt entry (TRL's prompt list already repeats each prompt
+    ``num_generations`` times, like vLLM's colocate mode) and returns
+    ``(prompt_ids, completion_ids, logprobs, None)`` with ``logprobs[i][t] == [log p]`` of the
+    sampled token (TRL keeps ``lp[0]``). Completions stop at the first EOS (kept), as TRL's own
+    ``generate`` path does.
+    """
+
+    def __init__(self, trainer: "QuadsGRPOTrainer", rollout_model: nn.Module):
+        self.trainer = trainer
+        self.model = rollout_model
+        self.num_syncs = 0
+        self.last_sync_step: int | None = None
+
+    def _trainer_model(self) -> nn.Module:
+        return self.trainer.accelerator.unwrap_model(self.trainer.model)
+
+    @torch.no_grad()
+    def sync_weights(self) -> int:
+        n = sync_weights_(self.model, self._trainer_model())
+        self.num_syncs += 1
+        self.last_sync_step = self.trainer.state.global_step
+        return n
+
+    def _generation_config(self):
+        gc = copy.deepcopy(self.trainer.generation_config)
+        gc.return_dict_in_generate = True
+        gc.output_scores = True
+        gc.output_logits = False
+        return gc
+
+    @torch.no_grad()
+    def generate(self, prompts, images=None, num_generations: int = 1, profiler=None):
+        if images is not None and any(i is not None for i in images):
+            raise NotImplementedError("QuadsRolloutEngine: multimodal prompts are not supported")
+        trainer = self.trainer
+        tok = trainer._tokenizer
+        device = next(p for p in self.model.parameters()).device
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding, as TRL pads prompts for the trainer forward
+            if len(p):
+                input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+                attention_mask[i, width - len(p) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        self.model.eval()
+        with profiler if profiler is not None else nullcontext():
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=self._generation_config()
+            )
+        completion = out.sequences[:, width:]
+        if out.scores:
+            scores = torch.stack([s.float() for s in out.scores], dim=1)  # (B, T, V) processed logits
+            logps = torch.log_softmax(scores, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        else:
+            logps = completion.new_zeros(completion.shape, dtype=torch.float32)
+        eos_ids = set(trainer.eos_token_ids)
+        completion_ids, logprobs = [], []
+        for row, lp in zip(completion.tolist(), logps.tolist(), strict=True):
+            n = len(row)
+            for t, token in enumerate(row):
+                if token in eos_ids:
+                    n = t + 1
+                    break
+            completion_ids.append(row[:n])
+            logprobs.append([[v] for v in lp[:n]])
+        return [list(p) for p in prompts], completion_ids, logprobs, None

@@ -1,0 +1,228 @@
+"""``QuadsGRPOTrainer``: TRL's GRPOTrainer with a QUADS trainer policy and an NVFP4 rollout engine."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+from quads.diagnostics.mismatch import mismatch_metrics
+from quads.diagnostics.scoring import score_teacher_forced
+from quads.integrations.trl.engine import QuadsRolloutEngine
+from quads.policies import PolicyPreset, QuadsPolicy, build_rollout_model, get_preset, quantize_, sync_weights_
+from quads.policies.quantize import quantized_modules
+
+__all__ = ["TESTED_TRL_VERSION", "QuadsGRPOTrainer"]
+
+TESTED_TRL_VERSION = "1.16.0"
+
+
+try:  # TRL is an optional dependency of quads (extra "trl")
+    import trl as _trl
+    from trl import GRPOTrainer as _GRPOTrainer
+except ImportError as _err:  # pragma: no cover - exercised only without trl
+    _trl = None
+    _GRPOTrainer = object
+    _TRL_IMPORT_ERROR = _err
+else:
+    _TRL_IMPORT_ERROR = None
+
+# How the quads metrics combine across processes.
+_REDUCE = {"min": "min", "max": "max", "p99": "max"}
+
+
+def _reducer(name: str) -> str:
+    for suffix, how in _REDUCE.items():
+        if name.endswith(suffix):
+            return how
+    return "mean"
+
+
+class QuadsGRPOTrainer(_GRPOTrainer):
+    """``trl.GRPOTrainer`` with a QUADS trainer policy and an NVFP4 rollout engine.
+
+    Args (besides ``GRPOTrainer``'s):
+        quads_policy: a preset name from :data:`POLICY_PRESETS` (``"quads"`` default) or a
+            :class:`PolicyPreset`.
+        rollout_dtype: dtype of the rollout model (non-quantized parts and activations);
+            ``torch.bfloat16`` default.
+        decompose_mismatch: also log δ_num / δ_weight / δ_act each step (two extra scoring
+            forwards over the completions).
+
+    ``args.use_vllm`` must be False (this class *is* the rollout engine). TRL's
+    ``vllm_importance_sampling_*`` options keep their meaning and defaults
+    (``sequence_mask``, clip max 3.0). Pass the trainer model as an instance (recommended:
+    float32 masters with ``GRPOConfig(bf16=True)`` autocast) or a path; it is quantized in place
+    with the preset's trainer policy unless it already carries quads layers. A reference model
+    (``beta > 0``) gets the same trainer policy. PEFT models are not supported.
+    """
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args=None,
+        *pos,
+        quads_policy: str | PolicyPreset = "quads",
+        rollout_dtype: torch.dtype = torch.bfloat16,
+        decompose_mismatch: bool = False,
+        **kwargs,
+    ):
+        if _trl is None:
+            raise ImportError("QuadsGRPOTrainer needs TRL: pip install 'quads[trl]'") from _TRL_IMPORT_ERROR
+        if _trl.__version__ != TESTED_TRL_VERSION:
+            warnings.warn(
+                f"quads.integrations.trl is tested with trl=={TESTED_TRL_VERSION}, found {_trl.__version__}; "
+                "it hooks GRPOTrainer internals (vllm_generation, _generate_single_turn).",
+                stacklevel=2,
+            )
+        if args is not None and getattr(args, "use_vllm", False):
+            raise ValueError("QuadsGRPOTrainer is its own rollout engine: set GRPOConfig(use_vllm=False)")
+        self.quads_preset = get_preset(quads_policy)
+        self.quads_rollout_dtype = rollout_dtype
+        self.quads_decompose = decompose_mismatch
+
+        if isinstance(model, str):
+            from transformers import AutoModelForCausalLM
+
+            init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+        self._quads_apply_trainer_policy(model)
+
+        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if hasattr(unwrapped, "peft_config"):
+            raise NotImplementedError("QuadsGRPOTrainer does not support PEFT models yet")
+        if self.ref_model is not None and self.quads_preset.trainer is not None:
+            self._quads_apply_trainer_policy(self.accelerator.unwrap_model(self.ref_model))
+
+        rollout = build_rollout_model(unwrapped, self.quads_preset.rollout, dtype=rollout_dtype)
+        self.quads_rollout = QuadsRolloutEngine(self, rollout)
+        # Hand the engine to TRL's vLLM code path (see module doc).
+        self.vllm_generation = self.quads_rollout
+        self.vllm_mode = "quads"
+        self._last_loaded_step = -1
+        self.use_vllm = True
+
+        self._quads_probe_models: dict[str, nn.Module] | None = None
+
+    # -- set-up helpers ------------------------------------------------------------------------
+
+    def _quads_apply_trainer_policy(self, model: nn.Module) -> None:
+        policy = self.quads_preset.trainer
+        existing = quantized_modules(model)
+        if existing:
+            sides = {m.quads_policy.side for m in existing.values()}
+            if sides != {"trainer"}:
+                raise ValueError(f"the trainer model carries quads layers of side(s) {sorted(sides)}")
+            if policy is None:
+                raise ValueError(f"preset {self.quads_preset.name!r} wants a BF16 trainer but the model is quads-quantized")
+            return
+        if policy is not None:
+            quantize_(model, policy)
+
+    @property
+    def rollout_model(self) -> nn.Module:
+        """The rollout model (quads rollout layers, or a plain BF16 copy for the ``bf16`` preset)."""
+        return self.quads_rollout.model
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def _quads_log(self, mode: str, metrics: dict[str, float]) -> None:
+        device = self.accelerator.device
+        for name in sorted(metrics):
+            value = torch.tensor([metrics[name]], dtype=torch.float64, device=device)
+            gathered = self.accelerator.gather(value)
+            how = _reducer(name)
+            if how == "max":
+                v = gathered.max().item()
+            elif how == "min":
+                v = gathered.min().item()
+            else:
+                v = gathered.mean().item()
+            self._metrics[mode][name].append(v)
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        rollout_lp = output.get("sampling_per_token_logps")
+        trainer_lp = output.get("old_per_token_logps")
+        if rollout_lp is None or trainer_lp is None:  # vllm_importance_sampling_correction=False
+            return output
+        mask = output["completion_mask"].bool()
+        if "tool_mask" in output:
+            mask = mask & output["tool_mask"].bool()
+        metrics = mismatch_metrics(
+            rollout_lp,
+            trainer_lp,
+            mask,
+            is_mode=self.vllm_importance_sampling_mode,
+            clip_min=self.vllm_importance_sampling_clip_min,
+            clip_max=self.vllm_importance_sampling_clip_max,
+        )
+        if self.quads_decompose:
+            metrics.update(self._decompose(output, rollout_lp, trainer_lp, mask))
+        self._quads_log(mode, metrics)
+        return output
+
+    # -- δ decomposition -----------------------------------------------------------------------
+
+    def _probe_models(self) -> dict[str, nn.Module]:
+        """Rollout-engine models with BF16 activations: the trainer's weights and the rollout's."""
+        if self._quads_probe_models is None:
+            preset = self.quads_preset
+            trainer = self.accelerator.unwrap_model(self.model)
+            w16 = QuadsPolicy(side="rollout", activations="bf16")
+            probes = {"trainer_weights": build_rollout_model(trainer, w16 if preset.trainer else None, self.quads_rollout_dtype)}
+            if (preset.trainer is None) != (preset.rollout is None):
+                probes["rollout_weights"] = build_rollout_model(
+                    trainer, w16 if preset.rollout else None, self.quads_rollout_dtype
+                )
+            else:
+                probes["rollout_weights"] = probes["trainer_weights"]
+            self._quads_probe_models = probes
+        trainer = self.accelerator.unwrap_model(self.model)
+        synced = set()
+        for m in self._quads_probe_models.values():
+            if id(m) not in synced:
+                sync_weights_(m, trainer)
+                synced.add(id(m))
+        return self._quads_probe_models
+
+    def _decompose(self, output, rollout_lp, trainer_lp, mask) -> dict[str, float]:
+        """Split δ = log p_rollout - log p_trainer into δ_num + δ_weight + δ_act (telescoping).
+
+        Re-scores the same completions (teacher forcing) with the rollout engine in BF16
+        activations, first with the trainer's forward weights (``DQ(Q(W))`` under QAT, ``W``
+        otherwise), then with the rollout's weights:
+
+        * δ_num = log p(engine, trainer weights, BF16 act) - log p_trainer;
+        * δ_weight = log p(engine, rollout weights, BF16 act) - log p(engine, trainer weights, BF16 act)
+          (exactly 0 when both sides use the same weights: the QAT presets and ``bf16``);
+        * δ_act = log p_rollout (sampling time) - log p(engine, rollout weights, BF16 act).
+
+        For ``sym-qat`` the trainer's own activation fake-quant falls into δ_num.
+        """
+        probes = self._probe_models()
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        am = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        keep = output["completion_ids"].size(1)
+        lp_tw = score_teacher_forced(probes["trainer_weights"], ids, am, keep, self.temperature)
+        if probes["rollout_weights"] is probes["trainer_weights"]:
+            lp_rw = lp_tw
+        else:
+            lp_rw = score_teacher_forced(probes["rollout_weights"], ids, am, keep, self.temperature)
+        parts = {
+            "delta_num": lp_tw.double() - trainer_lp.double(),
+            "delta_weight": lp_rw.double() - lp_tw.double(),
+            "delta_act": rollout_lp.double() - lp_rw.double(),
+        }
+        out = {}
+        for name, d in parts.items():
+            valid = mask & torch.isfinite(d)
+            v = d[valid]
+            out[f"sampling/quads/{name}_abs_mean"] = v.abs().mean().item() if v.numel() else 0.0
+            out[f"sampling/quads/{name}_mean"] = v.mean().item() if v.numel() else 0.0
+        return out

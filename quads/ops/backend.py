@@ -1,0 +1,172 @@
+"""Backends: which implementation of every rollout op runs, chosen once and stored.
+
+A :class:`Backend` has one method per op (weight quantization, activation quantization, the
+W4A4/W4A16 linear, the grouped expert linear). ``quantize_`` (and the vLLM method's
+``process_weights_after_loading``) picks one with :func:`select_backend` for the device the
+weights live on and stores it on the module, so a forward never re-resolves it; moving a
+module to another device picks again.
+
+* ``torch``: the references (any device; the spec the kernels are tested against);
+* ``hopper``: the exact-emulation Triton kernels (sm_90; any device under ``TRITON_INTERPRET=1``);
+* ``blackwell``: the native FP4 linear of :mod:`quads.kernels.blackwell` on sm_100+, the Hopper
+  kernels for everything else. **Never run** (no Blackwell GPU here): selectable, never ``auto``.
+
+``auto`` (default) = ``hopper`` on CUDA sm_90 with Triton installed, ``torch`` anywhere else
+(the emulation kernels are only measured on sm_90). Force a backend for new modules and for
+tests with ``QUADS_BACKEND=torch|hopper|blackwell|auto`` or ``with quads.use_backend(name):``.
+A forced kernel backend on a device that cannot run it raises instead of falling back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from quads.ops.activation_quant import (
+    ActivationQuant,
+    QuantizedActivation,
+    quantize_activation_reference,
+    quantize_activation_triton,
+)
+from quads.ops.grouped_linear import grouped_linear_hopper, grouped_linear_reference
+from quads.ops.linear import (
+    w4a4_linear_blackwell,
+    w4a4_linear_hopper,
+    w4a4_linear_reference,
+    w4a16_linear,
+)
+from quads.ops.weight_quant import quantize_weight_reference, quantize_weight_triton
+from quads.tensor.nvfp4_math import NVFP4Parts
+
+__all__ = ["BACKEND_NAMES", "Backend", "get_backend", "select_backend", "use_backend"]
+
+BACKEND_NAMES = ("auto", "torch", "hopper", "blackwell")
+
+
+class Backend:
+    """The torch reference backend; kernel backends override the methods they accelerate."""
+
+    name = "torch"
+
+    def quantize_weight(self, x: torch.Tensor, granularity: str | None = None) -> NVFP4Parts:
+        return quantize_weight_reference(x, granularity)
+
+    def quantize_activation(self, x2d: torch.Tensor, act: ActivationQuant, static_mask=None) -> QuantizedActivation:
+        return quantize_activation_reference(x2d, act, static_mask)
+
+    def linear(self, x2d, weight: NVFP4Parts, bias, act: ActivationQuant | None, static_mask=None) -> torch.Tensor:
+        if act is None:
+            return w4a16_linear(x2d, weight, bias)
+        return w4a4_linear_reference(x2d, weight, bias, act, static_mask)
+
+    def grouped_linear(self, x, rows, offsets, weight: NVFP4Parts, bias, act, static_mask, num_rows) -> torch.Tensor:
+        return grouped_linear_reference(x, rows, offsets, weight, bias, act, static_mask, num_rows)
+
+    def __repr__(self) -> str:
+        return f"quads.Backend({self.name!r})"
+
+    def __reduce__(self):  # a backend pickles (deepcopy, torch.save of modules) as its name
+        return get_backend, (self.name,)
+
+
+class HopperBackend(Backend):
+    name = "hopper"
+
+    def quantize_weight(self, x, granularity=None):
+        return quantize_weight_triton(x, granularity)
+
+    def quantize_activation(self, x2d, act, static_mask=None):
+        return quantize_activation_triton(x2d, act, static_mask)
+
+    def linear(self, x2d, weight, bias, act, static_mask=None):
+        if act is None:
+            return w4a16_linear(x2d, weight, bias)
+        return w4a4_linear_hopper(x2d, weight, bias, act, static_mask)
+
+    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows):
+        return grouped_linear_hopper(x, rows, offsets, weight, bias, act, static_mask, num_rows)
+
+
+class BlackwellBackend(HopperBackend):
+    """NOT RUN (see the module doc)."""
+
+    name = "blackwell"
+
+    def linear(self, x2d, weight, bias, act, static_mask=None):
+        if act is None or not x2d.is_cuda:  # CPU tensors under the interpreter: the emulation
+            return super().linear(x2d, weight, bias, act, static_mask)
+        return w4a4_linear_blackwell(x2d, weight, bias, act, static_mask)
+
+
+_BACKENDS = {b.name: b for b in (Backend(), HopperBackend(), BlackwellBackend())}
+_forced: list[str] = []
+
+
+def get_backend(name: str) -> Backend:
+    """The backend object of a name (``torch``, ``hopper``, ``blackwell``)."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown quads backend {name!r}; use one of {tuple(_BACKENDS)}") from None
+
+
+def _requested() -> str:
+    name = _forced[-1] if _forced else os.environ.get("QUADS_BACKEND", "auto")
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"QUADS_BACKEND must be one of {BACKEND_NAMES}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force the backend that :func:`select_backend` returns inside a ``with`` block.
+
+    Modules store their backend when they are converted (or moved): use this around
+    ``quantize_`` (or around calls of the functional ops in :mod:`quads.ops.functional`).
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernel_backend_for(device: torch.device) -> str | None:
+    """'hopper' where the measured kernels run (sm_90 + Triton), else None."""
+    if device.type != "cuda" or not _triton_available():
+        return None
+    return "hopper" if torch.cuda.get_device_capability(device)[0] == 9 else None
+
+
+def select_backend(device: torch.device | str) -> Backend:
+    """The backend for tensors on ``device`` (see the module doc)."""
+    device = torch.device(device)
+    requested = _requested()
+    if requested == "torch" or device.type == "meta":
+        return _BACKENDS["torch"]
+    if requested == "auto":
+        return _BACKENDS[_kernel_backend_for(device) or "torch"]
+    if _interpreting():
+        return _BACKENDS[requested]  # the interpreter runs kernels on CPU tensors (tests)
+    if device.type != "cuda" or not _triton_available():
+        raise RuntimeError(f"QUADS backend {requested!r} was forced but {device} cannot run Triton kernels")
+    major = torch.cuda.get_device_capability(device)[0]
+    if requested == "blackwell" and major < 10:
+        raise RuntimeError(f"QUADS backend 'blackwell' was forced but {device} is sm_{major}0, not sm_100+")
+    return _BACKENDS[requested]

@@ -1,0 +1,117 @@
+"""The rollout linear layer: W4A4 (+ residual compensation) or W4A16, reference and kernel glue.
+
+``y = x Wᵀ`` with W packed NVFP4 parts (N, K). With an :class:`ActivationQuant` config the
+activations are quantized online and the product is W4A4 with residual compensation:
+``y = x̂ Ŵᵀ + r̂ Ŵᵀ``. The reference (:func:`w4a4_linear_reference`) mirrors the exact Hopper
+emulation (QUADS.md section 3): E2M1 x E4M3 products are exact, sums are float32, the global
+scales are divided out in the epilogue. Kernels agree with it up to float32 summation order.
+Without a config the layer is weight-only (W4A16): ``F.linear(x, DQ(W))``, bit-identical to the
+trainer's QAT forward.
+
+Every function here takes 2-D activations ``(M, K)``; :mod:`quads.ops.functional` reshapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quads.ops.activation_quant import (
+    ActivationQuant,
+    QuantizedActivation,
+    activation_operands_triton,
+    quantize_activation_reference,
+    quantize_activation_triton,
+)
+from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
+
+__all__ = [
+    "unscaled_values",
+    "w4a4_matmul_reference",
+    "w4a4_linear_reference",
+    "w4a4_linear_hopper",
+    "w4a4_linear_blackwell",
+    "w4a16_linear",
+]
+
+
+def unscaled_values(parts: NVFP4Parts) -> torch.Tensor:
+    """``e2m1 * f32(block scale)`` in float32, without the global scale: exact (6 significant bits)."""
+    one = torch.ones((), dtype=torch.float32, device=parts.qdata.device)
+    return nvfp4_dequantize(parts.qdata, parts.scale, one, torch.float32)
+
+
+def _row_scale(gs: torch.Tensor, rows: int) -> torch.Tensor:
+    """A global-scale tensor (per row ``(M,)`` or per tensor ``()``) as an (M, 1) column."""
+    return gs.reshape(-1, 1).expand(rows, 1) if gs.dim() else gs.reshape(1, 1)
+
+
+def w4a4_matmul_reference(qa: QuantizedActivation, weight: NVFP4Parts) -> torch.Tensor:
+    """float32 (M, N) = x̂ Ŵᵀ (+ r̂ Ŵᵀ) with global scales applied in the epilogue."""
+    w = unscaled_values(weight)
+    m = qa.main.qdata.shape[0]
+    y = (unscaled_values(qa.main) @ w.T) / (_row_scale(qa.main.global_encode_scale, m) * weight.global_encode_scale)
+    if qa.residual is not None:
+        r = qa.residual
+        y = y + (unscaled_values(r) @ w.T) / (_row_scale(r.global_encode_scale, m) * weight.global_encode_scale)
+    return y
+
+
+def w4a4_linear_reference(
+    x2: torch.Tensor,
+    weight: NVFP4Parts,
+    bias: torch.Tensor | None,
+    act: ActivationQuant,
+    static_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(M, K) -> (M, N) in ``x2.dtype``: quantize (+ residual), exact-emulation product, bias."""
+    y = w4a4_matmul_reference(quantize_activation_reference(x2, act, static_mask), weight)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x2.dtype)
+
+
+def w4a4_linear_hopper(
+    x2: torch.Tensor,
+    weight: NVFP4Parts,
+    bias: torch.Tensor | None,
+    act: ActivationQuant,
+    static_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`w4a4_linear_reference`: fused quantization, exact W4A4 GEMM."""
+    from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
+
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    ops = activation_operands_triton(x2, act, static_mask)
+    return w4a4_gemm(
+        ops.main, ops.main_scale, weight.qdata, weight.scale, weight.global_encode_scale.to(torch.float32),
+        r16=ops.residual, sr=ops.residual_scale, bias=bias, out_dtype=x2.dtype,
+    )
+
+
+def w4a4_linear_blackwell(
+    x2: torch.Tensor,
+    weight: NVFP4Parts,
+    bias: torch.Tensor | None,
+    act: ActivationQuant,
+    static_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W4A4 (+ residual) through native FP4 GEMMs on sm_100+ (NOT RUN here, see kernels.blackwell)."""
+    from quads.kernels.blackwell import fp4_unscaled_mm
+
+    qa = quantize_activation_triton(x2, act, static_mask)
+    m = x2.shape[0]
+    sw = weight.global_encode_scale.to(torch.float32)
+    y = fp4_unscaled_mm(qa.main, weight) / (_row_scale(qa.main.global_encode_scale, m) * sw)
+    if qa.residual is not None:
+        y = y + fp4_unscaled_mm(qa.residual, weight) / (_row_scale(qa.residual.global_encode_scale, m) * sw)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x2.dtype)
+
+
+def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None) -> torch.Tensor:
+    """Weight-only: ``F.linear(x, DQ(W))`` with DQ in ``x.dtype`` (the trainer's QAT forward weight)."""
+    w = nvfp4_dequantize(weight.qdata, weight.scale, weight.global_encode_scale, x2.dtype)
+    return F.linear(x2, w, bias)

@@ -1,0 +1,64 @@
+"""Weight quantization (the op every trainer -> rollout sync runs): reference and kernel glue.
+
+The reference is the recipe itself (:func:`quads.tensor.nvfp4_math.nvfp4_quantize`); the Triton
+path (an amax pass, then a tile quantizer with the given global scales) returns the same bits
+and is what makes a sync cheap on the GPU. Triton is optional: its glue imports it on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quads.tensor.nvfp4_math import (
+    GLOBAL_SCALE_GRANULARITIES,
+    NVFP4Parts,
+    check_quantizable,
+    default_granularity,
+    global_encode_scale_from_amax,
+    nvfp4_quantize,
+)
+
+__all__ = ["quantize_weight_reference", "quantize_weight_triton"]
+
+
+def quantize_weight_reference(x: torch.Tensor, granularity: str | None = None) -> NVFP4Parts:
+    """The NVFP4 parts of a weight (the recipe)."""
+    return nvfp4_quantize(x, granularity)
+
+
+def quantize_weight_triton(x: torch.Tensor, granularity: str | None = None) -> NVFP4Parts:
+    """Kernel twin of :func:`quantize_weight_reference` (same bits): amax pass + quantization pass."""
+    from quads.kernels.quantize_nvfp4 import amax_rows, quantize_given_scale
+
+    check_quantizable(x, "weight")
+    gran = granularity or default_granularity(x)
+    if gran not in GLOBAL_SCALE_GRANULARITIES:
+        raise ValueError(f"unknown global-scale granularity {gran!r}; use one of {GLOBAL_SCALE_GRANULARITIES}")
+    if gran == "expert" and x.dim() != 3:
+        raise ValueError(f"'expert' global scales need a 3-D (experts, N, K) tensor, got shape {tuple(x.shape)}")
+    k = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    x2 = x.detach().reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != k):
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    if gran == "tensor":
+        amax = amax_rows(x2).amax() if rows else torch.zeros((), **f32)
+        per_group = max(rows, 1)
+    elif gran == "expert":
+        e = x.shape[0]
+        per_group = max(rows // max(e, 1), 1)
+        amax = amax_rows(x2).view(e, -1).amax(dim=1) if rows else torch.zeros(e, **f32)
+    else:  # row
+        amax = amax_rows(x2) if rows else torch.zeros(0, **f32)
+        per_group = 1
+    gs = global_encode_scale_from_amax(amax)
+    if gran == "row":
+        gs = gs.reshape(lead)
+    if rows == 0:
+        q = torch.empty(lead + (k // 2,), dtype=torch.uint8, device=x.device)
+        s = torch.empty(lead + (k // 16,), dtype=torch.float8_e4m3fn, device=x.device)
+        return NVFP4Parts(q, s, gs)
+    q, s, _ = quantize_given_scale(x2, gs.reshape(-1), per_group)
+    return NVFP4Parts(q.view(lead + (k // 2,)), s.view(torch.float8_e4m3fn).view(lead + (k // 16,)), gs)

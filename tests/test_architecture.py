@@ -1,0 +1,95 @@
+"""The package's structure: layers import one way; the backend is chosen once and stored."""
+
+import ast
+import copy
+import pathlib
+
+import pytest
+import torch
+
+import quads
+import quads.ops.backend as backend_mod
+from quads.policies.modules import RolloutExperts, RolloutLinear
+from tests.tiny_models import build
+
+ROOT = pathlib.Path(quads.__file__).parent
+RANK = {"tensor": 0, "kernels": 1, "ops": 2, "policies": 3, "tasks": 3, "diagnostics": 4, "integrations": 5}
+
+
+def _imports(tree: ast.AST, package: tuple[str, ...]):
+    """(lineno, module) of every import in a file, function-level and relative ones included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                yield node.lineno, ".".join(base + ((node.module,) if node.module else ()))
+            elif node.module:
+                yield node.lineno, node.module
+
+
+def test_layers_import_one_way():
+    """tensor <- kernels <- ops <- policies (tasks) <- diagnostics <- integrations, nothing upward."""
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent)
+        parts = rel.with_suffix("").parts  # ("quads", layer, ...)
+        if len(parts) < 3 or parts[1] not in RANK:
+            continue
+        for lineno, module in _imports(ast.parse(path.read_text()), parts[:-1]):
+            target = module.split(".")
+            if target[0] == "quads" and len(target) > 1 and target[1] in RANK and RANK[target[1]] > RANK[parts[1]]:
+                bad.append(f"{rel}:{lineno} imports {module}")
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_rollout_modules_store_their_backend_and_forward_never_reselects(monkeypatch):
+    model = build("qwen3_moe")
+    quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
+    rollout = [m for m in model.modules() if isinstance(m, (RolloutLinear, RolloutExperts))]
+    assert rollout and all(m.quads_backend.name == "torch" for m in rollout)
+    assert "backend=torch" in repr(rollout[0])
+
+    def boom(*a, **k):
+        raise AssertionError("select_backend called in a forward")
+
+    monkeypatch.setattr(backend_mod, "select_backend", boom)
+    import quads.ops.functional as functional
+
+    monkeypatch.setattr(functional, "select_backend", boom)
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        model(ids)
+
+
+def test_backend_forced_at_conversion_is_kept_and_moves_reselect():
+    model = build("llama")
+    with quads.use_backend("hopper"), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")  # the interpreter runs kernels on CPU tensors
+        quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.quads_backend.name == "hopper"  # stored: no longer depends on the context
+    model.to("cpu")  # a move picks again, for the new device (auto: torch on CPU)
+    assert layer.quads_backend.name == "torch"
+    clone = copy.deepcopy(model)  # backends copy (and pickle) as themselves
+    assert clone.model.layers[0].self_attn.q_proj.quads_backend is quads.ops.get_backend("torch")
+
+
+def test_auto_never_picks_blackwell_and_bad_names_raise(monkeypatch):
+    assert quads.select_backend("cpu").name == "torch"
+    assert quads.select_backend("meta").name == "torch"
+    monkeypatch.setenv("QUADS_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="QUADS_BACKEND"):
+        quads.select_backend("cpu")
+    monkeypatch.delenv("QUADS_BACKEND")
+    with pytest.raises(ValueError):
+        quads.ops.get_backend("auto")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not torch.cuda.is_available():
+        with quads.use_backend("hopper"), pytest.raises(RuntimeError, match="forced"):
+            quads.select_backend("cpu")
+    monkeypatch.setattr(backend_mod.torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    monkeypatch.setattr(backend_mod, "_triton_available", lambda: True)
+    assert quads.select_backend(torch.device("cuda", 0)).name == "torch"  # sm_100: not auto-picked
