@@ -81,6 +81,11 @@ class RolloutModule(QuadsModule):
         """(Re)pick the backend for the device the packed weights are on."""
         device = getattr(self, self.quads_packed_names[0]).device
         self.quads_backend = select_backend(device)
+        self.quads_weights_changed()
+
+    def quads_weights_changed(self) -> None:
+        """Called whenever the packed weights were (re)written: by ``quantize_``, ``sync_weights_``
+        and device moves. Whatever the backend derives from the packed parts is rebuilt here."""
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)

@@ -62,6 +62,8 @@ def _convert_linear(module: nn.Linear, name: str, policy: QuadsPolicy) -> None:
         _pack_parameter(module, "weight", f"{name}.weight", backend)
         _swap_class(module, RolloutLinear)
         module.quads_backend = backend
+        module.quads_policy = policy
+        module.quads_weights_changed()
     module.quads_policy = policy
 
 
@@ -80,6 +82,8 @@ def _convert_experts(module: nn.Module, name: str, policy: QuadsPolicy) -> None:
             _pack_parameter(module, pname, f"{name}.{pname}", backend)
         _swap_class(module, RolloutExperts)
         module.quads_backend = backend
+        module.quads_policy = policy
+        module.quads_weights_changed()
     module.quads_policy = policy
 
 

@@ -54,4 +54,6 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module) -> int:
         else:
             param.copy_(source)
         synced += 1
+    for module in set(owners.values()):
+        module.quads_weights_changed()
     return synced
