@@ -5,12 +5,11 @@ Two kernels:
 * ``_act_quant_row_kernel``: one program per activation row. The whole row lives in registers,
   so the per-row global scale (``granularity="row"``), the main quantization, the residual
   ``r = x - DQ(Q(x))``, the per-token top-k selection of ``|r|`` (exact, ties included) and the
-  residual's own quantization are one pass over ``x``. Outputs: the packed NVFP4 parts (bit-exact
+  residual's quantization (with the same global scale) are one pass over ``x``. Outputs: the packed NVFP4 parts (bit-exact
   with the reference) and/or the *unscaled* dequantized values ``e2m1 * f32(scale)`` in fp16
   (exact, see QUADS.md section 3), which is what the GEMM kernels consume.
 * ``_quant_given_scale_kernel``: tiles of a 2-D tensor quantized with a given per-row-group global
-  scale (weights: ``"tensor"``/``"expert"`` granularity; activations with ``"tensor"``
-  granularity). The global amax comes from ``_amax_rows_kernel`` (max of |x| bit patterns, which
+  scale (weights: ``"tensor"``/``"expert"`` granularity). The global amax comes from ``_amax_rows_kernel`` (max of |x| bit patterns, which
   is exact, order-independent and NaN-propagating), and ``S_enc`` from the reference function.
 
 Bit-exactness notes (all float32, as the recipe):
@@ -259,15 +258,13 @@ def _act_quant_row_kernel(
     X, ROW_IDX, stride_xm, K,
     GS_IN,
     QX, SX, GX, DX,
-    QR, SR, GR, DR,
-    RSEL, RAMAX,
+    QR, SR, DR,
     SMASK,
     k_top,
     NB: tl.constexpr,
     HAS_ROW_IDX: tl.constexpr,
     MAIN_GS_GIVEN: tl.constexpr,
-    RES_MODE: tl.constexpr,  # 0 none, 1 per-token top-k, 2 static mask
-    RES_DEFER: tl.constexpr,  # residual global scale over the tensor: write selected r + row amax
+    RES_MODE: tl.constexpr,  # 0 none, 1 per-token top-k, 2 static mask, 3 every channel
     WRITE_PACKED: tl.constexpr,
     WRITE_DQ: tl.constexpr,
     PACKED_SEARCH: tl.constexpr,
@@ -312,25 +309,20 @@ def _act_quant_row_kernel(
             thr_bits = _topk_threshold_bits(tl.reshape(mbits, (NB * 16,)), k_top, PACKED_SEARCH)
             thr = thr_bits.to(tl.float32, bitcast=True)
             sel = (tl.abs(r) >= thr) & (k_top > 0) & emask
-        else:
+        elif RES_MODE == 2:
             sm = tl.load(SMASK + offs, mask=emask, other=0)
             sel = (sm != 0) & emask
-        rs = tl.where(sel, r, 0.0)
-        if RES_DEFER:
-            tl.store(RSEL + row * K + offs, rs, mask=emask)
-            ramax_bits = tl.max(tl.max(_abs_bits(rs), axis=1), axis=0)
-            tl.store(RAMAX + row, ramax_bits.to(tl.float32, bitcast=True))
         else:
-            ramax = tl.max(tl.max(_abs_bits(rs), axis=1), axis=0).to(tl.float32, bitcast=True)
-            s_res = _global_scale(ramax)
-            rs_vec = s_res + tl.zeros((NB,), dtype=tl.float32)
-            rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks(rs, rs_vec)
-            tl.store(GR + row, s_res)
-            if WRITE_PACKED:
-                _pack_store(rcodes, QR, SR, rs_code, q_off, s_off, blk, jj8, bmask, NB)
-            if WRITE_DQ:
-                ru = _with_sign(rqv, rneg) * rs_f32[:, None]
-                tl.store(DR + row * K + offs, ru.to(tl.float16), mask=emask)
+            sel = emask
+        rs = tl.where(sel, r, 0.0)
+        # the residual shares the row's (or tensor's) global scale: its E4M3 block scales cover the
+        # ~10x smaller range (measured: same error as an own global scale, docs/design.md)
+        rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks(rs, s_vec)
+        if WRITE_PACKED:
+            _pack_store(rcodes, QR, SR, rs_code, q_off, s_off, blk, jj8, bmask, NB)
+        if WRITE_DQ:
+            ru = _with_sign(rqv, rneg) * rs_f32[:, None]
+            tl.store(DR + row * K + offs, ru.to(tl.float16), mask=emask)
 
 
 @triton.jit
@@ -418,23 +410,27 @@ class QuantizedRows(NamedTuple):
 
 
 class RowQuantization(NamedTuple):
-    """What :func:`quantize_rows` produced: the main quantization and the residual's (or None)."""
+    """What :func:`quantize_rows` produced: the main quantization and the residual's (or None);
+    with ``stacked=True``, also the one buffer both operands (and per-row scales) are views of."""
 
     main: QuantizedRows
     residual: QuantizedRows | None
+    stacked_operand: torch.Tensor | None = None
+    stacked_scale: torch.Tensor | None = None
 
 
-RESIDUAL_MODES = {"none": 0, "per_token": 1, "static": 2}
+RESIDUAL_MODES = {"none": 0, "per_token": 1, "static": 2, "all": 3}
 #: top-k threshold searches (see ``_topk_threshold_bits``); "auto" picks by row count
 TOPK_SEARCHES = ("auto", "binary", "packed5")
 
 
-def _num_warps_for(k: int) -> int:
+def _num_warps_for(k: int, rows: int) -> int:
+    """Warps per row program: more for few rows (each row is one program, latency-bound)."""
     if k <= 1024:
         return 4
-    if k <= 4096:
-        return 8
-    return 16
+    if rows <= 64:
+        return 16
+    return 8 if k <= 4096 else 16
 
 
 def _packed_search(search: str, rows: int, k: int) -> bool:
@@ -508,14 +504,18 @@ def quantize_rows(
     row_idx: torch.Tensor | None = None,
     topk_search: str = "auto",
     num_warps: int | None = None,
+    stacked: bool = False,
 ) -> RowQuantization:
     """One pass per row: main NVFP4 quantization (+ residual compensation), see module doc.
 
     ``residual``: ``"none"``, ``"per_token"`` (top ``k_top`` |r| channels of each row, ties at
-    the threshold included) or ``"static"`` (``static_mask``, K channels). ``granularity``:
+    the threshold included), ``"static"`` (``static_mask``, K channels) or ``"all"`` (every
+    channel: no selection, the k = 100% two-level quantization). ``granularity``:
     ``"row"`` (one global scale per row) or ``"tensor"``. ``row_idx`` (optional int (R,)):
     quantize ``x2d[row_idx]`` without materializing it. ``topk_search``/``num_warps``: kernel
-    choices (benchmarks sweep them; the defaults are the measured best).
+    choices (benchmarks sweep them; the defaults are the measured best). ``stacked``: with
+    ``write_operand`` and a per-row residual, the main and residual operands (and per-row global
+    scales) are views of one buffer of ``2R`` rows, main rows first: the decode GEMM's operand.
     """
     if x2d.dim() != 2 or x2d.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"quantize_rows expects (M, K) with K % 16 == 0, got {tuple(x2d.shape)}")
@@ -538,6 +538,7 @@ def quantize_rows(
     def f16(*shape):
         return torch.empty(shape, dtype=torch.float16, device=dev)
 
+    stack = stacked and write_operand and res_mode != 0
     if granularity == "tensor":
         src = x2d if row_idx is None else x2d[row_idx.long()]
         amax = amax_rows(src).amax() if n_rows else torch.zeros((), **f32)
@@ -547,18 +548,14 @@ def quantize_rows(
         s_main = None
         gx = torch.empty(n_rows, **f32)
     qx, sx = (u8(n_rows, k // 2), u8(n_rows, k // 16)) if write_packed else (None, None)
-    dx = f16(n_rows, k) if write_operand else None
-    defer = res_mode != 0 and granularity == "tensor"
-    rsel = ramax = gr = qr = sr = dr = None
+    d_all = f16(2 * n_rows if stack else n_rows, k) if write_operand else None
+    dx = None if d_all is None else d_all[:n_rows]
+    qr = sr = dr = None
     if res_mode != 0:
-        if defer:
-            rsel, ramax = torch.empty((n_rows, k), **f32), torch.empty(n_rows, **f32)
-        else:
-            gr = torch.empty(n_rows, **f32)
-            if write_packed:
-                qr, sr = u8(n_rows, k // 2), u8(n_rows, k // 16)
-            if write_operand:
-                dr = f16(n_rows, k)
+        if write_packed:
+            qr, sr = u8(n_rows, k // 2), u8(n_rows, k // 16)
+        if write_operand:
+            dr = d_all[n_rows:] if stack else f16(n_rows, k)
     smask = None
     if res_mode == 2:
         if static_mask is None:
@@ -575,28 +572,23 @@ def quantize_rows(
             x2d, d(ridx), x2d.stride(0), k,
             d(s_main),
             d(qx), d(sx), d(gx), d(dx),
-            d(qr), d(sr), d(gr), d(dr),
-            d(rsel), d(ramax),
+            d(qr), d(sr), d(dr),
             d(smask),
             int(k_top),
             NB=triton.next_power_of_2(max(k // 16, 1)),
             HAS_ROW_IDX=ridx is not None,
             MAIN_GS_GIVEN=s_main is not None,
             RES_MODE=res_mode,
-            RES_DEFER=defer,
             WRITE_PACKED=write_packed,
             WRITE_DQ=write_operand,
             PACKED_SEARCH=_packed_search(topk_search, n_rows, k),
-            num_warps=num_warps or _num_warps_for(k),
+            num_warps=num_warps or _num_warps_for(k, n_rows),
         )
     e4m3 = lambda t: None if t is None else t.view(torch.float8_e4m3fn)  # noqa: E731
     main = QuantizedRows(qx, e4m3(sx), gx, dx)
     if res_mode == 0:
         return RowQuantization(main, None)
-    if defer:
-        # residual with one global scale over the tensor: quantize the selected residual
-        amax = ramax.amax() if n_rows else torch.zeros((), **f32)
-        s_res = global_encode_scale_from_amax(amax)
-        qr, sr, dr = quantize_given_scale(rsel, s_res.reshape(1), max(n_rows, 1), write_packed, write_operand)
-        gr = s_res.reshape(())
-    return RowQuantization(main, QuantizedRows(qr, e4m3(sr), gr, dr))
+    residual_rows = QuantizedRows(qr, e4m3(sr), gx, dr)  # the residual shares the global scale
+    if stack:
+        return RowQuantization(main, residual_rows, d_all, gx)
+    return RowQuantization(main, residual_rows)

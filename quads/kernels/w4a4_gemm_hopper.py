@@ -1,37 +1,22 @@
-"""Exact W4A4 (+ residual) GEMM on Hopper: NVFP4 weights dequantized in registers, fp16 MMA.
+"""Prefill GEMM on Hopper (many tokens): exact W4A4 (+ residual) with a materialized fp16 weight.
 
 QUADS.md section 3: an E2M1 value times an E4M3 scale is exact in fp16, so
-``y = x̂ Ŵᵀ + r̂ Ŵᵀ`` is reproduced by multiplying the *unscaled* operands ``e2m1 * s`` on fp16
-tensor cores with fp32 accumulation and dividing by ``S_x[row] * S_w`` (and ``S_r[row] * S_w``)
-in the epilogue, exactly as :func:`quads.ops.rollout_linear.w4a4_matmul_reference` does. Only
-the fp32 summation order differs from the reference.
+``y = x̂ Ŵᵀ + r̂ Ŵᵀ`` is reproduced by multiplying the *unscaled* operands on fp16 tensor cores
+with fp32 accumulation and dividing the sum by ``S_x[row] * S_w`` (the residual shares the row's
+global scale) in the epilogue, exactly as :func:`quads.ops.linear.w4a4_matmul_reference` does; only the fp32
+summation order differs from the reference.
 
-Operands
---------
-* weight: packed NVFP4 parts (``qdata`` uint8 (N, K/2), ``scale`` E4M3 bytes (N, K/16), fp32
-  ``S_w``), dequantized per tile in registers. The E2M1 nibble becomes an fp16 bit pattern
-  (``mag << 9 | sign << 15`` is ``e2m1 * 2^-14``) and is multiplied by ``s * 2^7`` (one fp16
-  multiply, exact): the MMA operand is ``e2m1 * s * 2^-7`` and the epilogue multiplies by 2^7.
-  On the GPU an inline-PTX variant does the nibble → f16x2 conversion and the scale multiply
-  with 32-bit bit operations (``USE_ASM``); the interpreter uses the plain path (same bits).
-  Prefill (``w_mode=1``): the weight is dequantized once to the same fp16 values by
-  ``dequant_weight_fp16`` and both MMA operands come from shared memory (same bits again).
-* activations: fp16 ``e2m1 * s`` (exact), written by the fused quantization kernel
-  (:mod:`quads.kernels.quantize_nvfp4`), with per-row fp32 global scales.
+For many tokens the weight is dequantized once per call by :func:`dequant_weight_fp16` to the
+operand values the decode kernel builds in registers (``e2m1 * s * 2^-14``, see
+:mod:`quads.kernels.hopper_weight_layout`), then a pipelined tensor-core GEMM with both operands
+in shared memory runs. Swap-AB (weight rows are the MMA's M) as in the decode kernel.
 
-Swap-AB: the weight tile is the MMA's A operand (rows = output features, from registers) and
-the tokens are the MMA's N dimension, so decode (M = 1..16) pads tokens to 16, not to 64.
-
-Deterministic, batch-invariant reduction order
-----------------------------------------------
-K is cut into canonical segments of ``SEG_K`` (1024) channels. Each segment is accumulated from
-zero by a chain of ``tl.dot`` over ``BLOCK_K`` tiles; the segment sums are then added in segment
-order: ``((p0 + p1) + p2) + ...``. The decode kernel computes one segment per program
-(split-K, partials in a workspace, no atomics in the sum; the last-arriving program of a tile,
-found with an arrival counter, adds them in segment order); the prefill kernel walks the
-segments itself and adds them in the same order. A row's bits therefore do not depend on M, on
-the other rows, or on which kernel ran (as long as the MMA instruction's own arithmetic does not
-depend on the tile shape: checked on the H200, see docs/kernels.md).
+Batch invariance: K is cut into the canonical segments of :data:`quads.kernels.w4a4_decode_hopper.SEG_K`;
+each segment is summed from zero by a chain of k16 MMA steps and the segment sums are added in
+order, with the decode kernel's epilogue formula, so a row's bits are those of the decode
+kernel (checked on the H200: the MMA instruction's arithmetic does not depend on the tile shape,
+but ``mma.sync`` differs from wgmma, so every config uses wgmma: >= 4 warps, >= 64 weight rows).
+Optional split-K (segments over programs, the last program adds them in order) for mid-size M.
 """
 
 from __future__ import annotations
@@ -41,11 +26,9 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
+from quads.kernels.w4a4_decode_hopper import SEG_K
 
-__all__ = ["w4a4_gemm", "SEG_K", "GemmConfig", "pick_config", "dequant_weight_fp16"]
-
-SEG_K = 1024
-WSHIFT = 7  # weight operand is e2m1 * s * 2^-WSHIFT; the epilogue multiplies by 2^WSHIFT
+__all__ = ["w4a4_gemm", "GemmConfig", "pick_config", "dequant_weight_fp16"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,9 +63,9 @@ def _e2m1_bits_f16(c):
 
 @triton.jit
 def _dequant_w(b, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
-    """Packed bytes (BN, BK/2) + scale bytes (BN, BK/16) -> fp16 (BN, BK) = e2m1 * s * 2^-7."""
-    # E4M3 byte -> fp16 bits << 7 is s * 2^-8 (exact, subnormals included); * 2^15 -> s * 2^7.
-    s16 = ((sb.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * 32768.0
+    """Packed bytes (BN, BK/2) + scale bytes (BN, BK/16) -> fp16 (BN, BK) = e2m1 * s * 2^-14."""
+    # E4M3 byte -> fp16 bits << 7 is s * 2^-8 (exact, subnormals included); * 2^8 -> s.
+    s16 = ((sb.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * 256.0
     if USE_ASM:
         sbb = tl.reshape(tl.broadcast_to(s16[:, :, None], (BN, BK // 16, 8)), (BN, BK // 2))
         lo = tl.inline_asm_elementwise(_ASM_LO, "=r,=r,r,r,r", [b, sbb], dtype=tl.float16, is_pure=True, pack=4)
@@ -98,33 +81,18 @@ def _dequant_w(b, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr)
 
 @triton.jit
 def _segment_partial(
-    X, R, WQ, WS, W16, row_x, row_r, mmask, offs_n, nmask,
-    k_lo, k_hi, K, KH, KS,
-    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    HAS_RES: tl.constexpr, USE_ASM: tl.constexpr, W_MODE: tl.constexpr,
+    X, R, W16, row_x, row_r, mmask, offs_n, nmask, k_lo, k_hi, K,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_RES: tl.constexpr,
 ):
-    """fp32 sums over channels [k_lo, k_hi) (a canonical segment), accumulated from zero.
-
-    W_MODE 0: packed weight dequantized in registers; 1: weight pre-dequantized to fp16
-    (same values e2m1 * s * 2^-7, so the same bits come out).
-    """
+    """fp32 sums over channels [k_lo, k_hi) (a canonical segment), accumulated from zero, with
+    the materialized fp16 weight ``e2m1 * s * 2^-14``."""
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     accr = tl.zeros((BN, BM), dtype=tl.float32)
     kk = tl.arange(0, BK)
-    kb = tl.arange(0, BK // 2)
-    ks = tl.arange(0, BK // 16)
     for k0 in range(k_lo, k_hi, BK):
         kmask = (k0 + kk) < K
-        if W_MODE == 1:
-            w = tl.load(W16 + offs_n[:, None].to(tl.int64) * K + (k0 + kk)[None, :],
-                        mask=nmask[:, None] & kmask[None, :], other=0.0)
-        else:
-            kmask_b = (k0 // 2 + kb) < KH
-            b = tl.load(WQ + offs_n[:, None] * KH + (k0 // 2 + kb)[None, :],
-                        mask=nmask[:, None] & kmask_b[None, :], other=0)
-            sb = tl.load(WS + offs_n[:, None] * KS + (k0 // 16 + ks)[None, :],
-                         mask=nmask[:, None] & ((k0 // 16 + ks) < KS)[None, :], other=0)
-            w = _dequant_w(b, sb, BN, BK, USE_ASM)
+        w = tl.load(W16 + offs_n[:, None].to(tl.int64) * K + (k0 + kk)[None, :],
+                    mask=nmask[:, None] & kmask[None, :], other=0.0)
         x = tl.load(X + row_x[:, None] + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
         if HAS_RES:
@@ -134,19 +102,15 @@ def _segment_partial(
 
 
 @triton.jit
-def _epilogue(acc, accr, SX, SR, s_idx, sw, BIAS, Y, y_rows, mmask, offs_n, nmask, stride_ym,
+def _epilogue(acc, accr, SX, s_idx, sw, BIAS, Y, y_rows, mmask, offs_n, nmask, stride_ym,
               HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y[m, n] = acc / (Sx[m] Sw) (+ accr / (Sr[m] Sw)) (+ bias[n]), as the reference.
-
-    ``s_idx``: rows of SX/SR (the activation rows); ``y_rows``: rows of Y to write.
-    """
+    """y[m, n] = (acc [+ accr]) * 2^14 / (Sx[m] Sw) (+ bias[n]), as the reference (the residual
+    shares the row's global scale). ``s_idx``: rows of SX (the activation rows); ``y_rows``: rows of Y."""
     sx = tl.load(SX + s_idx, mask=mmask, other=1.0)
     den = sx * sw
-    y = tl.math.div_rn(acc * 128.0, den[None, :] + tl.zeros_like(acc))
     if HAS_RES:
-        sr = tl.load(SR + s_idx, mask=mmask, other=1.0)
-        den_r = sr * sw
-        y = y + tl.math.div_rn(accr * 128.0, den_r[None, :] + tl.zeros_like(accr))
+        acc = acc + accr
+    y = tl.math.div_rn(acc * 16384.0, den[None, :] + tl.zeros_like(acc))
     if HAS_BIAS:
         bias = tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)
         y = y + bias[:, None]
@@ -156,14 +120,13 @@ def _epilogue(acc, accr, SX, SR, s_idx, sw, BIAS, Y, y_rows, mmask, offs_n, nmas
 
 @triton.jit
 def _w4a4_gemm_kernel(
-    X, R, SX, SR,
-    WQ, WS, W16, SW,
+    X, R, SX, W16, SW,
     BIAS, Y, PART, LOCKS,
-    M, N, K, KH, KS, stride_xm, stride_rm, stride_ym,
+    M, N, K, stride_xm, stride_rm, stride_ym,
     SEG: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     SPLIT: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, W_MODE: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -178,8 +141,8 @@ def _w4a4_gemm_kernel(
     num_seg = tl.cdiv(K, SEG)
     if SPLIT:
         k_lo = pid_s * SEG
-        acc, accr = _segment_partial(X, R, WQ, WS, W16, row_x, row_r, mmask, offs_n, nmask,
-                                     k_lo, tl.minimum(k_lo + SEG, K), K, KH, KS, BN, BM, BK, HAS_RES, USE_ASM, W_MODE)
+        acc, accr = _segment_partial(X, R, W16, row_x, row_r, mmask, offs_n, nmask,
+                                     k_lo, tl.minimum(k_lo + SEG, K), K, BN, BM, BK, HAS_RES)
         # workspace PART: (num_seg, 2, M_pad, N) fp32; this program's partials
         m_pad = tl.num_programs(2) * BM
         pofs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
@@ -200,23 +163,22 @@ def _w4a4_gemm_kernel(
                 if HAS_RES:
                     totr += tl.load(sbase + m_pad * N + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(LOCKS + tile, 0)
-            _epilogue(tot, totr, SX, SR, offs_m, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym, HAS_RES, HAS_BIAS)
+            _epilogue(tot, totr, SX, offs_m, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym, HAS_RES, HAS_BIAS)
     else:
         tot = tl.zeros((BN, BM), dtype=tl.float32)
         totr = tl.zeros((BN, BM), dtype=tl.float32)
         for s in range(0, num_seg):
-            acc, accr = _segment_partial(X, R, WQ, WS, W16, row_x, row_r, mmask, offs_n, nmask,
-                                         s * SEG, tl.minimum(s * SEG + SEG, K), K, KH, KS, BN, BM, BK, HAS_RES,
-                                         USE_ASM, W_MODE)
+            acc, accr = _segment_partial(X, R, W16, row_x, row_r, mmask, offs_n, nmask,
+                                         s * SEG, tl.minimum(s * SEG + SEG, K), K, BN, BM, BK, HAS_RES)
             tot += acc
             totr += accr
-        _epilogue(tot, totr, SX, SR, offs_m, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym, HAS_RES, HAS_BIAS)
+        _epilogue(tot, totr, SX, offs_m, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym, HAS_RES, HAS_BIAS)
 
 
 @triton.jit
 def _dequant_weight_kernel(WQ, WS, W16, N, K, KH, KS, BR: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
-    """W16 (N, K) fp16 = e2m1 * s * 2^-7: the prefill path's MMA operand (exact, same values as
-    the in-register dequantization)."""
+    """W16 (N, K) fp16 = e2m1 * s * 2^-14: the prefill path's MMA operand (exact, the values the
+    decode kernel builds in registers)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     k0 = tl.program_id(1) * BK
     rmask = rows < N
@@ -238,35 +200,30 @@ def _dequant_weight_kernel(WQ, WS, W16, N, K, KH, KS, BR: tl.constexpr, BK: tl.c
 
 
 class GemmConfig:
-    """Tile config. ``w_mode``: 0 = dequantize the packed weight in registers (decode),
-    1 = dequantize it once to fp16 and run an fp16 tensor-core GEMM (prefill)."""
+    """Tile config of the prefill GEMM (tuned on the H200, see docs/kernels.md)."""
 
-    __slots__ = ("bn", "bm", "bk", "split", "num_warps", "num_stages", "use_asm", "w_mode")
+    __slots__ = ("bn", "bm", "bk", "split", "num_warps", "num_stages")
 
-    def __init__(self, bn, bm, bk, split, num_warps=4, num_stages=3, use_asm=True, w_mode=0):
+    def __init__(self, bn, bm, bk, split, num_warps=4, num_stages=3):
         self.bn, self.bm, self.bk, self.split = bn, bm, bk, split
-        self.num_warps, self.num_stages, self.use_asm, self.w_mode = num_warps, num_stages, use_asm, w_mode
+        self.num_warps, self.num_stages = num_warps, num_stages
 
     def __repr__(self):
         return (f"GemmConfig(bn={self.bn}, bm={self.bm}, bk={self.bk}, split={self.split}, "
-                f"warps={self.num_warps}, stages={self.num_stages}, asm={self.use_asm}, w_mode={self.w_mode})")
+                f"warps={self.num_warps}, stages={self.num_stages})")
 
 
 def pick_config(m: int, n: int, k: int) -> GemmConfig:
-    """Tile choice by token count (tuned on the H200, see docs/kernels.md)."""
+    """Tile choice by token count."""
     if interpreting():
-        return GemmConfig(bn=16, bm=16, bk=32, split=m <= 4, num_warps=1, num_stages=1, use_asm=False,
-                          w_mode=1 if m > 8 else 0)
-    # tuned on the H200 (benchmarks/bench_kernels.py --tune, 2026-11-29; docs/kernels.md)
-    if m <= 64:
-        return GemmConfig(bn=64, bm=16 if m <= 16 else 64, bk=128, split=True, num_warps=4, num_stages=4)
+        return GemmConfig(bn=16, bm=16, bk=32, split=m <= 32, num_warps=1, num_stages=1)
     if m <= 256:
-        return GemmConfig(bn=64, bm=128, bk=128, split=True, num_warps=4, num_stages=3)
-    return GemmConfig(bn=128, bm=128, bk=64, split=False, num_warps=8, num_stages=4, w_mode=1)
+        return GemmConfig(bn=64, bm=128, bk=64, split=True, num_warps=4, num_stages=3)
+    return GemmConfig(bn=128, bm=128, bk=64, split=False, num_warps=8, num_stages=4)
 
 
 def dequant_weight_fp16(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """(N, K) fp16 = e2m1 * s * 2^-7 of a packed NVFP4 weight (no global scale)."""
+    """(N, K) fp16 = e2m1 * s * 2^-14 of a packed NVFP4 weight (no global scale)."""
     n, kh = wq.shape
     k = kh * 2
     out = torch.empty((n, k), dtype=torch.float16, device=wq.device)
@@ -282,10 +239,7 @@ _LOCKS: dict = {}
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters (int32, zero between launches: the last program resets its counter).
-
-    One buffer per (device, stream): launches on one stream never overlap.
-    """
+    """Arrival counters (int32, zero between launches: the last program resets its counter)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _LOCKS.get(key)
@@ -302,17 +256,18 @@ def w4a4_gemm(
     ws: torch.Tensor,
     sw: torch.Tensor,
     r16: torch.Tensor | None = None,
-    sr: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     config: GemmConfig | None = None,
-    out: torch.Tensor | None = None,
     seg_k: int = SEG_K,
+    w16: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y (M, N) = (x16 @ Ŵᵀ)/(sx Sw) [+ (r16 @ Ŵᵀ)/(sr Sw)] [+ bias]``, see module doc.
+    """``y (M, N) = (x16 @ Ŵᵀ [+ r16 @ Ŵᵀ]) / (sx Sw) [+ bias]``, see module doc.
 
-    x16/r16: fp16 (M, K) unscaled activations; sx/sr fp32 (M,); wq uint8 (N, K/2); ws uint8
-    or float8_e4m3fn (N, K/16); sw fp32 scalar tensor.
+    x16/r16: fp16 (M, K) unscaled activations (the residual shares the rows' scales); sx fp32
+    (M,); wq uint8 (N, K/2); ws uint8
+    or float8_e4m3fn (N, K/16); sw fp32 scalar tensor; ``w16``: the materialized weight if the
+    caller has it already (:func:`dequant_weight_fp16`).
     """
     m, k = x16.shape
     n = wq.shape[0]
@@ -320,13 +275,12 @@ def w4a4_gemm(
     if seg_k % cfg.bk:
         raise ValueError(f"BLOCK_K={cfg.bk} must divide the K segment {seg_k}")
     dev = x16.device
-    if interpreting() and out_dtype == torch.bfloat16 and out is None:
+    if interpreting() and out_dtype == torch.bfloat16:
         # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even
-        return w4a4_gemm(x16, sx, wq, ws, sw, r16, sr, bias, torch.float32, config, None, seg_k).to(out_dtype)
-    y = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=dev)
+        return w4a4_gemm(x16, sx, wq, ws, sw, r16, bias, torch.float32, config, seg_k, w16).to(out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=dev)
     if m == 0:
         return y
-    ws_u8 = ws.view(torch.uint8) if ws.dtype != torch.uint8 else ws
     has_res = r16 is not None
     num_seg = triton.cdiv(k, seg_k)
     split = cfg.split and num_seg > 1
@@ -338,15 +292,13 @@ def w4a4_gemm(
         locks = _locks(dev, grid[0] * grid[2])
     else:
         part = locks = sx  # unused
-    w16 = dequant_weight_fp16(wq, ws_u8) if cfg.w_mode == 1 else sx
+    if w16 is None:
+        w16 = dequant_weight_fp16(wq, ws)
     _w4a4_gemm_kernel[grid](
-        x16, r16 if has_res else x16, sx, sr if has_res else sx,
-        wq, ws_u8, w16, sw.reshape(1) if sw.dim() == 0 else sw,
+        x16, r16 if has_res else x16, sx, w16, sw.reshape(1) if sw.dim() == 0 else sw,
         bias if bias is not None else sx, y, part, locks,
-        m, n, k, k // 2, k // 16, x16.stride(0), (r16 if has_res else x16).stride(0), y.stride(0),
+        m, n, k, x16.stride(0), (r16 if has_res else x16).stride(0), y.stride(0),
         SEG=seg_k, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, SPLIT=split,
-        HAS_RES=has_res, HAS_BIAS=bias is not None, USE_ASM=cfg.use_asm and not interpreting(),
-        W_MODE=cfg.w_mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_RES=has_res, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
-

@@ -1,9 +1,11 @@
 """Online NVFP4 activation quantization with residual compensation: the op, reference and kernel glue.
 
 QUADS rollout activations: ``x_hat = DQ(Q(x))``; the residual ``r = x - x_hat``; a channel
-mask ``S`` (per token: the channels whose |r| is among the top ``k`` of that row; static: a
-calibrated per-layer channel set); ``r_hat = DQ(Q(r * 1_S))`` with its own global scale;
-the GEMM then uses ``x_hat + r_hat`` (computed as two W4A4 products, see :mod:`quads.ops.linear`).
+mask ``S`` (per token: the channels whose |r| is among the top ``k`` of that row, all of them at
+k = 100%; static: a calibrated per-layer channel set); ``r_hat = DQ(Q(r * 1_S))`` with the *same*
+global scale as ``x`` (its E4M3 block scales absorb the residual's ~10x smaller range; measured:
+the same error as a global scale of its own, docs/design.md); the GEMM then uses
+``x_hat + r_hat`` (two W4A4 products with one epilogue scale, see :mod:`quads.ops.linear`).
 
 Global activation scales are per row (per token) by default, so a token's quantization, and
 hence its log-probs, never depend on which other tokens share the batch (batch invariance;
@@ -77,12 +79,15 @@ class QuantizedActivation(NamedTuple):
 
 class ActivationOperands(NamedTuple):
     """The GEMM-side form of a quantized activation: fp16 ``e2m1 * f32(scale)`` (exact, unscaled)
-    and per-row fp32 global scales, for the main term and the residual (or None)."""
+    and per-row fp32 global scales, for the main term and the residual (or None; it shares the
+    rows' global scales). ``stacked``: the same rows in one buffer, residual rows after the main
+    ones (the decode GEMMs multiply both with one MMA); ``main``/``residual`` are views of it.
+    ``main_scale``: the rows' global scales (M,)."""
 
     main: torch.Tensor
     main_scale: torch.Tensor
     residual: torch.Tensor | None
-    residual_scale: torch.Tensor | None
+    stacked: torch.Tensor
 
 
 def num_residual_channels(k_dim: int, fraction: float) -> int:
@@ -100,6 +105,8 @@ def per_token_residual_mask(residual: torch.Tensor, fraction: float) -> torch.Te
     mag = residual.abs()
     if k == 0:
         return torch.zeros_like(mag, dtype=torch.bool)
+    if k == residual.shape[-1]:
+        return torch.ones_like(mag, dtype=torch.bool)  # every channel (NaN rows too): no search
     threshold = torch.topk(mag, k, dim=-1).values[..., -1:]
     return mag >= threshold
 
@@ -141,7 +148,7 @@ def quantize_activation_reference(
     else:
         mask = _static_mask_for(x, static_mask).expand_as(residual)
     selected = torch.where(mask, residual, torch.zeros_like(residual))
-    return QuantizedActivation(main, nvfp4_quantize(selected, config.granularity))
+    return QuantizedActivation(main, nvfp4_quantize(selected, config.granularity, main.global_encode_scale))
 
 
 def dequantize_activation(qa: QuantizedActivation) -> torch.Tensor:
@@ -163,7 +170,10 @@ def _kernel_residual_args(x2d: torch.Tensor, config: ActivationQuant, static_mas
         return "none", 0, None
     if config.selection == "static":
         return "static", 0, _static_mask_for(x2d, static_mask)
-    return "per_token", num_residual_channels(x2d.shape[-1], config.residual_fraction), None
+    k_top = num_residual_channels(x2d.shape[-1], config.residual_fraction)
+    if k_top == x2d.shape[-1]:
+        return "all", 0, None
+    return "per_token", k_top, None
 
 
 def quantize_activation_triton(
@@ -190,10 +200,11 @@ def activation_operands_triton(
     from quads.kernels.quantize_nvfp4 import quantize_rows
 
     residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
-    q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask,
-                      granularity=config.granularity, write_packed=False, write_operand=True)
+    q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
+                      write_packed=False, write_operand=True, stacked=True)
     m = x2d.shape[0]
-    main = (q.main.operand, _per_row(q.main.global_encode_scale, m))
+    main, main_scale = q.main.operand, _per_row(q.main.global_encode_scale, m)
     if q.residual is None:
-        return ActivationOperands(*main, None, None)
-    return ActivationOperands(*main, q.residual.operand, _per_row(q.residual.global_encode_scale, m))
+        return ActivationOperands(main, main_scale, None, main)
+    # the kernel wrote both halves of one buffer; the residual rows share the rows' scales
+    return ActivationOperands(main, main_scale, q.residual.operand, q.stacked_operand)

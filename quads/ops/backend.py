@@ -32,10 +32,12 @@ from quads.ops.activation_quant import (
 )
 from quads.ops.grouped_linear import grouped_linear_hopper, grouped_linear_reference
 from quads.ops.linear import (
+    prepare_weight_hopper,
     w4a4_linear_blackwell,
     w4a4_linear_hopper,
     w4a4_linear_reference,
     w4a16_linear,
+    w4a16_linear_hopper,
 )
 from quads.ops.weight_quant import quantize_weight_reference, quantize_weight_triton
 from quads.tensor.nvfp4_math import NVFP4Parts
@@ -46,9 +48,17 @@ BACKEND_NAMES = ("auto", "torch", "hopper", "blackwell")
 
 
 class Backend:
-    """The torch reference backend; kernel backends override the methods they accelerate."""
+    """The torch reference backend; kernel backends override the methods they accelerate.
+
+    ``prepare_weight(parts)`` derives what the backend's GEMMs read from a packed weight (the
+    Hopper kernel layout; nothing for the reference); the rollout modules call it whenever their
+    weights are written and pass the result back as ``prepared`` (optional for direct callers).
+    """
 
     name = "torch"
+
+    def prepare_weight(self, weight: NVFP4Parts):
+        return None
 
     def quantize_weight(self, x: torch.Tensor, granularity: str | None = None) -> NVFP4Parts:
         return quantize_weight_reference(x, granularity)
@@ -56,12 +66,14 @@ class Backend:
     def quantize_activation(self, x2d: torch.Tensor, act: ActivationQuant, static_mask=None) -> QuantizedActivation:
         return quantize_activation_reference(x2d, act, static_mask)
 
-    def linear(self, x2d, weight: NVFP4Parts, bias, act: ActivationQuant | None, static_mask=None) -> torch.Tensor:
+    def linear(self, x2d, weight: NVFP4Parts, bias, act: ActivationQuant | None, static_mask=None,
+               prepared=None) -> torch.Tensor:
         if act is None:
             return w4a16_linear(x2d, weight, bias)
         return w4a4_linear_reference(x2d, weight, bias, act, static_mask)
 
-    def grouped_linear(self, x, rows, offsets, weight: NVFP4Parts, bias, act, static_mask, num_rows) -> torch.Tensor:
+    def grouped_linear(self, x, rows, offsets, weight: NVFP4Parts, bias, act, static_mask, num_rows,
+                       prepared=None) -> torch.Tensor:
         return grouped_linear_reference(x, rows, offsets, weight, bias, act, static_mask, num_rows)
 
     def __repr__(self) -> str:
@@ -74,19 +86,22 @@ class Backend:
 class HopperBackend(Backend):
     name = "hopper"
 
+    def prepare_weight(self, weight):
+        return prepare_weight_hopper(weight)
+
     def quantize_weight(self, x, granularity=None):
         return quantize_weight_triton(x, granularity)
 
     def quantize_activation(self, x2d, act, static_mask=None):
         return quantize_activation_triton(x2d, act, static_mask)
 
-    def linear(self, x2d, weight, bias, act, static_mask=None):
+    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None):
         if act is None:
-            return w4a16_linear(x2d, weight, bias)
-        return w4a4_linear_hopper(x2d, weight, bias, act, static_mask)
+            return w4a16_linear_hopper(x2d, weight, bias, prepared)
+        return w4a4_linear_hopper(x2d, weight, bias, act, static_mask, prepared)
 
-    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows):
-        return grouped_linear_hopper(x, rows, offsets, weight, bias, act, static_mask, num_rows)
+    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
+        return grouped_linear_hopper(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared)
 
 
 class BlackwellBackend(HopperBackend):
@@ -94,9 +109,9 @@ class BlackwellBackend(HopperBackend):
 
     name = "blackwell"
 
-    def linear(self, x2d, weight, bias, act, static_mask=None):
+    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None):
         if act is None or not x2d.is_cuda:  # CPU tensors under the interpreter: the emulation
-            return super().linear(x2d, weight, bias, act, static_mask)
+            return super().linear(x2d, weight, bias, act, static_mask, prepared)
         return w4a4_linear_blackwell(x2d, weight, bias, act, static_mask)
 
 

@@ -97,8 +97,10 @@ def rollout_experts(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     static_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    prepared: tuple = (None, None),
 ) -> torch.Tensor:
-    """Experts forward with packed NVFP4 ``gate_up (E, 2I, H)`` and ``down (E, H, I)`` parts.
+    """Experts forward with packed NVFP4 ``gate_up (E, 2I, H)`` and ``down (E, H, I)`` parts
+    (``prepared``: what ``backend.prepare_weight`` derived from each, if the caller has it).
 
     ``apply_gate`` maps the gate_up output (rows, 2I) to (rows, I) (the module's
     ``_apply_gate``, e.g. ``silu(gate) * up``).
@@ -106,9 +108,10 @@ def rollout_experts(
     num_tokens, hidden_dim = hidden.shape
     route = Routing(top_k_index, gate_up.qdata.shape[0])
     h = backend.grouped_linear(hidden, route.token_of_row, route.offsets, gate_up, gate_up_bias, act,
-                               static_masks[0], route.num_rows)
+                               static_masks[0], route.num_rows, prepared=prepared[0])
     h = apply_gate(h)
-    y = backend.grouped_linear(h, None, route.offsets, down, down_bias, act, static_masks[1], route.num_rows)
+    y = backend.grouped_linear(h, None, route.offsets, down, down_bias, act, static_masks[1], route.num_rows,
+                               prepared=prepared[1])
     out = torch.zeros(route.num_rows, hidden_dim, dtype=hidden.dtype, device=hidden.device)
     out.index_copy_(0, route.order, y.to(hidden.dtype))
     weighted = out.view(num_tokens, route.top_k, hidden_dim) * top_k_weights.unsqueeze(-1).to(out.dtype)

@@ -46,14 +46,16 @@ def rollout_linear(
     act: ActivationQuant | None = None,
     static_mask: torch.Tensor | None = None,
     backend: Backend | None = None,
+    prepared=None,
 ) -> torch.Tensor:
     """``x (..., K) -> (..., N)`` through a packed NVFP4 weight (N, K).
 
     With ``act``: W4A4 (+ residual compensation); without: weight-only W4A16 (see :mod:`quads.ops.linear`).
+    ``prepared``: ``backend.prepare_weight(weight.parts)``, if the caller keeps it.
     """
     _check_linear_weight(x, weight)
     backend = backend or select_backend(x.device)
-    y = backend.linear(x.reshape(-1, x.shape[-1]), weight.parts, bias, act, static_mask)
+    y = backend.linear(x.reshape(-1, x.shape[-1]), weight.parts, bias, act, static_mask, prepared)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -69,7 +71,9 @@ def rollout_experts(
     down_bias: torch.Tensor | None = None,
     static_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     backend: Backend | None = None,
+    prepared: tuple = (None, None),
 ) -> torch.Tensor:
     """MoE experts with packed NVFP4 ``gate_up (E, 2I, H)`` and ``down (E, H, I)`` (see :mod:`quads.ops.experts`)."""
     return _rollout_experts(hidden, top_k_index, top_k_weights, gate_up.parts, down.parts, apply_gate, act,
-                            backend or select_backend(hidden.device), gate_up_bias, down_bias, static_masks)
+                            backend or select_backend(hidden.device), gate_up_bias, down_bias, static_masks,
+                            prepared)

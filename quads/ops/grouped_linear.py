@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
-from quads.ops.linear import w4a4_linear_hopper, w4a4_linear_reference, w4a16_linear
+from quads.ops.linear import prepare_weight_hopper, w4a4_linear_hopper, w4a4_linear_reference, w4a16_linear
 from quads.tensor.nvfp4_math import NVFP4Parts
 
 __all__ = ["grouped_linear_reference", "grouped_linear_hopper"]
@@ -24,7 +24,8 @@ def _expert(parts: NVFP4Parts, e: int) -> NVFP4Parts:
 
 
 def _per_expert_loop(linear, x, rows, offsets, weight, bias, act, static_mask, num_rows):
-    """Run ``linear`` on each expert's rows (host loop over experts: the reference structure)."""
+    """Run ``linear`` on each expert's rows (host loop over experts: the reference structure;
+    its ``.tolist()`` synchronizes with the device: not CUDA-graph capturable)."""
     out = x.new_zeros(num_rows, weight.qdata.shape[1])
     bounds = offsets.tolist()
     for e in range(len(bounds) - 1):
@@ -50,6 +51,7 @@ def grouped_linear_reference(
     act: ActivationQuant | None,
     static_mask: torch.Tensor | None,
     num_rows: int,
+    prepared=None,
 ) -> torch.Tensor:
     """(num_rows, N) in ``x.dtype``; a loop of :func:`w4a4_linear_reference` over experts."""
     return _per_expert_loop(w4a4_linear_reference, x, rows, offsets, weight, bias, act, static_mask, num_rows)
@@ -64,8 +66,11 @@ def grouped_linear_hopper(
     act: ActivationQuant | None,
     static_mask: torch.Tensor | None,
     num_rows: int,
+    prepared=None,
 ) -> torch.Tensor:
-    """Triton twin: one grouped W4A4 GEMM over all experts, no host synchronisation.
+    """Triton twin: one grouped W4A4 GEMM over all experts (weights in the layout ``prepared``
+    by :func:`~quads.ops.linear.prepare_weight_hopper`, built here if not given), no host
+    synchronisation.
 
     Falls back to the per-expert loop where the grouped kernel does not reproduce the reference:
     a ``"tensor"`` activation scale (the reference takes it over each expert's rows), biases,
@@ -78,7 +83,7 @@ def grouped_linear_hopper(
     x = x if x.stride(-1) == 1 else x.contiguous()
     ops = activation_operands_triton(x, act, static_mask)
     rows32 = None if rows is None else rows.to(torch.int32)
-    return moe_w4a4_gemm(
-        ops.main, ops.main_scale, rows32, offsets.to(torch.int32), weight.qdata, weight.scale,
-        weight.global_encode_scale.float(), num_rows, r16=ops.residual, sr=ops.residual_scale, out_dtype=x.dtype,
-    )
+    prepared = prepared if prepared is not None else prepare_weight_hopper(weight)
+    return moe_w4a4_gemm(ops.stacked, ops.main_scale, rows32, offsets.to(torch.int32), prepared,
+                         weight.global_encode_scale.float(), num_rows, x.shape[0], ops.residual is not None,
+                         out_dtype=x.dtype)

@@ -26,12 +26,14 @@ from quads.ops.activation_quant import (
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
 
 __all__ = [
+    "prepare_weight_hopper",
     "unscaled_values",
     "w4a4_matmul_reference",
     "w4a4_linear_reference",
     "w4a4_linear_hopper",
     "w4a4_linear_blackwell",
     "w4a16_linear",
+    "w4a16_linear_hopper",
 ]
 
 
@@ -47,14 +49,14 @@ def _row_scale(gs: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def w4a4_matmul_reference(qa: QuantizedActivation, weight: NVFP4Parts) -> torch.Tensor:
-    """float32 (M, N) = x̂ Ŵᵀ (+ r̂ Ŵᵀ) with global scales applied in the epilogue."""
+    """float32 (M, N) = (x̂ Ŵᵀ [+ r̂ Ŵᵀ]) / (S_x S_w): fp32 sums of exact products, the global
+    scales (the residual shares S_x) divided out once in the epilogue."""
     w = unscaled_values(weight)
     m = qa.main.qdata.shape[0]
-    y = (unscaled_values(qa.main) @ w.T) / (_row_scale(qa.main.global_encode_scale, m) * weight.global_encode_scale)
+    acc = unscaled_values(qa.main) @ w.T
     if qa.residual is not None:
-        r = qa.residual
-        y = y + (unscaled_values(r) @ w.T) / (_row_scale(r.global_encode_scale, m) * weight.global_encode_scale)
-    return y
+        acc = acc + unscaled_values(qa.residual) @ w.T
+    return acc / (_row_scale(qa.main.global_encode_scale, m) * weight.global_encode_scale)
 
 
 def w4a4_linear_reference(
@@ -71,23 +73,39 @@ def w4a4_linear_reference(
     return y.to(x2.dtype)
 
 
+def prepare_weight_hopper(weight: NVFP4Parts):
+    """The packed weight (2-D, or 3-D experts) in the decode kernels' layout
+    (:mod:`quads.kernels.hopper_weight_layout`): built once per weight write, not per call."""
+    from quads.kernels.hopper_weight_layout import to_hopper_layout
+
+    return to_hopper_layout(weight.qdata, weight.scale)
+
+
 def w4a4_linear_hopper(
     x2: torch.Tensor,
     weight: NVFP4Parts,
     bias: torch.Tensor | None,
     act: ActivationQuant,
     static_mask: torch.Tensor | None = None,
+    prepared=None,
 ) -> torch.Tensor:
-    """Triton twin of :func:`w4a4_linear_reference`: fused quantization, exact W4A4 GEMM."""
+    """Triton twin of :func:`w4a4_linear_reference`: fused quantization, then the exact W4A4
+    decode GEMM (few tokens: weight streamed once in the layout ``prepared`` by
+    :func:`prepare_weight_hopper`, built here if not given) or the prefill GEMM (many tokens)."""
+    from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
     from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     ops = activation_operands_triton(x2, act, static_mask)
-    return w4a4_gemm(
-        ops.main, ops.main_scale, weight.qdata, weight.scale, weight.global_encode_scale.to(torch.float32),
-        r16=ops.residual, sr=ops.residual_scale, bias=bias, out_dtype=x2.dtype,
-    )
+    sw = weight.global_encode_scale.to(torch.float32)
+    m = x2.shape[0]
+    has_res = ops.residual is not None
+    if (2 * m if has_res else m) <= max_decode_columns():
+        prepared = prepared if prepared is not None else prepare_weight_hopper(weight)
+        return decode_gemm(ops.stacked, ops.main_scale, prepared, sw, m, has_res, bias, x2.dtype)
+    return w4a4_gemm(ops.main, ops.main_scale, weight.qdata, weight.scale, sw,
+                     r16=ops.residual, bias=bias, out_dtype=x2.dtype)
 
 
 def w4a4_linear_blackwell(
@@ -96,6 +114,7 @@ def w4a4_linear_blackwell(
     bias: torch.Tensor | None,
     act: ActivationQuant,
     static_mask: torch.Tensor | None = None,
+    prepared=None,
 ) -> torch.Tensor:
     """W4A4 (+ residual) through native FP4 GEMMs on sm_100+ (NOT RUN here, see kernels.blackwell)."""
     from quads.kernels.blackwell import fp4_unscaled_mm
@@ -103,9 +122,10 @@ def w4a4_linear_blackwell(
     qa = quantize_activation_triton(x2, act, static_mask)
     m = x2.shape[0]
     sw = weight.global_encode_scale.to(torch.float32)
-    y = fp4_unscaled_mm(qa.main, weight) / (_row_scale(qa.main.global_encode_scale, m) * sw)
+    acc = fp4_unscaled_mm(qa.main, weight)
     if qa.residual is not None:
-        y = y + fp4_unscaled_mm(qa.residual, weight) / (_row_scale(qa.residual.global_encode_scale, m) * sw)
+        acc = acc + fp4_unscaled_mm(qa.residual, weight)
+    y = acc / (_row_scale(qa.main.global_encode_scale, m) * sw)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x2.dtype)
@@ -115,3 +135,22 @@ def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None
     """Weight-only: ``F.linear(x, DQ(W))`` with DQ in ``x.dtype`` (the trainer's QAT forward weight)."""
     w = nvfp4_dequantize(weight.qdata, weight.scale, weight.global_encode_scale, x2.dtype)
     return F.linear(x2, w, bias)
+
+
+def w4a16_linear_hopper(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None, prepared=None) -> torch.Tensor:
+    """Weight-only on the Hopper GEMMs, reading the packed weight (no dequantized copy).
+
+    ``x`` goes in as fp16 with a per-row power of two (:mod:`quads.kernels.fp16_operand`); the
+    weight as the exact ``e2m1 * s * 2^-14`` operand, the global scale divided out in fp32 at
+    the end. Compared with :func:`w4a16_linear` (bf16 ``DQ(W)``, a cuBLAS product) the weight is
+    not rounded to bf16 and the fp32 sums run in another order: differences of that size."""
+    from quads.kernels.fp16_operand import scaled_fp16_rows
+    from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
+    from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
+
+    x16, sx = scaled_fp16_rows(x2)
+    sw = weight.global_encode_scale.to(torch.float32)
+    if x2.shape[0] <= max_decode_columns():
+        prepared = prepared if prepared is not None else prepare_weight_hopper(weight)
+        return decode_gemm(x16, sx, prepared, sw, x2.shape[0], False, bias, x2.dtype)
+    return w4a4_gemm(x16, sx, weight.qdata, weight.scale, sw, bias=bias, out_dtype=x2.dtype)

@@ -76,6 +76,9 @@ class RolloutModule(QuadsModule):
     #: names of the packed NVFP4 parameters of this module kind
     quads_packed_names: tuple[str, ...] = ()
     quads_backend: Backend
+    #: per packed parameter, what the backend's kernels read (``backend.prepare_weight``)
+    quads_prepared: tuple = ()
+    _quads_prepared_versions: tuple | None = None
 
     def quads_select_backend(self) -> None:
         """(Re)pick the backend for the device the packed weights are on."""
@@ -83,9 +86,24 @@ class RolloutModule(QuadsModule):
         self.quads_backend = select_backend(device)
         self.quads_weights_changed()
 
+    def _quads_versions(self) -> tuple:
+        return tuple((getattr(self, n).qdata._version, getattr(self, n).scale._version) for n in self.quads_packed_names)
+
     def quads_weights_changed(self) -> None:
         """Called whenever the packed weights were (re)written: by ``quantize_``, ``sync_weights_``
-        and device moves. Whatever the backend derives from the packed parts is rebuilt here."""
+        and device moves. Rebuilds what the backend derives from the packed parts (the Hopper
+        kernel layout: as many bytes again as the packed weight)."""
+        self.quads_prepared = tuple(self.quads_backend.prepare_weight(getattr(self, n).parts)
+                                    for n in self.quads_packed_names)
+        self._quads_prepared_versions = self._quads_versions()
+
+    def quads_prepared_weights(self) -> tuple:
+        """The prepared weights, rebuilt first if the packed parts were written in place since
+        (e.g. ``load_state_dict``: their version counters moved). Not checked inside compiled
+        graphs, where weights change only through ``sync_weights_``, which rebuilds eagerly."""
+        if not torch.compiler.is_compiling() and self._quads_versions() != self._quads_prepared_versions:
+            self.quads_weights_changed()
+        return self.quads_prepared
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -106,7 +124,9 @@ class RolloutLinear(RolloutModule):
     quads_static_mask: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rollout_linear(x, self.weight, self.bias, self.quads_act, self.quads_static_mask, self.quads_backend)
+        (prepared,) = self.quads_prepared_weights()
+        return rollout_linear(x, self.weight, self.bias, self.quads_act, self.quads_static_mask, self.quads_backend,
+                              prepared)
 
 
 def apply_gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
@@ -171,4 +191,5 @@ class RolloutExperts(RolloutModule):
             _bias(self, "down_proj_bias"),
             self.quads_static_masks,
             self.quads_backend,
+            self.quads_prepared_weights(),
         )

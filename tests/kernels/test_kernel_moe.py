@@ -11,10 +11,12 @@ triton = pytest.importorskip("triton")
 # the interpreter evaluates 1/0 -> inf on purpose (E4M3 zero scales): numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
+from quads.kernels.hopper_weight_layout import HopperWeight, to_hopper_layout  # noqa: E402
 from quads.kernels.moe_grouped_gemm import MoeConfig, moe_w4a4_gemm  # noqa: E402
-from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
-from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
+from quads.kernels.w4a4_decode_hopper import decode_gemm  # noqa: E402
+from quads.kernels.w4a4_gemm_hopper import w4a4_gemm  # noqa: E402
 from quads.ops import ActivationQuant, get_backend, rollout_experts, use_backend  # noqa: E402
+from quads.ops.activation_quant import activation_operands_triton  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,7 +55,7 @@ def test_experts_match_reference(act):
 
 
 def test_grouped_rows_equal_dense_kernel_bits():
-    """Each grouped-GEMM row has the bits of the dense (non-split) kernel on its expert."""
+    """Each grouped-GEMM row has the bits of the dense decode and prefill kernels on its expert."""
     gu, _, hid, idx, _ = _experts(seed=1, dtype=torch.float32)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -61,22 +63,27 @@ def test_grouped_rows_equal_dense_kernel_bits():
     offsets = torch.zeros(E + 1, dtype=torch.int32)
     offsets[1:] = torch.cumsum(counts, 0)
     rows = (order // TOPK).to(torch.int32)
-    q = quantize_rows(hid.to(DEV), residual="per_token", k_top=H // 2, write_packed=False, write_operand=True)
-    dx, gx, dr, gr = q.main.operand, q.main.global_encode_scale, q.residual.operand, q.residual.global_encode_scale
+    q = activation_operands_triton(hid.to(DEV), ActivationQuant())
     p = gu.to(DEV).parts
-    seg = 32 if INTERP else 1024
-    mcfg = MoeConfig(16, 16, 32, 1, 1, False) if INTERP else MoeConfig(64, 16, 128, 4, 3)
-    dcfg = GemmConfig(16, 16, 32, False, 1, 1, False) if INTERP else GemmConfig(64, 16, 128, False, 4, 3)
-    y = moe_w4a4_gemm(dx, gx, rows.to(DEV), offsets.to(DEV), p.qdata, p.scale, p.global_encode_scale,
-                      flat.numel(), dr, gr, config=mcfg, seg_k=seg)
+    hw = to_hopper_layout(p.qdata, p.scale)
+    mcfg = MoeConfig(64, 16, 1, 4, 1, False) if INTERP else MoeConfig(64, 16, 2, 4, 1)
+    y = moe_w4a4_gemm(q.stacked, q.main_scale, rows.to(DEV), offsets.to(DEV), hw, p.global_encode_scale,
+                      flat.numel(), T, True, config=mcfg)
     for e in range(E):
         sel = order[offsets[e]:offsets[e + 1]]
         if sel.numel() == 0:
             continue
         toks = (sel // TOPK).to(DEV)
-        dense = w4a4_gemm(dx[toks], gx[toks], p.qdata[e], p.scale[e], p.global_encode_scale[e],
-                          dr[toks], gr[toks], config=dcfg, seg_k=seg)
+        m = toks.numel()
+        stacked = torch.cat([q.main[toks], q.residual[toks]])
+        scales = q.main_scale[toks]
+        he = HopperWeight(hw.values[e], hw.scales[e], hw.n, hw.k)
+        dense = decode_gemm(stacked, scales, he, p.global_encode_scale[e], m, True)
         assert torch.equal(y[offsets[e]:offsets[e + 1]].cpu(), dense.cpu())
+        if not INTERP:  # the interpreter's numpy dot sums in a tile-shape dependent order
+            pre = w4a4_gemm(q.main[toks], q.main_scale[toks], p.qdata[e], p.scale[e], p.global_encode_scale[e],
+                            q.residual[toks])
+            assert torch.equal(pre.cpu(), dense.cpu())
 
 
 def test_entry_point_no_tokens_for_most_experts():

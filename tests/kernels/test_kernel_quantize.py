@@ -82,9 +82,12 @@ CONFIGS = [
 
 def _check_activation(x, cfg, search, static_mask=None, nan_rows=None):
     ref = quantize_activation_reference(x.cpu(), cfg, None if static_mask is None else static_mask.cpu())
+    k_top = num_residual_channels(x.shape[1], cfg.residual_fraction)
     residual = "none" if cfg.residual_fraction == 0 else cfg.selection
+    if residual == "per_token" and k_top == x.shape[1]:
+        residual = "all"  # k = 100%: no selection (what the ops glue launches)
     out = quantize_rows(
-        x, residual=residual, k_top=num_residual_channels(x.shape[1], cfg.residual_fraction),
+        x, residual=residual, k_top=k_top,
         static_mask=static_mask, granularity=cfg.granularity, write_packed=True, write_operand=True,
         topk_search=search,
     )
@@ -100,7 +103,9 @@ def _check_activation(x, cfg, search, static_mask=None, nan_rows=None):
     else:
         assert_parts_equal(out.residual.parts(), ref.residual)
         ru = nvfp4_dequantize(ref.residual.qdata, ref.residual.scale, one).to(torch.float16)
-        assert torch.equal(out.residual.operand.cpu(), ru)
+        got_r = out.residual.operand.cpu()
+        assert torch.equal(torch.isnan(got_r), torch.isnan(ru))
+        assert torch.equal(got_r[~torch.isnan(ru)], ru[~torch.isnan(ru)])
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.residual_fraction}-{c.selection}-{c.granularity}")
@@ -135,6 +140,7 @@ def test_activation_nan_rows():
     _check_activation(x, ActivationQuant(), search="packed5", nan_rows=True)
     _check_activation(x, ActivationQuant(), search="packed5", nan_rows=True)
     _check_activation(x, ActivationQuant(granularity="tensor"), search="binary", nan_rows=True)
+    _check_activation(x, ActivationQuant(residual_fraction=1.0), search="binary", nan_rows=True)  # NaN residual row
 
 
 def test_activation_static_mask():

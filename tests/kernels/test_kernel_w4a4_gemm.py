@@ -1,8 +1,10 @@
-"""Exact-emulation W4A4 (+ residual) GEMM vs ``w4a4_matmul_reference``; determinism and batch
-invariance (a row's bits do not depend on the other rows, the split, or the kernel regime).
+"""Exact-emulation W4A4 (+ residual) GEMMs vs ``w4a4_matmul_reference``: the decode kernel (Hopper
+weight layout, split-K over canonical segments) and the prefill kernel (materialized fp16 weight);
+determinism and batch invariance (a row's bits do not depend on the other rows, on M, or on which
+kernel ran).
 
-Tolerance: the kernel and the reference sum the same exact products in different fp32 orders,
-so |y - ref| <= 2 * K * 2^-24 * (|x̂| |Ŵ|ᵀ / (S_x S_w) + |r̂| |Ŵ|ᵀ / (S_r S_w)) elementwise.
+Tolerance: the kernels and the reference sum the same exact products in different fp32 orders,
+so |y - ref| <= 2 * K * 2^-24 * (|x̂| + |r̂|) |Ŵ|ᵀ / (S_x S_w) elementwise (the residual shares S_x).
 """
 
 import os
@@ -15,6 +17,8 @@ triton = pytest.importorskip("triton")
 # the interpreter evaluates 1/0 -> inf on purpose (E4M3 zero scales): numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
+from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
+from quads.kernels.w4a4_decode_hopper import SEG_K, DecodeConfig, decode_gemm  # noqa: E402
 from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
 from quads.ops import ActivationQuant, get_backend, rollout_linear, use_backend, w4a4_matmul_reference  # noqa: E402
 from quads.ops.activation_quant import (  # noqa: E402
@@ -27,13 +31,12 @@ from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-SEG = 32 if INTERP else 1024  # small canonical segments on CPU so split-K is exercised
 
 
-def cfg(split, bm=16, w_mode=0):
+def prefill_cfg(split, bm=16):
     if INTERP:
-        return GemmConfig(bn=16, bm=bm, bk=32, split=split, num_warps=1, num_stages=1, use_asm=False, w_mode=w_mode)
-    return GemmConfig(bn=64, bm=bm, bk=128, split=split, num_warps=4, num_stages=3, w_mode=w_mode)
+        return GemmConfig(bn=16, bm=bm, bk=32, split=split, num_warps=1, num_stages=1)
+    return GemmConfig(bn=64, bm=bm if bm >= 64 else 64, bk=128, split=split, num_warps=4, num_stages=3)
 
 
 def _operands(m, k, n, seed=0, residual=True):
@@ -42,6 +45,7 @@ def _operands(m, k, n, seed=0, residual=True):
     x[0, :16] *= 1e-3  # a small block
     w = torch.randn(n, k, generator=g) * 0.05
     w[1, :16] = 1e-6  # weight block with a tiny / subnormal scale
+    w[2, 16:32] = 0.0  # an all-zero block: scale 0
     wp = nvfp4_quantize(w.to(DEV))
     act = ActivationQuant(residual_fraction=0.5 if residual else 0.0)
     ref_qa = quantize_activation_reference(x, act)
@@ -49,68 +53,87 @@ def _operands(m, k, n, seed=0, residual=True):
     return x, wp, ref_qa, q
 
 
+def _cpu(p: NVFP4Parts) -> NVFP4Parts:
+    return NVFP4Parts(p.qdata.cpu(), p.scale.cpu(), p.global_encode_scale.cpu())
+
+
 def _bound(qa: QuantizedActivation, wp: NVFP4Parts, k: int) -> torch.Tensor:
     one = torch.ones(())
     w = nvfp4_dequantize(wp.qdata.cpu(), wp.scale.cpu(), one).abs()
     m = qa.main
-    b = nvfp4_dequantize(m.qdata, m.scale, one).abs() @ w.T / (m.global_encode_scale.reshape(-1, 1) * wp.global_encode_scale.cpu())
-    if qa.residual is not None:
-        r = qa.residual
-        b = b + nvfp4_dequantize(r.qdata, r.scale, one).abs() @ w.T / (r.global_encode_scale.reshape(-1, 1) * wp.global_encode_scale.cpu())
-    return 2 * k * 2.0**-24 * b + 1e-30
+    b = nvfp4_dequantize(m.qdata, m.scale, one).abs() @ w.T
+    if qa.residual is not None:  # the residual shares the rows' global scales
+        b = b + nvfp4_dequantize(qa.residual.qdata, qa.residual.scale, one).abs() @ w.T
+    return 2 * k * 2.0**-24 * b / (m.global_encode_scale.reshape(-1, 1) * wp.global_encode_scale.cpu()) + 1e-30
 
 
-@pytest.mark.parametrize("split,w_mode", [(False, 0), (True, 0), (False, 1)], ids=["plain", "splitk", "w16"])
+def _decode(q, wp, m, residual, bias=None, config=None):
+    hw = to_hopper_layout(wp.qdata, wp.scale)
+    return decode_gemm(q.stacked, q.main_scale, hw, wp.global_encode_scale, m, residual, bias, config=config)
+
+
+def _prefill(q, wp, split, bias=None, seg_k=SEG_K):
+    return w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual,
+                     bias=bias, config=prefill_cfg(split), seg_k=seg_k)
+
+
 @pytest.mark.parametrize("residual", [False, True])
-def test_gemm_matches_reference(split, w_mode, residual):
-    m, k, n = 5, 96, 40  # odd M, N not a multiple of the tile, 3 segments on CPU
+@pytest.mark.parametrize("kernel", ["decode", "prefill-split", "prefill"])
+def test_gemm_matches_reference(kernel, residual):
+    m, k, n = 5, 1088, 72  # odd M; N not a multiple of the tile; 3 segments, the last one partial
     x, wp, qa, q = _operands(m, k, n, residual=residual)
-    ref = w4a4_matmul_reference(qa, NVFP4Parts(wp.qdata.cpu(), wp.scale.cpu(), wp.global_encode_scale.cpu()))
-    y = w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale,
-                  q.residual if residual else None, q.residual_scale if residual else None, config=cfg(split, w_mode=w_mode), seg_k=SEG)
+    ref = w4a4_matmul_reference(qa, _cpu(wp))
+    if kernel == "decode":
+        y = _decode(q, wp, m, residual)
+    else:
+        y = _prefill(q, wp, split=kernel == "prefill-split")
     err = (y.cpu() - ref).abs()
     assert torch.all(err <= _bound(qa, wp, k)), err.max()
 
 
-def test_gemm_k16_bias_and_tail():
-    m, k, n = 3, 16, 24
+@pytest.mark.parametrize("kbi", [1, 2, 4])
+def test_decode_k_tail_and_bias(kbi):
+    """K not a multiple of 64 (layout padding) nor of the per-iteration blocks; a bias."""
+    m, k, n = 3, 208, 64
     x, wp, qa, q = _operands(m, k, n, seed=1)
     bias = torch.randn(n).to(DEV)
-    ref = w4a4_matmul_reference(qa, NVFP4Parts(wp.qdata.cpu(), wp.scale.cpu(), wp.global_encode_scale.cpu())) + bias.cpu()
-    y = w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual, q.residual_scale, bias=bias,
-                  config=cfg(False), seg_k=SEG)
+    ref = w4a4_matmul_reference(qa, _cpu(wp)) + bias.cpu()
+    cfg = DecodeConfig(bn=64, kbi=kbi, num_warps=4, num_stages=1, use_asm=not INTERP)
+    y = _decode(q, wp, m, True, bias, cfg)
     assert torch.all((y.cpu() - ref).abs() <= _bound(qa, wp, k) + 1e-6 * bias.abs().cpu())
 
 
 def test_batch_invariance_and_determinism():
-    """A row's output bits: alone == in a batch == split-K == non-split, and run to run."""
-    m, k, n = 7, 96, 32
+    """A row's output bits: alone == in a batch, split == not split, run to run; and (on a GPU,
+    where every kernel chains the same k16 wgmma steps) decode == prefill. The interpreter's dot
+    is numpy's matmul, whose summation order depends on the tile shapes, so across the two
+    kernels (different tiles) it is only checked within the fp32 bound there."""
+    m, k, n = 7, 1088, 64
     x, wp, qa, q = _operands(m, k, n, seed=2)
-    args = (wp.qdata, wp.scale, wp.global_encode_scale)
-    full_split = w4a4_gemm(q.main, q.main_scale, *args, q.residual, q.residual_scale, config=cfg(True), seg_k=SEG)
-    full_plain = w4a4_gemm(q.main, q.main_scale, *args, q.residual, q.residual_scale, config=cfg(False), seg_k=SEG)
-    full_w16 = w4a4_gemm(q.main, q.main_scale, *args, q.residual, q.residual_scale, config=cfg(False, w_mode=1), seg_k=SEG)
-    again = w4a4_gemm(q.main, q.main_scale, *args, q.residual, q.residual_scale, config=cfg(True), seg_k=SEG)
-    assert torch.equal(full_split, again)
-    assert torch.equal(full_split, full_plain)
-    assert torch.equal(full_split, full_w16)
+    dec = _decode(q, wp, m, True)
+    pre = _prefill(q, wp, split=False)
+    assert torch.equal(dec, _decode(q, wp, m, True))
+    assert torch.equal(pre, _prefill(q, wp, split=True))
+    if INTERP:
+        assert torch.all((dec.cpu() - pre.cpu()).abs() <= 2 * _bound(qa, wp, k))
+    else:
+        assert torch.equal(dec, pre)
     for row in (0, 3, 6):
         q1 = activation_operands_triton(x[row:row + 1].to(DEV), ActivationQuant())
-        alone = w4a4_gemm(q1.main, q1.main_scale, *args, q1.residual, q1.residual_scale, config=cfg(True), seg_k=SEG)
-        assert torch.equal(alone[0], full_split[row])
-        assert torch.equal(alone[0], full_plain[row])
+        assert torch.equal(_decode(q1, wp, 1, True)[0], dec[row])
+        assert torch.equal(_prefill(q1, wp, split=False)[0], pre[row])
 
 
 def test_nan_row_stays_in_its_row():
-    m, k, n = 4, 32, 16
+    m, k, n = 4, 64, 64
     g = torch.Generator().manual_seed(3)
     x = torch.randn(m, k, generator=g)
     x[2, 5] = float("nan")
     wp = nvfp4_quantize((torch.randn(n, k, generator=g) * 0.1).to(DEV))
     q = activation_operands_triton(x.to(DEV), ActivationQuant())
-    y = w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual, q.residual_scale, config=cfg(True), seg_k=SEG)
-    assert torch.isnan(y[2]).all()
-    assert torch.isfinite(y[[0, 1, 3]]).all()
+    for y in (_decode(q, wp, m, True), _prefill(q, wp, split=False)):
+        assert torch.isnan(y[2]).all()
+        assert torch.isfinite(y[[0, 1, 3]]).all()
 
 
 @pytest.mark.parametrize("act", [ActivationQuant(), ActivationQuant(residual_fraction=0.0),

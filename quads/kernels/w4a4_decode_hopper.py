@@ -1,0 +1,193 @@
+"""Decode GEMM on Hopper: few tokens (M <= 64) times a packed NVFP4 weight in the Hopper layout.
+
+``y (M, N) = (x̂ Ŵᵀ [+ r̂ Ŵᵀ]) / (S_x S_w) [+ bias]``, exact W4A4 emulation
+(QUADS.md section 3), or the weight-only product with an fp16 activation operand.
+
+* The weight streams from HBM once, 16 bytes per thread per load, in the layout of
+  :mod:`quads.kernels.hopper_weight_layout`, and is decoded in registers straight into the wgmma
+  register operand (swap-AB: weight rows are the MMA's M, tokens its N).
+* Tokens are the MMA's N: the main operand rows and, with residual compensation, the residual
+  rows stacked after them (one MMA over ``2M`` columns; for M <= 8 the residual fills columns
+  the instruction computes anyway).
+* Deterministic, batch-invariant order: K is cut into canonical segments of ``SEG_K`` channels.
+  Each program sums one segment from zero by a chain of k16 wgmma steps; the last program of an
+  output tile to arrive (an int32 arrival counter it resets, so CUDA-graph replays work) adds
+  the segment sums in segment order and applies the epilogue. No atomics touch the data. The
+  prefill kernel (:mod:`quads.kernels.w4a4_gemm_hopper`) walks the same segments with the same
+  operand values, so a row's bits do not depend on M or on which kernel ran.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quads.kernels._interpreter import interpreting
+from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight, load_weight_tile
+
+__all__ = ["SEG_K", "OPERAND_SHIFT", "DecodeConfig", "pick_decode_config", "decode_gemm", "max_decode_columns"]
+
+#: canonical K segment (channels) of every quads GEMM: fixes the fp32 summation order
+SEG_K = 512
+#: the weight operand is e2m1 * s * 2^-14 (hopper_weight_layout); epilogues multiply by 2^14
+OPERAND_SHIFT = 14
+_MAX_COLUMNS = 128
+
+
+def max_decode_columns() -> int:
+    """The most MMA columns (tokens, residual rows included) one decode launch takes."""
+    return _MAX_COLUMNS
+
+
+@triton.jit
+def _decode_gemm_kernel(
+    VALS, SCALES, X, SX, SW, BIAS, Y, PART, LOCKS,
+    M, N, K, num_kb, stride_xm, stride_ym,
+    SEG_KB: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr,
+    STAGES: tl.constexpr, RED: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_seg = tl.num_programs(1)
+    cols = 2 * M if HAS_RES else M  # MMA columns: main rows, then residual rows
+    tok = tl.arange(0, NT)
+    tmask = tok < cols
+    acc = tl.zeros((BN, NT), dtype=tl.float32)
+    kb_lo = pid_s * SEG_KB
+    if UNROLL:  # a fixed trip count, unrolled; blocks past K (the last segment) load as zeros
+        for it in tl.static_range(SEG_KB // KBI):
+            kb = kb_lo + it * KBI
+            w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
+            kk = kb * 64 + tl.arange(0, KBI * 64)
+            x = tl.load(X + tok[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                        mask=tmask[:, None] & (kk < K)[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc)
+    else:  # a software-pipelined loop (STAGES deep)
+        for kb in tl.range(kb_lo, tl.minimum(kb_lo + SEG_KB, num_kb), KBI, num_stages=STAGES):
+            w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
+            kk = kb * 64 + tl.arange(0, KBI * 64)
+            x = tl.load(X + tok[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                        mask=tmask[:, None] & (kk < K)[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc)
+
+    # this segment's sums -> workspace PART (num_seg, cols, N) fp32
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    seg_base = PART + (pid_s * cols).to(tl.int64) * N
+    tl.store(seg_base + tok[None, :] * N + offs_n[:, None], acc, mask=nmask[:, None] & tmask[None, :])
+    tl.debug_barrier()
+    arrived = tl.atomic_add(LOCKS + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_seg - 1:
+        # the last program of this tile: segment sums in segment order, then the epilogue
+        rows = tl.arange(0, BM)
+        sw = tl.load(SW)
+        for m0 in range(0, M, BM):
+            m = m0 + rows
+            mmask = m < M
+            pmask = nmask[:, None] & mmask[None, :]
+            tot = tl.zeros((BN, BM), dtype=tl.float32)
+            totr = tl.zeros((BN, BM), dtype=tl.float32)
+            # segment sums in segment order; RED loads in flight at a time (not one per round trip)
+            for s0 in range(0, num_seg, RED):
+                for j in tl.static_range(RED):
+                    sj = s0 + j
+                    sb = PART + (sj * cols).to(tl.int64) * N
+                    lm = pmask & ((sj + 0 * m) < num_seg)[None, :]
+                    tot += tl.load(sb + m[None, :] * N + offs_n[:, None], mask=lm, other=0.0, cache_modifier=".cg")
+                    if HAS_RES:
+                        totr += tl.load(sb + (M + m)[None, :] * N + offs_n[:, None], mask=lm, other=0.0,
+                                        cache_modifier=".cg")
+            sx = tl.load(SX + m, mask=mmask, other=1.0)
+            if HAS_RES:  # the residual shares the row's global scale
+                tot = tot + totr
+            y = tl.math.div_rn(tot * 16384.0, (sx * sw)[None, :] + tl.zeros_like(tot))
+            if HAS_BIAS:
+                y = y + tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            tl.store(Y + m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y.to(Y.dtype.element_ty), mask=pmask)
+        tl.atomic_xchg(LOCKS + pid_n, 0)
+
+
+class DecodeConfig:
+    """Tile choice: ``bn`` weight rows per program (64 per warpgroup), warps, pipeline stages."""
+
+    __slots__ = ("bn", "kbi", "num_warps", "num_stages", "use_asm", "unroll")
+
+    def __init__(self, bn: int = 64, kbi: int = 2, num_warps: int = 4, num_stages: int = 1, use_asm: bool = True,
+                 unroll: bool = True):
+        self.bn, self.kbi, self.num_warps, self.num_stages = bn, kbi, num_warps, num_stages
+        self.use_asm, self.unroll = use_asm, unroll
+
+    def __repr__(self):
+        return (f"DecodeConfig(bn={self.bn}, kbi={self.kbi}, warps={self.num_warps}, stages={self.num_stages}, "
+                f"asm={self.use_asm}, unroll={self.unroll})")
+
+
+def pick_decode_config(columns: int, n: int, k: int) -> DecodeConfig:
+    """Default tiles (see docs/kernels.md for the measurements behind them)."""
+    if interpreting():
+        return DecodeConfig(bn=64, kbi=1, num_warps=4, num_stages=1, use_asm=False)
+    return DecodeConfig(bn=64, kbi=2, num_warps=4, num_stages=1)
+
+
+_LOCKS: dict = {}
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters (int32, zero between launches: the last program resets its counter).
+
+    One buffer per (device, stream): launches on one stream never overlap.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _LOCKS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _LOCKS[key] = buf
+    return buf
+
+
+def decode_gemm(
+    x16: torch.Tensor,
+    sx: torch.Tensor,
+    weight: HopperWeight,
+    sw: torch.Tensor,
+    m: int,
+    has_residual: bool,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    config: DecodeConfig | None = None,
+    seg_k: int = SEG_K,
+) -> torch.Tensor:
+    """``y (m, N)`` from the stacked fp16 operand ``x16`` (``2m`` rows with the residual rows
+    after the main ones, else ``m``; unscaled ``e2m1 * s`` values, width >= K) and the rows'
+    global scales ``sx`` (``m``, fp32; the residual shares them); ``sw`` fp32 scalar tensor."""
+    cols = 2 * m if has_residual else m
+    if cols > _MAX_COLUMNS:
+        raise ValueError(f"decode_gemm takes at most {_MAX_COLUMNS} columns, got {cols} (use the prefill GEMM)")
+    n, k = weight.n, weight.k
+    cfg = config or pick_decode_config(cols, n, k)
+    dev = x16.device
+    if interpreting() and out_dtype == torch.bfloat16:
+        # the interpreter's fp32 -> bf16 store truncates instead of rounding to nearest even
+        return decode_gemm(x16, sx, weight, sw, m, has_residual, bias, torch.float32, config, seg_k).to(out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=dev)
+    if m == 0:
+        return y
+    num_kb = weight.values.shape[-3]
+    seg_kb = seg_k // K_BLOCK
+    num_seg = triton.cdiv(triton.cdiv(k, K_BLOCK), seg_kb)
+    grid = (triton.cdiv(n, cfg.bn), num_seg)
+    part = torch.empty((num_seg, cols, n), dtype=torch.float32, device=dev)
+    nt = max(16, triton.next_power_of_2(cols))
+    bm = max(16, min(64, triton.next_power_of_2(m)))
+    _decode_gemm_kernel[grid](
+        weight.values, weight.scales, x16, sx, sw.reshape(1), bias if bias is not None else sx, y, part,
+        _locks(dev, grid[0]),
+        m, n, k, num_kb, x16.stride(0), y.stride(0),
+        SEG_KB=seg_kb, BN=cfg.bn, NT=nt, BM=bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_BIAS=bias is not None,
+        USE_ASM=cfg.use_asm and not interpreting(), UNROLL=cfg.unroll, STAGES=cfg.num_stages, RED=8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
