@@ -7,8 +7,8 @@ Models are random, built from config (nothing is downloaded): ``small`` (~25M pa
 CPU default) or ``1b`` (~1.0B parameters, the default on a GPU). The trainer holds float32
 masters under the trainer policy, the rollout BF16 under the QUADS rollout policy (packed
 NVFP4 weights, the backend ``quantize_`` picks: the Triton kernels on an H200, the torch
-reference on a CPU). Times (median of ``--repeats`` after one warm-up, the device synchronised
-around each) in milliseconds:
+reference on a CPU). Times in milliseconds, minimum and median of ``--repeats`` rounds after one
+warm-up, the variants run round-robin, the device synchronised around each call:
 
 * ``sync``: ``quads.sync_weights_`` as shipped (plan, stage, fused finiteness check, write);
 * ``sync_unchecked``: the same steps without the finiteness check (what validation costs);
@@ -100,20 +100,23 @@ def self_check(rollout, trainer) -> bool:
     return ok
 
 
-def timed(fn, device, repeats: int) -> float:
+def time_all(fns: dict, device, repeats: int) -> dict[str, dict[str, float]]:
+    """Median and minimum ms of each function, run round-robin (load changes hit all alike)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    fn()  # warm-up (kernel compilation, caches)
-    times = []
+    for fn in fns.values():
+        fn()  # warm-up (kernel compilation, caches)
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: {"median": statistics.median(ts), "min": min(ts)} for name, ts in times.items()}
 
 
 def main(argv=None) -> dict:
@@ -165,21 +168,23 @@ def main(argv=None) -> dict:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "validation_catches_nan_inf_rollout_unchanged": caught,
-        "ms": {
-            "sync": timed(lambda: quads.sync_weights_(rollout, trainer), device, args.repeats),
-            "sync_unchecked": timed(unchecked, device, args.repeats),
-            "check_fused": timed(lambda: sync_mod._check_finite(writes), device, args.repeats),
-            "check_per_tensor": timed(per_tensor, device, args.repeats),
-        },
+        "repeats": args.repeats,
+        "ms": time_all({
+            "sync": lambda: quads.sync_weights_(rollout, trainer),
+            "sync_unchecked": unchecked,
+            "check_fused": lambda: sync_mod._check_finite(writes),
+            "check_per_tensor": per_tensor,
+        }, device, args.repeats),
     }
-    ms = result["ms"]
+    ms = {k: v["min"] for k, v in result["ms"].items()}
     print(f"{args.model} {size}: {n_params / 1e6:.1f}M parameters in {n_tensors} tensors on {result['device']} "
           f"({result['threads']} threads), rollout backend {backend}")
     print(f"self-check (NaN / Inf master -> raises, rollout unchanged): {caught}")
-    for key, value in ms.items():
-        print(f"  {key:<17} {value:10.2f} ms")
-    print(f"  validation cost: check_fused = {ms['check_fused'] / ms['sync_unchecked'] * 100:.1f}% of the unchecked "
-          f"sync; sync - sync_unchecked = {ms['sync'] - ms['sync_unchecked']:+.2f} ms (noisy on a shared machine)")
+    print(f"  {'ms':<17} {'min':>10} {'median':>10}")
+    for key, value in result["ms"].items():
+        print(f"  {key:<17} {value['min']:10.2f} {value['median']:10.2f}")
+    print(f"  validation (minima): check_fused = {ms['check_fused'] / ms['sync_unchecked'] * 100:.1f}% of the unchecked "
+          f"sync; sync - sync_unchecked = {ms['sync'] - ms['sync_unchecked']:+.2f} ms")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         path = Path(args.out) / f"sync_{args.model}_{size}_{device.type}.json"

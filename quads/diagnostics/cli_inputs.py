@@ -111,15 +111,20 @@ def load_local_causal_lm(path: str, dtype: torch.dtype):
     parameters missing), naming the path and the underlying error in one line.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     where = Path(path)
     _check_model_dir(where)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would repeat, at length, what is checked below
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(where), dtype=dtype, local_files_only=True, output_loading_info=True
         )
     except Exception as err:  # noqa: BLE001 - any failure to load the user's directory is reported as such
         raise UsageError(f"could not load a causal LM from {str(where)!r}: {_one_line(err)}") from err
+    finally:
+        hf_logging.set_verbosity(verbosity)
     # transformers initialises missing weights randomly and only warns: refuse, a random layer
     # would make every number downstream meaningless
     missing = list(info.get("missing_keys") or []) + [str(k) for k in info.get("mismatched_keys") or []]
