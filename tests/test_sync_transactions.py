@@ -100,12 +100,14 @@ def test_shape_mismatch_lists_every_parameter_and_writes_nothing():
     assert_unchanged(before, wide)
 
 
-def test_packed_trainer_is_refused():
+def test_packed_or_unquantizable_trainer_is_refused():
     _, rollout = _pair("llama")
     _, other = _pair("llama")
     before = snapshot(rollout)
     with pytest.raises(ValueError, match=r"packed \(NVFP4Tensor\) in the trainer"):
         quads.sync_weights_(rollout, other)
+    with pytest.raises(ValueError, match=r"q_proj\.weight is torch\.float64 in the trainer"):
+        quads.sync_weights_(rollout, build("llama").double())
     assert_unchanged(before, rollout)
 
 

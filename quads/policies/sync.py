@@ -34,6 +34,7 @@ from quads.tensor.nvfp4_tensor import NVFP4Tensor
 __all__ = ["sync_weights_"]
 
 _SHOWN = 5  # names listed per problem in an error message
+_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -86,6 +87,8 @@ def _problem(param: torch.Tensor, source: torch.Tensor) -> str | None:
         return f"has shape {tuple(source.shape)} in the trainer, {tuple(param.shape)} in the rollout"
     if not source.dtype.is_floating_point:
         return f"is {source.dtype} in the trainer; masters must be floating point"
+    if isinstance(param, NVFP4Tensor) and source.dtype not in _QUANTIZABLE:
+        return f"is {source.dtype} in the trainer; NVFP4 quantizes float32/bfloat16/float16 masters"
     if not isinstance(param, NVFP4Tensor) and not param.dtype.is_floating_point:
         return f"is {param.dtype} in the rollout; only floating-point parameters are synced"
     return None
