@@ -11,6 +11,12 @@ accuracy before and after, and writes into ``--output-dir``:
 * ``metrics.jsonl`` (every TRL log record), ``metrics.csv`` (one row per step),
 * ``reward_gap.png`` (reward and log-prob gap per step), ``summary.json``.
 
+Every input (counts, rates, ``--model``, ``--output-dir``) is checked before anything is
+written; a bad one exits with status 2 and a one-line error. A run replaces a previous run's
+outputs in the same directory; ``summary.json`` reads ``"complete": false`` (``"status"``:
+``running``, ``interrupted`` or ``failed``) until the run has finished, so a Ctrl-C'd run
+(exit status 130) leaves its partial metrics marked as such.
+
     PYTHONPATH=. python examples/trl_grpo_quads.py                    # QUADS, ~25 steps
     PYTHONPATH=. python examples/trl_grpo_quads.py --policy naive     # the baseline
     PYTHONPATH=. python examples/trl_grpo_quads.py --model /path/to/local/hf-causal-lm
@@ -39,6 +45,9 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
 
+#: files a run writes into --output-dir (summary.json last)
+OUTPUTS = ("metrics.jsonl", "metrics.csv", "reward_gap.png", "summary.json")
+
 STEP_KEYS = [  # columns of metrics.csv (TRL's names, then quads')
     "step",
     "reward",
@@ -65,26 +74,38 @@ STEP_KEYS = [  # columns of metrics.csv (TRL's names, then quads')
 
 
 def parse_args(argv=None):
+    """The command line; every count and rate is checked here (argparse exits 2 with one line)."""
+    from quads.diagnostics.cli_inputs import (
+        int_at_least,
+        nonnegative_float,
+        nonnegative_int,
+        positive_float,
+        positive_int,
+    )
+    from quads.diagnostics.mismatch import IS_MODES
     from quads.integrations.trl import POLICY_PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", choices=sorted(POLICY_PRESETS), default="quads")
-    ap.add_argument("--max-steps", type=int, default=30)
+    ap.add_argument("--max-steps", type=positive_int, default=30)
     ap.add_argument("--model", default=None, help="local HF causal LM directory (default: quads' embedded tiny MoE)")
-    ap.add_argument("--output-dir", default=None, help="default: runs/trl_grpo_<policy>")
-    ap.add_argument("--prompts-per-step", type=int, default=16)
-    ap.add_argument("--num-generations", type=int, default=8)
-    ap.add_argument("--max-completion-length", type=int, default=None, help="default: the task's answer length (5)")
-    ap.add_argument("--learning-rate", type=float, default=1e-4)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL's; 0 = no reference model)")
-    ap.add_argument("--is-mode", default="sequence_mask", help="TRL vllm_importance_sampling_mode")
-    ap.add_argument("--is-clip-max", type=float, default=3.0, help="TRL vllm_importance_sampling_clip_max")
+    ap.add_argument("--output-dir", default=None, help="default: runs/trl_grpo_<policy>; a previous run's outputs "
+                                                     "there are replaced (summary.json says whether a run completed)")
+    ap.add_argument("--prompts-per-step", type=positive_int, default=16)
+    ap.add_argument("--num-generations", type=int_at_least(2), default=8, help="completions per prompt (GRPO: >= 2)")
+    ap.add_argument("--max-completion-length", type=positive_int, default=None,
+                    help="default: the task's answer length (5)")
+    ap.add_argument("--learning-rate", type=positive_float, default=1e-4)
+    ap.add_argument("--temperature", type=positive_float, default=1.0)
+    ap.add_argument("--beta", type=nonnegative_float, default=0.0, help="KL coefficient (TRL's; 0 = no reference model)")
+    ap.add_argument("--is-mode", choices=IS_MODES, default="sequence_mask", help="TRL vllm_importance_sampling_mode")
+    ap.add_argument("--is-clip-max", type=positive_float, default=3.0, help="TRL vllm_importance_sampling_clip_max")
     ap.add_argument("--decompose", action="store_true", help="also log delta_num / delta_weight / delta_act")
-    ap.add_argument("--eval-n", type=int, default=512, help="held-out problems for accuracy before/after (0: skip)")
-    ap.add_argument("--train-prompts", type=int, default=2048)
+    ap.add_argument("--eval-n", type=nonnegative_int, default=512,
+                    help="held-out problems for accuracy before/after (0: skip)")
+    ap.add_argument("--train-prompts", type=positive_int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: trainer and rollout on the GPU")
     ap.add_argument("--compare", nargs="+", metavar="RUN_DIR", default=None,
@@ -101,12 +122,9 @@ def load_models(args):
         model, tok = load_default_model(dtype=torch.float32)
         max_len = args.max_completion_length or MAX_NEW_TOKENS
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from quads.diagnostics.cli_inputs import load_local_causal_lm
 
-        tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True)
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
+        model, tok = load_local_causal_lm(args.model, torch.float32)  # UsageError for a bad directory
         max_len = args.max_completion_length or 16
     tok.padding_side = "left"
     model.train()
@@ -214,6 +232,11 @@ def compare(run_dirs, out: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from quads.diagnostics.cli_inputs import UsageError
+
+    for d in map(Path, run_dirs):
+        if not (d / "metrics.csv").is_file():
+            raise UsageError(f"--compare {str(d)!r}: no metrics.csv there (not a finished run directory)")
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True)
     print(f"{'run':28s} {'steps':>5s} {'reward first5':>13s} {'last5':>6s} {'gap mean':>9s} {'p99':>7s} {'max':>7s} "
           f"{'k3':>9s} {'masked':>7s} {'held-out (rollout) before->after':>33s}")
@@ -223,6 +246,8 @@ def compare(run_dirs, out: Path):
             rows = [{k: float(v) if v not in ("", None) else float("nan") for k, v in r.items()} for r in csv.DictReader(f)]
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
         label = summary.get("policy", d.name)
+        if not summary.get("complete"):
+            label += f" ({summary.get('status', 'incomplete')})"  # interrupted, failed, or a pre-marker run
         steps = [r["step"] for r in rows]
         ax1.plot(steps, _running_mean([r["reward"] for r in rows], 5), lw=2, label=label)
         ax2.plot(steps, [r["sampling/quads/logp_gap_mean"] for r in rows], marker="o", ms=3, label=label)
@@ -265,89 +290,31 @@ def _describe(policy) -> str:
     return f"packed NVFP4 weights, NVFP4 activations (W4A4), residual compensation {policy.residual_fraction:.0%} ({policy.residual_selection})"
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(line_buffering=True)
-    t0 = time.time()
-    torch.set_num_threads(args.threads)
-    from datasets import Dataset
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-    from trl import GRPOConfig
+def write_summary(out: Path, summary: dict) -> None:
+    """summary.json, replaced atomically (a reader sees the old or the new one, never half)."""
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, out / "summary.json")
 
-    from quads.integrations.trl import POLICY_PRESETS, QuadsGRPOTrainer
-    from quads.tasks import make_prompts, reward_exact_match
 
-    if args.compare:
-        compare(args.compare, Path(args.output_dir or "runs/compare"))
-        return {}
-    preset = POLICY_PRESETS[args.policy]
-    out = Path(args.output_dir or f"runs/trl_grpo_{args.policy}")
-    out.mkdir(parents=True, exist_ok=True)
-    jsonl = out / "metrics.jsonl"
-    jsonl.unlink(missing_ok=True)
-    print(f"quads GRPO | policy {preset.name}: {preset.description}")
-    print(f"  trainer side: {_describe(preset.trainer)}\n  rollout side: {_describe(preset.rollout)}")
+def start_run(out: Path, args) -> None:
+    """Replace a previous run's outputs and mark this run incomplete until it finishes.
 
-    model, tok, max_len = load_models(args)
-    train = Dataset.from_list(make_prompts(args.train_prompts, seed=args.seed, split="train"))
-    config = GRPOConfig(
-        output_dir=str(out / "trainer"),
-        use_cpu=args.device == "cpu",
-        bf16=True,  # float32 masters, bf16 autocast compute
-        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
-        num_generations=args.num_generations,
-        max_completion_length=max_len,
-        temperature=args.temperature,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        beta=args.beta,
-        max_steps=args.max_steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=args.seed,
-        data_seed=args.seed,
-        vllm_importance_sampling_mode=args.is_mode,
-        vllm_importance_sampling_clip_max=args.is_clip_max,
-        dataloader_num_workers=0,
-    )
-    trainer = QuadsGRPOTrainer(
-        model,
-        reward_exact_match,
-        config,
-        train_dataset=train,
-        processing_class=tok,
-        quads_policy=preset,
-        decompose_mismatch=args.decompose,
-    )
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(PrinterCallback)
-    printer = make_step_callback(jsonl, args.max_steps, t0)
-    trainer.add_callback(printer)
-    print(f"  setup {time.time() - t0:.1f}s")
+    A run reusing ``--output-dir`` must never leave its partial metrics beside the previous
+    run's csv/png/summary: they are removed here (after every input was checked), and
+    ``summary.json`` says ``"complete": false`` until the last write of a finished run.
+    """
+    for name in OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+    write_summary(out, {"complete": False, "status": "running", "policy": args.policy, "args": vars(args)})
 
-    before = after = None
-    if args.eval_n > 0:
-        before = held_out(trainer, tok, args.eval_n, max_len, args.seed)
-        print(f"held-out greedy accuracy before (n={args.eval_n}): rollout engine {before['rollout']:.3f}, "
-              f"trainer forward {before['trainer']:.3f}  ({before['seconds']:.1f}s)")
-    t_train = time.time()
-    trainer.train()
-    train_s = time.time() - t_train
-    if args.eval_n > 0:
-        after = held_out(trainer, tok, args.eval_n, max_len, args.seed)
-        print(f"held-out greedy accuracy after  (n={args.eval_n}): rollout engine {after['rollout']:.3f}, "
-              f"trainer forward {after['trainer']:.3f}  ({after['seconds']:.1f}s)")
 
-    rows = printer.rows
-    write_csv(rows, out / "metrics.csv")
-    if not args.no_plot and rows:
-        plot(rows, out / "reward_gap.png", f"TRL GRPO, policy={preset.name} ({len(rows)} steps)")
+def summarize(rows, args, preset, train_s, t0, before, after, num_syncs, status) -> dict:
     k = max(1, min(5, len(rows) // 3))
     q = lambda key: [r.get(key) for r in rows]  # noqa: E731
     summary = {
+        "complete": status == "complete",
+        "status": status,
         "policy": preset.name,
         "steps": len(rows),
         "train_seconds": round(train_s, 1),
@@ -361,30 +328,150 @@ def main(argv=None) -> dict:
         "is_masked_fraction_mean": _mean(q("sampling/quads/is_masked_fraction")),
         "heldout_before": before,
         "heldout_after": after,
-        "num_weight_syncs": trainer.quads_rollout.num_syncs,
+        "num_weight_syncs": num_syncs,
         "args": vars(args),
     }
     if args.decompose:
         for part in ("num", "weight", "act"):
             summary[f"delta_{part}_abs_mean"] = _mean(q(f"sampling/quads/delta_{part}_abs_mean"))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
+
+def print_summary(summary, preset, out) -> None:
+    k = max(1, min(5, summary["steps"] // 3))
+    before, after = summary["heldout_before"], summary["heldout_after"]
     print("\n==================== summary ====================")
     print(f"policy            {preset.name}  ({preset.description})")
-    print(f"steps             {len(rows)}  in {train_s:.0f}s  (total {summary['total_seconds']:.0f}s incl. setup + eval)")
+    print(f"steps             {summary['steps']}  in {summary['train_seconds']:.0f}s  "
+          f"(total {summary['total_seconds']:.0f}s incl. setup + eval)")
     print(f"reward            first {k}: {summary['reward_first_steps']:.3f}  ->  last {k}: {summary['reward_last_steps']:.3f}")
     print(f"log-prob gap      mean {summary['logp_gap_mean']:.4f}  p99 (avg) {summary['logp_gap_p99_mean']:.4f}  "
           f"max {summary['logp_gap_max_max']:.4f}")
     print(f"k3 KL             {summary['k3_kl_mean']:.3e}   IS masked fraction {summary['is_masked_fraction_mean']:.3f}")
-    if args.decompose:
+    if "delta_num_abs_mean" in summary:
         print(f"decomposition     |d_num| {summary['delta_num_abs_mean']:.4f}  |d_weight| {summary['delta_weight_abs_mean']:.4f}  "
               f"|d_act| {summary['delta_act_abs_mean']:.4f}")
     if before and after:
         print(f"held-out acc      rollout engine {before['rollout']:.3f} -> {after['rollout']:.3f}   "
               f"trainer forward {before['trainer']:.3f} -> {after['trainer']:.3f}")
     print(f"outputs           {out}/metrics.jsonl, metrics.csv, reward_gap.png, summary.json")
+
+
+def main(argv=None) -> dict:
+    """Train and write the outputs; raises UsageError (bad input, nothing written) or
+    KeyboardInterrupt (after writing the partial outputs, marked ``"complete": false``)."""
+    args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    t0 = time.time()
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOConfig
+
+    from quads.diagnostics.cli_inputs import check_output_dir
+    from quads.integrations.trl import POLICY_PRESETS, QuadsGRPOTrainer
+    from quads.tasks import make_prompts, reward_exact_match
+
+    if args.compare:
+        compare(args.compare, check_output_dir(args.output_dir or "runs/compare"))
+        return {}
+    preset = POLICY_PRESETS[args.policy]
+    print(f"quads GRPO | policy {preset.name}: {preset.description}")
+    print(f"  trainer side: {_describe(preset.trainer)}\n  rollout side: {_describe(preset.rollout)}")
+
+    model, tok, max_len = load_models(args)  # a bad --model fails here, before any file is touched
+    out = check_output_dir(args.output_dir or f"runs/trl_grpo_{args.policy}")
+    start_run(out, args)
+    rows, before, after, train_s, trainer = [], None, None, 0.0, None
+    status, error = "failed", None
+    try:
+        train = Dataset.from_list(make_prompts(args.train_prompts, seed=args.seed, split="train"))
+        config = GRPOConfig(
+            output_dir=str(out / "trainer"),
+            use_cpu=args.device == "cpu",
+            bf16=True,  # float32 masters, bf16 autocast compute
+            per_device_train_batch_size=args.prompts_per_step * args.num_generations,
+            num_generations=args.num_generations,
+            max_completion_length=max_len,
+            temperature=args.temperature,
+            learning_rate=args.learning_rate,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            beta=args.beta,
+            max_steps=args.max_steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            seed=args.seed,
+            data_seed=args.seed,
+            vllm_importance_sampling_mode=args.is_mode,
+            vllm_importance_sampling_clip_max=args.is_clip_max,
+            dataloader_num_workers=0,
+        )
+        trainer = QuadsGRPOTrainer(
+            model,
+            reward_exact_match,
+            config,
+            train_dataset=train,
+            processing_class=tok,
+            quads_policy=preset,
+            decompose_mismatch=args.decompose,
+        )
+        trainer.remove_callback(ProgressCallback)
+        trainer.remove_callback(PrinterCallback)
+        printer = make_step_callback(out / "metrics.jsonl", args.max_steps, t0)
+        rows = printer.rows
+        trainer.add_callback(printer)
+        print(f"  setup {time.time() - t0:.1f}s")
+
+        if args.eval_n > 0:
+            before = held_out(trainer, tok, args.eval_n, max_len, args.seed)
+            print(f"held-out greedy accuracy before (n={args.eval_n}): rollout engine {before['rollout']:.3f}, "
+                  f"trainer forward {before['trainer']:.3f}  ({before['seconds']:.1f}s)")
+        t_train = time.time()
+        try:
+            trainer.train()
+        finally:
+            train_s = time.time() - t_train
+        if args.eval_n > 0:
+            after = held_out(trainer, tok, args.eval_n, max_len, args.seed)
+            print(f"held-out greedy accuracy after  (n={args.eval_n}): rollout engine {after['rollout']:.3f}, "
+                  f"trainer forward {after['trainer']:.3f}  ({after['seconds']:.1f}s)")
+        status = "complete"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+        raise
+    finally:  # partial or not, the outputs say what they are; summary.json is written last
+        write_csv(rows, out / "metrics.csv")
+        if not args.no_plot and rows:
+            plot(rows, out / "reward_gap.png", f"TRL GRPO, policy={preset.name} ({len(rows)} steps"
+                 + ("" if status == "complete" else f", {status}") + ")")
+        num_syncs = trainer.quads_rollout.num_syncs if trainer is not None else 0
+        summary = summarize(rows, args, preset, train_s, t0, before, after, num_syncs, status)
+        if error:
+            summary["error"] = error
+        write_summary(out, summary)
+    print_summary(summary, preset, out)
     return summary
 
 
+def _run_from_command_line() -> int:
+    from quads.diagnostics.cli_inputs import UsageError
+
+    try:
+        main()
+    except UsageError as err:
+        print(f"{Path(__file__).name}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: partial outputs written, summary.json has \"complete\": false", file=sys.stderr)
+        return 130
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(_run_from_command_line())

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from quads.diagnostics.cli_inputs import UsageError
+
 
 def _demo(args: argparse.Namespace) -> int:
     import copy
@@ -64,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     if add_diagnose is not None:
         add_diagnose(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as err:  # bad input: one line, no traceback (argparse's own errors exit 2 too)
+        print(f"quads {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -32,6 +33,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from quads.diagnostics.cli_inputs import (
+    check_output_file,
+    load_local_causal_lm,
+    positive_float,
+    positive_int,
+    read_prompts,
+)
 from quads.diagnostics.fp8_reference import fp8_w8a8_
 from quads.diagnostics.mismatch import k3_kl, logp_gap_stats
 from quads.diagnostics.scoring import positions_from_mask, score_incremental, score_teacher_forced
@@ -191,37 +199,36 @@ def format_report(report: dict) -> str:
 
 
 def _load(path: str | None):
+    """(model, tokenizer, default prompts): the embedded MoE, or a checked local directory."""
     if path is None:
         from quads.tasks import load_default_model
         from quads.tasks.arithmetic import make_prompts
 
         model, tok = load_default_model()
         return model, tok, [p["prompt"] for p in make_prompts(32, seed=11, split="heldout")]
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    model, tok = load_local_causal_lm(path, torch.bfloat16)
     return model, tok, GENERIC_PROMPTS
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    """Every input is checked (prompts, output path, model) before the first configuration runs."""
     from tqdm.auto import tqdm
 
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    if args.json:
+        check_output_file(args.json)
     torch.set_num_threads(args.threads)
-    model, tok, prompts = _load(args.model)
-    if args.prompts:
-        with open(args.prompts) as f:
-            prompts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
-    prompts = (prompts * args.repeat)[: max(len(prompts), 1) * args.repeat]
+    model, tok, default_prompts = _load(args.model)
+    prompts = (prompts or default_prompts) * args.repeat
     report = run_diagnose(model, tok, prompts, args.max_new_tokens, args.temperature, args.seed,
                           progress=lambda total: tqdm(total=total, desc="scoring configs", file=sys.stderr))
     report["model"] = args.model or "embedded tiny-moe-arith"
     print(format_report(report))
     if args.json:
-        with open(args.json, "w") as f:
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as f:
             json.dump(report, f, indent=1)
+        os.replace(tmp, args.json)  # a complete report or none: never a truncated one
         print(f"\nJSON written to {args.json}")
     return 0
 
@@ -231,10 +238,10 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="local HF causal LM directory (default: the embedded MoE)")
     p.add_argument("--prompts", default=None, help="text file, one prompt per line (\\n escapes allowed)")
-    p.add_argument("--repeat", type=int, default=1, help="sample each prompt this many times")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeat", type=positive_int, default=1, help="sample each prompt this many times")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16)
+    p.add_argument("--temperature", type=positive_float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", default=None, help="also write the report as JSON here")
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--json", default=None, help="also write the report as JSON here (checked before the run)")
     p.set_defaults(func=_cmd)

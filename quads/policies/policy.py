@@ -15,6 +15,10 @@ ACTIVATION_MODES = ("bf16", "nvfp4")
 # The activation defaults live in one place: ActivationQuant's fields.
 _ACT_DEFAULTS = {f.name: f.default for f in fields(ActivationQuant)}
 
+# QuadsPolicy field -> the ActivationQuant field that validates it
+_ACT_FIELDS = {"residual_fraction": "residual_fraction", "residual_selection": "selection",
+               "activation_granularity": "granularity"}
+
 # Module-name regexes never quantized by default: embeddings, the LM head, MoE routers /
 # gates (the routing decision is discrete, a flipped expert is a large log-prob error) and
 # norms. `gate_proj` (an MLP projection) is *not* a router and stays quantized.
@@ -56,24 +60,32 @@ class QuadsPolicy:
     extra_skip_patterns: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        if self.side not in SIDES:
+        if not isinstance(self.side, str) or self.side not in SIDES:
             raise ValueError(f"QuadsPolicy.side must be one of {SIDES}, got {self.side!r}")
         if self.activations is None:
             object.__setattr__(self, "activations", "bf16" if self.side == "trainer" else "nvfp4")
-        if self.activations not in ACTIVATION_MODES:
+        if not isinstance(self.activations, str) or self.activations not in ACTIVATION_MODES:
             raise ValueError(f"QuadsPolicy.activations must be one of {ACTIVATION_MODES}, got {self.activations!r}")
         for name in ("skip_patterns", "extra_skip_patterns"):
             value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
-                raise TypeError(f"QuadsPolicy.{name} must be a tuple of regex strings, got {value!r}")
+            if not isinstance(value, (tuple, list)) or not all(isinstance(p, str) for p in value):
+                raise TypeError(
+                    f"QuadsPolicy.{name} must be a tuple of regex strings, got {value!r}"
+                    + (f" (write ({value!r},) for one pattern)" if isinstance(value, str) else "")
+                )
             object.__setattr__(self, name, tuple(value))
         for pattern in self.all_skip_patterns:
             try:
                 re.compile(pattern)
             except re.error as err:
                 raise ValueError(f"QuadsPolicy: bad skip pattern {pattern!r}: {err}") from None
-        # validates the residual fields on every side (ActivationQuant checks them)
-        ActivationQuant(self.residual_fraction, self.residual_selection, self.activation_granularity)
+        # the residual fields are validated on every side (ActivationQuant checks them), so a
+        # typo in a trainer policy fails here rather than when the policy is reused for a rollout
+        for policy_field, act_field in _ACT_FIELDS.items():
+            try:
+                ActivationQuant(**{act_field: getattr(self, policy_field)})
+            except ValueError as err:
+                raise ValueError(f"QuadsPolicy.{policy_field} (side={self.side!r}): {err}") from None
 
     @property
     def all_skip_patterns(self) -> tuple[str, ...]:

@@ -1,6 +1,24 @@
-"""`quantize_(model, policy)`: convert a model in place to a QUADS trainer or rollout model."""
+"""`quantize_(model, policy)`: convert a model in place to a QUADS trainer or rollout model.
+
+All or nothing. ``quantize_`` first checks every module it will convert (K a multiple of 16, a
+float dtype, a supported experts layout, values present (not meta) for the rollout, tied
+weights, finiteness of every weight in one fused pass), then quantizes every rollout weight
+into new NVFP4Tensors, and only then swaps classes and parameters. An error at any point
+names the module and leaves the model exactly as it was (the same parameter objects, bit for
+bit); a failure during the final swap is rolled back.
+
+Tied weights: on the trainer side a tied weight stays one parameter (the class swap does not
+touch parameters). On the rollout side a weight shared by several converted modules of the same
+kind is packed once and stays shared; a weight shared with a module that is not converted
+(``tie_word_embeddings``: ``lm_head`` and the input embedding) is refused, because packing it
+would either untie the two (the embedding keeps a dense copy that no longer follows the head)
+or quantize the embedding lookup, which the trainer does not do (breaking exact alignment).
+The default skip patterns keep ``lm_head`` in high precision, which avoids the case.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -15,12 +33,17 @@ from quads.policies.modules import (
 )
 from quads.policies.policy import QuadsPolicy
 from quads.policies.walk import FilterFn, conversion_targets
+from quads.tensor.finite import check_all_finite, check_finite
 from quads.tensor.nvfp4_math import BLOCK_SIZE
-from quads.tensor.nvfp4_tensor import NVFP4Tensor, check_finite
+from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["quantize_", "quantized_modules", "pack_weight"]
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
+_QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MIXINS = {("trainer", "linear"): TrainerLinear, ("trainer", "experts"): TrainerExperts,
+           ("rollout", "linear"): RolloutLinear, ("rollout", "experts"): RolloutExperts}
+_WEIGHT_NAMES = {"linear": ("weight",), "experts": ("gate_up_proj", "down_proj")}
 
 
 def _swap_class(module: nn.Module, mixin: type) -> None:
@@ -31,60 +54,122 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     module.__class__ = _CLASS_CACHE[key]
 
 
+def _pack(weight: torch.Tensor, backend: Backend) -> NVFP4Tensor:
+    """Quantize a weight already checked finite (no host sync)."""
+    return NVFP4Tensor(*backend.quantize_weight(weight.detach()), orig_dtype=weight.dtype, check_values=False)
+
+
 def pack_weight(weight: torch.Tensor, backend: Backend, what: str = "weight") -> NVFP4Tensor:
     """A dense 2-D/3-D weight as an NVFP4Tensor, quantized by ``backend`` (same bits on any backend)."""
     check_finite(weight, what)
-    return NVFP4Tensor(*backend.quantize_weight(weight.detach()), orig_dtype=weight.dtype)
+    return _pack(weight, backend)
 
 
-def _pack_parameter(module: nn.Module, name: str, qualified: str, backend: Backend) -> None:
-    """Replace a BF16 parameter by its packed NVFP4Tensor (frozen) under the same name."""
-    packed = pack_weight(getattr(module, name).detach(), backend, qualified)
-    setattr(module, name, nn.Parameter(packed, requires_grad=False))
+@dataclass
+class _Target:
+    """One module to convert and what converting it needs."""
+
+    name: str
+    module: nn.Module
+    kind: str  # "linear" or "experts"
+    backend: Backend | None = None  # rollout only
+    packed: dict[str, NVFP4Tensor] = field(default_factory=dict)  # rollout only: staged weights
+
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        return _WEIGHT_NAMES[self.kind]
+
+    def weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{self.name}.{p}" if self.name else p, getattr(self.module, p)) for p in self.weight_names]
 
 
-def _check_k(weight: torch.Tensor, qualified: str) -> None:
-    if weight.shape[-1] % BLOCK_SIZE:
-        raise ValueError(
-            f"{qualified}: input dim K={weight.shape[-1]} is not a multiple of {BLOCK_SIZE}; "
-            "NVFP4 cannot quantize it. Exclude it with QuadsPolicy(extra_skip_patterns=...) or filter_fn."
-        )
-    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"{qualified}: cannot quantize a {weight.dtype} weight")
+def _check_target(target: _Target, side: str) -> None:
+    """The per-module checks that need no tensor values."""
+    module, name = target.module, target.name
+    if target.kind == "experts":
+        if getattr(module, "is_transposed", False):
+            raise NotImplementedError(f"{name}: transposed expert layouts (E, K, N) are not supported yet")
+        if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
+            raise NotImplementedError(f"{name}: only concatenated gate/up experts are supported")
+    for qualified, weight in target.weights():
+        if isinstance(weight, NVFP4Tensor):
+            raise ValueError(f"{qualified} is already a packed NVFP4Tensor; quantize_ takes a high-precision model")
+        if weight.dtype not in _QUANTIZABLE_DTYPES:
+            raise TypeError(f"{qualified}: cannot quantize a {weight.dtype} weight (float32/bfloat16/float16 only)")
+        if weight.shape[-1] % BLOCK_SIZE:
+            raise ValueError(
+                f"{qualified}: input dim K={weight.shape[-1]} is not a multiple of {BLOCK_SIZE}; "
+                "NVFP4 cannot quantize it. Exclude it with QuadsPolicy(extra_skip_patterns=...) or filter_fn."
+            )
+        if side == "rollout" and weight.device.type == "meta":
+            raise ValueError(
+                f"{qualified} is on the meta device: a rollout model packs real weight values. Load or "
+                "materialize the weights first (from_pretrained, or to_empty() + load_state_dict)"
+            )
 
 
-def _convert_linear(module: nn.Linear, name: str, policy: QuadsPolicy) -> None:
-    _check_k(module.weight, f"{name}.weight")
-    if policy.side == "trainer":
-        _swap_class(module, TrainerLinear)
-    else:
-        backend = select_backend(module.weight.device)
-        _pack_parameter(module, "weight", f"{name}.weight", backend)
-        _swap_class(module, RolloutLinear)
-        module.quads_backend = backend
-        module.quads_policy = policy
-        module.quads_weights_changed()
-    module.quads_policy = policy
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every qualified name it is reachable under (ties share one id)."""
+    out: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(param), []).append(name)
+    return out
 
 
-def _convert_experts(module: nn.Module, name: str, policy: QuadsPolicy) -> None:
-    if getattr(module, "is_transposed", False):
-        raise NotImplementedError(f"{name}: transposed expert layouts (E, K, N) are not supported yet")
-    if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
-        raise NotImplementedError(f"{name}: only concatenated gate/up experts are supported")
-    for pname in ("gate_up_proj", "down_proj"):
-        _check_k(getattr(module, pname), f"{name}.{pname}")
-    if policy.side == "trainer":
-        _swap_class(module, TrainerExperts)
-    else:
-        backend = select_backend(module.gate_up_proj.device)
-        for pname in ("gate_up_proj", "down_proj"):
-            _pack_parameter(module, pname, f"{name}.{pname}", backend)
-        _swap_class(module, RolloutExperts)
-        module.quads_backend = backend
-        module.quads_policy = policy
-        module.quads_weights_changed()
-    module.quads_policy = policy
+def _check_ties(model: nn.Module, targets: list[_Target]) -> None:
+    """Rollout side: a packed weight may be shared only by converted modules of one kind."""
+    aliases = _aliases(model)
+    converted = {q: t.kind for t in targets for q, _ in t.weights()}
+    for t in targets:
+        for qualified, weight in t.weights():
+            others = [a for a in aliases.get(id(weight), []) if a != qualified]
+            foreign = [a for a in others if converted.get(a) != t.kind]
+            if foreign:
+                raise ValueError(
+                    f"quantize_: {qualified} is tied to {', '.join(foreign)}, which the policy does not convert "
+                    "(e.g. tie_word_embeddings). Packing it would untie them or quantize the embedding "
+                    f"lookup. Keep {t.name} in high precision (the default skip_patterns skip lm_head) "
+                    "or untie the weights before quantize_"
+                )
+
+
+def _stage_packed(targets: list[_Target]) -> None:
+    """Rollout side: quantize every weight into a new NVFP4Tensor; shared weights are packed once."""
+    done: dict[int, NVFP4Tensor] = {}
+    for t in targets:
+        t.backend = select_backend(getattr(t.module, t.weight_names[0]).device)
+        for pname in t.weight_names:
+            weight = getattr(t.module, pname)
+            if id(weight) not in done:
+                done[id(weight)] = nn.Parameter(_pack(weight, t.backend), requires_grad=False)
+            t.packed[pname] = done[id(weight)]
+
+
+def _commit(t: _Target, policy: QuadsPolicy) -> None:
+    for pname, packed in t.packed.items():
+        setattr(t.module, pname, packed)
+    _swap_class(t.module, _MIXINS[(policy.side, t.kind)])
+    t.module.quads_policy = policy
+    if policy.side == "rollout":
+        t.module.quads_backend = t.backend
+        t.module.quads_weights_changed()
+
+
+def _commit_all(targets: list[_Target], policy: QuadsPolicy) -> None:
+    """Swap every module; if anything raises, restore the ones already swapped."""
+    saved = []
+    try:
+        for t in targets:
+            saved.append((t, type(t.module), set(vars(t.module)), {p: getattr(t.module, p) for p in t.weight_names}))
+            _commit(t, policy)
+    except BaseException:
+        for t, cls, attrs, params in reversed(saved):
+            t.module.__class__ = cls
+            for pname, param in params.items():
+                setattr(t.module, pname, param)
+            for attr in set(vars(t.module)) - attrs:
+                delattr(t.module, attr)
+        raise
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -93,7 +178,7 @@ def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None = None) -> nn.Module:
-    """Convert ``model`` in place per ``policy`` and return it.
+    """Convert ``model`` in place per ``policy`` and return it; all or nothing (see module doc).
 
     Converted: every ``nn.Linear`` and every fused MoE experts module whose name is not
     matched by the policy's skip patterns and for which ``filter_fn(module, name)`` (if given)
@@ -102,7 +187,11 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
     and activations are quantized online (W4A4 + residual compensation); each rollout module
     stores the backend (:func:`quads.ops.select_backend`) for its weights' device.
 
-    Raises ValueError if the model is already quantized or nothing matches.
+    Raises (naming the module, the model unchanged) if the model is already quantized, nothing
+    matches, a weight cannot be quantized (K % 16, dtype, NaN/Inf, meta device for a rollout,
+    an unsupported experts layout) or a rollout weight is tied to a module left unconverted.
+    Meta-device trainer models are accepted (the class swap needs no values; nothing can be
+    checked for finiteness there).
     """
     if not isinstance(policy, QuadsPolicy):
         raise TypeError(f"quantize_ takes a QuadsPolicy, got {type(policy).__name__}")
@@ -111,7 +200,7 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
         first = next(iter(already))
         raise ValueError(f"model is already quantized by quads (e.g. {first!r}); build a fresh model to re-quantize")
 
-    targets = conversion_targets(model, policy.skips, filter_fn)
+    targets = [_Target(*t) for t in conversion_targets(model, policy.skips, filter_fn)]
     if not targets:
         raise ValueError(
             "quantize_: the policy matched no module (no nn.Linear or fused MoE experts outside "
@@ -119,10 +208,14 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
             + (" and accepted by filter_fn" if filter_fn else "")
             + ")"
         )
+    for t in targets:
+        _check_target(t, policy.side)
+    if policy.side == "rollout":
+        _check_ties(model, targets)
+    weights = {id(w): (q, w) for t in targets for q, w in t.weights()}  # a tied weight is checked once
+    check_all_finite(weights.values(), "quantize_")
     with torch.no_grad():
-        for name, module, kind in targets:
-            if kind == "linear":
-                _convert_linear(module, name, policy)
-            else:
-                _convert_experts(module, name, policy)
+        if policy.side == "rollout":
+            _stage_packed(targets)
+        _commit_all(targets, policy)
     return model

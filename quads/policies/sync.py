@@ -1,59 +1,200 @@
-"""Trainer -> rollout weight sync: re-quantize the BF16 masters into the rollout in place."""
+"""Trainer -> rollout weight sync: re-quantize the BF16 masters into the rollout in place.
+
+A sync is a transaction, because an RL run syncs thousands of times and one bad step must
+never leave the rollout half-updated while it still produces plausible numbers:
+
+1. **plan** (metadata only): match every rollout parameter to a trainer parameter by name,
+   ties included (``named_parameters(remove_duplicate=False)``); unmatched names on either
+   side, shape or dtype mismatches, packed trainer parameters and ties the trainer does not
+   share are errors, all listed in one message;
+2. **stage**: every new value is computed first: packed parameters are re-quantized through
+   their module's backend into new parts, dense ones cast / moved to the rollout parameter;
+3. **check**: every tensor that will be written is finite (the master of a packed parameter,
+   the staged copy of a dense one), one fused reduction per tensor and one host sync per
+   device for the whole model (:func:`quads.tensor.finite.nonfinite_names`);
+4. **write**: in place, into the existing storage, then ``quads_weights_changed()`` on every
+   rollout module whose packed weights were written.
+
+Any error in 1-3 leaves the rollout bit for bit as it was and names the parameter(s).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from quads.ops.backend import Backend, select_backend
 from quads.policies.modules import RolloutModule
-from quads.tensor.nvfp4_tensor import NVFP4Tensor, check_finite
+from quads.tensor.finite import check_all_finite
+from quads.tensor.nvfp4_math import NVFP4Parts
+from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["sync_weights_"]
 
+_SHOWN = 5  # names listed per problem in an error message
+_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 
-def _owners(model: nn.Module) -> dict[str, RolloutModule]:
-    """Qualified name of every packed parameter -> the rollout module holding it."""
-    out = {}
-    for mname, module in model.named_modules():
+
+@dataclass
+class _Write:
+    """One rollout parameter (all its tied names) and the trainer tensor it receives."""
+
+    names: list[str]  # rollout names of the parameter (ties: several)
+    param: torch.Tensor  # the rollout parameter (NVFP4Tensor for packed ones)
+    source: torch.Tensor  # the trainer's master, detached
+    backend: Backend | None = None  # packed only: the owning module's backend
+    staged: NVFP4Parts | torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.param, NVFP4Tensor)
+
+
+def _owners(model: nn.Module) -> dict[int, list[RolloutModule]]:
+    """id(packed parameter) -> the rollout module(s) holding it."""
+    out: dict[int, list[RolloutModule]] = {}
+    for module in model.modules():
         if isinstance(module, RolloutModule):
             for pname in module.quads_packed_names:
-                out[f"{mname}.{pname}" if mname else pname] = module
+                out.setdefault(id(getattr(module, pname)), []).append(module)
     return out
 
 
-@torch.no_grad()
-def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module) -> int:
-    """Copy every parameter of ``trainer_model`` into ``rollout_model`` (same architecture).
+def _grouped(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
+    """id(parameter) -> (parameter, every name it has): tied parameters appear once."""
+    out: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(param), (param, []))[1].append(name)
+    return out
 
-    Packed NVFP4 rollout parameters are re-quantized from the trainer's BF16 masters with the
+
+def _listing(names: list[str]) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
+
+
+def _problem(param: torch.Tensor, source: torch.Tensor) -> str | None:
+    """Why ``source`` cannot be synced into ``param`` (metadata only), or None."""
+    if isinstance(source, NVFP4Tensor):
+        return "is packed (NVFP4Tensor) in the trainer; sync from high-precision masters"
+    if tuple(source.shape) != tuple(param.shape):
+        return f"has shape {tuple(source.shape)} in the trainer, {tuple(param.shape)} in the rollout"
+    if not source.dtype.is_floating_point:
+        return f"is {source.dtype} in the trainer; masters must be floating point"
+    if isinstance(param, NVFP4Tensor) and source.dtype not in _QUANTIZABLE:
+        return f"is {source.dtype} in the trainer; NVFP4 quantizes float32/bfloat16/float16 masters"
+    if not isinstance(param, NVFP4Tensor) and not param.dtype.is_floating_point:
+        return f"is {param.dtype} in the rollout; only floating-point parameters are synced"
+    return None
+
+
+def _plan(rollout_model: nn.Module, trainer_model: nn.Module, strict: bool) -> list[_Write]:
+    """Match parameters and check names, ties, shapes and dtypes; no device work."""
+    masters = dict(trainer_model.named_parameters(remove_duplicate=False))
+    owners = _owners(rollout_model)
+    writes, missing, problems = [], [], []
+    rollout_names: set[str] = set()
+    for param, names in _grouped(rollout_model).values():
+        rollout_names.update(names)
+        found = [n for n in names if n in masters]
+        missing += [n for n in names if n not in masters]
+        if not found:
+            continue
+        if len({id(masters[n]) for n in found}) > 1:
+            problems.append(f"{' / '.join(found)}: tied in the rollout, separate parameters in the trainer")
+            continue
+        source = masters[found[0]].detach()
+        why = _problem(param, source)
+        if why:
+            problems.append(f"{names[0]} {why}")
+            continue
+        write = _Write(names, param, source)
+        if write.packed:
+            holders = owners.get(id(param))
+            write.backend = holders[0].quads_backend if holders else select_backend(param.device)
+        writes.append(write)
+    unexpected = [n for n in masters if n not in rollout_names]
+    if strict and missing:
+        problems.append(f"{len(missing)} rollout parameter(s) have no trainer counterpart: {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"{len(unexpected)} trainer parameter(s) have no rollout counterpart: {_listing(unexpected)}")
+    if problems:
+        hint = " (pass strict=False to sync only the parameters both models have)" if missing or unexpected else ""
+        raise ValueError(
+            "sync_weights_: nothing was written; the models do not match" + hint + ":\n  " + "\n  ".join(problems)
+        )
+    if not writes:
+        raise ValueError("sync_weights_: the two models have no parameter name in common; nothing to sync")
+    return writes
+
+
+def _stage(writes: list[_Write]) -> None:
+    """Compute every new value (quantized parts, dense copies on the rollout's device and dtype)."""
+    for w in writes:
+        if w.packed:
+            dense = w.source.to(w.param.device)
+            parts = w.backend.quantize_weight(dense.transpose(-2, -1) if w.param.transposed else dense,
+                                              w.param.granularity)
+            for part, new, old in zip(NVFP4Parts._fields, parts, w.param.parts):
+                if new.shape != old.shape or new.dtype != old.dtype:
+                    raise ValueError(
+                        f"sync_weights_: nothing was written; re-quantizing {w.name} gave {part} "
+                        f"{tuple(new.shape)} {new.dtype}, the rollout holds {tuple(old.shape)} {old.dtype}"
+                    )
+            w.staged = NVFP4Parts(*parts)
+        else:
+            w.staged = w.source.to(device=w.param.device, dtype=w.param.dtype)
+
+
+def _check_finite(writes: list[_Write]) -> None:
+    """Every tensor that will be written is finite: one reduction each, one host sync per device."""
+    check_all_finite(
+        [(w.name, w.source if w.packed else w.staged) for w in writes],
+        "sync_weights_ (nothing was written)",
+    )
+
+
+def _write(writes: list[_Write], rollout_model: nn.Module) -> None:
+    """Copy the staged values into the rollout's storage and notify the modules written."""
+    for w in writes:
+        if w.packed:
+            for dst, src in zip(w.param.parts, w.staged):
+                dst.copy_(src)
+        else:
+            w.param.copy_(w.staged)
+    owners = _owners(rollout_model)
+    notified = set()
+    for w in writes:
+        for module in owners.get(id(w.param), []) if w.packed else []:
+            if id(module) not in notified:
+                notified.add(id(module))
+                module.quads_weights_changed()
+
+
+@torch.no_grad()
+def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict: bool = True) -> int:
+    """Copy every parameter of ``trainer_model`` into ``rollout_model`` (same architecture), all or nothing.
+
+    Packed NVFP4 rollout parameters are re-quantized from the trainer's masters with the
     recipe the trainer's fake quantizer uses (through the rollout module's backend: kernels on
     the GPU, same bits), into their existing storage, so afterwards
     ``rollout_param.dequantize(w.dtype)`` equals the trainer's forward weight bit for bit.
-    Other parameters (embeddings, norms, routers, lm_head) are copied as they are.
-    Returns the number of parameters synced.
+    Other parameters (embeddings, norms, routers, lm_head) are copied, cast to the rollout's dtype.
+
+    Every parameter name of either model must exist in the other (``strict=False``: only the
+    common names are synced); a mismatch, a shape or dtype error, a tie the trainer does not
+    share or a NaN/Inf in any tensor to be written raises ValueError naming the parameters, with
+    nothing written (see the module doc). Returns the number of rollout parameters written
+    (tied names count once).
     """
-    masters = dict(trainer_model.named_parameters())
-    owners = _owners(rollout_model)
-    synced = 0
-    for name, param in rollout_model.named_parameters():
-        master = masters.get(name)
-        if master is None:
-            raise KeyError(f"sync_weights_: trainer model has no parameter {name!r} (architectures differ?)")
-        if tuple(master.shape) != tuple(param.shape):
-            raise ValueError(f"sync_weights_: {name} has shape {tuple(master.shape)} in the trainer, {tuple(param.shape)} in the rollout")
-        source = master.detach()
-        if isinstance(param, NVFP4Tensor):
-            check_finite(source, f"sync_weights_: {name}")
-            backend = owners[name].quads_backend if name in owners else None
-            dense = source.to(param.device)
-            if backend is None:
-                param.copy_(dense)
-            else:
-                parts = backend.quantize_weight(dense.transpose(-2, -1) if param.transposed else dense)
-                param.copy_(NVFP4Tensor(*parts, orig_dtype=param.orig_dtype, transposed=param.transposed))
-        else:
-            param.copy_(source)
-        synced += 1
-    for module in set(owners.values()):
-        module.quads_weights_changed()
-    return synced
+    writes = _plan(rollout_model, trainer_model, strict)
+    _stage(writes)
+    _check_finite(writes)
+    _write(writes, rollout_model)
+    return len(writes)

@@ -6,7 +6,11 @@ NVFP4 parts produced by :func:`quads.tensor.nvfp4_math.nvfp4_quantize`:
 
 * ``qdata``  uint8 ``(..., K/2)``, even element in the low nibble;
 * ``scale``  float8_e4m3fn ``(..., K/16)``, plain layout;
-* ``global_encode_scale`` float32, ``()`` for 2-D weights, ``(E,)`` for 3-D expert weights.
+* ``global_encode_scale`` float32, ``()`` for 2-D weights, ``(E,)`` for 3-D expert weights
+  (``qdata.shape[:-1]`` for one scale per row).
+
+Construction checks these invariants (see :class:`NVFP4Tensor`): a corrupt or hand-made state
+dict fails loudly instead of broadcasting one row's scales or decoding NaN scales.
 
 Ops on it are implemented in ``__torch_dispatch__`` by a small table of handlers: layout ops
 (detach, clone, to, copy_, transpose, expert select/slice/index_select, views that keep K) act
@@ -28,6 +32,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from quads.tensor.finite import check_finite
 from quads.tensor.nvfp4_math import (
     BLOCK_SIZE,
     NVFP4Parts,
@@ -38,35 +43,126 @@ from quads.tensor.nvfp4_math import (
 
 aten = torch.ops.aten
 
-__all__ = ["NVFP4Tensor"]
+__all__ = ["NVFP4Tensor", "LOGICAL_DTYPES", "check_nvfp4_layout", "check_nvfp4_values", "check_finite"]
 
 
-def _granularity_of(t: "NVFP4Tensor") -> str:
-    """The global-scale granularity of a packed tensor, read off its global-scale shape."""
-    gs = t.global_encode_scale
-    if gs.dim() == 0:
-        return "tensor"
-    if t.qdata.dim() == 3 and tuple(gs.shape) == tuple(t.qdata.shape[:1]):
-        return "expert"
-    return "row"
+#: logical dtypes an NVFP4Tensor may stand for (what ``dequantize()`` returns by default)
+LOGICAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def check_finite(x: torch.Tensor, what: str) -> None:
-    """Raise ValueError if ``x`` holds NaN or Inf (weights must be finite to quantize)."""
-    if not bool(torch.isfinite(x).all()):
-        bad = int((~torch.isfinite(x)).sum())
+def _group_shapes(qdata: torch.Tensor) -> dict[tuple[int, ...], str]:
+    """The global-scale shapes valid for ``qdata``, with their granularity names."""
+    shapes = {(): "tensor"}
+    shapes.setdefault(tuple(qdata.shape[:-1]), "row")
+    if qdata.dim() == 3:
+        shapes[tuple(qdata.shape[:1])] = "expert"
+    return shapes
+
+
+def _logical_shape(qdata: torch.Tensor, transposed: bool) -> list[int]:
+    shape = list(qdata.shape[:-1]) + [qdata.shape[-1] * 2]
+    if transposed:
+        shape[-2], shape[-1] = shape[-1], shape[-2]
+    return shape
+
+
+def check_nvfp4_layout(qdata, scale, global_encode_scale, orig_dtype, transposed, what: str = "NVFP4Tensor") -> None:
+    """Raise if the parts cannot form an NVFP4Tensor: types, dtypes, shapes, devices, metadata.
+
+    Reads only tensor metadata (no device work), so it runs on every construction.
+    """
+    for part, value in (("qdata", qdata), ("scale", scale), ("global_encode_scale", global_encode_scale)):
+        if not isinstance(value, torch.Tensor) or isinstance(value, NVFP4Tensor):
+            raise TypeError(f"{what}: {part} must be a plain torch.Tensor, got {type(value).__name__}")
+    if qdata.dtype != torch.uint8:
+        raise TypeError(f"{what}: qdata must be uint8 (two E2M1 codes per byte), got {qdata.dtype}")
+    if scale.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{what}: scale must be float8_e4m3fn, got {scale.dtype}")
+    if global_encode_scale.dtype != torch.float32:
+        raise TypeError(f"{what}: global_encode_scale must be float32, got {global_encode_scale.dtype}")
+    if qdata.dim() < 1 or qdata.shape[-1] % (BLOCK_SIZE // 2):
         raise ValueError(
-            f"{what}: {bad} non-finite value(s) (NaN/Inf) in a weight; NVFP4 quantization of "
-            "non-finite weights would silently poison or saturate whole blocks, refusing"
+            f"{what}: qdata {tuple(qdata.shape)} must have a last dim of K/2 bytes with K a multiple of {BLOCK_SIZE}"
+        )
+    want_scale = tuple(qdata.shape[:-1]) + (qdata.shape[-1] * 2 // BLOCK_SIZE,)
+    if tuple(scale.shape) != want_scale:
+        raise ValueError(
+            f"{what}: scale has shape {tuple(scale.shape)} but qdata {tuple(qdata.shape)} needs {want_scale} "
+            f"(one E4M3 scale per {BLOCK_SIZE} elements of every row)"
+        )
+    groups = _group_shapes(qdata)
+    if tuple(global_encode_scale.shape) not in groups:
+        allowed = ", ".join(f"{shape} ({name})" for shape, name in groups.items())
+        raise ValueError(
+            f"{what}: global_encode_scale has shape {tuple(global_encode_scale.shape)}; for qdata "
+            f"{tuple(qdata.shape)} it must be one of {allowed}"
+        )
+    if not (qdata.device == scale.device == global_encode_scale.device):
+        raise ValueError(
+            f"{what}: parts on different devices (qdata {qdata.device}, scale {scale.device}, "
+            f"global_encode_scale {global_encode_scale.device})"
+        )
+    if orig_dtype not in LOGICAL_DTYPES:
+        raise TypeError(f"{what}: orig_dtype must be one of {LOGICAL_DTYPES}, got {orig_dtype!r}")
+    if type(transposed) is not bool:
+        raise TypeError(f"{what}: transposed must be a bool, got {transposed!r}")
+    if transposed and qdata.dim() < 2:
+        raise ValueError(f"{what}: a transposed NVFP4Tensor needs at least 2 dims, got qdata {tuple(qdata.shape)}")
+
+
+def check_nvfp4_values(scale: torch.Tensor, global_encode_scale: torch.Tensor, what: str = "NVFP4Tensor") -> None:
+    """Raise ValueError unless every block scale is finite and >= 0 and every global scale finite and > 0.
+
+    The quantizer only ever produces such values. E4M3 bytes 0x7F / 0xFF are NaN (E4M3 has no
+    Inf); a sign bit on a non-zero scale means a negative scale. One device reduction per part
+    and one host sync; meta tensors (no values) are skipped.
+    """
+    if scale.device.type == "meta":
+        return
+    scale_ok = (scale.to(torch.float32) >= 0).all()  # NaN >= 0 is False
+    gs_ok = ((global_encode_scale > 0) & (global_encode_scale < float("inf"))).all()
+    ok_scale, ok_gs = torch.stack([scale_ok, gs_ok]).tolist()
+    if not ok_scale:
+        bits = scale.view(torch.uint8)
+        nan = int(((bits & 0x7F) == 0x7F).sum())
+        negative = int((scale.to(torch.float32) < 0).sum())
+        first = tuple(int(i) for i in (~(scale.to(torch.float32) >= 0)).nonzero()[0].tolist())
+        raise ValueError(
+            f"{what}: {nan} NaN block scale(s) (E4M3 bytes 0x7F/0xFF) and {negative} negative one(s), "
+            f"first at index {first}; the packed parts are corrupt"
+        )
+    if not ok_gs:
+        bad = global_encode_scale[~((global_encode_scale > 0) & (global_encode_scale < float("inf")))]
+        raise ValueError(
+            f"{what}: global_encode_scale must be finite and > 0 (S_enc = 448*6/amax), got "
+            f"{bad.flatten()[:4].tolist()}; the packed parts are corrupt"
         )
 
 
 class NVFP4Tensor(torch.Tensor):
-    """A packed NVFP4 weight that behaves like its high-precision original where meaningful."""
+    """A packed NVFP4 weight that behaves like its high-precision original where meaningful.
+
+    ``NVFP4Tensor(qdata, scale, global_encode_scale, orig_dtype=torch.bfloat16, transposed=False)``
+    wraps parts (user data: a hand-made or loaded state dict) and checks them: the layout
+    always (:func:`check_nvfp4_layout`: dtypes, ``scale`` of shape ``(..., K/16)`` for
+    ``qdata`` ``(..., K/2)``, a global-scale shape of one granularity, one device, ``orig_dtype``
+    a float dtype, ``transposed`` a bool), and the values unless ``check_values=False``
+    (:func:`check_nvfp4_values`: finite non-negative block scales, finite positive global
+    scales; one device reduction and host sync). ``check_values=False`` is for parts quads'
+    own quantizer just produced from finite weights and for views of a checked tensor (every
+    layout op below), so hot paths never synchronise. ``torch.load`` checks both as well.
+
+    What the checks cannot see: a flipped bit in ``qdata`` changes one E2M1 code, i.e. one
+    element, silently (every byte is a valid pair of codes); a flipped scale bit that gives
+    another finite positive E4M3 value rescales its 16-element block silently. Files written
+    by :func:`quads.tensor.save_safetensors` carry CRC32 checksums that catch both on load.
+    """
 
     qdata: torch.Tensor
     scale: torch.Tensor
     global_encode_scale: torch.Tensor
+    orig_dtype: torch.dtype
+    transposed: bool
 
     @staticmethod
     def __new__(
@@ -76,21 +172,19 @@ class NVFP4Tensor(torch.Tensor):
         global_encode_scale: torch.Tensor,
         orig_dtype: torch.dtype = torch.bfloat16,
         transposed: bool = False,
+        *,
+        check_values: bool = True,
     ):
-        shape = list(qdata.shape[:-1]) + [qdata.shape[-1] * 2]
-        if transposed:
-            shape[-2], shape[-1] = shape[-1], shape[-2]
+        check_nvfp4_layout(qdata, scale, global_encode_scale, orig_dtype, transposed)
         return torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=orig_dtype, device=qdata.device, requires_grad=False
+            cls, _logical_shape(qdata, transposed), dtype=orig_dtype, device=qdata.device, requires_grad=False
         )
 
-    def __init__(self, qdata, scale, global_encode_scale, orig_dtype=torch.bfloat16, transposed=False):
-        if qdata.dtype != torch.uint8:
-            raise TypeError(f"NVFP4Tensor.qdata must be uint8, got {qdata.dtype}")
-        if scale.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"NVFP4Tensor.scale must be float8_e4m3fn, got {scale.dtype}")
-        if scale.shape[-1] * BLOCK_SIZE != qdata.shape[-1] * 2:
-            raise ValueError(f"scale {tuple(scale.shape)} does not match qdata {tuple(qdata.shape)}")
+    def __init__(
+        self, qdata, scale, global_encode_scale, orig_dtype=torch.bfloat16, transposed=False, *, check_values=True
+    ):
+        if check_values:
+            check_nvfp4_values(scale, global_encode_scale)
         self.qdata = qdata
         self.scale = scale
         self.global_encode_scale = global_encode_scale
@@ -110,7 +204,13 @@ class NVFP4Tensor(torch.Tensor):
         if x.dim() not in (2, 3):
             raise ValueError(f"NVFP4Tensor holds 2-D or 3-D weights, got shape {tuple(x.shape)}")
         check_finite(x, "NVFP4Tensor.from_float")
-        return cls(*nvfp4_quantize(x, granularity), orig_dtype=x.dtype)
+        return cls(*nvfp4_quantize(x, granularity), orig_dtype=x.dtype, check_values=False)
+
+    @property
+    def granularity(self) -> str:
+        """Global-scale groups: ``"tensor"`` (one S_enc), ``"expert"`` (one per ``w[e]`` of a 3-D
+        weight) or ``"row"`` (one per row), read off the global-scale shape."""
+        return _group_shapes(self.qdata)[tuple(self.global_encode_scale.shape)]
 
     @property
     def parts(self) -> NVFP4Parts:
@@ -129,6 +229,7 @@ class NVFP4Tensor(torch.Tensor):
             gs,
             self.orig_dtype if orig_dtype is None else orig_dtype,
             self.transposed if transposed is None else transposed,
+            check_values=False,  # views and copies of parts that were checked
         )
 
     def __repr__(self) -> str:
@@ -152,7 +253,22 @@ class NVFP4Tensor(torch.Tensor):
             inner_tensors["global_encode_scale"],
             orig_dtype,
             transposed,
+            check_values=False,  # rebuilt from a flattened NVFP4Tensor (torch.compile)
         )
+
+    def __setstate__(self, state):
+        """``torch.load`` (also ``weights_only=True``) restores the parts here, without
+        ``__init__``: check them like a constructor does, and against the saved logical shape."""
+        torch._utils._set_obj_state(self, state)
+        what = "NVFP4Tensor (torch.load)"
+        parts = [getattr(self, n, None) for n in ("qdata", "scale", "global_encode_scale")]
+        check_nvfp4_layout(*parts, getattr(self, "orig_dtype", None), getattr(self, "transposed", None), what)
+        if list(self.shape) != _logical_shape(self.qdata, self.transposed) or self.dtype != self.orig_dtype:
+            raise ValueError(
+                f"{what}: saved shape {tuple(self.shape)} / dtype {self.dtype} do not match its parts "
+                f"({tuple(_logical_shape(self.qdata, self.transposed))}, {self.orig_dtype})"
+            )
+        check_nvfp4_values(self.scale, self.global_encode_scale, what)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -220,8 +336,8 @@ def _to_copy(func, args, kwargs):
     t = args[0]
     device = kwargs.get("device") or t.device
     dtype = kwargs.get("dtype") or t.orig_dtype
-    if not dtype.is_floating_point:
-        raise NotImplementedError(f"NVFP4Tensor cannot be converted to {dtype}")
+    if dtype not in LOGICAL_DTYPES:
+        raise NotImplementedError(f"NVFP4Tensor cannot be converted to {dtype}; its logical dtype is one of {LOGICAL_DTYPES}")
     return t._with_parts(
         t.qdata.to(device), t.scale.to(device), t.global_encode_scale.to(device), orig_dtype=dtype
     )
@@ -229,19 +345,35 @@ def _to_copy(func, args, kwargs):
 
 @_implements([aten.copy_.default])
 def _copy_(func, args, kwargs):
-    """In-place copy. From an NVFP4Tensor: copy the parts. From a dense tensor: quantize it
-    with the same recipe and granularity (this is how trainer weights are synced in place)."""
+    """In-place copy (what ``load_state_dict`` calls).
+
+    * NVFP4Tensor -> NVFP4Tensor: the parts are copied once the source's values are checked
+      (a loaded state dict is user data); both need the same orientation and part shapes (the
+      same global-scale granularity), so nothing is broadcast.
+    * dense -> NVFP4Tensor: the dense tensor (finite) is quantized with the recipe at the
+      destination's granularity.
+    * NVFP4Tensor -> dense: the destination receives the dequantized weight.
+    """
     dst, src = args[0], args[1]
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"copy_: shape mismatch {tuple(src.shape)} -> {tuple(dst.shape)}")
+    if not isinstance(dst, NVFP4Tensor):
+        return dst.copy_(src.dequantize(dst.dtype))
     if isinstance(src, NVFP4Tensor):
         if src.transposed != dst.transposed:
             raise NotImplementedError("copy_ between NVFP4Tensors of different orientation")
+        for part, have, want in zip(NVFP4Parts._fields, src.parts, dst.parts):
+            if have.shape != want.shape:
+                raise ValueError(
+                    f"copy_: source {part} {tuple(have.shape)} does not fit the destination's "
+                    f"{tuple(want.shape)} (global scales per {src.granularity} -> per {dst.granularity})"
+                )
+        check_nvfp4_values(src.scale, src.global_encode_scale, "NVFP4Tensor.copy_ source")
         parts = src.parts
     else:
         dense = src.transpose(-2, -1) if dst.transposed else src
         check_finite(dense, "NVFP4Tensor.copy_")
-        parts = nvfp4_quantize(dense, _granularity_of(dst))
+        parts = nvfp4_quantize(dense, dst.granularity)
     dst.qdata.copy_(parts.qdata)
     dst.scale.copy_(parts.scale)
     dst.global_encode_scale.copy_(parts.global_encode_scale)

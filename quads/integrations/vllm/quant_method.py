@@ -237,6 +237,7 @@ def _packed(layer: torch.nn.Module, prefix: str, dtype: torch.dtype) -> NVFP4Ten
         getattr(layer, f"{prefix}_scale"),
         getattr(layer, f"{prefix}_global_scale"),
         orig_dtype=dtype,
+        check_values=False,  # packed by pack_weight at load; rebuilt every forward
     )
 
 
@@ -306,6 +307,7 @@ class QuadsLinearMethod(LinearMethodBase):
                     layer.weight_scale[rows],
                     layer.weight_global_scale[i],
                     orig_dtype=layer.quads_orig_dtype,
+                    check_values=False,  # packed by pack_weight at load; rebuilt every forward
                 )
             )
             start += n

@@ -1,0 +1,187 @@
+"""Checked inputs for the command-line tools (``quads diagnose``, ``examples/``).
+
+Every check runs before any work starts and fails with a :class:`UsageError` whose message is
+one line naming the culprit (the CLI prints it and exits with status 2), instead of a traceback
+from deep inside transformers or the tokenizer, or an error after a long run. Nothing here
+changes the user's files: an output path is probed and the probe removed again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "UsageError",
+    "int_at_least",
+    "positive_int",
+    "nonnegative_int",
+    "positive_float",
+    "nonnegative_float",
+    "load_local_causal_lm",
+    "read_prompts",
+    "check_output_file",
+    "check_output_dir",
+]
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class UsageError(Exception):
+    """A bad command-line input; its message is one line meant for the user."""
+
+
+def int_at_least(low: int):
+    """argparse type factory: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int>={low}"
+    return parse
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _one_line(err: BaseException) -> str:
+    first = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {first[0] if first else ''}".rstrip(": ")
+
+
+def _check_model_dir(path: Path) -> None:
+    if not path.exists():
+        raise UsageError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise UsageError(f"{str(path)!r} is not a directory (expected a Hugging Face model directory)")
+    config = path / "config.json"
+    if not config.is_file():
+        raise UsageError(f"{str(path)!r} has no config.json; not a Hugging Face model directory")
+    try:
+        json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{config}: not a readable JSON config ({_one_line(err)})") from None
+    if not any((path / f).is_file() for f in _WEIGHT_FILES) and not any(path.glob("*.safetensors")):
+        raise UsageError(f"{str(path)!r} has no weights (none of {', '.join(_WEIGHT_FILES)})")
+
+
+def load_local_causal_lm(path: str, dtype: torch.dtype):
+    """``(model, tokenizer)`` from a local Hugging Face causal-LM directory, never the hub.
+
+    The tokenizer gets a pad token (its EOS) when it has none. Raises UsageError for a missing,
+    empty or corrupt directory (no config, unreadable config or weights, weights that leave
+    parameters missing), naming the path and the underlying error in one line.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    where = Path(path)
+    _check_model_dir(where)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would repeat, at length, what is checked below
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(where), dtype=dtype, local_files_only=True, output_loading_info=True
+        )
+    except Exception as err:  # noqa: BLE001 - any failure to load the user's directory is reported as such
+        raise UsageError(f"could not load a causal LM from {str(where)!r}: {_one_line(err)}") from err
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    # transformers initialises missing weights randomly and only warns: refuse, a random layer
+    # would make every number downstream meaningless
+    missing = list(info.get("missing_keys") or []) + [str(k) for k in info.get("mismatched_keys") or []]
+    if missing:
+        raise UsageError(
+            f"{str(where)!r}: the weights do not match the config: {len(missing)} missing or mismatched "
+            f"tensor(s), e.g. {missing[0]}"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+    except Exception as err:  # noqa: BLE001
+        raise UsageError(f"could not load the tokenizer from {str(where)!r}: {_one_line(err)}") from err
+    if tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise UsageError(f"the tokenizer in {str(where)!r} has neither a pad nor an EOS token")
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a text file, one per non-empty line (``\\n`` escapes become newlines)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"cannot read prompts from {path!r}: {_one_line(err)}") from None
+    prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
+    if not prompts:
+        raise UsageError(f"prompt file {path!r} has no prompts (every line is empty)")
+    return prompts
+
+
+def check_output_file(path: str) -> None:
+    """Raise UsageError unless ``path`` can be written (probed by opening it; a new file is removed)."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"output {path!r} is a directory, expected a file path")
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as err:
+        raise UsageError(f"cannot write {path!r}: {_one_line(err)}") from None
+    if not existed:
+        target.unlink()
+
+
+def check_output_dir(path: str) -> Path:
+    """Create ``path`` if needed and raise UsageError unless a file can be written in it."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"output directory {path!r} is a file")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".quads-write-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"cannot write into output directory {path!r}: {_one_line(err)}") from None
+    return target

@@ -1,0 +1,82 @@
+"""Finiteness checks for weights: NVFP4 quantization of a NaN/Inf weight is refused.
+
+A NaN poisons every block scale of its global-scale group and an Inf saturates its whole
+tensor (see ``docs/nvfp4_spec.md``), so ``quantize_``, ``sync_weights_`` and
+``NVFP4Tensor.from_float`` check weights before quantizing them.
+
+:func:`nonfinite_names` checks many tensors at the cost of one host synchronisation per device:
+each tensor gets one fused reduction (``torch.aminmax``: one read of the tensor, no temporary;
+min and max are both finite iff every element is, as NaN propagates through min/max and
++-Inf is the max/min), the per-tensor results are gathered into one small tensor and read
+back once. A weight sync of hundreds of parameters on the GPU therefore waits for the device
+once, not once per parameter. (``vector_norm(ord=inf)`` and ``isfinite().all()`` give the same
+answer but measured 6x and 10x slower than ``aminmax`` on the 2-core CPU.)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+__all__ = ["check_finite", "nonfinite_names", "check_all_finite"]
+
+
+def _extremes(x: torch.Tensor) -> torch.Tensor:
+    """(min, max) of x as float32 on x's device: both finite iff every element is (NaN propagates)."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.numel() == 0:
+        return torch.zeros(2, dtype=torch.float32, device=x.device)
+    return torch.stack(torch.aminmax(x)).to(torch.float32)
+
+
+def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the tensors that hold a NaN or Inf (in input order).
+
+    One reduction per tensor, one host sync per device. Meta tensors have no values and are
+    skipped (they cannot be checked).
+    """
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    order: list[str] = []
+    for name, x in named:
+        if x.device.type == "meta" or not (x.is_floating_point() or x.is_complex()):
+            continue  # no values to check / integers are always finite
+        order.append(name)
+        by_device.setdefault(x.device, []).append((name, _extremes(x)))
+    bad: set[str] = set()
+    for items in by_device.values():
+        flags = torch.isfinite(torch.stack([m for _, m in items])).all(dim=1).tolist()  # the one sync
+        bad.update(name for (name, _), ok in zip(items, flags) if not ok)
+    return [n for n in order if n in bad]
+
+
+def _count_nonfinite(x: torch.Tensor) -> int:
+    return int((~torch.isfinite(x.detach())).sum())
+
+
+def check_all_finite(named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
+    """Raise ValueError naming every tensor of ``named`` that holds NaN or Inf (see module doc)."""
+    named = list(named)
+    bad = nonfinite_names(named)
+    if not bad:
+        return
+    tensors = dict(named)
+    shown = ", ".join(f"{n} ({_count_nonfinite(tensors[n])} NaN/Inf)" for n in bad[:5])
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    raise ValueError(
+        f"{what}: non-finite values (NaN/Inf) in {len(bad)} tensor(s): {shown}{more}. A NaN/Inf weight "
+        "would silently poison or saturate whole NVFP4 blocks (or every output, for a dense one); refusing"
+    )
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    """Raise ValueError if ``x`` holds NaN or Inf (weights must be finite to quantize)."""
+    if x.device.type == "meta":
+        raise ValueError(f"{what}: the tensor is on the meta device (no values to quantize); load its weights first")
+    if nonfinite_names([(what, x)]):
+        raise ValueError(
+            f"{what}: {_count_nonfinite(x)} non-finite value(s) (NaN/Inf) in a weight; NVFP4 quantization of "
+            "non-finite weights would silently poison or saturate whole blocks, refusing"
+        )

@@ -1,0 +1,178 @@
+"""Bad inputs to ``quads diagnose`` and the main example fail before any work, with one line,
+and leave the user's files as they were; an interrupted example run marks its outputs."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import quads.diagnostics.diagnose as diagnose
+from quads.cli import main
+from quads.diagnostics.cli_inputs import UsageError
+from tests.tiny_models import build
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "trl_grpo_quads.py"
+
+
+@pytest.fixture(autouse=True)
+def never_run(monkeypatch):
+    """Every case here must fail before the (long) diagnosis starts."""
+    monkeypatch.setattr(diagnose, "run_diagnose", lambda *a, **k: pytest.fail("run_diagnose was reached"))
+
+
+def _dirs(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{not json")
+    garbage = tmp_path / "garbage"
+    build("llama").save_pretrained(garbage)
+    (garbage / "model.safetensors").write_bytes(b"not a safetensors file")
+    short = tmp_path / "short"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_models import COMMON
+
+    LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 1}, intermediate_size=96)).save_pretrained(short)
+    (short / "config.json").write_text((garbage / "config.json").read_text())  # config says 2 layers
+    notok = tmp_path / "no_tokenizer"
+    build("llama").save_pretrained(notok)
+    return {
+        "missing": (str(tmp_path / "nope"), "does not exist"),
+        "empty": (str(empty), "has no config.json"),
+        "corrupt": (str(corrupt), "not a readable JSON config"),
+        "garbage": (str(garbage), "could not load a causal LM"),
+        "short": (str(short), "weights do not match the config: 9 missing"),
+        "no_tokenizer": (str(notok), "could not load the tokenizer"),
+        "a_file": (str(corrupt / "config.json"), "is not a directory"),
+    }
+
+
+def _one_line_error(capsys, rc, match):
+    """Exit status 2 and one error line (progress bars of a model load may precede it), no traceback."""
+    err = capsys.readouterr().err
+    lines = [l for l in err.strip().splitlines() if "error" in l.lower()]
+    assert rc == 2
+    assert len(lines) == 1 and match in lines[0] and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_diagnose_bad_model_dirs(tmp_path, capsys):
+    dirs = _dirs(tmp_path)
+    capsys.readouterr()
+    for case, (path, match) in dirs.items():
+        line = _one_line_error(capsys, main(["diagnose", "--model", path]), match)
+        assert line.startswith("quads diagnose: error:"), case
+
+
+def test_diagnose_bad_prompts_counts_and_outputs(tmp_path, capsys):
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n   \n\n")
+    _one_line_error(capsys, main(["diagnose", "--prompts", str(empty)]), "has no prompts")
+    _one_line_error(capsys, main(["diagnose", "--prompts", str(tmp_path / "none.txt")]), "cannot read prompts")
+    _one_line_error(capsys, main(["diagnose", "--json", str(tmp_path)]), "is a directory")
+    _one_line_error(capsys, main(["diagnose", "--json", str(tmp_path / "no" / "dir" / "r.json")]), "cannot write")
+    assert not (tmp_path / "no").exists()
+    for flag, value in (("--repeat", "0"), ("--max-new-tokens", "0"), ("--temperature", "nan"),
+                        ("--threads", "-1"), ("--repeat", "two")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["diagnose", flag, value])
+        assert exit_.value.code == 2
+        assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_diagnose_json_probe_leaves_existing_file_alone(tmp_path, monkeypatch, capsys):
+    report = tmp_path / "old.json"
+    report.write_text('{"old": true}')
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n")
+    _one_line_error(capsys, main(["diagnose", "--json", str(report), "--prompts", str(empty)]), "has no prompts")
+    assert report.read_text() == '{"old": true}'
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("trl_grpo_quads_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SMALL = ["--eval-n", "0", "--prompts-per-step", "2", "--num-generations", "2", "--train-prompts", "32", "--no-plot"]
+
+
+def test_example_bad_inputs_write_nothing(tmp_path, capsys):
+    pytest.importorskip("trl")
+    example = _example()
+    for flag, value in (("--max-steps", "0"), ("--num-generations", "1"), ("--learning-rate", "-1"),
+                        ("--eval-n", "-3"), ("--is-mode", "bogus")):
+        with pytest.raises(SystemExit) as exit_:
+            example.main([flag, value, "--output-dir", str(tmp_path / "out")])
+        assert exit_.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="does not exist"):
+        example.main(["--model", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UsageError, match="is a file"):
+        example.main(["--max-steps", "1", *SMALL, "--output-dir", str(blocker)])
+    with pytest.raises(UsageError, match="no metrics.csv"):
+        example.main(["--compare", str(tmp_path), "--output-dir", str(tmp_path / "cmp")])
+
+
+def _previous_run(out: pathlib.Path):
+    out.mkdir(parents=True)
+    for name in ("metrics.csv", "reward_gap.png", "metrics.jsonl"):
+        (out / name).write_text("previous run")
+    (out / "summary.json").write_text(json.dumps({"complete": True, "policy": "previous"}))
+
+
+def test_example_complete_run_replaces_previous_outputs(tmp_path):
+    pytest.importorskip("trl")
+    out = tmp_path / "run"
+    _previous_run(out)
+    torch_threads = torch.get_num_threads()
+    try:
+        summary = _example().main(["--max-steps", "1", *SMALL, "--output-dir", str(out), "--threads", "2"])
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert summary["complete"] is True and summary["status"] == "complete" and summary["steps"] == 1
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["complete"] is True and on_disk["policy"] == "quads"
+    assert not (out / "reward_gap.png").exists()  # --no-plot: the previous run's plot is gone, not kept
+    assert "previous run" not in (out / "metrics.csv").read_text()
+    assert "previous run" not in (out / "metrics.jsonl").read_text()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_example_interrupted_run_is_marked_incomplete(tmp_path):
+    pytest.importorskip("trl")
+    out = tmp_path / "run"
+    _previous_run(out)
+    cmd = [sys.executable, str(EXAMPLE), "--max-steps", "200", *SMALL, "--output-dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step   1/"):
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest[-2000:]
+    assert "interrupted" in rest
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is False and summary["status"] == "interrupted"
+    assert 1 <= summary["steps"] < 200
+    csv_rows = (out / "metrics.csv").read_text().strip().splitlines()
+    assert len(csv_rows) == 1 + summary["steps"] and "previous run" not in csv_rows[0]
+    assert not (out / "reward_gap.png").exists()  # --no-plot: the previous run's plot was removed

@@ -1,0 +1,166 @@
+"""sync_weights_ is all or nothing: a refused sync names the parameter and writes nothing."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import quads
+from quads.policies.modules import RolloutModule
+from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize
+from quads.tensor.finite import nonfinite_names
+from tests.model_state import assert_unchanged, snapshot
+from tests.tiny_models import COMMON, build
+
+
+def _pair(kind="qwen3_moe", rollout_policy=None):
+    trainer, rollout = build(kind, seed=1), build(kind, seed=2)
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(rollout, rollout_policy or quads.QuadsPolicy(side="rollout"))
+    return trainer, rollout
+
+
+def _llama(layers=2, tie=False, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**COMMON, "num_hidden_layers": layers, "tie_word_embeddings": tie}, intermediate_size=96, **kw)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def test_nan_in_last_layer_master_writes_nothing():
+    trainer, rollout = _pair()
+    before = snapshot(rollout)
+    last = trainer.model.layers[-1].mlp.experts.down_proj
+    with torch.no_grad():
+        last[-1, -1, -1] = float("nan")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj.*nothing was written|"
+                                         r"nothing was written.*model\.layers\.1\.mlp\.experts\.down_proj"):
+        quads.sync_weights_(rollout, trainer)
+    assert_unchanged(before, rollout)  # earlier layers were not overwritten either
+
+
+@pytest.mark.parametrize("name", ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight",
+                                  "model.layers.0.mlp.gate.weight", "model.layers.1.input_layernorm.weight"])
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_nonfinite_unpacked_parameter_is_refused(name, value):
+    trainer, rollout = _pair()
+    before = snapshot(rollout)
+    with torch.no_grad():
+        dict(trainer.named_parameters())[name].view(-1)[3] = value
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        quads.sync_weights_(rollout, trainer)
+    assert_unchanged(before, rollout)
+    with torch.no_grad():
+        assert torch.isfinite(rollout(torch.zeros(1, 4, dtype=torch.long)).logits.float()).all()
+
+
+def test_master_that_overflows_the_rollout_dtype_is_refused():
+    """A finite float32 master beyond float16's range would be written as Inf: the staged copy is checked."""
+    trainer = _llama().float()
+    rollout = _llama(seed=1).half()
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    before = snapshot(rollout)
+    with torch.no_grad():
+        trainer.model.norm.weight[0] = 1e6
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+        quads.sync_weights_(rollout, trainer)
+    assert_unchanged(before, rollout)
+
+
+def test_deeper_trainer_is_an_error_unless_strict_false():
+    trainer, rollout = _llama(layers=4), _llama(layers=2, seed=1)
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    before = snapshot(rollout)
+    with pytest.raises(ValueError, match=r"18 trainer parameter\(s\) have no rollout counterpart: model\.layers\.2\."):
+        quads.sync_weights_(rollout, trainer)
+    assert_unchanged(before, rollout)
+    n = quads.sync_weights_(rollout, trainer, strict=False)
+    assert n == len(list(rollout.parameters()))
+    w = trainer.model.layers[1].self_attn.q_proj.weight.detach()
+    assert torch.equal(rollout.model.layers[1].self_attn.q_proj.weight.dequantize(torch.bfloat16), nvfp4_fake_quantize(w))
+    # the other way round: rollout parameters the trainer lacks
+    deep_rollout = _llama(layers=4, seed=2)
+    quads.quantize_(deep_rollout, quads.QuadsPolicy(side="rollout"))
+    with pytest.raises(ValueError, match=r"rollout parameter\(s\) have no trainer counterpart"):
+        quads.sync_weights_(deep_rollout, _llama(layers=2))
+
+
+def test_shape_mismatch_lists_every_parameter_and_writes_nothing():
+    trainer = _llama()
+    torch.manual_seed(3)
+    wide = LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=128)).to(torch.bfloat16)
+    quads.quantize_(wide, quads.QuadsPolicy(side="rollout"))
+    before = snapshot(wide)
+    with pytest.raises(ValueError) as err:
+        quads.sync_weights_(wide, trainer)
+    msg = str(err.value)
+    assert "nothing was written" in msg
+    for layer in (0, 1):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert f"model.layers.{layer}.mlp.{proj}.weight has shape" in msg
+    assert_unchanged(before, wide)
+
+
+def test_packed_or_unquantizable_trainer_is_refused():
+    _, rollout = _pair("llama")
+    _, other = _pair("llama")
+    before = snapshot(rollout)
+    with pytest.raises(ValueError, match=r"packed \(NVFP4Tensor\) in the trainer"):
+        quads.sync_weights_(rollout, other)
+    with pytest.raises(ValueError, match=r"q_proj\.weight is torch\.float64 in the trainer"):
+        quads.sync_weights_(rollout, build("llama").double())
+    assert_unchanged(before, rollout)
+
+
+def test_ties_are_kept_and_checked():
+    trainer, rollout = _llama(tie=True), _llama(tie=True, seed=1)
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    n = quads.sync_weights_(rollout, trainer)
+    assert n == len(list(rollout.parameters()))  # the tied weight counts once
+    assert rollout.lm_head.weight is rollout.model.embed_tokens.weight
+    assert torch.equal(rollout.lm_head.weight, trainer.lm_head.weight)
+    # tied trainer -> untied rollout: both rollout parameters receive the one master
+    untied = _llama(seed=2)
+    quads.quantize_(untied, quads.QuadsPolicy(side="rollout"))
+    quads.sync_weights_(untied, trainer)
+    assert torch.equal(untied.lm_head.weight, trainer.model.embed_tokens.weight)
+    assert torch.equal(untied.model.embed_tokens.weight, trainer.model.embed_tokens.weight)
+    # untied trainer -> tied rollout: one of the two masters would be lost
+    before = snapshot(rollout)
+    with pytest.raises(ValueError, match="tied in the rollout, separate parameters in the trainer"):
+        quads.sync_weights_(rollout, _llama(seed=3))
+    assert_unchanged(before, rollout)
+
+
+def test_weights_changed_hook_runs_once_per_written_module_and_never_on_refusal(monkeypatch):
+    trainer, rollout = _pair()
+    calls = []
+    monkeypatch.setattr(RolloutModule, "quads_weights_changed", lambda self: calls.append(self))
+    quads.sync_weights_(rollout, trainer)
+    modules = list(quads.quantized_modules(rollout).values())
+    assert len(calls) == len(modules) and {id(m) for m in calls} == {id(m) for m in modules}
+    calls.clear()
+    with torch.no_grad():
+        trainer.model.layers[0].self_attn.q_proj.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError):
+        quads.sync_weights_(rollout, trainer)
+    assert calls == []
+
+
+def test_nonfinite_names_one_pass_over_many_tensors():
+    ok = torch.randn(100)
+    named = [("ok", ok), ("nan", torch.tensor([1.0, float("nan")])), ("inf", torch.tensor([float("inf"), 0.0])),
+             ("ninf_bf16", torch.tensor([0.0, float("-inf")], dtype=torch.bfloat16)), ("empty", torch.zeros(0)),
+             ("ints", torch.arange(4)), ("meta", torch.empty(3, device="meta")),
+             ("strided_nan", torch.randn(8, 8).t()), ("huge_finite", torch.tensor([3e38, 3e38]))]
+    named[7][1][3, 5] = float("nan")
+    assert nonfinite_names(named) == ["nan", "inf", "ninf_bf16", "strided_nan"]
+
+
+def test_sync_into_user_made_nvfp4_parameter_uses_the_recipe():
+    """A packed parameter outside a quads module (hand-made) is re-quantized with its own granularity."""
+    src, dst = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
+    dst.weight = torch.nn.Parameter(NVFP4Tensor.from_float(dst.weight.detach(), "row"), requires_grad=False)
+    quads.sync_weights_(dst, src)
+    assert dst.weight.granularity == "row"
+    assert torch.equal(dst.weight.dequantize(), NVFP4Tensor.from_float(src.weight.detach(), "row").dequantize())
