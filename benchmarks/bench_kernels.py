@@ -192,12 +192,18 @@ def bench_quant():
         for label, res, k_top, search in (("plain", "none", 0, "auto"), ("k=100% all", "all", 0, "auto"),
                                           ("k=50% top-k packed5", "per_token", k // 2, "packed5"),
                                           ("k=50% top-k binary", "per_token", k // 2, "binary")):
-            for nw in ((4, 8, 16) if m <= 16 else (8,)):
+            variants = [(nw, None) for nw in ((4, 8, 16, 32) if m <= 16 else (8, 16))]
+            if res != "per_token" and m <= 16:
+                variants += [(None, 512), (None, 256), (8, 512)]
+            variants.append((None, "default"))
+            for nw, chunk in variants:
                 try:
+                    kw = {} if chunk == "default" else dict(num_warps=nw, row_chunk=chunk)
                     t = graph_time([lambda i=i: quantize_rows(xs[i], residual=res, k_top=k_top, write_packed=False,
                                                               write_operand=True, stacked=True, topk_search=search,
-                                                              num_warps=nw) for i in range(S)])
-                    row("quant", f"M={m} K={k} {label} warps={nw}", t, fb * (2 if res != "none" else 1))
+                                                              **kw) for i in range(S)])
+                    row("quant", f"M={m} K={k} {label} warps={nw} row_chunk={chunk}", t,
+                        fb * (2 if res != "none" else 1))
                 except Exception as e:  # noqa: BLE001
                     print(f"quant {label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         t = graph_time([lambda i=i: fp8_quantize_rows(xs[i]) for i in range(S)])

@@ -268,13 +268,15 @@ def _act_quant_row_kernel(
     WRITE_PACKED: tl.constexpr,
     WRITE_DQ: tl.constexpr,
     PACKED_SEARCH: tl.constexpr,
+    FULL: tl.constexpr,  # > 0: this program quantizes blocks [c*NB, (c+1)*NB) of a row of <= FULL elements
 ):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     if HAS_ROW_IDX:
         src = tl.load(ROW_IDX + row).to(tl.int64)
     else:
         src = row
-    blk = tl.arange(0, NB)
+    blk = chunk * NB + tl.arange(0, NB)
     jj = tl.arange(0, 16)
     jj8 = tl.arange(0, 8)
     nblk = K // 16
@@ -285,6 +287,10 @@ def _act_quant_row_kernel(
 
     if MAIN_GS_GIVEN:
         s_main = tl.load(GS_IN)
+    elif FULL > 0:  # a chunk of the row: every program takes the whole row's amax (one cheap pass)
+        kk = tl.arange(0, FULL)
+        xr = tl.load(X + src * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        s_main = _global_scale(tl.max(_abs_bits(xr), axis=0).to(tl.float32, bitcast=True))
     else:
         amax = tl.max(tl.max(_abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
         s_main = _global_scale(amax)
@@ -294,7 +300,8 @@ def _act_quant_row_kernel(
     q_off = row * (K // 2)
     s_off = row * (K // 16)
     if not MAIN_GS_GIVEN:
-        tl.store(GX + row, s_main)
+        if chunk == 0:
+            tl.store(GX + row, s_main)
     if WRITE_PACKED:
         _pack_store(codes, QX, SX, s_code, q_off, s_off, blk, jj8, bmask, NB)
     if WRITE_DQ:
@@ -433,6 +440,20 @@ def _num_warps_for(k: int, rows: int) -> int:
     return 8 if k <= 4096 else 16
 
 
+#: a row is cut into programs of this many channels when there are few rows (latency) and no
+#: per-token top-k (which needs the whole row in one program)
+ROW_CHUNK = 512
+SPLIT_ROWS_BELOW = 8
+
+
+def _row_chunks(k: int, rows: int, residual: str, granularity: str, chunk: int | None) -> int:
+    if chunk is not None:
+        return triton.cdiv(k, chunk)
+    if rows >= SPLIT_ROWS_BELOW or residual == "per_token" or granularity != "row" or k < 2 * ROW_CHUNK:
+        return 1
+    return triton.cdiv(k, ROW_CHUNK)
+
+
 def _packed_search(search: str, rows: int, k: int) -> bool:
     if search not in TOPK_SEARCHES:
         raise ValueError(f"topk_search must be one of {TOPK_SEARCHES}, got {search!r}")
@@ -505,6 +526,7 @@ def quantize_rows(
     topk_search: str = "auto",
     num_warps: int | None = None,
     stacked: bool = False,
+    row_chunk: int | None = None,
 ) -> RowQuantization:
     """One pass per row: main NVFP4 quantization (+ residual compensation), see module doc.
 
@@ -513,7 +535,9 @@ def quantize_rows(
     channel: no selection, the k = 100% two-level quantization). ``granularity``:
     ``"row"`` (one global scale per row) or ``"tensor"``. ``row_idx`` (optional int (R,)):
     quantize ``x2d[row_idx]`` without materializing it. ``topk_search``/``num_warps``: kernel
-    choices (benchmarks sweep them; the defaults are the measured best). ``stacked``: with
+    choices (benchmarks sweep them; the defaults are the measured best); ``row_chunk``: channels
+    per program (each program then also reads the whole row for its amax; default: whole rows,
+    or ``ROW_CHUNK`` for fewer than ``SPLIT_ROWS_BELOW`` rows without top-k). ``stacked``: with
     ``write_operand`` and a per-row residual, the main and residual operands (and per-row global
     scales) are views of one buffer of ``2R`` rows, main rows first: the decode GEMM's operand.
     """
@@ -568,21 +592,27 @@ def quantize_rows(
         dummy = gx if gx.numel() else torch.zeros(1, **f32)
         d = lambda t: t if t is not None else dummy  # noqa: E731
         ridx = row_idx.contiguous() if row_idx is not None else None
-        _act_quant_row_kernel[(n_rows,)](
+        chunks = _row_chunks(k, n_rows, residual, granularity, row_chunk)
+        if chunks > 1 and residual == "per_token":
+            raise ValueError("per-token top-k needs whole rows (row_chunk=None)")
+        nb = triton.next_power_of_2(max(triton.cdiv(k // 16, chunks), 1))
+        _act_quant_row_kernel[(n_rows, chunks)](
             x2d, d(ridx), x2d.stride(0), k,
             d(s_main),
             d(qx), d(sx), d(gx), d(dx),
             d(qr), d(sr), d(dr),
             d(smask),
             int(k_top),
-            NB=triton.next_power_of_2(max(k // 16, 1)),
+            NB=nb,
+            FULL=triton.next_power_of_2(k) if chunks > 1 else 0,
             HAS_ROW_IDX=ridx is not None,
             MAIN_GS_GIVEN=s_main is not None,
             RES_MODE=res_mode,
             WRITE_PACKED=write_packed,
             WRITE_DQ=write_operand,
             PACKED_SEARCH=_packed_search(topk_search, n_rows, k),
-            num_warps=num_warps or _num_warps_for(k, n_rows),
+            num_warps=num_warps or (max(4, min(16, triton.next_power_of_2(k) // 1024)) if chunks > 1
+                                    else _num_warps_for(k, n_rows)),
         )
     e4m3 = lambda t: None if t is None else t.view(torch.float8_e4m3fn)  # noqa: E731
     main = QuantizedRows(qx, e4m3(sx), gx, dx)

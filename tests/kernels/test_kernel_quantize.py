@@ -243,3 +243,23 @@ def test_e2m1_rounding_exhaustive():
     got = e2m1_code_probe(vals.to(DEV)).cpu()
     ref = e2m1_codes_rne(vals)
     assert torch.equal(got.to(torch.uint8), ref & 0x7)
+
+
+@pytest.mark.parametrize("cfg", [ActivationQuant(residual_fraction=1.0), ActivationQuant(residual_fraction=0.0),
+                                 ActivationQuant(selection="static")], ids=["all", "plain", "static"])
+def test_row_chunks_equal_whole_rows(cfg):
+    """Rows cut into programs of 32 channels (each reads the whole row for its amax) give the
+    reference's bits, NaN rows and a K that is not a multiple of the chunk included."""
+    x = adversarial(m=6, k=80, seed=7)
+    x[5, 3] = float("nan")
+    mask = (torch.rand(80, generator=torch.Generator().manual_seed(1)) > 0.5).to(DEV)
+    sm = mask if cfg.selection == "static" else None
+    ref = quantize_activation_reference(x.cpu(), cfg, None if sm is None else sm.cpu())
+    residual = "none" if cfg.residual_fraction == 0 else ("all" if cfg.selection == "per_token" else "static")
+    out = quantize_rows(x, residual=residual, static_mask=sm, write_packed=True, write_operand=True, row_chunk=32)
+    nan_elems = torch.isnan(x.cpu())
+    assert_parts_equal(out.main.parts(), ref.main, nan_elems)
+    if ref.residual is not None:
+        assert_parts_equal(out.residual.parts(), ref.residual, nan_elems)
+    with pytest.raises(ValueError, match="whole rows"):
+        quantize_rows(x, residual="per_token", k_top=40, row_chunk=32)
