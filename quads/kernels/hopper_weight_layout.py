@@ -45,6 +45,8 @@ __all__ = [
     "to_hopper_layout",
     "from_hopper_layout",
     "load_weight_tile",
+    "load_weight_raw",
+    "decode_weight_raw",
     "decode_words",
 ]
 
@@ -223,10 +225,10 @@ def decode_words(raw, sc, ROWS: tl.constexpr, COLS: tl.constexpr, USE_ASM: tl.co
 
 
 @triton.jit
-def load_weight_tile(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.constexpr, USE_ASM: tl.constexpr):
-    """The (BN, 64*KBI) fp16 weight tile of row blocks ``rb0 .. rb0 + BN/16`` and k blocks
-    ``kb0 .. kb0 + KBI``, decoded (``e2m1 * s * 2^-14``) into the wgmma register-operand layout.
-    All its loads are issued before any decode (KBI 16-byte loads in flight per thread)."""
+def load_weight_raw(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.constexpr):
+    """Issue the loads of a (BN, 64*KBI) weight tile (16-byte value loads, 8-byte scale loads per
+    thread); :func:`decode_weight_raw` turns them into the MMA operand. Split in two so a kernel
+    can have the next tile's loads in flight while it decodes and multiplies the current one."""
     W: tl.constexpr = BN // 16
     i = tl.arange(0, W * 32)
     q = tl.arange(0, KBI)
@@ -238,6 +240,14 @@ def load_weight_tile(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.c
                   mask=live, other=0)
     s8 = tl.load(SCALES + (blk * 64 + ((lane // 4) * 8)[:, None])[:, :, None] + tl.arange(0, 8)[None, None, :],
                  mask=live, other=0)
+    return raw, s8
+
+
+@triton.jit
+def decode_weight_raw(raw, s8, BN: tl.constexpr, KBI: tl.constexpr, USE_ASM: tl.constexpr):
+    """The loads of :func:`load_weight_raw` -> fp16 (BN, 64*KBI) ``e2m1 * s * 2^-14`` in the wgmma
+    register-operand layout (checked in the TTGIR: no layout conversion, no shared memory)."""
+    W: tl.constexpr = BN // 16
     # per word t: [s(g), s(g), s(g+8), s(g+8)] (the scale of each fp16 pair's row)
     s16 = tl.reshape(tl.broadcast_to(tl.reshape(s8, (W * 32, KBI, 4, 2, 1)), (W * 32, KBI, 4, 2, 2)),
                      (W * 32, KBI * 16))
@@ -246,3 +256,12 @@ def load_weight_tile(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.c
     x = tl.reshape(tl.join(o0, o1), (W, 8, 4, KBI, 4, 2, 2, 2))  # w, g, c, q, t, br, h, o
     x = tl.permute(x, (0, 5, 1, 3, 4, 7, 2, 6))  # w, br, g, q, t, o, c, h
     return tl.reshape(x, (BN, KBI * 64))
+
+
+@triton.jit
+def load_weight_tile(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.constexpr, USE_ASM: tl.constexpr):
+    """The (BN, 64*KBI) fp16 weight tile of row blocks ``rb0 .. rb0 + BN/16`` and k blocks
+    ``kb0 .. kb0 + KBI``, decoded (``e2m1 * s * 2^-14``) into the wgmma register-operand layout.
+    All its loads are issued before any decode (KBI 16-byte loads in flight per thread)."""
+    raw, s8 = load_weight_raw(VALS, SCALES, rb0, kb0, num_kb, BN, KBI)
+    return decode_weight_raw(raw, s8, BN, KBI, USE_ASM)

@@ -443,7 +443,7 @@ def _num_warps_for(k: int, rows: int) -> int:
 #: a row is cut into programs of this many channels when there are few rows (latency) and no
 #: per-token top-k (which needs the whole row in one program)
 ROW_CHUNK = 512
-SPLIT_ROWS_BELOW = 8
+SPLIT_ROWS_BELOW = 65
 
 
 def _row_chunks(k: int, rows: int, residual: str, granularity: str, chunk: int | None) -> int:

@@ -24,7 +24,13 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
-from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight, load_weight_tile
+from quads.kernels.hopper_weight_layout import (
+    K_BLOCK,
+    HopperWeight,
+    decode_weight_raw,
+    load_weight_raw,
+    load_weight_tile,
+)
 
 __all__ = ["SEG_K", "OPERAND_SHIFT", "DecodeConfig", "pick_decode_config", "decode_gemm", "max_decode_columns"]
 
@@ -46,7 +52,7 @@ def _decode_gemm_kernel(
     M, N, K, num_kb, stride_xm, stride_ym,
     SEG_KB: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr,
-    STAGES: tl.constexpr, RED: tl.constexpr,
+    STAGES: tl.constexpr, RED: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -56,7 +62,18 @@ def _decode_gemm_kernel(
     tmask = tok < cols
     acc = tl.zeros((BN, NT), dtype=tl.float32)
     kb_lo = pid_s * SEG_KB
-    if UNROLL:  # a fixed trip count, unrolled; blocks past K (the last segment) load as zeros
+    if PREFETCH:  # the segment in two halves, every load of both issued before the first decode
+        rb0 = pid_n * (BN // 16)
+        raw0, s0 = load_weight_raw(VALS, SCALES, rb0, kb_lo, num_kb, BN, KBI)
+        raw1, s1 = load_weight_raw(VALS, SCALES, rb0, kb_lo + KBI, num_kb, BN, KBI)
+        kk0 = kb_lo * 64 + tl.arange(0, KBI * 64)
+        kk1 = kk0 + KBI * 64
+        xrow = X + tok[:, None].to(tl.int64) * stride_xm
+        x0 = tl.load(xrow + kk0[None, :], mask=tmask[:, None] & (kk0 < K)[None, :], other=0.0)
+        x1 = tl.load(xrow + kk1[None, :], mask=tmask[:, None] & (kk1 < K)[None, :], other=0.0)
+        acc = tl.dot(decode_weight_raw(raw0, s0, BN, KBI, USE_ASM), tl.trans(x0), acc)
+        acc = tl.dot(decode_weight_raw(raw1, s1, BN, KBI, USE_ASM), tl.trans(x1), acc)
+    elif UNROLL:  # a fixed trip count, unrolled; blocks past K (the last segment) load as zeros
         for it in tl.static_range(SEG_KB // KBI):
             kb = kb_lo + it * KBI
             w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
@@ -112,23 +129,25 @@ def _decode_gemm_kernel(
 class DecodeConfig:
     """Tile choice: ``bn`` weight rows per program (64 per warpgroup), warps, pipeline stages."""
 
-    __slots__ = ("bn", "kbi", "num_warps", "num_stages", "use_asm", "unroll")
+    __slots__ = ("bn", "kbi", "num_warps", "num_stages", "use_asm", "unroll", "prefetch")
 
     def __init__(self, bn: int = 64, kbi: int = 2, num_warps: int = 4, num_stages: int = 1, use_asm: bool = True,
-                 unroll: bool = True):
+                 unroll: bool = True, prefetch: bool = False):
         self.bn, self.kbi, self.num_warps, self.num_stages = bn, kbi, num_warps, num_stages
-        self.use_asm, self.unroll = use_asm, unroll
+        self.use_asm, self.unroll, self.prefetch = use_asm, unroll, prefetch
 
     def __repr__(self):
         return (f"DecodeConfig(bn={self.bn}, kbi={self.kbi}, warps={self.num_warps}, stages={self.num_stages}, "
-                f"asm={self.use_asm}, unroll={self.unroll})")
+                f"asm={self.use_asm}, unroll={self.unroll}, prefetch={self.prefetch})")
 
 
 def pick_decode_config(columns: int, n: int, k: int) -> DecodeConfig:
     """Default tiles (see docs/kernels.md for the measurements behind them)."""
     if interpreting():
         return DecodeConfig(bn=64, kbi=1, num_warps=4, num_stages=1, use_asm=False)
-    return DecodeConfig(bn=64, kbi=2, num_warps=4, num_stages=1)
+    if columns <= 16:  # measured on the H200, 2026-12-01 (docs/kernels.md)
+        return DecodeConfig(bn=64, kbi=2, num_warps=4, num_stages=1)
+    return DecodeConfig(bn=128, kbi=4, num_warps=8, num_stages=1)
 
 
 _LOCKS: dict = {}
@@ -178,6 +197,8 @@ def decode_gemm(
     num_kb = weight.values.shape[-3]
     seg_kb = seg_k // K_BLOCK
     num_seg = triton.cdiv(triton.cdiv(k, K_BLOCK), seg_kb)
+    if cfg.prefetch and seg_kb != 2 * cfg.kbi:
+        raise ValueError(f"prefetch splits a segment in two: needs kbi = {seg_kb // 2}, got {cfg.kbi}")
     grid = (triton.cdiv(n, cfg.bn), num_seg)
     part = torch.empty((num_seg, cols, n), dtype=torch.float32, device=dev)
     nt = max(16, triton.next_power_of_2(cols))
@@ -187,7 +208,7 @@ def decode_gemm(
         _locks(dev, grid[0]),
         m, n, k, num_kb, x16.stride(0), y.stride(0),
         SEG_KB=seg_kb, BN=cfg.bn, NT=nt, BM=bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_BIAS=bias is not None,
-        USE_ASM=cfg.use_asm and not interpreting(), UNROLL=cfg.unroll, STAGES=cfg.num_stages, RED=8,
+        USE_ASM=cfg.use_asm and not interpreting(), UNROLL=cfg.unroll, STAGES=cfg.num_stages, RED=8, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -98,7 +98,7 @@ def test_decode_k_tail_and_bias(kbi):
     x, wp, qa, q = _operands(m, k, n, seed=1)
     bias = torch.randn(n).to(DEV)
     ref = w4a4_matmul_reference(qa, _cpu(wp)) + bias.cpu()
-    cfg = DecodeConfig(bn=64, kbi=kbi, num_warps=4, num_stages=1, use_asm=not INTERP)
+    cfg = DecodeConfig(bn=64, kbi=kbi, num_warps=4, num_stages=1, use_asm=not INTERP, prefetch=kbi == 4 and not INTERP)
     y = _decode(q, wp, m, True, bias, cfg)
     assert torch.all((y.cpu() - ref).abs() <= _bound(qa, wp, k) + 1e-6 * bias.abs().cpu())
 
