@@ -14,11 +14,11 @@ from quads.policies.modules import (
     TrainerLinear,
 )
 from quads.policies.policy import QuadsPolicy
-from quads.policies.walk import FilterFn, conversion_targets
+from quads.policies.walk import ConversionTarget, FilterFn, conversion_targets
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor, check_finite
 
-__all__ = ["quantize_", "quantized_modules", "pack_weight"]
+__all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "convert_targets"]
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
 
@@ -53,38 +53,52 @@ def _check_k(weight: torch.Tensor, qualified: str) -> None:
         raise TypeError(f"{qualified}: cannot quantize a {weight.dtype} weight")
 
 
-def _convert_linear(module: nn.Linear, name: str, policy: QuadsPolicy) -> None:
-    _check_k(module.weight, f"{name}.weight")
-    if policy.side == "trainer":
-        _swap_class(module, TrainerLinear)
-    else:
-        backend = select_backend(module.weight.device)
-        _pack_parameter(module, "weight", f"{name}.weight", backend)
-        _swap_class(module, RolloutLinear)
-        module.quads_backend = backend
-        module.quads_policy = policy
-        module.quads_weights_changed()
-    module.quads_policy = policy
+def _weight_names(kind: str) -> tuple[str, ...]:
+    """The weight parameters a conversion target of ``kind`` quantizes."""
+    return ("weight",) if kind == "linear" else ("gate_up_proj", "down_proj")
 
 
-def _convert_experts(module: nn.Module, name: str, policy: QuadsPolicy) -> None:
-    if getattr(module, "is_transposed", False):
-        raise NotImplementedError(f"{name}: transposed expert layouts (E, K, N) are not supported yet")
-    if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
-        raise NotImplementedError(f"{name}: only concatenated gate/up experts are supported")
-    for pname in ("gate_up_proj", "down_proj"):
-        _check_k(getattr(module, pname), f"{name}.{pname}")
+def check_target(target: ConversionTarget, policy: QuadsPolicy) -> None:
+    """Raise (naming the module) if ``target`` cannot be converted per ``policy``; changes nothing."""
+    name, module, kind = target
+    if isinstance(module, QuadsModule):
+        raise ValueError(f"{name!r} is already quantized by quads; build a fresh model to re-quantize")
+    if kind == "experts":
+        if getattr(module, "is_transposed", False):
+            raise NotImplementedError(f"{name}: transposed expert layouts (E, K, N) are not supported yet")
+        if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
+            raise NotImplementedError(f"{name}: only concatenated gate/up experts are supported")
+    for pname in _weight_names(kind):
+        weight = getattr(module, pname)
+        _check_k(weight, f"{name}.{pname}")
+        if policy.side == "rollout":
+            check_finite(weight, f"{name}.{pname}")
+
+
+def _convert(target: ConversionTarget, policy: QuadsPolicy) -> None:
+    name, module, kind = target
+    trainer_mixin, rollout_mixin = (TrainerLinear, RolloutLinear) if kind == "linear" else (TrainerExperts, RolloutExperts)
     if policy.side == "trainer":
-        _swap_class(module, TrainerExperts)
+        _swap_class(module, trainer_mixin)
     else:
-        backend = select_backend(module.gate_up_proj.device)
-        for pname in ("gate_up_proj", "down_proj"):
+        backend = select_backend(getattr(module, _weight_names(kind)[0]).device)
+        for pname in _weight_names(kind):
             _pack_parameter(module, pname, f"{name}.{pname}", backend)
-        _swap_class(module, RolloutExperts)
+        _swap_class(module, rollout_mixin)
         module.quads_backend = backend
         module.quads_policy = policy
         module.quads_weights_changed()
     module.quads_policy = policy
+
+
+def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy) -> None:
+    """Convert ``targets`` in place per ``policy``: all are checked first, so a bad one raises
+    before any module is changed (never a half-converted model)."""
+    for target in targets:
+        check_target(target, policy)
+    with torch.no_grad():
+        for target in targets:
+            _convert(target, policy)
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -102,7 +116,8 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
     and activations are quantized online (W4A4 + residual compensation); each rollout module
     stores the backend (:func:`quads.ops.select_backend`) for its weights' device.
 
-    Raises ValueError if the model is already quantized or nothing matches.
+    Raises ValueError if the model is already quantized or nothing matches, and (naming the
+    module) if a target cannot be converted; every target is checked before any is changed.
     """
     if not isinstance(policy, QuadsPolicy):
         raise TypeError(f"quantize_ takes a QuadsPolicy, got {type(policy).__name__}")
@@ -119,10 +134,5 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
             + (" and accepted by filter_fn" if filter_fn else "")
             + ")"
         )
-    with torch.no_grad():
-        for name, module, kind in targets:
-            if kind == "linear":
-                _convert_linear(module, name, policy)
-            else:
-                _convert_experts(module, name, policy)
+    convert_targets(targets, policy)
     return model
