@@ -4,8 +4,9 @@
     quads export --model runs/trainer --out runs/trainer-w4a4 --format nvfp4 --calib prompts.txt
 
 ``--model`` holds the BF16 masters (``save_pretrained`` of the trainer model; quads' trainer
-layers keep the parameter names). The weights written are the QUADS trainer's forward weights
-(see :mod:`quads.integrations.modelopt.export` for the fused-layer rule and the formats).
+layers keep the parameter names). The model is converted with ``QuadsPolicy(side="trainer")``
+(so ``--calib`` runs the training forward, W4A16) and the weights written are that forward's
+weights (see :mod:`quads.integrations.modelopt.export` for the fused-layer rule and formats).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
     from quads.integrations.modelopt.export import check_out_dir, export_modelopt
     from quads.policies.policy import QuadsPolicy
+    from quads.policies.quantize import quantize_
 
     try:
         check_out_dir(Path(args.out))  # before loading a large model
@@ -46,6 +48,7 @@ def _cmd(args: argparse.Namespace) -> int:
     calibration = _calibration(args.calib, tokenizer) if args.calib else None
     policy = QuadsPolicy(side="trainer", extra_skip_patterns=tuple(args.extra_skip))
     try:
+        quantize_(model, policy)  # the training forward (W4A16), which calibration then runs
         with torch.no_grad():
             report = export_modelopt(
                 model, args.out, args.format, calibration=calibration, fused_scales=args.fused_scales,
