@@ -244,3 +244,19 @@ def test_conversion_errors():
         to_torchao_nvfp4(torch.randn(32, 64))
     with pytest.raises(TypeError):
         from_torchao_nvfp4(w)
+
+
+def test_registration_is_idempotent_and_makes_the_policy_a_torchao_config():
+    from torchao.core.config import AOBaseConfig
+    from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
+
+    from quads.integrations.torchao import register
+    from quads.integrations.torchao.config import apply_policy
+
+    register()
+    register()
+    assert isinstance(quads.QuadsPolicy(side="rollout"), AOBaseConfig)
+    assert _QUANTIZE_CONFIG_HANDLER[quads.QuadsPolicy] is apply_policy
+    model = build("llama")
+    torchao.quantize_(model, quads.QuadsPolicy(side="trainer"))  # the top-level alias too
+    assert len(_converted(model)) == 14
