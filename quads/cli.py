@@ -2,6 +2,7 @@
 
     quads demo       quantize a small MoE both ways and print the error / alignment summary
     quads diagnose   rollout-vs-trainer mismatch report for a local HF causal LM (see --help)
+    quads export     a QUADS-trained checkpoint as a ModelOpt NVFP4 checkpoint for serving
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         add_diagnose = None
     if add_diagnose is not None:
         add_diagnose(sub)
+    from quads.integrations.modelopt.cli import add_parser as add_export
+
+    add_export(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

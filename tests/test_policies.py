@@ -162,9 +162,11 @@ def test_quantize_errors():
     quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
     with pytest.raises(ValueError, match="already quantized"):
         quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
-    odd = nn.Sequential(nn.Linear(24, 16))
-    with pytest.raises(ValueError, match="multiple of 16"):
+    odd = nn.Sequential(nn.Linear(32, 16), nn.Linear(24, 16))
+    with pytest.raises(ValueError, match=r"1\.weight.*multiple of 16"):
         quads.quantize_(odd, quads.QuadsPolicy(side="rollout"))
+    assert not quads.quantized_modules(odd)  # all targets are checked before any is converted
+    assert not isinstance(odd[0].weight, NVFP4Tensor)
     bad = nn.Sequential(nn.Linear(32, 16))
     with torch.no_grad():
         bad[0].weight[0, 0] = float("inf")

@@ -32,12 +32,12 @@ from quads.policies.modules import (
     TrainerLinear,
 )
 from quads.policies.policy import QuadsPolicy
-from quads.policies.walk import FilterFn, conversion_targets
+from quads.policies.walk import ConversionTarget, FilterFn, conversion_targets
 from quads.tensor.finite import check_all_finite, check_finite
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
-__all__ = ["quantize_", "quantized_modules", "pack_weight"]
+__all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "convert_targets"]
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
 _QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -200,7 +200,7 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
         first = next(iter(already))
         raise ValueError(f"model is already quantized by quads (e.g. {first!r}); build a fresh model to re-quantize")
 
-    targets = [_Target(*t) for t in conversion_targets(model, policy.skips, filter_fn)]
+    targets = conversion_targets(model, policy.skips, filter_fn)
     if not targets:
         raise ValueError(
             "quantize_: the policy matched no module (no nn.Linear or fused MoE experts outside "
@@ -208,14 +208,32 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
             + (" and accepted by filter_fn" if filter_fn else "")
             + ")"
         )
-    for t in targets:
+    convert_targets(targets, policy, model)
+    return model
+
+
+def check_target(target: ConversionTarget, policy: QuadsPolicy) -> None:
+    """Raise (naming the module) if ``target`` cannot be converted per ``policy``; changes nothing."""
+    if isinstance(target.module, QuadsModule):
+        raise ValueError(f"{target.name!r} is already quantized by quads; build a fresh model to re-quantize")
+    t = _Target(*target)
+    _check_target(t, policy.side)
+    check_all_finite({id(w): (q, w) for q, w in t.weights()}.values(), "quantize_")
+
+
+def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy, model: nn.Module | None = None) -> None:
+    """Convert ``targets`` in place, all or nothing: every check first (ties against ``model``
+    when given), every rollout weight staged, then the swap (rolled back on failure)."""
+    staged = [_Target(*t) for t in targets]
+    for t in staged:
+        if isinstance(t.module, QuadsModule):
+            raise ValueError(f"{t.name!r} is already quantized by quads; build a fresh model to re-quantize")
         _check_target(t, policy.side)
-    if policy.side == "rollout":
-        _check_ties(model, targets)
-    weights = {id(w): (q, w) for t in targets for q, w in t.weights()}  # a tied weight is checked once
+    if policy.side == "rollout" and model is not None:
+        _check_ties(model, staged)
+    weights = {id(w): (q, w) for t in staged for q, w in t.weights()}  # a tied weight is checked once
     check_all_finite(weights.values(), "quantize_")
     with torch.no_grad():
         if policy.side == "rollout":
-            _stage_packed(targets)
-        _commit_all(targets, policy)
-    return model
+            _stage_packed(staged)
+        _commit_all(staged, policy)

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from quads.policies.modules import is_fused_experts
 
-__all__ = ["ConversionTarget", "FilterFn", "conversion_targets"]
+__all__ = ["ConversionTarget", "FilterFn", "conversion_targets", "target_kind"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -24,19 +24,30 @@ class ConversionTarget(NamedTuple):
     kind: str  # "linear" or "experts"
 
 
+def target_kind(module: nn.Module) -> str | None:
+    """``"linear"`` (an ``nn.Linear``), ``"experts"`` (transformers-5 fused experts) or None."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if is_fused_experts(module):
+        return "experts"
+    return None
+
+
 def conversion_targets(
-    model: nn.Module, skips: Callable[[str], bool], filter_fn: FilterFn | None = None
+    model: nn.Module, skips: Callable[[str], bool], filter_fn: FilterFn | None = None, prefix: str = ""
 ) -> list[ConversionTarget]:
-    """The modules to convert, in ``named_modules`` order."""
+    """The modules to convert, in ``named_modules`` order.
+
+    ``prefix`` is ``model``'s own name when it is a submodule of a larger model (the torchao
+    bridge converts submodules): names, skip patterns and ``filter_fn`` then see full names.
+    """
     targets = []
-    for name, module in model.named_modules():
+    for rel_name, module in model.named_modules():
+        name = f"{prefix}.{rel_name}" if prefix and rel_name else (prefix or rel_name)
         if skips(name):
             continue
-        if isinstance(module, nn.Linear):
-            kind = "linear"
-        elif is_fused_experts(module):
-            kind = "experts"
-        else:
+        kind = target_kind(module)
+        if kind is None:
             continue
         if filter_fn is not None and not filter_fn(module, name):
             continue

@@ -114,10 +114,6 @@ def release(llm) -> None:
     vLLM keeps its process-global parallel state (world/TP/EP groups) after an ``LLM`` is
     dropped; an MoE engine started after a dense one then finds no expert-parallel group.
     """
-    import gc
-
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
     if not any(x is llm for x in _LIVE):
         return  # already released
     _LIVE[:] = [x for x in _LIVE if x is not llm]
@@ -126,6 +122,15 @@ def release(llm) -> None:
     except Exception:  # noqa: BLE001 - best effort, the engine may be half-built
         pass
     del llm
+    reset_parallel_state()
+
+
+def reset_parallel_state() -> None:
+    """Drop vLLM's process-global parallel state (after a release, or an engine that failed to start)."""
+    import gc
+
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
     gc.collect()
     destroy_model_parallel()
     destroy_distributed_environment()

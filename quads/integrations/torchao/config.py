@@ -1,0 +1,142 @@
+"""``QuadsPolicy`` as a torchao config: the module handler behind ``torchao.quantization.quantize_``.
+
+torchao's ``quantize_(model, config, filter_fn=_is_linear)`` walks ``model`` in pre-order, hands
+every module that ``filter_fn(module, fqn)`` accepts to the handler registered for
+``type(config)`` (without visiting that module's children) and keeps what the handler returns.
+``FqnToConfig`` instead hands over each module whose name matches one of its patterns.
+
+The handler registered here applies the policy to the module it is handed exactly as
+:func:`quads.quantize_` would: it converts the quads targets inside that module (the module
+itself if it is an ``nn.Linear`` or fused experts; all of them if torchao's filter selected a
+container) with quads' own converter, under the policy's skip patterns. Hence
+
+* ``torchao.quantization.quantize_(model, policy)`` (torchao's default filter, ``nn.Linear``
+  only) equals ``quads.quantize_(model, policy, filter_fn=lambda m, n: isinstance(m, nn.Linear))``;
+  for a dense model that is ``quads.quantize_(model, policy)``: same modules, same bits;
+* with ``filter_fn=linear_or_experts`` (or any filter that selects targets) it equals
+  ``quads.quantize_(model, policy, filter_fn=that filter)``, fused MoE experts included.
+
+**Names.** The policy's skip patterns (``lm_head``, embeddings, routers, norms) are module
+names, and torchao passes a handler the module but not its name. The handler therefore reads
+the root module from the ``model`` argument of the ``torchao.quantization.quantize_`` call it
+runs under (found on the current thread's stack by the function's code object) and looks the
+module's name up there. Called outside ``quantize_``, the module it is given is the root.
+
+**All or nothing.** On the first conversion of a model (no quads module in it yet) the
+handler replays torchao's selection with the same filter and checks every target it will be
+handed, so a module that cannot be converted (K not a multiple of 16, non-finite weights, an
+unsupported experts layout) raises, naming it, before anything changes. (``FqnToConfig``
+selections are checked per module.) A module already converted with an equal policy is left
+as it is; a model holding modules converted with another policy is refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, NamedTuple
+
+import torch.nn as nn
+
+from quads.policies.modules import QuadsModule
+from quads.policies.policy import QuadsPolicy
+from quads.policies.quantize import check_target, convert_targets
+from quads.policies.walk import ConversionTarget, conversion_targets, target_kind
+
+__all__ = ["linear_or_experts", "register"]
+
+
+def linear_or_experts(module: nn.Module, fqn: str = "") -> bool:
+    """A torchao ``filter_fn`` selecting what :func:`quads.quantize_` converts: ``nn.Linear`` and
+    transformers-5 fused MoE experts (torchao's default selects ``nn.Linear`` only). The
+    policy's skip patterns still apply (the handler checks names)."""
+    return target_kind(module) is not None
+
+
+class _QuantizeCall(NamedTuple):
+    model: nn.Module
+    filter_fn: Callable[[nn.Module, str], bool] | None  # None: an FqnToConfig call
+
+
+def _current_quantize_call() -> _QuantizeCall | None:
+    """The innermost ``torchao.quantization.quantize_`` call on this thread's stack, if any.
+
+    Its locals ``model`` (the root) and ``filter_fn`` (torchao has replaced a None filter by its
+    default before walking; it stays None for ``FqnToConfig``) are its public arguments.
+    """
+    from torchao.quantization import quant_api
+
+    code = quant_api.quantize_.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            local = frame.f_locals
+            return _QuantizeCall(local["model"], local["filter_fn"])
+        frame = frame.f_back
+    return None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def _targets_in(module: nn.Module, name: str, policy: QuadsPolicy) -> list[ConversionTarget]:
+    return conversion_targets(module, policy.skips, prefix=name)
+
+
+def _selected_by(root: nn.Module, filter_fn) -> list[tuple[str, nn.Module]]:
+    """The (name, module) pairs torchao's walk hands to the handler (see the module doc)."""
+    selected: list[tuple[str, nn.Module]] = []
+
+    def visit(module: nn.Module, name: str) -> None:
+        if filter_fn(module, name):
+            selected.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            visit(child, _join(name, child_name))
+
+    visit(root, "")
+    return selected
+
+
+def _check_whole_walk(root: nn.Module, filter_fn, policy: QuadsPolicy) -> None:
+    planned = [t for name, module in _selected_by(root, filter_fn) for t in _targets_in(module, name, policy)]
+    if not planned:
+        raise ValueError(
+            "torchao.quantization.quantize_ with a QuadsPolicy matched no module (the filter's selection "
+            f"holds no nn.Linear or fused MoE experts outside the skip patterns {policy.all_skip_patterns})"
+        )
+    for target in planned:
+        check_target(target, policy)
+
+
+def apply_policy(module: nn.Module, policy: QuadsPolicy) -> nn.Module:
+    """The torchao module handler of ``QuadsPolicy``: convert ``module`` in place, return it."""
+    call = _current_quantize_call()
+    root = module if call is None else call.model
+    name, converted = None, False
+    for n, m in root.named_modules():
+        if m is module and name is None:
+            name = n
+        if isinstance(m, QuadsModule):
+            if m.quads_policy != policy:
+                raise ValueError(
+                    f"model is already quantized by quads with another policy (e.g. {n!r}: "
+                    f"{m.quads_policy}); build a fresh model to re-quantize"
+                )
+            converted = True
+    if name is None:  # pragma: no cover - torchao only hands over modules of the model it walks
+        raise RuntimeError(f"{type(module).__name__} is not a submodule of the model torchao is quantizing")
+    if not converted and call is not None and call.filter_fn is not None:
+        _check_whole_walk(root, call.filter_fn, policy)
+    pending = [t for t in _targets_in(module, name, policy) if not isinstance(t.module, QuadsModule)]
+    convert_targets(pending, policy, root)
+    return module
+
+
+def register() -> None:
+    """Make ``QuadsPolicy`` a torchao ``AOBaseConfig`` and register its handler (idempotent)."""
+    from torchao.core.config import AOBaseConfig
+    from torchao.quantization.transform_module import register_quantize_module_handler
+
+    AOBaseConfig.register(QuadsPolicy)
+    register_quantize_module_handler(QuadsPolicy)(apply_policy)
