@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from quads.ops import library
 from quads.ops.activation_quant import ActivationQuant
 from quads.tensor.nvfp4_math import NVFP4Parts
 
@@ -107,11 +108,11 @@ def rollout_experts(
     """
     num_tokens, hidden_dim = hidden.shape
     route = Routing(top_k_index, gate_up.qdata.shape[0])
-    h = backend.grouped_linear(hidden, route.token_of_row, route.offsets, gate_up, gate_up_bias, act,
+    h = library.grouped_linear(backend, hidden, route.token_of_row, route.offsets, gate_up, gate_up_bias, act,
                                static_masks[0], route.num_rows, prepared=prepared[0])
     h = apply_gate(h)
-    y = backend.grouped_linear(h, None, route.offsets, down, down_bias, act, static_masks[1], route.num_rows,
-                               prepared=prepared[1])
+    y = library.grouped_linear(backend, h, None, route.offsets, down, down_bias, act, static_masks[1],
+                               route.num_rows, prepared=prepared[1])
     out = torch.zeros(route.num_rows, hidden_dim, dtype=hidden.dtype, device=hidden.device)
     out.index_copy_(0, route.order, y.to(hidden.dtype))
     weighted = out.view(num_tokens, route.top_k, hidden_dim) * top_k_weights.unsqueeze(-1).to(out.dtype)

@@ -2,7 +2,8 @@
 
 Each takes an optional ``backend``; modules pass the one they stored at conversion, direct
 callers may leave it out (then :func:`~quads.ops.backend.select_backend` picks for the input's
-device, honouring ``QUADS_BACKEND`` / ``use_backend``).
+device, honouring ``QUADS_BACKEND`` / ``use_backend``). Inside ``torch.compile`` the GEMMs go
+through the custom ops of :mod:`quads.ops.library` (same bits).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from quads.ops.activation_quant import ActivationQuant, QuantizedActivation
 from quads.ops.backend import Backend, select_backend
+from quads.ops import library
 from quads.ops.experts import rollout_experts as _rollout_experts
 from quads.tensor.nvfp4_math import NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
@@ -55,7 +57,7 @@ def rollout_linear(
     """
     _check_linear_weight(x, weight)
     backend = backend or select_backend(x.device)
-    y = backend.linear(x.reshape(-1, x.shape[-1]), weight.parts, bias, act, static_mask, prepared)
+    y = library.linear(backend, x.reshape(-1, x.shape[-1]), weight.parts, bias, act, static_mask, prepared)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -10,6 +10,7 @@ from quads.ops.activation_quant import ActivationQuant
 __all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES"]
 
 SIDES = ("trainer", "rollout")
+_UNSET = object()
 ACTIVATION_MODES = ("bf16", "nvfp4")
 
 # The activation defaults live in one place: ActivationQuant's fields.
@@ -98,10 +99,14 @@ class QuadsPolicy:
         The trainer's symmetric-QAT ablation quantizes activations without residual
         compensation (it models a naive W4A4 rollout).
         """
-        if self.activations == "bf16":
-            return None
-        fraction = self.residual_fraction if self.side == "rollout" else 0.0
-        return ActivationQuant(fraction, self.residual_selection, self.activation_granularity)
+        cached = self.__dict__.get("_activation_quant", _UNSET)
+        if cached is _UNSET:  # built once (forwards read it, compiled graphs too)
+            cached = None
+            if self.activations != "bf16":
+                fraction = self.residual_fraction if self.side == "rollout" else 0.0
+                cached = ActivationQuant(fraction, self.residual_selection, self.activation_granularity)
+            object.__setattr__(self, "_activation_quant", cached)
+        return cached
 
     def skips(self, module_name: str) -> bool:
         return any(re.search(p, module_name) for p in self.all_skip_patterns)

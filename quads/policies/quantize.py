@@ -150,6 +150,7 @@ def _commit(t: _Target, policy: QuadsPolicy) -> None:
         setattr(t.module, pname, packed)
     _swap_class(t.module, _MIXINS[(policy.side, t.kind)])
     t.module.quads_policy = policy
+    policy.activation_quant  # built now, not inside a (compiled) forward
     if policy.side == "rollout":
         t.module.quads_backend = t.backend
         t.module.quads_weights_changed()

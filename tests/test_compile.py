@@ -1,0 +1,75 @@
+"""torch.compile(fullgraph=True) of rollout-quantized models: the quads ops are custom ops, no
+data-dependent Python reaches the graph, and the compiled ops give the eager bits. A whole model
+compiles to the eager bits when inductor keeps eager's BF16 roundings
+(``torch._inductor.config.emulate_precision_casts = True``); without it, inductor's re-fused BF16
+norms, gates and sums move activations by BF16 ulps, which can move NVFP4 codes."""
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+
+import quads
+from quads.policies.modules import RolloutExperts
+from tests.tiny_models import build
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Compiled code is cached per code object and not guarded on inductor's config: start clean."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _rollout(kind, fraction=1.0):
+    m = build(kind)
+    quads.quantize_(m, quads.QuadsPolicy(side="rollout", residual_fraction=fraction))
+    return m.eval()
+
+
+@pytest.mark.parametrize("act", [quads.ActivationQuant(residual_fraction=1.0), quads.ActivationQuant(0.5), None],
+                         ids=["k100", "k50", "w4a16"])
+def test_compiled_linear_is_eager_bits(act):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48).bfloat16()
+    policy = quads.QuadsPolicy(side="rollout", activations="bf16") if act is None else \
+        quads.QuadsPolicy(side="rollout", residual_fraction=act.residual_fraction)
+    quads.quantize_(lin, policy)
+    x = torch.randn(2, 5, 64).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(lin, fullgraph=True)(x), lin(x))
+
+
+@inductor_config.patch(emulate_precision_casts=True)
+def test_compiled_experts_are_eager_bits():
+    m = _rollout("qwen3_moe")
+    experts = next(mod for mod in m.modules() if isinstance(mod, RolloutExperts))
+    g = torch.Generator().manual_seed(1)
+    hid = torch.randn(7, 64, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(7)])
+    wts = torch.softmax(torch.randn(7, 2, generator=g), -1).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(experts, fullgraph=True)(hid, idx, wts), experts(hid, idx, wts))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "llama"])
+@inductor_config.patch(emulate_precision_casts=True)
+def test_whole_rollout_model_compiles_to_eager_bits(kind):
+    m = _rollout(kind)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, fullgraph=True)(ids).logits, m(ids).logits)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe"])
+def test_whole_rollout_model_default_inductor_drift_is_bounded(kind):
+    """Default inductor settings: no graph break; the logits move about as much as inductor moves
+    the BF16 model's (bounded against that drift)."""
+    m, base = _rollout(kind), build(kind).eval()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        eager, compiled = m(ids).logits.float(), torch.compile(m, fullgraph=True)(ids).logits.float()
+        drift_bf16 = (torch.compile(base, fullgraph=True)(ids).logits.float() - base(ids).logits.float()).norm()
+    rel = ((compiled - eager).norm() / eager.norm()).item()
+    assert rel < 5e-2, rel
+    assert (compiled - eager).norm() <= 20 * drift_bf16 + 1e-3
