@@ -50,8 +50,10 @@ class Backend:
 
     name = "torch"
 
-    def quantize_weight(self, x: torch.Tensor, granularity: str | None = None) -> NVFP4Parts:
-        return quantize_weight_reference(x, granularity)
+    def quantize_weight(
+        self, x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None
+    ) -> NVFP4Parts:
+        return quantize_weight_reference(x, granularity, global_encode_scale)
 
     def quantize_activation(self, x2d: torch.Tensor, act: ActivationQuant, static_mask=None) -> QuantizedActivation:
         return quantize_activation_reference(x2d, act, static_mask)
@@ -74,8 +76,8 @@ class Backend:
 class HopperBackend(Backend):
     name = "hopper"
 
-    def quantize_weight(self, x, granularity=None):
-        return quantize_weight_triton(x, granularity)
+    def quantize_weight(self, x, granularity=None, global_encode_scale=None):
+        return quantize_weight_triton(x, granularity, global_encode_scale)
 
     def quantize_activation(self, x2d, act, static_mask=None):
         return quantize_activation_triton(x2d, act, static_mask)

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from quads.policies.modules import RolloutModule
+from quads.policies.shards import has_sharded_parameters
 from quads.tensor.nvfp4_tensor import NVFP4Tensor, check_finite
 
 __all__ = ["sync_weights_"]
@@ -31,7 +32,14 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module) -> int:
     ``rollout_param.dequantize(w.dtype)`` equals the trainer's forward weight bit for bit.
     Other parameters (embeddings, norms, routers, lm_head) are copied as they are.
     Returns the number of parameters synced.
+
+    A sharded trainer (FSDP2 / DTensor parameters) makes this a collective: every rank calls it
+    with its own full rollout replica (:func:`quads.policies.sharded_sync.sync_sharded_weights_`).
     """
+    if has_sharded_parameters(trainer_model):
+        from quads.policies.sharded_sync import sync_sharded_weights_  # imports this module
+
+        return sync_sharded_weights_(rollout_model, trainer_model)
     masters = dict(trainer_model.named_parameters())
     owners = _owners(rollout_model)
     synced = 0
