@@ -22,7 +22,9 @@ import quads.policies.modules as quads_modules
 from quads.policies import build_rollout_model
 from quads.policies.sharded_sync import ShardedSyncError, sync_sharded_weights_
 from quads.tensor import NVFP4Tensor
-from tests.tiny_models import COMMON, build
+from tests.distributed.launch import device_type
+from tests.tiny_models import COMMON
+from tests.tiny_models import build as build_on_cpu
 
 TRAINER = quads.QuadsPolicy(side="trainer")
 ROLLOUT = quads.QuadsPolicy(side="rollout")
@@ -31,6 +33,20 @@ KINDS = ("llama", "qwen3_moe")
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def device() -> torch.device:
+    """This rank's device: the CPU, or its GPU under ``QUADS_DIST_DEVICE=cuda``."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
+
+
+def build(kind: str, seed: int = 0, dtype=torch.bfloat16) -> nn.Module:
+    return build_on_cpu(kind, seed, dtype).to(device())
+
+
+def token_ids(seed: int) -> torch.Tensor:
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(seed))
+    return ids.to(device())
 
 
 def shard(model: nn.Module, precision: str) -> nn.Module:
@@ -56,7 +72,7 @@ def trainer_pair(kind: str, precision: str):
 
 def compute_context(precision: str):
     if precision == "autocast":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device_type(), dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -136,7 +152,7 @@ def differing(a: dict, b: dict) -> list[str]:
 
 def trainer_case(kind: str, precision: str) -> dict:
     ref, sharded = trainer_pair(kind, precision)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(1)
     results = {}
     outs, spies = [], []
     for model in (ref, sharded):
@@ -180,7 +196,7 @@ def sync_case(kind: str, precision: str, sharded: nn.Module) -> dict:
     ref_rollout = quads.quantize_(build(kind, seed=5, dtype=torch.bfloat16), ROLLOUT)
     quads.sync_weights_(ref_rollout, reference)
     got, want = rollout_state(rollout), rollout_state(ref_rollout)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    ids = token_ids(2)
     with ForwardWeightSpy(sharded) as spy, compute_context(precision), torch.no_grad():
         sharded(input_ids=ids)
     packed = {nm: p for nm, p in rollout.named_parameters() if isinstance(p, NVFP4Tensor)}
@@ -222,7 +238,7 @@ class Uneven(nn.Module):
 
 def uneven_case(rank: int) -> dict:
     torch.manual_seed(0)
-    model = Uneven()
+    model = Uneven().to(device())
     rollout = quads.quantize_(copy.deepcopy(model).to(torch.bfloat16), ROLLOUT)
     ref_rollout = copy.deepcopy(rollout)
     quads.quantize_(model, TRAINER)
@@ -290,14 +306,14 @@ def count_collectives():
 
 def collectives_case(kind: str) -> dict:
     """Collectives of one training forward+backward: plain FSDP2 BF16 vs FSDP2 + quads QAT."""
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(1)
     out = {}
     for label, quantize in (("plain", False), ("quads", True)):
         model = build(kind, seed=0, dtype=torch.float32)
         if quantize:
             quads.quantize_(model, TRAINER)
         shard(model, "autocast")
-        with count_collectives() as counts, torch.autocast("cpu", dtype=torch.bfloat16):
+        with count_collectives() as counts, compute_context("autocast"):
             model(input_ids=ids, labels=ids).loss.backward()
         out[label] = counts
     return out
@@ -356,7 +372,8 @@ def failure_checks(rank: int, world: int) -> dict:
     if rank == 1:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        rollout = LlamaForCausalLM(LlamaConfig(**{**COMMON, "vocab_size": 80}, intermediate_size=96)).to(torch.bfloat16)
+        rollout = LlamaForCausalLM(LlamaConfig(**{**COMMON, "vocab_size": 80}, intermediate_size=96))
+        rollout = rollout.to(device=device(), dtype=torch.bfloat16)
         quads.quantize_(rollout, ROLLOUT)
     case("mismatch_on_one_rank", sharded, rollout, lambda: quads.sync_weights_(rollout, sharded))
 
@@ -376,14 +393,14 @@ def failure_checks(rank: int, world: int) -> dict:
     plain = quads.quantize_(build("llama", seed=0, dtype=torch.float32), TRAINER)
     rollout = build_rollout_model(plain, ROLLOUT)
     layer = plain.model.layers[0].mlp.gate_proj
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device_type(), (world,))
     layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(1)]))
     case("unsupported_placement", plain, rollout, lambda: quads.sync_weights_(rollout, plain))
 
     # 5. a quads trainer layer called outside its FSDP root's forward sees a DTensor weight
     model = quads.quantize_(build("llama", seed=0, dtype=torch.float32), TRAINER)
     fully_shard(model)
-    x = torch.randn(3, COMMON["hidden_size"])
+    x = torch.randn(3, COMMON["hidden_size"], device=device())
     results["dtensor_in_forward"] = _expect_failure(lambda: model.model.layers[0].self_attn.q_proj(x))
 
     # 6. an unsharded trainer passed to the sharded sync directly

@@ -2,7 +2,8 @@
 processes joined by gloo, against the single-process result, bit for bit.
 
 Two spawns (module fixtures) run every check; each test asserts on one part of the results.
-The per-rank code is in ``fsdp_workers.py``.
+The per-rank code is in ``fsdp_workers.py``. ``QUADS_DIST_DEVICE=cuda`` runs the same checks on
+2 GPUs with NCCL (see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def test_quantizing_row_shards_with_the_global_scale_gives_the_whole_tensors_bit
     the whole weight's quantization (NVFP4 blocks run along the last dim)."""
     torch.manual_seed(0)
     w = torch.randn(shape) * torch.logspace(-2, 1, shape[-1])
+    w = w.to("cuda" if torch.cuda.is_available() else "cpu")  # hopper: interpreter on CPU, kernels on a GPU
     gran = "expert" if w.dim() == 3 else "tensor"
     whole = nvfp4_quantize(w, gran)
     scale = global_encode_scale_from_amax(global_amax(w, gran))
