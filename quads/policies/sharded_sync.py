@@ -99,6 +99,8 @@ def plan_sharded_sync(rollout_model: nn.Module, trainer_model: nn.Module) -> tup
     owners = _owners(rollout_model)
     entries, mesh = [], None
     for name, param in rollout_model.named_parameters():
+        if is_dtensor(param):
+            raise NotImplementedError(f"sync_weights_: the rollout's {name} is a DTensor; each rank needs a full rollout replica")
         master = masters.get(name)
         if master is None:
             raise KeyError(f"sync_weights_: trainer model has no parameter {name!r} (architectures differ?)")

@@ -119,10 +119,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def gathered_reference(kind_or_model, sharded: nn.Module, precision: str) -> nn.Module:
-    """A single-process trainer holding the sharded model's current masters (gathered), in the
-    dtype its forward computes in."""
-    ref = kind_or_model
+def gathered_reference(ref: nn.Module, sharded: nn.Module, precision: str) -> nn.Module:
+    """``ref`` (an unsharded model of the same architecture) loaded with the sharded model's
+    current masters (gathered), in the dtype its forward computes in: the single-process twin."""
     masters = {n: full(p.detach()) for n, p in sharded.named_parameters()}
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -236,10 +235,13 @@ class Uneven(nn.Module):
         self.norm = nn.LayerNorm(48)  # dense 1-D, even
 
 
-def uneven_case(rank: int) -> dict:
+def uneven_case(rank: int, backend: str) -> dict:
+    """Sharded sync of uneven / empty shards, with the rollout modules on ``backend`` (``hopper``:
+    the Triton quantizer with given global scales; under TRITON_INTERPRET=1 on CPU)."""
     torch.manual_seed(0)
     model = Uneven().to(device())
-    rollout = quads.quantize_(copy.deepcopy(model).to(torch.bfloat16), ROLLOUT)
+    with quads.use_backend(backend):
+        rollout = quads.quantize_(copy.deepcopy(model).to(torch.bfloat16), ROLLOUT)
     ref_rollout = copy.deepcopy(rollout)
     quads.quantize_(model, TRAINER)
     reference = copy.deepcopy(model)
@@ -250,16 +252,42 @@ def uneven_case(rank: int) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)  # move the masters (a local op on each shard)
-    out = {"local_shapes": locals_}
+    out = {"local_shapes": locals_, "backends": sorted({m.quads_backend.name for m in quads.quantized_modules(rollout).values()})}
+    small = copy.deepcopy(ref_rollout) if backend == "torch" else None  # buckets: backend-independent
     sync_sharded_weights_(rollout, model)
-    small = copy.deepcopy(ref_rollout)
-    sync_sharded_weights_(small, model, bucket_bytes=700)  # many buckets, entries split across them
+    if small is not None:
+        sync_sharded_weights_(small, model, bucket_bytes=700)  # many buckets, entries split across them
     gathered_reference(reference, model, "autocast")
     quads.sync_weights_(ref_rollout, reference)
     want = rollout_state(ref_rollout)
     out["differ_from_single_process"] = differing(rollout_state(rollout), want)
-    out["small_buckets_differ"] = differing(rollout_state(small), want)
+    out["small_buckets_differ"] = differing(rollout_state(small), want) if small is not None else None
     return out
+
+
+def tied_case() -> dict:
+    """Tied input/output embeddings: one FSDP parameter under two names, synced once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**{**COMMON, "tie_word_embeddings": True}, intermediate_size=96)
+        return quads.quantize_(LlamaForCausalLM(cfg).to(device()), TRAINER)
+
+    sharded = shard(make(), "autocast")
+    with torch.no_grad():
+        for p in sharded.parameters():
+            p.mul_(1.5)
+    rollout = build_rollout_model(make(), ROLLOUT)  # from another (unsharded) init: all overwritten
+    n = quads.sync_weights_(rollout, sharded)
+    reference = gathered_reference(make(), sharded, "autocast")
+    want = build_rollout_model(reference, ROLLOUT)
+    return {
+        "tied": rollout.lm_head.weight is rollout.model.embed_tokens.weight,
+        "n_synced": n,
+        "n_rollout_params": len(list(rollout.named_parameters())),
+        "differ_from_single_process": differing(rollout_state(rollout), rollout_state(want)),
+    }
 
 
 def build_rollout_case() -> dict:
@@ -330,8 +358,10 @@ def fsdp_checks(rank: int, world: int) -> dict:
             results[f"trainer/{kind}/{precision}"] = trainer
             results[f"sync/{kind}/{precision}"] = sync_case(kind, precision, sharded)
         results[f"collectives/{kind}"] = collectives_case(kind)
-    results["uneven"] = uneven_case(rank)
+    results["uneven"] = uneven_case(rank, "torch")
+    results["uneven_hopper"] = uneven_case(rank, "hopper")
     results["build_rollout"] = build_rollout_case()
+    results["tied"] = tied_case()
     return results
 
 

@@ -106,14 +106,24 @@ def test_sharded_sync_is_bitwise_single_process_and_aligned(fsdp_results, kind, 
         assert r["rollout_vs_trainer_forward_misaligned"] == [], (rank, r)
 
 
-def test_sharded_sync_uneven_and_empty_shards_and_buckets(fsdp_results):
-    shapes = [res["uneven"]["local_shapes"] for res in fsdp_results]
+@pytest.mark.parametrize("case,backend", [("uneven", "torch"), ("uneven_hopper", "hopper")])
+def test_sharded_sync_uneven_and_empty_shards_and_buckets(fsdp_results, case, backend):
+    shapes = [res[case]["local_shapes"] for res in fsdp_results]
     assert shapes[0]["one_row.weight"] == [1, 64] and shapes[1]["one_row.weight"] == [0, 64]
     assert shapes[0]["experts.gate_up_proj"][0] == 2 and shapes[1]["experts.gate_up_proj"][0] == 1
     assert shapes[0]["embed.weight"][0] == 49 and shapes[1]["embed.weight"][0] == 48
     for res in fsdp_results:
-        assert res["uneven"]["differ_from_single_process"] == []
-        assert res["uneven"]["small_buckets_differ"] == []
+        assert res[case]["backends"] == [backend]
+        assert res[case]["differ_from_single_process"] == []
+        if backend == "torch":  # the bucketing is backend-independent: checked once
+            assert res[case]["small_buckets_differ"] == []
+
+
+def test_sharded_sync_with_tied_embeddings(fsdp_results):
+    for res in fsdp_results:
+        r = res["tied"]
+        assert r["tied"] and r["n_synced"] == r["n_rollout_params"], r
+        assert r["differ_from_single_process"] == [], r
 
 
 def test_build_rollout_model_from_a_sharded_trainer(fsdp_results):
