@@ -18,6 +18,7 @@ import datetime
 import importlib
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -53,13 +54,17 @@ def _entry(rank: int, world: int, workdir: str, target: str, kwargs: dict, timeo
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    try:
-        module_name, fn_name = target.split(":")
-        result = getattr(importlib.import_module(module_name), fn_name)(rank, world, **kwargs)
-        with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    module_name, fn_name = target.split(":")
+    result = getattr(importlib.import_module(module_name), fn_name)(rank, world, **kwargs)
+    with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()  # every rank has written its result: no collective is pending anywhere
+    # Exit without the C++ teardown: destroying the gloo group under a live DDP model (the TRL
+    # test) occasionally ends in std::terminate (SIGABRT) after the work is done, which would
+    # fail a run whose results are complete. On an exception, spawn reports it as usual.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(target: str, world: int = 2, timeout_s: float = 120.0, **kwargs) -> list:

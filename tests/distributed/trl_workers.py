@@ -20,7 +20,12 @@ from trl import GRPOConfig
 from quads.integrations.trl import QuadsGRPOTrainer
 from quads.tasks import make_prompts, make_tokenizer
 from quads.tensor import NVFP4Tensor
-from tests.test_trl_integration import QUADS_KEYS, _check_exact, reward_digit_ones, tiny_model
+from tests.test_trl_integration import QUADS_KEYS, _check_exact, tiny_model
+
+
+def reward_char_codes(completions, **kwargs):
+    """A reward that differs between almost any two completions (so every step has a gradient)."""
+    return [sum(map(ord, c)) % 11 / 10 for c in completions]
 
 
 def fingerprint(tensors) -> str:
@@ -47,7 +52,7 @@ def grpo_steps(rank: int, world: int, output_dir: str, steps: int = 3) -> dict:
         save_strategy="no", seed=0, disable_tqdm=True,
     )
     trainer = QuadsGRPOTrainer(
-        model, reward_digit_ones, args, train_dataset=datasets.Dataset.from_list(make_prompts(64, seed=0)),
+        model, reward_char_codes, args, train_dataset=datasets.Dataset.from_list(make_prompts(64, seed=0)),
         processing_class=tok, quads_policy="quads",
     )
     engine = trainer.quads_rollout
