@@ -87,7 +87,8 @@ def test_fsdp_trainer_forward_and_grads_are_bitwise_single_process(fsdp_results,
 def test_quads_adds_no_collective_to_fsdp(fsdp_results, kind):
     for res in fsdp_results:
         c = res[f"collectives/{kind}"]
-        assert c["plain"].get("all_gather_single", [0])[0] > 0, c  # the spy sees FSDP's own gathers
+        gathers = sum(n for name, (n, _) in c["plain"].items() if name.startswith("all_gather"))
+        assert gathers > 0, c  # the spies see FSDP's own all-gathers (the op's name depends on torch)
         assert c["quads"] == c["plain"], c
 
 
