@@ -60,8 +60,10 @@ class Backend:
     def prepare_weight(self, weight: NVFP4Parts):
         return None
 
-    def quantize_weight(self, x: torch.Tensor, granularity: str | None = None) -> NVFP4Parts:
-        return quantize_weight_reference(x, granularity)
+    def quantize_weight(
+        self, x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None
+    ) -> NVFP4Parts:
+        return quantize_weight_reference(x, granularity, global_encode_scale)
 
     def quantize_activation(self, x2d: torch.Tensor, act: ActivationQuant, static_mask=None) -> QuantizedActivation:
         return quantize_activation_reference(x2d, act, static_mask)
@@ -89,8 +91,8 @@ class HopperBackend(Backend):
     def prepare_weight(self, weight):
         return prepare_weight_hopper(weight)
 
-    def quantize_weight(self, x, granularity=None):
-        return quantize_weight_triton(x, granularity)
+    def quantize_weight(self, x, granularity=None, global_encode_scale=None):
+        return quantize_weight_triton(x, granularity, global_encode_scale)
 
     def quantize_activation(self, x2d, act, static_mask=None):
         return quantize_activation_triton(x2d, act, static_mask)

@@ -3,6 +3,10 @@
 The reference is the recipe itself (:func:`quads.tensor.nvfp4_math.nvfp4_quantize`); the Triton
 path (an amax pass, then a tile quantizer with the given global scales) returns the same bits
 and is what makes a sync cheap on the GPU. Triton is optional: its glue imports it on first use.
+
+Both take an optional ``global_encode_scale``: the sharded sync quantizes each rank's rows of a
+weight with the scale of the *whole* weight (from an all-reduced amax), which gives the rows
+the bits a quantization of the whole weight gives them.
 """
 
 from __future__ import annotations
@@ -21,13 +25,18 @@ from quads.tensor.nvfp4_math import (
 __all__ = ["quantize_weight_reference", "quantize_weight_triton"]
 
 
-def quantize_weight_reference(x: torch.Tensor, granularity: str | None = None) -> NVFP4Parts:
-    """The NVFP4 parts of a weight (the recipe)."""
-    return nvfp4_quantize(x, granularity)
+def quantize_weight_reference(
+    x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None
+) -> NVFP4Parts:
+    """The NVFP4 parts of a weight (the recipe); ``global_encode_scale`` (group-shaped) skips the amax."""
+    return nvfp4_quantize(x, granularity, global_encode_scale)
 
 
-def quantize_weight_triton(x: torch.Tensor, granularity: str | None = None) -> NVFP4Parts:
-    """Kernel twin of :func:`quantize_weight_reference` (same bits): amax pass + quantization pass."""
+def quantize_weight_triton(
+    x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None
+) -> NVFP4Parts:
+    """Kernel twin of :func:`quantize_weight_reference` (same bits): amax pass + quantization pass
+    (the amax pass is skipped when ``global_encode_scale`` is given)."""
     from quads.kernels.quantize_nvfp4 import amax_rows, quantize_given_scale
 
     check_quantizable(x, "weight")
@@ -42,20 +51,17 @@ def quantize_weight_triton(x: torch.Tensor, granularity: str | None = None) -> N
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != k):
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    f32 = dict(dtype=torch.float32, device=x.device)
     if gran == "tensor":
-        amax = amax_rows(x2).amax() if rows else torch.zeros((), **f32)
-        per_group = max(rows, 1)
+        per_group, groups = max(rows, 1), ()
     elif gran == "expert":
-        e = x.shape[0]
-        per_group = max(rows // max(e, 1), 1)
-        amax = amax_rows(x2).view(e, -1).amax(dim=1) if rows else torch.zeros(e, **f32)
+        per_group, groups = max(rows // max(x.shape[0], 1), 1), tuple(x.shape[:1])
     else:  # row
-        amax = amax_rows(x2) if rows else torch.zeros(0, **f32)
-        per_group = 1
-    gs = global_encode_scale_from_amax(amax)
-    if gran == "row":
-        gs = gs.reshape(lead)
+        per_group, groups = 1, lead
+    if global_encode_scale is None:
+        amax = amax_rows(x2).reshape(groups + (-1,)).amax(dim=-1) if rows else x2.new_zeros(groups, dtype=torch.float32)
+        gs = global_encode_scale_from_amax(amax)
+    else:
+        gs = global_encode_scale.to(dtype=torch.float32, device=x.device).expand(groups).contiguous()
     if rows == 0:
         q = torch.empty(lead + (k // 2,), dtype=torch.uint8, device=x.device)
         s = torch.empty(lead + (k // 16,), dtype=torch.float8_e4m3fn, device=x.device)

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import quantize_
+from quads.policies.shards import is_dtensor
 from quads.policies.sync import sync_weights_
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -22,7 +23,9 @@ def copy_model(model: nn.Module, dtype: torch.dtype | None = None, device: torch
     patches the trainer model's ``forward``; a deep copy would keep calling the trainer's weights).
     ``model`` may carry quads *trainer* layers (their parameters are the BF16/FP32 masters);
     the copy does not. The copy is in eval mode with gradients off, in ``dtype`` (default: the
-    dtype of ``model``'s first parameter) on ``device`` (default: ``model``'s).
+    dtype of ``model``'s first parameter) on ``device`` (default: ``model``'s). A sharded
+    ``model`` (FSDP2) is gathered parameter by parameter: every rank calls this together and
+    gets a full copy.
     """
     first = next(model.parameters())
     dtype = dtype or first.dtype
@@ -42,6 +45,8 @@ def copy_model(model: nn.Module, dtype: torch.dtype | None = None, device: torch
             if name not in masters:
                 raise KeyError(f"copy_model: source model has no parameter {name!r} (architectures differ?)")
             src = masters[name]
+            if is_dtensor(src):
+                src = src.full_tensor()
             if isinstance(src, NVFP4Tensor):
                 raise TypeError(f"copy_model: {name} is a {type(src).__name__}; copy from the trainer (masters), not a rollout model")
             param.copy_(src)

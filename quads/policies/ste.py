@@ -13,6 +13,7 @@ import torch
 
 from quads.ops.activation_quant import ActivationQuant, dequantize_activation
 from quads.ops.functional import quantize_activation
+from quads.policies.shards import is_dtensor
 from quads.tensor.nvfp4_math import nvfp4_fake_quantize
 
 __all__ = ["fake_quantize_weight", "fake_quantize_activation"]
@@ -40,7 +41,20 @@ class _FakeQuantActivationSTE(torch.autograd.Function):
 
 
 def fake_quantize_weight(weight: torch.Tensor) -> torch.Tensor:
-    """NVFP4 fake-quant of a 2-D weight (one global scale) or 3-D experts (one per expert)."""
+    """NVFP4 fake-quant of a 2-D weight (one global scale) or 3-D experts (one per expert).
+
+    ``weight`` must be the whole weight: under FSDP2 it is (``fully_shard`` unshards parameters
+    into plain tensors before a module's forward). A DTensor here means a module was called
+    outside its FSDP root's forward, or a tensor-parallel weight: its global scale would need a
+    collective the forward must not issue, so this refuses.
+    """
+    if is_dtensor(weight):
+        raise RuntimeError(
+            f"quads trainer layer got a distributed (DTensor) weight of shape {tuple(weight.shape)} with "
+            f"placements {tuple(weight.placements)}: NVFP4 fake quantization needs the whole weight for its "
+            "global scale. Under FSDP2, call the model through its fully_shard root (which unshards "
+            "parameters before each forward); tensor-parallel quads trainer layers are not supported."
+        )
     return _FakeQuantWeightSTE.apply(weight)
 
 

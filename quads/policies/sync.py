@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from quads.ops.backend import Backend, select_backend
 from quads.policies.modules import RolloutModule
+from quads.policies.shards import has_sharded_parameters
 from quads.tensor.finite import check_all_finite
 from quads.tensor.nvfp4_math import NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
@@ -192,7 +193,14 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict:
     share or a NaN/Inf in any tensor to be written raises ValueError naming the parameters, with
     nothing written (see the module doc). Returns the number of rollout parameters written
     (tied names count once).
+
+    A sharded trainer (FSDP2 / DTensor parameters) makes this a collective: every rank calls it
+    with its own full rollout replica (:func:`quads.policies.sharded_sync.sync_sharded_weights_`).
     """
+    if has_sharded_parameters(trainer_model):
+        from quads.policies.sharded_sync import sync_sharded_weights_  # it imports this module
+
+        return sync_sharded_weights_(rollout_model, trainer_model)
     writes = _plan(rollout_model, trainer_model, strict)
     _stage(writes)
     _check_finite(writes)

@@ -21,7 +21,8 @@ class QuadsRolloutEngine:
     """The rollout engine TRL sees as ``trainer.vllm_generation`` (its two-method contract).
 
     ``sync_weights()`` re-quantizes the trainer's masters into the rollout model
-    (``quads.sync_weights_``, exact). ``generate(prompts, images, num_generations, profiler)``
+    (``quads.sync_weights_``, exact; a collective when the trainer is sharded with FSDP2: TRL
+    calls it on every rank, each syncing its own replica). ``generate(prompts, images, num_generations, profiler)``
     samples one completion per prompt entry (TRL's prompt list already repeats each prompt
     ``num_generations`` times, like vLLM's colocate mode) and returns
     ``(prompt_ids, completion_ids, logprobs, None)`` with ``logprobs[i][t] == [log p]`` of the
