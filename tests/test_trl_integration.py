@@ -172,16 +172,19 @@ def test_sync_after_optimizer_step_is_exact(policy, tmp_path):
         assert isinstance(layer, TrainerExperts)
 
 
-@pytest.mark.parametrize("policy", ["bf16", "quads"])
-def test_rollout_logprobs_are_the_sampling_distribution(policy, tmp_path):
-    """The engine's log-probs are log_softmax(logits / T) of the rollout model at the sampled tokens."""
+@pytest.mark.parametrize("policy,graphed", [("bf16", False), ("quads", False), ("quads", True)])
+def test_rollout_logprobs_are_the_sampling_distribution(policy, graphed, tmp_path):
+    """The engine's log-probs are log_softmax(logits / T) of the rollout model at the sampled
+    tokens, through ``generate`` and through the graphed decoder's step loop (eager on CPU)."""
     temperature = 0.7
     trainer = make_trainer(policy, tmp_path, temperature=temperature)
+    trainer.quads_rollout.graphed = graphed
     tok = trainer.processing_class
     prompts = [tok(p["prompt"])["input_ids"] for p in make_prompts(6, seed=3)]
     torch.manual_seed(0)
     p_ids, c_ids, lps, _ = trainer.vllm_generation.generate(prompts, None, 1)  # what TRL calls
     assert p_ids == prompts and len(c_ids) == len(prompts)
+    assert (trainer.quads_rollout._decoder is not None) == graphed, trainer.quads_rollout.fallback_reason
     ids, am, cm, keep = build_scoring_batch(p_ids, c_ids, tok.pad_token_id)
     rescored = score_teacher_forced(trainer.rollout_model, ids, am, keep, temperature)
     untempered = score_teacher_forced(trainer.rollout_model, ids, am, keep, 1.0)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec, unsupported_reason
 from quads.policies import sync_weights_
 
 if TYPE_CHECKING:
@@ -28,13 +29,22 @@ class QuadsRolloutEngine:
     ``(prompt_ids, completion_ids, logprobs, None)`` with ``logprobs[i][t] == [log p]`` of the
     sampled token (TRL keeps ``lp[0]``). Completions stop at the first EOS (kept), as TRL's own
     ``generate`` path does.
+
+    Sampling runs through :class:`quads.integrations.graphed_decode.GraphedDecoder` (decode
+    step captured as a CUDA graph; it stays valid across syncs, which write weights in place)
+    when ``graphed`` is True, or when it is None (default) and the rollout model is on CUDA;
+    otherwise, or when the generation config asks for something the decoder does not do
+    (``unsupported_reason``; the reason is kept in ``fallback_reason``), through ``generate``.
     """
 
-    def __init__(self, trainer: "QuadsGRPOTrainer", rollout_model: nn.Module):
+    def __init__(self, trainer: "QuadsGRPOTrainer", rollout_model: nn.Module, graphed: bool | None = None):
         self.trainer = trainer
         self.model = rollout_model
         self.num_syncs = 0
         self.last_sync_step: int | None = None
+        self.graphed = graphed
+        self.fallback_reason: str | None = None
+        self._decoder: GraphedDecoder | None = None
 
     def _trainer_model(self) -> nn.Module:
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -53,6 +63,31 @@ class QuadsRolloutEngine:
         gc.output_logits = False
         return gc
 
+    def _use_decoder(self, gc, device: torch.device) -> bool:
+        wanted = self.graphed if self.graphed is not None else device.type == "cuda"
+        if not wanted:
+            return False
+        self.fallback_reason = unsupported_reason(gc)
+        if self.fallback_reason:
+            return False
+        if self._decoder is None:
+            try:
+                self._decoder = GraphedDecoder(self.model)
+            except ValueError as error:  # e.g. an attention implementation that needs its own mask
+                self.fallback_reason = str(error)
+                return False
+        return True
+
+    def _hf_generate(self, input_ids, attention_mask, gc, width):
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gc)
+        completion = out.sequences[:, width:]
+        if out.scores:
+            scores = torch.stack([s.float() for s in out.scores], dim=1)  # (B, T, V) processed logits
+            logps = torch.log_softmax(scores, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        else:
+            logps = completion.new_zeros(completion.shape, dtype=torch.float32)
+        return completion, logps
+
     @torch.no_grad()
     def generate(self, prompts, images=None, num_generations: int = 1, profiler=None):
         if images is not None and any(i is not None for i in images):
@@ -70,16 +105,13 @@ class QuadsRolloutEngine:
                 attention_mask[i, width - len(p) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         self.model.eval()
+        gc = self._generation_config()
         with profiler if profiler is not None else nullcontext():
-            out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=self._generation_config()
-            )
-        completion = out.sequences[:, width:]
-        if out.scores:
-            scores = torch.stack([s.float() for s in out.scores], dim=1)  # (B, T, V) processed logits
-            logps = torch.log_softmax(scores, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-        else:
-            logps = completion.new_zeros(completion.shape, dtype=torch.float32)
+            if self._use_decoder(gc, device):
+                spec = SamplingSpec.from_generation_config(gc, pad_token_id=pad_id)
+                completion, logps = self._decoder.generate(input_ids, attention_mask, spec)
+            else:
+                completion, logps = self._hf_generate(input_ids, attention_mask, gc, width)
         eos_ids = set(trainer.eos_token_ids)
         completion_ids, logprobs = [], []
         for row, lp in zip(completion.tolist(), logps.tolist(), strict=True):

@@ -56,6 +56,8 @@ class QuadsGRPOTrainer(_GRPOTrainer):
     float32 masters with ``GRPOConfig(bf16=True)`` autocast) or a path; it is quantized in place
     with the preset's trainer policy unless it already carries quads layers. A reference model
     (``beta > 0``) gets the same trainer policy. PEFT models are not supported.
+    ``graphed_decode``: sample with the CUDA-graph decoder (None: on CUDA; see
+    :class:`QuadsRolloutEngine`); False keeps ``generate``.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class QuadsGRPOTrainer(_GRPOTrainer):
         quads_policy: str | PolicyPreset = "quads",
         rollout_dtype: torch.dtype = torch.bfloat16,
         decompose_mismatch: bool = False,
+        graphed_decode: bool | None = None,
         **kwargs,
     ):
         if _trl is None:
@@ -99,7 +102,7 @@ class QuadsGRPOTrainer(_GRPOTrainer):
             self._quads_apply_trainer_policy(self.accelerator.unwrap_model(self.ref_model))
 
         rollout = build_rollout_model(unwrapped, self.quads_preset.rollout, dtype=rollout_dtype)
-        self.quads_rollout = QuadsRolloutEngine(self, rollout)
+        self.quads_rollout = QuadsRolloutEngine(self, rollout, graphed=graphed_decode)
         # Hand the engine to TRL's vLLM code path (see module doc).
         self.vllm_generation = self.quads_rollout
         self.vllm_mode = "quads"

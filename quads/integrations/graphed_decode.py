@@ -1,0 +1,400 @@
+"""Sampling from a transformers causal LM with the decode step captured as one CUDA graph.
+
+Why: a rollout decode step of a quantized MoE is ~100 small kernels per layer (activation
+quantization, GEMMs, routing, attention, norms); launched one by one from Python the step is
+bound by launch overhead, not by the GPU (QUADS.md section 6). :class:`GraphedDecoder` runs the
+prompt (prefill) eagerly, then captures one decode step -- model forward, sampling and the
+sampled token's log-prob -- into a CUDA graph once per (batch, cache length) and replays it for
+every new token. Everything the step reads lives in static buffers updated inside the graph:
+
+* a key/value cache of fixed length (:class:`SlotCache`: written at the slot the decoder
+  sets, so it does not depend on a transformers version's cache bookkeeping);
+* the current token, its cache slot and per-row position ids (left padding: positions count
+  real tokens, as ``generate`` computes them);
+* a boolean attention mask over the cache (B, 1, 1, L): real prompt tokens and every decoded
+  slot so far; passed as a prepared 4-D mask, so the model builds none;
+* the rows that already emitted an EOS (later tokens are the pad id, as ``generate`` pads).
+
+Weights are read from the modules' own tensors, so a graph stays valid across
+``quads.sync_weights_`` (which writes packed parts and their kernel layout in place).
+
+Sampling follows ``generate``'s warpers for what a GRPO rollout uses: temperature, top-k,
+top-p (greedy when ``do_sample=False``); logits are float32 as ``generate`` makes them, and the
+returned log-prob is that of the sampled token under the processed distribution (what TRL
+keeps from vLLM). Sampling draws with the exponential-race form of multinomial sampling
+(``argmax(p / E)``, ``E ~ Exp(1)``), graph-safe on CUDA's default generator. Configurations it
+does not cover (repetition penalty, min-p, beams, ...) are reported by
+:func:`unsupported_reason` so callers fall back to ``generate``.
+
+Without CUDA (or with ``use_cuda_graph=False``) the same step runs eagerly: that is how the CPU
+tests check it against ``generate`` and against the teacher-forced scorer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+__all__ = ["GraphedDecoder", "SamplingSpec", "SlotCache", "unsupported_reason"]
+
+#: cache lengths are rounded up to this, so prompts of similar width share one graph
+CACHE_LEN_QUANTUM = 64
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What one ``generate`` call samples: ``generate``'s warper semantics."""
+
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingSpec: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"SamplingSpec: temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingSpec: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingSpec: top_k must be >= 0, got {self.top_k}")
+
+    @classmethod
+    def from_generation_config(cls, gc, pad_token_id: int | None = None) -> "SamplingSpec":
+        why = unsupported_reason(gc)
+        if why:
+            raise ValueError(f"SamplingSpec: generation config not supported ({why})")
+        eos = gc.eos_token_id
+        eos = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+        pad = gc.pad_token_id if gc.pad_token_id is not None else pad_token_id
+        if pad is None:
+            pad = eos[0] if eos else 0
+        return cls(
+            max_new_tokens=int(gc.max_new_tokens),
+            eos_token_ids=tuple(int(e) for e in eos),
+            pad_token_id=int(pad),
+            do_sample=bool(gc.do_sample),
+            temperature=float(gc.temperature if gc.temperature is not None else 1.0),
+            top_k=int(gc.top_k or 0),
+            top_p=float(gc.top_p if gc.top_p is not None else 1.0),
+        )
+
+
+def unsupported_reason(gc) -> str | None:
+    """Why a ``GenerationConfig`` needs ``generate`` instead of the graphed decoder, or None."""
+    if gc.max_new_tokens is None:
+        return "max_new_tokens is not set"
+    checks = {
+        "num_beams": (getattr(gc, "num_beams", 1) or 1) == 1,
+        "num_return_sequences": (getattr(gc, "num_return_sequences", 1) or 1) == 1,
+        "repetition_penalty": (getattr(gc, "repetition_penalty", 1.0) or 1.0) == 1.0,
+        "min_p": getattr(gc, "min_p", None) in (None, 0, 0.0),
+        "typical_p": getattr(gc, "typical_p", None) in (None, 1, 1.0),
+        "min_new_tokens": (getattr(gc, "min_new_tokens", None) or 0) == 0,
+        "no_repeat_ngram_size": (getattr(gc, "no_repeat_ngram_size", None) or 0) == 0,
+        "bad_words_ids": getattr(gc, "bad_words_ids", None) is None,
+        "suppress_tokens": getattr(gc, "suppress_tokens", None) is None,
+        "stop_strings": getattr(gc, "stop_strings", None) is None,
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    return f"{', '.join(bad)} set" if bad else None
+
+
+def process_logits(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """``generate``'s warpers on float32 logits (B, V): temperature, top-k, top-p (sampling only)."""
+    if not spec.do_sample:
+        return logits
+    scores = logits / spec.temperature if spec.temperature != 1.0 else logits
+    if spec.top_k and spec.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, spec.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if spec.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1 - spec.top_p)
+        drop_sorted[..., -1:] = False  # keep at least one token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def sample_tokens(logits: torch.Tensor, spec: SamplingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token (B,), its log-prob (B,) under the processed distribution) from float32 logits."""
+    scores = process_logits(logits, spec)
+    logp = torch.log_softmax(scores, dim=-1)
+    if spec.do_sample:
+        race = torch.empty_like(logp).exponential_()
+        token = torch.argmax(logp.exp() / race, dim=-1)
+    else:
+        token = torch.argmax(scores, dim=-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+class _SlotLayer:
+    """One layer's fixed-size key/value cache, written at the decoder's current slots."""
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, state: "_DecodeState"):
+        self.state = state
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, dk = key_states.shape
+        length = self.state.cache_len
+        self.keys = key_states.new_zeros((b, h, length, dk))
+        self.values = value_states.new_zeros((b, h, length, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots = self.state.slots
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.state.cache_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.state.seen
+
+    def get_max_length(self) -> int:
+        return self.state.cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.state.cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+
+    def offload(self):  # never offloaded
+        pass
+
+    def prefetch(self):
+        pass
+
+
+def _slot_cache_class():
+    from transformers.cache_utils import Cache
+
+    class SlotCache(Cache):
+        """A transformers ``Cache`` of :class:`_SlotLayer` s (one per decoder layer)."""
+
+        def __init__(self, state: "_DecodeState", num_layers: int):
+            super().__init__(layers=[_SlotLayer(state) for _ in range(num_layers)])
+
+    return SlotCache
+
+
+def SlotCache(state: "_DecodeState", num_layers: int):  # noqa: N802 - a class built on first use
+    """Build a fixed-length cache written at ``state.slots`` (transformers imported lazily)."""
+    return _slot_cache_class()(state, num_layers)
+
+
+class _DecodeState:
+    """The static buffers of one (batch, cache length) session."""
+
+    def __init__(self, batch: int, cache_len: int, device: torch.device, num_layers: int):
+        self.batch, self.cache_len, self.device = batch, cache_len, device
+        long = dict(dtype=torch.long, device=device)
+        self.token = torch.zeros(batch, 1, **long)  # the token fed to the next step
+        self.slot = torch.zeros(1, **long)  # its cache slot
+        self.position = torch.zeros(batch, 1, **long)  # its position id per row
+        self.key_valid = torch.zeros(batch, cache_len, dtype=torch.bool, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.out_token = torch.zeros(batch, **long)
+        self.out_logp = torch.zeros(batch, dtype=torch.float32, device=device)
+        self.eos = torch.zeros(0, **long)  # the spec's EOS ids (set per session: no host copy in the graph)
+        self.slots = self.slot  # what the cache layers write at (prefill: arange(P))
+        self.seen = 0  # host-side count, only for get_seq_length (models we pass positions to ignore it)
+        self.cache = SlotCache(self, num_layers)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+def _num_layers(model: nn.Module) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.num_hidden_layers)
+
+
+class GraphedDecoder:
+    """Sample completions from ``model`` (a transformers causal LM), the decode step graph-captured.
+
+    ``use_cuda_graph``: None (default) captures on CUDA and runs eagerly elsewhere; False always
+    runs eagerly (same results up to kernel choice). ``check_every``: decode steps between the
+    host checks for "every row finished" (the only host syncs of the loop).
+    One captured session (batch size, cache length) is kept; a call with another shape
+    recaptures (a prefill-sized cost).
+    """
+
+    def __init__(self, model: nn.Module, *, use_cuda_graph: bool | None = None, check_every: int = 16):
+        if check_every < 1:
+            raise ValueError(f"GraphedDecoder: check_every must be >= 1, got {check_every}")
+        impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(
+                f"GraphedDecoder: attention implementation {impl!r} is not supported (it takes a prepared "
+                "boolean or additive 4-D mask: use 'sdpa' or 'eager')"
+            )
+        self.model = model
+        self.use_cuda_graph = use_cuda_graph
+        self.check_every = check_every
+        self._state: _DecodeState | None = None
+        self._spec: SamplingSpec | None = None
+        self.num_captures = 0
+        params = inspect.signature(model.forward).parameters
+        self._pass_cache_position = "cache_position" in params
+        self._pass_logits_to_keep = "logits_to_keep" in params
+
+    # -- one forward -------------------------------------------------------------------------
+
+    def _forward(self, state: _DecodeState, input_ids, mask4d, position_ids, slots) -> torch.Tensor:
+        state.slots = slots
+        kwargs = dict(input_ids=input_ids, attention_mask=mask4d, position_ids=position_ids,
+                      past_key_values=state.cache, use_cache=True)
+        if self._pass_cache_position:
+            kwargs["cache_position"] = slots
+        if self._pass_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(**kwargs)
+        return out.logits[:, -1, :].float()
+
+    def _mask_dtype(self, mask: torch.Tensor) -> torch.Tensor:
+        """The 4-D mask as the model's attention implementation takes it: bool for sdpa/flex,
+        additive float (0 / dtype min) for eager."""
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        if impl == "eager":
+            dtype = next(self.model.parameters()).dtype
+            dtype = dtype if dtype.is_floating_point else torch.float32
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        return mask
+
+    def _step(self, state: _DecodeState, spec: SamplingSpec) -> None:
+        """One decode step on the static buffers (the captured body)."""
+        state.key_valid.index_fill_(1, state.slot, True)
+        mask = self._mask_dtype(state.key_valid[:, None, None, :])
+        logits = self._forward(state, state.token, mask, state.position, state.slot)
+        token, logp = sample_tokens(logits, spec)
+        token = torch.where(state.finished, torch.full_like(token, spec.pad_token_id), token)
+        state.out_token.copy_(token)
+        state.out_logp.copy_(logp)
+        if spec.eos_token_ids:
+            state.finished.logical_or_(torch.isin(token, state.eos))
+        state.token.copy_(token[:, None])
+        state.slot.add_(1)
+        state.position.add_(1)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def _graphs_on(self, device: torch.device) -> bool:
+        if self.use_cuda_graph is None:
+            return device.type == "cuda"
+        if self.use_cuda_graph and device.type != "cuda":
+            raise ValueError(f"GraphedDecoder: use_cuda_graph=True needs a CUDA model, this one is on {device}")
+        return bool(self.use_cuda_graph)
+
+    def _session(self, batch: int, cache_len: int, device: torch.device, spec: SamplingSpec) -> _DecodeState:
+        s = self._state
+        if s is None or (s.batch, s.cache_len, s.device) != (batch, cache_len, device) or self._spec != spec:
+            self._state = None  # free the old cache first
+            s = self._state = _DecodeState(batch, cache_len, device, _num_layers(self.model))
+            s.eos = torch.tensor(spec.eos_token_ids, dtype=torch.long, device=device)
+            self._spec = spec
+        return s
+
+    def _capture(self, state: _DecodeState, spec: SamplingSpec) -> None:
+        """Capture one step; the warm-up runs on copies of the buffers' values, restored after."""
+        saved = [t.clone() for t in (state.token, state.slot, state.position, state.key_valid, state.finished)]
+        stream = torch.cuda.Stream(device=state.device)
+        stream.wait_stream(torch.cuda.current_stream(state.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: allocator pools, Triton autotune/compile, cuBLAS handles
+                self._step(state, spec)
+        torch.cuda.current_stream(state.device).wait_stream(stream)
+        for buf, value in zip((state.token, state.slot, state.position, state.key_valid, state.finished), saved):
+            buf.copy_(value)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step(state, spec)
+        for buf, value in zip((state.token, state.slot, state.position, state.key_valid, state.finished), saved):
+            buf.copy_(value)  # capture does not run the body, but keep the invariant explicit
+        state.graph = graph
+        self.num_captures += 1
+
+    # -- public ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, spec: SamplingSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``spec.max_new_tokens`` tokens after left-padded prompts.
+
+        ``input_ids`` / ``attention_mask``: (B, P) on the model's device, left padding (mask 0).
+        Returns ``(tokens, logprobs)``, both (B, T) with T <= max_new_tokens (the loop stops
+        early once every row emitted an EOS, checked every ``check_every`` steps): tokens after
+        a row's EOS are ``pad_token_id``; logprobs are float32.
+        """
+        if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"GraphedDecoder.generate: input_ids {tuple(input_ids.shape)} and attention_mask "
+                f"{tuple(attention_mask.shape)} must be the same (batch, prompt) shape"
+            )
+        device = input_ids.device
+        batch, width = input_ids.shape
+        need = width + spec.max_new_tokens
+        cache_len = -(-need // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
+        state = self._session(batch, cache_len, device, spec)
+        graphs = self._graphs_on(device)
+
+        # prefill (eager): prompt keys at slots [0, width)
+        valid = attention_mask.to(torch.bool)
+        state.key_valid.zero_()
+        state.key_valid[:, :width] = valid
+        state.finished.zero_()
+        state.seen = 0
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill_(~valid, 1)
+        slots = torch.arange(width, device=device)
+        causal = slots[:, None] >= torch.arange(cache_len, device=device)[None, :]  # (P, L)
+        mask = state.key_valid[:, None, None, :] & causal[None, None]
+        mask |= (slots[:, None] == torch.arange(cache_len, device=device)[None, :])[None, None]  # pad rows: self
+        logits = self._forward(state, input_ids, self._mask_dtype(mask), positions, slots)
+        state.seen = width
+        token, logp = sample_tokens(logits, spec)
+        tokens, logps = [token], [logp]
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        if spec.eos_token_ids:
+            finished |= torch.isin(token, state.eos)
+        state.finished.copy_(finished)
+        state.token.copy_(token[:, None])
+        state.slot.fill_(width)
+        state.position.copy_(positions[:, -1:] + 1)
+
+        steps = spec.max_new_tokens - 1
+        if steps and graphs and state.graph is None:
+            self._capture(state, spec)
+        for t in range(steps):
+            if t % self.check_every == 0 and bool(state.finished.all()):
+                break
+            if graphs:
+                state.graph.replay()
+            else:
+                self._step(state, spec)
+            state.seen += 1
+            tokens.append(state.out_token.clone())
+            logps.append(state.out_logp.clone())
+        return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)

@@ -1,0 +1,136 @@
+"""The graphed decoder's step loop (eager on CPU: the same body the CUDA graph captures)."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import quads
+from quads.diagnostics.scoring import build_scoring_batch, score_incremental
+from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec, process_logits, unsupported_reason
+from tests.tiny_models import build
+
+EOS = 7
+
+
+def _prompts(batch=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 6, 1, 5, 4, 2][:batch]
+    prompts = [torch.randint(8, 96, (n,), generator=g).tolist() for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    am = torch.zeros(batch, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        am[i, width - len(p):] = 1
+    return prompts, ids, am
+
+
+def _trim(row, eos=EOS):
+    out = []
+    for t in row:
+        out.append(t)
+        if t == eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("kind,side", [("llama", None), ("qwen3_moe", None), ("qwen3_moe", "rollout")])
+def test_greedy_matches_generate(kind, side):
+    model = build(kind).float().eval()
+    if side:
+        quads.quantize_(model, quads.QuadsPolicy(side=side))
+    _, ids, am = _prompts()
+    ref = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=12, do_sample=False,
+                         eos_token_id=EOS, pad_token_id=0)[:, ids.shape[1]:]
+    spec = SamplingSpec(max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0, do_sample=False)
+    tokens, logps = GraphedDecoder(model, use_cuda_graph=False).generate(ids, am, spec)
+    assert tokens.shape[1] <= 12 and torch.isfinite(logps).all()
+    for got, want in zip(tokens.tolist(), ref.tolist()):
+        assert _trim(got) == _trim(want)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)])
+def test_sampled_logprobs_are_the_scorers(temperature, top_k, top_p):
+    """The returned log-prob of every sampled token is what a prefill+decode scorer of those
+    tokens gives (temperature only: top-k/p renormalize, checked separately)."""
+    model = build("qwen3_moe").float().eval()
+    quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
+    prompts, ids, am = _prompts()
+    torch.manual_seed(3)
+    spec = SamplingSpec(max_new_tokens=10, eos_token_ids=(EOS,), pad_token_id=0, temperature=temperature,
+                        top_k=top_k, top_p=top_p)
+    tokens, logps = GraphedDecoder(model, use_cuda_graph=False, check_every=4).generate(ids, am, spec)
+    completions = [_trim(r) for r in tokens.tolist()]
+    batch_ids, batch_am, cm, n = build_scoring_batch(prompts, completions, pad_token_id=0)
+    scored = score_incremental(model, batch_ids, batch_am, n, temperature=temperature)
+    for i, c in enumerate(completions):
+        got = logps[i, : len(c)]
+        if top_k == 0 and top_p == 1.0:
+            torch.testing.assert_close(got, scored[i, : len(c)], atol=2e-5, rtol=0)
+        else:  # renormalized over the kept tokens: never below the full-vocabulary log-prob
+            assert (got >= scored[i, : len(c)] - 2e-5).all()
+        assert (got <= 0).all()
+
+
+def test_rows_after_eos_are_padding_and_loop_stops_early():
+    model = build("llama").float().eval()
+    _, ids, am = _prompts()
+    with torch.no_grad():  # make EOS the argmax everywhere: every row ends at its first token
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(96))
+        model.lm_head.bias[EOS] = 1e4
+    spec = SamplingSpec(max_new_tokens=40, eos_token_ids=(EOS,), pad_token_id=0, do_sample=False)
+    tokens, _ = GraphedDecoder(model, use_cuda_graph=False, check_every=4).generate(ids, am, spec)
+    assert tokens.shape[1] == 1 and (tokens[:, 0] == EOS).all()
+
+
+def test_process_logits_matches_generate_warpers():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    logits = torch.randn(5, 96) * 3
+    logits[0, :10] = 2.0  # ties at the cut
+    spec = SamplingSpec(max_new_tokens=1, eos_token_ids=(), pad_token_id=0, temperature=0.8, top_k=12, top_p=0.9)
+    want = TemperatureLogitsWarper(0.8)(None, logits)
+    want = TopKLogitsWarper(12)(None, want)
+    want = TopPLogitsWarper(0.9)(None, want)
+    assert torch.equal(process_logits(logits, spec), want)
+
+
+def test_unsupported_configs_are_named():
+    assert unsupported_reason(GenerationConfig(max_new_tokens=4, do_sample=True)) is None
+    why = unsupported_reason(GenerationConfig(max_new_tokens=4, repetition_penalty=1.1, min_p=0.1))
+    assert "repetition_penalty" in why and "min_p" in why
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingSpec.from_generation_config(GenerationConfig(max_new_tokens=4, repetition_penalty=1.1))
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs a CUDA model"):
+        model = build("llama").float()
+        _, ids, am = _prompts()
+        GraphedDecoder(model, use_cuda_graph=True).generate(
+            ids, am, SamplingSpec(max_new_tokens=2, eos_token_ids=(), pad_token_id=0))
+
+
+def test_sync_updates_the_kernel_layout_in_place():
+    """Captured graphs hold the prepared (kernel-layout) tensors' addresses: a sync must write
+    them in place, with the values a fresh preparation gives."""
+    from quads.policies.modules import RolloutModule
+    from tests.tiny_models import twin
+
+    trainer, rollout = twin("qwen3_moe")
+    with quads.use_backend("hopper"):
+        quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    modules = [m for m in rollout.modules() if isinstance(m, RolloutModule)]
+    assert modules and all(m.quads_backend.name == "hopper" for m in modules)
+    before = {id(m): [p.values.data_ptr() for p in m.quads_prepared] for m in modules}
+    old_bytes = [p.values.clone() for m in modules for p in m.quads_prepared]
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    quads.sync_weights_(rollout, trainer)
+    for m in modules:
+        assert [p.values.data_ptr() for p in m.quads_prepared] == before[id(m)]
+        fresh = [m.quads_backend.prepare_weight(getattr(m, n).parts) for n in m.quads_packed_names]
+        for held, want in zip(m.quads_prepared, fresh):
+            assert torch.equal(held.values, want.values) and torch.equal(held.scales, want.scales)
+    now = [p.values for m in modules for p in m.quads_prepared]
+    changed = sum(not torch.equal(a, b) for a, b in zip(old_bytes, now))
+    assert changed == len(now)  # every weight moved, so every layout was rewritten
