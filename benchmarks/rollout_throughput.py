@@ -110,6 +110,7 @@ def record(**row):
 
 def bench_variant(kind, name, model, batches, prompt, new_tokens, hf_batch, budget_s):
     decoder = GraphedDecoder(model)
+    prefill = GraphedDecoder(model)  # its own session: the full-length one keeps its graph
     eager = GraphedDecoder(model, use_cuda_graph=False)
     g = torch.Generator(device=DEVICE).manual_seed(1)
     # greedy check: graphed and eager step loops give the same tokens (same kernels, same order)
@@ -133,7 +134,7 @@ def bench_variant(kind, name, model, batches, prompt, new_tokens, hf_batch, budg
             if DEVICE == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             decoder.generate(ids, am, full)  # warm-up: capture, compile
-            t_prefill = min(sync_time(lambda: decoder.generate(ids, am, first)) for _ in range(2))
+            t_prefill = min(sync_time(lambda: prefill.generate(ids, am, first)) for _ in range(2))
             t_full = sync_time(lambda: decoder.generate(ids, am, full))
             t_decode = max(t_full - t_prefill, 1e-9)
             record(kind=kind, variant=name, batch=batch, prompt=prompt, new_tokens=new_tokens,
@@ -145,7 +146,7 @@ def bench_variant(kind, name, model, batches, prompt, new_tokens, hf_batch, budg
         except Exception as error:  # noqa: BLE001 - record and go on: one device run must give every number it can
             record(kind=kind, variant=name, batch=batch, error=f"{type(error).__name__}: {error}",
                    trace=traceback.format_exc()[-1500:])
-        decoder._state = None
+        decoder._state = prefill._state = None
         _free()
     if hf_batch and time.time() - START < budget_s:
         try:
@@ -201,7 +202,9 @@ def main():
                 t0 = time.perf_counter()
                 model = base if VARIANTS[name] is None else build_rollout_model(base, VARIANTS[name])
                 _sync()
-                record(kind=kind, variant=name, build_s=round(time.perf_counter() - t0, 2),
+                build_s = time.perf_counter() - t0
+                sync_s = sync_time(lambda: quads.sync_weights_(model, base)) if model is not base else 0.0
+                record(kind=kind, variant=name, build_s=round(build_s, 2), sync_ms=round(sync_s * 1e3, 1),
                        weights_gib=_memory("memory_allocated"))
                 bench_variant(kind, name, model, batches, args.prompt, args.new_tokens, args.hf_batch, args.budget_s)
             except Exception as error:  # noqa: BLE001

@@ -19,7 +19,7 @@ def _ids(seed=0, shape=(2, 10)):
 def test_policy_defaults_and_validation():
     assert quads.QuadsPolicy(side="trainer").activations == "bf16"
     assert quads.QuadsPolicy(side="rollout").activations == "nvfp4"
-    assert quads.QuadsPolicy(side="rollout").activation_quant.residual_fraction == 0.5
+    assert quads.QuadsPolicy(side="rollout").activation_quant.residual_fraction == 1.0
     assert quads.QuadsPolicy(side="trainer", activations="nvfp4").activation_quant.residual_fraction == 0.0
     with pytest.raises(ValueError):
         quads.QuadsPolicy(side="both")
@@ -145,7 +145,7 @@ def test_residual_reduces_rollout_error(fraction):
 
 def test_static_selection_needs_and_uses_calibration():
     model = build("qwen3_moe")
-    quads.quantize_(model, quads.QuadsPolicy(side="rollout", residual_selection="static"))
+    quads.quantize_(model, quads.QuadsPolicy(side="rollout", residual_selection="static", residual_fraction=0.5))
     with pytest.raises(ValueError, match="calibrate"):
         model(_ids())
     n = quads.calibrate_residual_channels(model, [_ids(s, (4, 16)) for s in range(3)])

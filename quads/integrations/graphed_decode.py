@@ -32,6 +32,7 @@ tests check it against ``generate`` and against the teacher-forced scorer.
 
 from __future__ import annotations
 
+import gc
 import inspect
 from dataclasses import dataclass
 
@@ -145,7 +146,7 @@ class _SlotLayer:
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, state: "_DecodeState"):
+    def __init__(self, state: "_Slots"):
         self.state = state
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
@@ -196,15 +197,26 @@ def _slot_cache_class():
     class SlotCache(Cache):
         """A transformers ``Cache`` of :class:`_SlotLayer` s (one per decoder layer)."""
 
-        def __init__(self, state: "_DecodeState", num_layers: int):
+        def __init__(self, state: "_Slots", num_layers: int):
             super().__init__(layers=[_SlotLayer(state) for _ in range(num_layers)])
 
     return SlotCache
 
 
-def SlotCache(state: "_DecodeState", num_layers: int):  # noqa: N802 - a class built on first use
+def SlotCache(state: "_Slots", num_layers: int):  # noqa: N802 - a class built on first use
     """Build a fixed-length cache written at ``state.slots`` (transformers imported lazily)."""
     return _slot_cache_class()(state, num_layers)
+
+
+class _Slots:
+    """Where the cache layers write (shared by the session and its layers; holds no graph, so
+    session -> cache -> layers -> slots has no reference cycle: a dropped session, CUDA graph
+    included, is freed at once, never by a garbage collection in the middle of a capture)."""
+
+    def __init__(self, cache_len: int, slots: torch.Tensor):
+        self.cache_len = cache_len
+        self.slots = slots  # prefill: arange(P); decode: the session's one-slot tensor
+        self.seen = 0  # host-side count, only for get_seq_length (models we pass positions to ignore it)
 
 
 class _DecodeState:
@@ -221,9 +233,8 @@ class _DecodeState:
         self.out_token = torch.zeros(batch, **long)
         self.out_logp = torch.zeros(batch, dtype=torch.float32, device=device)
         self.eos = torch.zeros(0, **long)  # the spec's EOS ids (set per session: no host copy in the graph)
-        self.slots = self.slot  # what the cache layers write at (prefill: arange(P))
-        self.seen = 0  # host-side count, only for get_seq_length (models we pass positions to ignore it)
-        self.cache = SlotCache(self, num_layers)
+        self.where = _Slots(cache_len, self.slot)
+        self.cache = SlotCache(self.where, num_layers)
         self.graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -264,7 +275,7 @@ class GraphedDecoder:
     # -- one forward -------------------------------------------------------------------------
 
     def _forward(self, state: _DecodeState, input_ids, mask4d, position_ids, slots) -> torch.Tensor:
-        state.slots = slots
+        state.where.slots = slots
         kwargs = dict(input_ids=input_ids, attention_mask=mask4d, position_ids=position_ids,
                       past_key_values=state.cache, use_cache=True)
         if self._pass_cache_position:
@@ -311,7 +322,7 @@ class GraphedDecoder:
     def _session(self, batch: int, cache_len: int, device: torch.device, spec: SamplingSpec) -> _DecodeState:
         s = self._state
         if s is None or (s.batch, s.cache_len, s.device) != (batch, cache_len, device) or self._spec != spec:
-            self._state = None  # free the old cache first
+            self._state = s = None  # free the old cache and graph now (no cycles: refcounting frees them)
             s = self._state = _DecodeState(batch, cache_len, device, _num_layers(self.model))
             s.eos = torch.tensor(spec.eos_token_ids, dtype=torch.long, device=device)
             self._spec = spec
@@ -328,9 +339,18 @@ class GraphedDecoder:
         torch.cuda.current_stream(state.device).wait_stream(stream)
         for buf, value in zip((state.token, state.slot, state.position, state.key_valid, state.finished), saved):
             buf.copy_(value)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step(state, spec)
+        # No garbage collection during the capture: freeing another graph (or anything that
+        # synchronizes) inside it invalidates the capture. Collect now, pause the collector.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step(state, spec)
+        finally:
+            if was_enabled:
+                gc.enable()
         for buf, value in zip((state.token, state.slot, state.position, state.key_valid, state.finished), saved):
             buf.copy_(value)  # capture does not run the body, but keep the invariant explicit
         state.graph = graph
@@ -366,14 +386,14 @@ class GraphedDecoder:
         state.key_valid.zero_()
         state.key_valid[:, :width] = valid
         state.finished.zero_()
-        state.seen = 0
+        state.where.seen = 0
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill_(~valid, 1)
         slots = torch.arange(width, device=device)
         causal = slots[:, None] >= torch.arange(cache_len, device=device)[None, :]  # (P, L)
         mask = state.key_valid[:, None, None, :] & causal[None, None]
         mask |= (slots[:, None] == torch.arange(cache_len, device=device)[None, :])[None, None]  # pad rows: self
         logits = self._forward(state, input_ids, self._mask_dtype(mask), positions, slots)
-        state.seen = width
+        state.where.seen = width
         token, logp = sample_tokens(logits, spec)
         tokens, logps = [token], [logp]
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -394,7 +414,7 @@ class GraphedDecoder:
                 state.graph.replay()
             else:
                 self._step(state, spec)
-            state.seen += 1
+            state.where.seen += 1
             tokens.append(state.out_token.clone())
             logps.append(state.out_logp.clone())
         return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)

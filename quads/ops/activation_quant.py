@@ -47,14 +47,17 @@ class ActivationQuant:
     """How a rollout layer quantizes its input (the defaults are the QUADS policy's defaults).
 
     residual_fraction: fraction k of the K channels whose residual is re-quantized and added
-        back (0 = naive W4A4). The per-token channel count is ``round_half_up(k*K)``.
+        back (0 = naive W4A4). The per-token channel count is ``round_half_up(k*K)``. Default
+        1.0 (every channel: no selection at all): measured more accurate than the paper's 50%
+        (real-model mean log-prob gap 1.5x the BF16 floor vs 2.2-2.5x) and faster (no per-row
+        top-k search; docs/kernels.md). Fractions < 1 select per token or statically.
     selection: ``"per_token"`` (top-k |r| of each row, ties at the threshold all included) or
         ``"static"`` (the layer's calibrated channel mask, see ``quads.calibrate_residual_channels``).
     granularity: global-scale groups of the activation: ``"row"`` (one NVFP4 global scale per
         token, batch invariant) or ``"tensor"``.
     """
 
-    residual_fraction: float = 0.5
+    residual_fraction: float = 1.0
     selection: str = "per_token"
     granularity: str = "row"
 

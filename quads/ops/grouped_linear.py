@@ -72,18 +72,29 @@ def grouped_linear_hopper(
     by :func:`~quads.ops.linear.prepare_weight_hopper`, built here if not given), no host
     synchronisation.
 
+    Weight-only activations (``act=None``, W4A16) go through the same kernel with ``x`` as fp16
+    rows times a per-row power of two (:mod:`quads.kernels.fp16_operand`), as the dense W4A16
+    Hopper path does: each row has the bits of :func:`~quads.ops.linear.w4a16_linear_hopper`
+    on its expert.
+
     Falls back to the per-expert loop where the grouped kernel does not reproduce the reference:
-    a ``"tensor"`` activation scale (the reference takes it over each expert's rows), biases,
-    or weight-only activations.
+    a ``"tensor"`` activation scale (the reference takes it over each expert's rows) or biases.
     """
-    if act is None or bias is not None or act.granularity != "row":
+    if bias is not None or (act is not None and act.granularity != "row"):
         return _per_expert_loop(w4a4_linear_hopper, x, rows, offsets, weight, bias, act, static_mask, num_rows)
     from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm
 
     x = x if x.stride(-1) == 1 else x.contiguous()
-    ops = activation_operands_triton(x, act, static_mask)
+    if act is None:
+        from quads.kernels.fp16_operand import scaled_fp16_rows
+
+        stacked, row_scale = scaled_fp16_rows(x)
+        has_residual = False
+    else:
+        ops = activation_operands_triton(x, act, static_mask)
+        stacked, row_scale, has_residual = ops.stacked, ops.main_scale, ops.residual is not None
     rows32 = None if rows is None else rows.to(torch.int32)
     prepared = prepared if prepared is not None else prepare_weight_hopper(weight)
-    return moe_w4a4_gemm(ops.stacked, ops.main_scale, rows32, offsets.to(torch.int32), prepared,
-                         weight.global_encode_scale.float(), num_rows, x.shape[0], ops.residual is not None,
+    return moe_w4a4_gemm(stacked, row_scale, rows32, offsets.to(torch.int32), prepared,
+                         weight.global_encode_scale.float(), num_rows, x.shape[0], has_residual,
                          out_dtype=x.dtype)

@@ -34,7 +34,11 @@ def copy_model(model: nn.Module, dtype: torch.dtype | None = None, device: torch
     from_config = getattr(type(model), "_from_config", None)
     if from_config is None:
         raise TypeError(f"{type(model).__name__} has no _from_config; pass a transformers PreTrainedModel")
-    with torch.random.fork_rng(devices=[]):  # random init must not shift the caller's RNG stream
+    target = torch.device(device)
+    rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
+    # built on the target device (a GPU initializes billions of parameters in milliseconds, a
+    # CPU takes tens of seconds); the random init must not shift the caller's RNG streams
+    with torch.random.fork_rng(devices=rng_devices), torch.device(target):
         clone = from_config(config, dtype=dtype)
     impl = getattr(model.config, "_experts_implementation", None)
     if impl is not None:

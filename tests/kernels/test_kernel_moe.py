@@ -38,8 +38,9 @@ def gate(h):
     return F.silu(h[:, :I]) * h[:, I:]
 
 
-@pytest.mark.parametrize("act", [ActivationQuant(), ActivationQuant(residual_fraction=0.0),
-                                 ActivationQuant(granularity="tensor")], ids=["res", "plain", "tensor"])
+@pytest.mark.parametrize("act", [ActivationQuant(), ActivationQuant(residual_fraction=0.5),
+                                 ActivationQuant(residual_fraction=0.0), ActivationQuant(granularity="tensor")],
+                         ids=["res-all", "res-topk", "plain", "tensor"])
 def test_experts_match_reference(act):
     gu, dn, hid, idx, wts = _experts()
     idx[0, 1] = E  # an expert-parallel sentinel: contributes nothing
@@ -95,3 +96,29 @@ def test_entry_point_no_tokens_for_most_experts():
                           backend=get_backend("hopper"))
     err = (got.cpu().float() - ref.float()).norm() / ref.float().norm()
     assert err < 2e-2
+
+
+def test_weight_only_grouped_rows_equal_dense_w4a16_bits():
+    """W4A16 experts (act=None) run on the grouped kernel (no host loop: graph-capturable), each
+    row with the bits of the dense W4A16 Hopper path on its expert, close to the bf16 reference."""
+    from quads.ops.grouped_linear import grouped_linear_hopper, grouped_linear_reference
+    from quads.ops.linear import w4a16_linear_hopper
+
+    gu, _, hid, idx, _ = _experts(seed=3, dtype=torch.float32)
+    hid = hid.bfloat16().float()  # bf16 values (what a rollout feeds): exact as fp16 row operands
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=E), 0)
+    rows = (order // TOPK).to(torch.int32)
+    p = gu.to(DEV).parts
+    y = grouped_linear_hopper(hid.to(DEV), rows.to(DEV), offsets.to(DEV), p, None, None, None, flat.numel())
+    ref = grouped_linear_reference(hid, rows, offsets, gu.parts, None, None, None, flat.numel())
+    assert (y.cpu() - ref).norm() / ref.norm() < 1e-5
+    for e in range(E):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        if hi == lo:
+            continue
+        dense = w4a16_linear_hopper(hid.to(DEV)[rows[lo:hi].long()], NVFP4Tensor(
+            p.qdata[e], p.scale[e], p.global_encode_scale[e], torch.float32).parts, None)
+        assert torch.equal(y[lo:hi].cpu(), dense.cpu())

@@ -71,7 +71,7 @@ def adversarial(m=9, k=48, dtype=torch.float32, seed=0):
 
 
 CONFIGS = [
-    ActivationQuant(),
+    ActivationQuant(residual_fraction=0.5),
     ActivationQuant(residual_fraction=0.25),
     ActivationQuant(residual_fraction=1.0),
     ActivationQuant(residual_fraction=0.0),
@@ -115,7 +115,7 @@ def test_activation_bit_exact(cfg):
 
 @pytest.mark.parametrize("search", ["binary", "packed5"])
 def test_topk_search_variants(search):
-    _check_activation(adversarial(seed=1), ActivationQuant(), search=search)
+    _check_activation(adversarial(seed=1), ActivationQuant(residual_fraction=0.5), search=search)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -123,12 +123,12 @@ def test_activation_low_precision_inputs(dtype):
     x = adversarial(m=7, dtype=dtype, seed=2)
     if dtype == torch.float16:
         x = torch.nan_to_num(x, posinf=60000.0, neginf=-60000.0)
-    _check_activation(x, ActivationQuant(), search="packed5")
+    _check_activation(x, ActivationQuant(residual_fraction=0.5), search="packed5")
 
 
 def test_activation_k16_odd_m():
     x = (torch.randn(5, 16) * 4).to(DEV)
-    for cfg, search in ((ActivationQuant(), "binary"), (ActivationQuant(), "packed5"),
+    for cfg, search in ((ActivationQuant(residual_fraction=0.5), "binary"), (ActivationQuant(residual_fraction=0.5), "packed5"),
                         (ActivationQuant(residual_fraction=0.0), "binary")):
         _check_activation(x, cfg, search=search)
 
@@ -136,9 +136,9 @@ def test_activation_k16_odd_m():
 def test_activation_nan_rows():
     x = adversarial(m=5, seed=3)
     x[3, 9] = float("nan")
-    _check_activation(x, ActivationQuant(), search="binary", nan_rows=True)  # NaN row: residual zero
-    _check_activation(x, ActivationQuant(), search="packed5", nan_rows=True)
-    _check_activation(x, ActivationQuant(), search="packed5", nan_rows=True)
+    _check_activation(x, ActivationQuant(residual_fraction=0.5), search="binary", nan_rows=True)  # NaN row: residual zero
+    _check_activation(x, ActivationQuant(residual_fraction=0.5), search="packed5", nan_rows=True)
+    _check_activation(x, ActivationQuant(residual_fraction=0.5), search="packed5", nan_rows=True)
     _check_activation(x, ActivationQuant(granularity="tensor"), search="binary", nan_rows=True)
     _check_activation(x, ActivationQuant(residual_fraction=1.0), search="binary", nan_rows=True)  # NaN residual row
 
@@ -151,7 +151,7 @@ def test_activation_static_mask():
 
 def test_entry_point_and_dispatch():
     x = adversarial(m=3, seed=5).to(torch.bfloat16)  # odd M
-    cfg = ActivationQuant()
+    cfg = ActivationQuant(residual_fraction=0.5)
     ref = quantize_activation_reference(x.cpu(), cfg)
     got = quantize_activation_triton(x, cfg)
     assert_parts_equal(got.main, ref.main)
@@ -171,7 +171,7 @@ def test_row_gather():
     x = adversarial(m=6, seed=6)
     idx = torch.tensor([4, 0, 0, 5], dtype=torch.int32, device=DEV)
     out = quantize_rows(x, residual="per_token", k_top=24, row_idx=idx, write_packed=True)
-    ref = quantize_activation_reference(x.cpu()[idx.long().cpu()], ActivationQuant())
+    ref = quantize_activation_reference(x.cpu()[idx.long().cpu()], ActivationQuant(residual_fraction=0.5))
     assert_parts_equal(out.main.parts(), ref.main)
     assert_parts_equal(out.residual.parts(), ref.residual)
 

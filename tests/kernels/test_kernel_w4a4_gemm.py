@@ -39,7 +39,7 @@ def prefill_cfg(split, bm=16):
     return GemmConfig(bn=64, bm=bm if bm >= 64 else 64, bk=128, split=split, num_warps=4, num_stages=3)
 
 
-def _operands(m, k, n, seed=0, residual=True):
+def _operands(m, k, n, seed=0, residual=True, fraction=0.5):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * 2
     x[0, :16] *= 1e-3  # a small block
@@ -47,7 +47,7 @@ def _operands(m, k, n, seed=0, residual=True):
     w[1, :16] = 1e-6  # weight block with a tiny / subnormal scale
     w[2, 16:32] = 0.0  # an all-zero block: scale 0
     wp = nvfp4_quantize(w.to(DEV))
-    act = ActivationQuant(residual_fraction=0.5 if residual else 0.0)
+    act = ActivationQuant(residual_fraction=fraction if residual else 0.0)
     ref_qa = quantize_activation_reference(x, act)
     q = activation_operands_triton(x.to(DEV), act)
     return x, wp, ref_qa, q
@@ -119,7 +119,7 @@ def test_batch_invariance_and_determinism():
     else:
         assert torch.equal(dec, pre)
     for row in (0, 3, 6):
-        q1 = activation_operands_triton(x[row:row + 1].to(DEV), ActivationQuant())
+        q1 = activation_operands_triton(x[row:row + 1].to(DEV), ActivationQuant(residual_fraction=0.5))
         assert torch.equal(_decode(q1, wp, 1, True)[0], dec[row])
         assert torch.equal(_prefill(q1, wp, split=False)[0], pre[row])
 

@@ -6,7 +6,7 @@ Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
 
 .. code-block:: json
 
-    {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 0.5,
+    {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 1.0,
      "residual_selection": "per_token", "activation_granularity": "row",
      "extra_skip_patterns": []}
 

@@ -1,0 +1,141 @@
+"""Where one rollout decode step spends its GPU time: kernel-level profile, BF16 vs quads.
+
+    PYTHONPATH=. python benchmarks/profile_decode_step.py --out DIR [--cases dense:1,moe:8] [--layers 4]
+
+Same models as ``rollout_throughput.py``. For each case (model kind : batch size) and variant
+(``bf16``, ``quads``): the graphed decoder's step time (CUDA-graph replay, median of 50), then
+the same step run eagerly under ``torch.profiler`` (10 steps): per kernel name, calls and
+microseconds per step, grouped into families (quads quantization / quads GEMM / cuBLAS GEMM /
+attention / elementwise+norm / sampling / other). The sum of kernel times against the replay
+time shows what the graph leaves as gaps between kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import quads  # noqa: E402
+from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec  # noqa: E402
+from quads.policies import build_rollout_model  # noqa: E402
+from rollout_throughput import DEVICE, build_model  # noqa: E402
+
+FAMILIES = [
+    ("quads quant", r"quantize|_quant|amax|operand"),
+    ("quads gemm", r"decode_gemm|_decode|w4a4|grouped|moe_|_gemm_kernel|splitk|reduce_partials"),
+    ("cublas gemm", r"gemm|sm90_xmma|cutlass|nvjet|cublas|gemv"),
+    ("attention", r"flash|attention|fmha|sdpa|softmax_warp|efficient"),
+    ("sampling", r"topk|sort|exponential|argmax|log_softmax|isin|radix"),
+    ("elementwise/norm", r"elementwise|vectorized|reduce|pow|rsqrt|mean|mul|add|copy|cat|index|fill|where"),
+]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, pattern in FAMILIES:
+        if re.search(pattern, low):
+            return fam
+    return "other"
+
+
+def replay_us(decoder: GraphedDecoder, ids, am, steps: int) -> float:
+    spec = SamplingSpec(max_new_tokens=steps, eos_token_ids=(), pad_token_id=0)
+    decoder.generate(ids, am, spec)  # capture
+    graph = decoder._state.graph
+    times = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_profile(decoder: GraphedDecoder, ids, am, steps: int = 10):
+    spec = SamplingSpec(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
+    decoder.generate(ids, am, spec)  # session + warm-up
+    state = decoder._state
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder._step(state, spec)
+        torch.cuda.synchronize()
+    rows = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) is None or str(evt.device_type) not in ("DeviceType.CUDA",):
+            continue
+        r = rows[evt.name]
+        r[0] += 1
+        r[1] += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+    out = [dict(kernel=k[:120], family=family(k), calls_per_step=c / steps, us_per_step=round(t / steps, 2))
+           for k, (c, t) in rows.items()]
+    return sorted(out, key=lambda r: -r["us_per_step"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cases", default="dense:1,moe:8")
+    ap.add_argument("--variants", default="bf16,quads")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=64)
+    args = ap.parse_args()
+    if DEVICE != "cuda":
+        raise SystemExit("profile_decode_step.py needs a CUDA device (it profiles GPU kernels)")
+    os.makedirs(args.out, exist_ok=True)
+    results = dict(meta=dict(torch=torch.__version__, device=torch.cuda.get_device_name(),
+                             date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:]), cases=[])
+    cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
+    for kind in dict.fromkeys(k for k, _ in cases):
+        base = build_model(kind, args.layers)
+        for name in args.variants.split(","):
+            t0 = time.perf_counter()
+            model = base if name == "bf16" else build_rollout_model(base, quads.QuadsPolicy(side="rollout"))
+            torch.cuda.synchronize()
+            build_s = time.perf_counter() - t0
+            for k, batch in cases:
+                if k != kind:
+                    continue
+                g = torch.Generator(device="cuda").manual_seed(0)
+                ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt), device="cuda", generator=g)
+                am = torch.ones_like(ids)
+                graph_us = replay_us(GraphedDecoder(model), ids, am, 8)
+                kernels = kernel_profile(GraphedDecoder(model, use_cuda_graph=False), ids, am)
+                fams = defaultdict(float)
+                for r in kernels:
+                    fams[r["family"]] += r["us_per_step"]
+                total = sum(fams.values())
+                case = dict(kind=kind, variant=name, batch=batch, build_s=round(build_s, 1), graph_step_us=round(graph_us, 1),
+                            kernel_sum_us=round(total, 1), kernels_per_step=sum(r["calls_per_step"] for r in kernels),
+                            families={f: round(v, 1) for f, v in sorted(fams.items(), key=lambda x: -x[1])},
+                            top=kernels[:30])
+                results["cases"].append(case)
+                print(json.dumps({k2: v for k2, v in case.items() if k2 != "top"}), flush=True)
+                for r in kernels[:18]:
+                    print(f"   {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x  [{r['family']}] {r['kernel']}", flush=True)
+            if model is not base:
+                del model
+            torch.cuda.empty_cache()
+        del base
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "profile_decode_step.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
