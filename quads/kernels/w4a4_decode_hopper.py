@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
+from quads.kernels.arrival_counters import arrival_counters
 from quads.kernels.hopper_weight_layout import (
     K_BLOCK,
     HopperWeight,
@@ -149,24 +150,6 @@ def pick_decode_config(columns: int, n: int, k: int) -> DecodeConfig:
         return DecodeConfig(bn=64, kbi=2, num_warps=4, num_stages=1)
     return DecodeConfig(bn=128, kbi=4, num_warps=8, num_stages=1)
 
-
-_LOCKS: dict = {}
-
-
-def _locks(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters (int32, zero between launches: the last program resets its counter).
-
-    One buffer per (device, stream): launches on one stream never overlap.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _LOCKS[key] = buf
-    return buf
-
-
 def decode_gemm(
     x16: torch.Tensor,
     sx: torch.Tensor,
@@ -205,7 +188,7 @@ def decode_gemm(
     bm = max(16, min(64, triton.next_power_of_2(m)))
     _decode_gemm_kernel[grid](
         weight.values, weight.scales, x16, sx, sw.reshape(1), bias if bias is not None else sx, y, part,
-        _locks(dev, grid[0]),
+        arrival_counters(dev, grid[0], 4096),
         m, n, k, num_kb, x16.stride(0), y.stride(0),
         SEG_KB=seg_kb, BN=cfg.bn, NT=nt, BM=bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_BIAS=bias is not None,
         USE_ASM=cfg.use_asm and not interpreting(), UNROLL=cfg.unroll, STAGES=cfg.num_stages, RED=8, PREFETCH=cfg.prefetch,

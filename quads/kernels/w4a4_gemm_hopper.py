@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
+from quads.kernels.arrival_counters import arrival_counters
 from quads.kernels.w4a4_decode_hopper import SEG_K
 
 __all__ = ["w4a4_gemm", "GemmConfig", "pick_config", "dequant_weight_fp16"]
@@ -234,21 +235,6 @@ def dequant_weight_fp16(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
         wq, ws_u8, out, n, k, k // 2, k // 16, BR=br, BK=bk, USE_ASM=not interpreting(), num_warps=4)
     return out
 
-
-_LOCKS: dict = {}
-
-
-def _locks(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters (int32, zero between launches: the last program resets its counter)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _LOCKS[key] = buf
-    return buf
-
-
 def w4a4_gemm(
     x16: torch.Tensor,
     sx: torch.Tensor,
@@ -289,7 +275,7 @@ def w4a4_gemm(
     if split:
         # split-K workspace, addressed by the kernel as (num_seg, 2, M_pad, N) fp32
         part = torch.empty((num_seg, 2, grid_m * cfg.bm, n), dtype=torch.float32, device=dev)
-        locks = _locks(dev, grid[0] * grid[2])
+        locks = arrival_counters(dev, grid[0] * grid[2])
     else:
         part = locks = sx  # unused
     if w16 is None:
