@@ -1,18 +1,19 @@
 """Running-sum task with worked steps, for GRPO on the real model (SmolLM2-135M-Instruct).
 
-A problem is a list of ``n`` small numbers; the answer adds them one at a time, one line per
-step, then states the total::
+A problem is a list of ``n`` one-digit numbers; the answer adds them one at a time, one line
+per step, then states the total::
 
-    Numbers: 7, 3, 9, 4, 6, 2, 8, 5
-    7 + 3 = 10
-    10 + 9 = 19
-    ...
-    37 + 5 = 42
-    Answer: 42
+    Numbers: 7, 3, 9, 4, 6
+    Step 1: 7 + 3 = 10. The running total is now 10.
+    Step 2: 10 + 9 = 19. The running total is now 19.
+    Step 3: 19 + 4 = 23. The running total is now 23.
+    Step 4: 23 + 6 = 29. The running total is now 29.
+    Answer: 29
 
-Completions are 64+ tokens (8 numbers: 7 steps of ~10 tokens plus the answer line), the
-prompt is the model's chat template with one worked example, and the 135M instruct model
-partly solves it (it copies the format and makes arithmetic slips; see ``docs/real_model.md``).
+The reference completion is ~85 tokens with the SmolLM2 tokenizer (5 numbers: 4 steps of ~20
+tokens and the answer line); the prompt is the model's chat template with one worked example of
+the same length. SmolLM2-135M-Instruct partly solves it: greedy, 21% of held-out problems
+exactly and 44% of the step lines (8 numbers: 0%; 4 numbers: 67%; see ``docs/real_model.md``).
 
 Reward (verifiable, in [0, 1]): ``0.5 * final + 0.5 * steps``, where ``final`` is 1 when the
 ``Answer:`` line holds the true total and ``steps`` the fraction of the ``n - 1`` expected step
@@ -45,18 +46,17 @@ __all__ = [
     "final_answer_correct",
 ]
 
-#: Numbers per problem (7 worked steps).
-NUM_NUMBERS = 8
+#: Numbers per problem (4 worked steps).
+NUM_NUMBERS = 5
 #: Numbers are drawn from 1..MAX_VALUE.
-MAX_VALUE = 20
-#: Enough for the worked solution (~75 tokens with the SmolLM2 tokenizer) with slack.
+MAX_VALUE = 9
+#: Enough for the worked solution (~85 tokens with the SmolLM2 tokenizer) with slack.
 MAX_NEW_TOKENS = 128
 _HELDOUT_BUCKETS = 10
 
 SYSTEM_PROMPT = "You add lists of numbers step by step. Write one line per step, then the answer."
-_EXAMPLE = (4, 9, 2, 6)
+_EXAMPLE = (4, 9, 2, 6, 3, 8, 1, 5)
 
-_STEP = re.compile(r"^\s*(-?\d+)\s*\+\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 _ANSWER = re.compile(r"Answer:\s*(-?\d+)")
 
 
@@ -64,13 +64,18 @@ def format_question(numbers: Sequence[int]) -> str:
     return "Numbers: " + ", ".join(str(n) for n in numbers)
 
 
-def worked_solution(numbers: Sequence[int]) -> str:
-    """The reference completion: one ``a + b = c`` line per step, then ``Answer: total``."""
+def _step_lines(numbers: Sequence[int]) -> list[str]:
     lines, total = [], numbers[0]
-    for n in numbers[1:]:
-        lines.append(f"{total} + {n} = {total + n}")
+    for k, n in enumerate(numbers[1:], start=1):
+        lines.append(f"Step {k}: {total} + {n} = {total + n}. The running total is now {total + n}.")
         total += n
-    return "\n".join(lines + [f"Answer: {total}"])
+    return lines
+
+
+def worked_solution(numbers: Sequence[int]) -> str:
+    """The reference completion: one ``Step k: a + b = c. The running total is now c.`` line per
+    step, then ``Answer: total``."""
+    return "\n".join(_step_lines(numbers) + [f"Answer: {sum(numbers)}"])
 
 
 def is_heldout(numbers: Sequence[int]) -> bool:
@@ -100,10 +105,11 @@ def make_problems(count: int, seed: int = 0, split: str = "train", n: int = NUM_
 
 def chat_prompt(tokenizer, numbers: Sequence[int]) -> str:
     """The chat-templated prompt text (system, one worked example, the question)."""
+    example = _EXAMPLE[: len(numbers)]  # a worked example of the same length
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": format_question(_EXAMPLE)},
-        {"role": "assistant", "content": worked_solution(_EXAMPLE)},
+        {"role": "user", "content": format_question(example)},
+        {"role": "assistant", "content": worked_solution(example)},
         {"role": "user", "content": format_question(numbers)},
     ]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -118,21 +124,20 @@ def _text(c: Any) -> str:
 
 
 def score_completion(text: str, numbers: Sequence[int]) -> dict[str, float]:
-    """``{"final": 0/1, "steps": fraction of correct leading steps, "reward": ...}``."""
+    """``{"final": 0/1, "steps": fraction of correct leading step lines, "reward": ...}``.
+
+    A step line counts when it equals the reference line exactly (after stripping spaces);
+    counting stops at the first line that does not. ``final`` reads the first ``Answer:``."""
     text = _text(text)
-    expected, total = [], numbers[0]
-    for n in numbers[1:]:
-        expected.append((total, n, total + n))
-        total += n
-    lines = [l for l in text.strip().splitlines() if l.strip()]
+    expected = _step_lines(numbers)
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
     good = 0
     for line, want in zip(lines, expected):
-        m = _STEP.match(line)
-        if m is None or tuple(int(g) for g in m.groups()) != want:
+        if line != want:
             break
         good += 1
     answers = _ANSWER.findall(text)
-    final = float(bool(answers) and int(answers[0]) == total)
+    final = float(bool(answers) and int(answers[0]) == sum(numbers))
     steps = good / max(len(expected), 1)
     return {"final": final, "steps": steps, "reward": 0.5 * final + 0.5 * steps}
 
