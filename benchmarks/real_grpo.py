@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 import quads  # noqa: E402
 from quads.diagnostics.fp8_reference import fp8_w8a8_  # noqa: E402
 from quads.diagnostics.mismatch import mismatch_metrics  # noqa: E402
+from quads.diagnostics.scoring import positions_from_mask  # noqa: E402
 from quads.models import find_smollm2, load_smollm2  # noqa: E402
 from quads.policies import POLICY_PRESETS, build_rollout_model, copy_model  # noqa: E402
 from quads.policies.presets import with_residual_fraction  # noqa: E402
@@ -112,8 +113,9 @@ def trainer_logps(trainer, prompt_ids, prompt_attn, completion, cmask):
     attn = torch.cat([prompt_attn, cmask], dim=1)
     n = completion.shape[1]
     device_type = input_ids.device.type
-    with torch.autocast(device_type, dtype=torch.bfloat16):
-        logits = trainer(input_ids=input_ids, attention_mask=attn, logits_to_keep=n + 1).logits[:, :-1]
+    with torch.autocast(device_type, dtype=torch.bfloat16):  # positions skip left padding, as in generate
+        logits = trainer(input_ids=input_ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+                         logits_to_keep=n + 1).logits[:, :-1]
     return torch.log_softmax(logits.float(), -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
 
 

@@ -11,7 +11,12 @@ version counter (``tensor._version``: every in-place write bumps it: ``copy_`` i
 ``sync_weights_``, an optimizer step, ``mul_`` ...; views share their base's counter), and keeps
 a detached alias of each source, so the storage it describes cannot be freed and its address
 reused while the entry exists. Replacing ``param.data`` changes the data pointer; an in-place
-write changes the version: either way the next lookup recomputes. Entries of a source that is
+write changes the version: either way the next lookup recomputes. **Not seen**: in-place writes
+through a tensor that shares the storage without being a view of it (``p.data.copy_(w)``: a
+``.data`` tensor has its own version counter; ``set_``; storage-level writes such as FSDP's
+all-gather into a flat parameter). No quads path, torch optimizer or ``load_state_dict`` writes
+that way; code that does calls :func:`clear_weight_cache` afterwards (or runs with
+``QUADS_WEIGHT_CACHE_MB=0``). Entries of a source that is
 garbage collected are dropped with it (``weakref.finalize`` on the source, or on its base for a
 view such as one expert's slice).
 
