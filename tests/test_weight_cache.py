@@ -82,6 +82,14 @@ def test_expert_slices_are_cached_per_slice_and_follow_their_base():
     parts.qdata.zero_()  # a write through the base invalidates every slice
     pe = NVFP4Parts(parts.qdata[1], parts.scale[1], parts.global_encode_scale[1])
     assert torch.equal(dequantized_weight(pe, torch.float32), torch.zeros(32, 64))
+    del parts, pe
+    gc.collect()
+    assert weight_cache_info()["entries"] == 0  # slices' entries die with their base weight
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    with torch.inference_mode():  # first computed inside inference mode ...
+        fake_quantize_weight(w)
+    hit = cached_derived("fake_quantize", (w,), lambda: pytest.fail("should be cached"))
+    assert not hit.is_inference()  # ... the cached tensor is still a normal one
 
 
 def test_trainer_forward_bits_and_straight_through_gradient_unchanged():

@@ -10,13 +10,17 @@ from .smollm2 import (
     load_smollm2,
     smollm2_dir,
 )
+from .upcycle import fetch_upcycled_moe, moe_dir, upcycle_to_mixtral
 
 __all__ = [
     "SMOLLM2_REQUIREMENT",
     "RealModelUnavailable",
     "fetch_smollm2",
+    "fetch_upcycled_moe",
     "find_smollm2",
     "load_smollm2",
+    "moe_dir",
     "quads_cache_dir",
     "smollm2_dir",
+    "upcycle_to_mixtral",
 ]

@@ -247,6 +247,12 @@ def fetch_upcycled_moe(
 
     target = Path(out).expanduser() if out is not None else moe_dir(num_experts, top_k, cache_dir)
     if (target / BUILD_INFO).is_file():
+        built = json.loads((target / BUILD_INFO).read_text())
+        wanted = {"num_experts": num_experts, "top_k": top_k, "expert_noise": expert_noise, "seed": seed}
+        differ = {k: (built.get(k), v) for k, v in wanted.items() if built.get(k) != v}
+        if differ:
+            raise RuntimeError(f"{target} holds an MoE built with other settings (built, asked): {differ}; "
+                               "remove it or pass another --moe-out")
         return target
     if target.exists() and any(target.iterdir()):
         raise RuntimeError(f"{target} exists and is not a quads-built model directory; remove it or pick another")

@@ -92,7 +92,7 @@ class _DerivedCache:
             self.hits += 1
             return entry.value
         self.misses += 1
-        with torch.no_grad():
+        with torch.no_grad(), torch.inference_mode(False):  # a normal tensor, usable outside inference mode
             value = compute()
         self._remove(key)
         new = _Entry(stamp, tuple(s.detach() for s in sources), value)
@@ -149,9 +149,11 @@ def dequantized_weight(parts: NVFP4Parts, dtype: torch.dtype, *, unscaled: bool 
     reference multiplies these and applies the global scales in the epilogue).
     """
     if unscaled:
-        one = torch.ones((), dtype=torch.float32, device=parts.qdata.device)
-        return cached_derived(("unscaled", dtype), (parts.qdata, parts.scale),
-                              lambda: nvfp4_dequantize(parts.qdata, parts.scale, one, dtype))
+        def unscaled_values():
+            one = torch.ones((), dtype=torch.float32, device=parts.qdata.device)
+            return nvfp4_dequantize(parts.qdata, parts.scale, one, dtype)
+
+        return cached_derived(("unscaled", dtype), (parts.qdata, parts.scale), unscaled_values)
     return cached_derived(("dequantize", dtype), (parts.qdata, parts.scale, parts.global_encode_scale),
                           lambda: nvfp4_dequantize(parts.qdata, parts.scale, parts.global_encode_scale, dtype))
 
