@@ -4,9 +4,10 @@ A self-contained GRPO loop (no TRL: the GPU image has none) built from quads' pa
 configuration runs exactly the same algorithm:
 
 * **rollout**: the configuration's rollout engine (``build_rollout_model`` of the trainer's
-  masters; BF16, FP8 W8A8 or NVFP4 W4A4 with or without residual compensation) samples ``G``
-  completions per prompt with ``generate`` (T = 1, no top-k / top-p); the sampling log-probs
-  are read from the engine's raw logits (token-by-token decoding with a KV cache);
+  masters; BF16, FP8 W8A8 or NVFP4 W4A4 with or without residual compensation; eager attention,
+  unlike the trainer's SDPA, so BF16 has an engine-drift floor) samples ``G`` completions per
+  prompt with ``generate`` (T = 1, no top-k / top-p); the sampling log-probs are read from the
+  engine's raw logits (token-by-token decoding with a KV cache);
 * **trainer**: FP32 masters, forward under BF16 autocast (like TRL's ``bf16=True``), with the
   configuration's trainer policy (none, W4A16 QAT or symmetric W4A4 QAT); one teacher-forced
   forward gives the trainer log-probs;
@@ -77,6 +78,9 @@ def build_models(base, config: str, device):
         rollout = fp8_w8a8_(copy_model(trainer, torch.bfloat16, device))
     else:
         rollout = build_rollout_model(trainer, rollout_policy, dtype=torch.bfloat16, device=device)
+    # A different attention kernel from the trainer's (SDPA), as a separate engine has (and as
+    # `quads diagnose` does): the BF16 configuration then measures an engine-drift floor.
+    rollout.set_attn_implementation("eager")
     rollout.eval()
     return trainer, rollout
 

@@ -107,7 +107,7 @@ def sample_completions(model, tokenizer, prompts, max_new_tokens: int, temperatu
     """Sample one completion per prompt with the BF16 model; returns ids, mask, completion mask."""
     torch.manual_seed(seed)
     tokenizer.padding_side = "left"
-    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    enc = tokenizer(prompts, return_tensors="pt", padding=True).to(next(model.parameters()).device)
     out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                          max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
     completion = out[:, enc["input_ids"].shape[1]:]
@@ -218,6 +218,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     model, tok, prompts = _load(args.model)
+    model.to(args.device)
     if args.prompts:
         with open(args.prompts) as f:
             prompts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
@@ -246,6 +247,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where the models run (e.g. cuda: the rollout rows then use the kernels)")
     p.add_argument("--tokens-per-step", type=int, default=16,
                    help="completion tokens per cached engine forward (1 = token by token; same log-probs on CPU)")
     p.add_argument("--json", default=None, help="also write the report as JSON here")
