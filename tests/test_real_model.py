@@ -29,8 +29,11 @@ EVAL_TEXTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    torch.set_num_threads(2)
-    return load_smollm2(REAL)
+    # One thread: on a loaded 2-core machine two OpenMP threads stall at every barrier.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_smollm2(REAL)
+    torch.set_num_threads(threads)
 
 
 def _nll(model, tokenizer) -> float:
