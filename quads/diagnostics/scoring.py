@@ -1,5 +1,5 @@
 """Log-probs of given completions: the trainer path (one teacher-forced forward) and the
-rollout-engine path (prefill + one-token decode steps with a KV cache).
+rollout-engine path (prefill + decode steps with a KV cache).
 
 Layout is TRL's: prompts left-padded, completions right-padded (:func:`build_scoring_batch`);
 the result is ``log_softmax(logits / temperature)`` at each completion token, float32,
@@ -85,18 +85,34 @@ def score_teacher_forced(
 
 @torch.no_grad()
 def score_incremental(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int, temperature: float = 1.0
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    n_completion: int,
+    temperature: float = 1.0,
+    tokens_per_step: int = 1,
 ) -> torch.Tensor:
-    """Log-probs of the last ``n_completion`` tokens by prefill + one-token decode steps with a
-    KV cache (the rollout engine path)."""
+    """Log-probs of the last ``n_completion`` tokens by prefill + decode steps with a KV cache
+    (the rollout engine path).
+
+    ``tokens_per_step=1`` is token-by-token decoding. Larger steps feed that many completion
+    tokens per cached forward (as an engine's chunked prefill does): each query still attends
+    to the cached keys and the causally earlier chunk tokens only, and row-granular activation
+    quantization is per token, so the log-probs are the same function of the inputs; on CPU they
+    are bit-identical to token-by-token (tested), at a fraction of the per-call overhead.
+    """
+    if tokens_per_step < 1:
+        raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
     prompt_len = input_ids.shape[1] - n_completion
+    end = input_ids.shape[1] - 1  # the last token is only a target
     pos = positions_from_mask(attention_mask)
     out = model(input_ids=input_ids[:, :prompt_len], attention_mask=attention_mask[:, :prompt_len],
                 position_ids=pos[:, :prompt_len], use_cache=True)
-    past, steps = out.past_key_values, [out.logits[:, -1]]
-    for t in range(prompt_len, input_ids.shape[1] - 1):
-        out = model(input_ids=input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
-                    position_ids=pos[:, t : t + 1], past_key_values=past, use_cache=True)
+    past, steps = out.past_key_values, [out.logits[:, -1:]]
+    for t in range(prompt_len, end, tokens_per_step):
+        stop = min(t + tokens_per_step, end)
+        out = model(input_ids=input_ids[:, t:stop], attention_mask=attention_mask[:, :stop],
+                    position_ids=pos[:, t:stop], past_key_values=past, use_cache=True)
         past = out.past_key_values
-        steps.append(out.logits[:, -1])
-    return _token_logps(torch.stack(steps, dim=1), input_ids[:, prompt_len:], temperature)
+        steps.append(out.logits)
+    return _token_logps(torch.cat(steps, dim=1), input_ids[:, prompt_len:], temperature)

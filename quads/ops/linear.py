@@ -23,6 +23,8 @@ from quads.ops.activation_quant import (
     quantize_activation_reference,
     quantize_activation_triton,
 )
+from quads.ops.activation_memo import memo_last
+from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
 
 __all__ = [
@@ -51,11 +53,12 @@ def _row_scale(gs: torch.Tensor, rows: int) -> torch.Tensor:
 def w4a4_matmul_reference(qa: QuantizedActivation, weight: NVFP4Parts) -> torch.Tensor:
     """float32 (M, N) = (x̂ Ŵᵀ [+ r̂ Ŵᵀ]) / (S_x S_w): fp32 sums of exact products, the global
     scales (the residual shares S_x) divided out once in the epilogue."""
-    w = unscaled_values(weight)
+    w = dequantized_weight(weight, torch.float32, unscaled=True)  # = unscaled_values(weight), cached
     m = qa.main.qdata.shape[0]
-    acc = unscaled_values(qa.main) @ w.T
+    acc = memo_last("unscaled_main", qa.main.qdata, None, lambda: unscaled_values(qa.main)) @ w.T
     if qa.residual is not None:
-        acc = acc + unscaled_values(qa.residual) @ w.T
+        r = qa.residual
+        acc = acc + memo_last("unscaled_residual", r.qdata, None, lambda: unscaled_values(r)) @ w.T
     return acc / (_row_scale(qa.main.global_encode_scale, m) * weight.global_encode_scale)
 
 
@@ -66,8 +69,14 @@ def w4a4_linear_reference(
     act: ActivationQuant,
     static_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(M, K) -> (M, N) in ``x2.dtype``: quantize (+ residual), exact-emulation product, bias."""
-    y = w4a4_matmul_reference(quantize_activation_reference(x2, act, static_mask), weight)
+    """(M, K) -> (M, N) in ``x2.dtype``: quantize (+ residual), exact-emulation product, bias.
+
+    Linears reading the same input (q/k/v, gate/up) reuse its quantization (:mod:`.activation_memo`)."""
+    if static_mask is None:
+        qa = memo_last("quantized", x2, act, lambda: quantize_activation_reference(x2, act))
+    else:
+        qa = quantize_activation_reference(x2, act, static_mask)
+    y = w4a4_matmul_reference(qa, weight)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x2.dtype)
@@ -133,7 +142,7 @@ def w4a4_linear_blackwell(
 
 def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None) -> torch.Tensor:
     """Weight-only: ``F.linear(x, DQ(W))`` with DQ in ``x.dtype`` (the trainer's QAT forward weight)."""
-    w = nvfp4_dequantize(weight.qdata, weight.scale, weight.global_encode_scale, x2.dtype)
+    w = dequantized_weight(weight, x2.dtype)  # nvfp4_dequantize, cached until the weight changes
     return F.linear(x2, w, bias)
 
 

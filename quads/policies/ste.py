@@ -3,6 +3,8 @@
 Forward: the NVFP4 round trip ``DQ(Q(w))`` in the weight's dtype, computed by the one recipe
 in :mod:`quads.tensor.nvfp4_math` (so the rollout's dequantized weight is the same bits).
 Backward: the gradient passes to the BF16 master unchanged (straight-through estimator).
+The forward weight is computed once per weight version (:mod:`quads.ops.weight_cache`): a
+forward between two optimizer steps reuses it.
 A custom autograd.Function, not ``w + (fq - w).detach()``: the latter re-rounds in BF16 and
 would break bit-exact alignment.
 """
@@ -13,6 +15,7 @@ import torch
 
 from quads.ops.activation_quant import ActivationQuant, dequantize_activation
 from quads.ops.functional import quantize_activation
+from quads.ops.weight_cache import cached_derived
 from quads.policies.shards import is_dtensor
 from quads.tensor.nvfp4_math import nvfp4_fake_quantize
 
@@ -22,7 +25,9 @@ __all__ = ["fake_quantize_weight", "fake_quantize_activation"]
 class _FakeQuantWeightSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
-        return nvfp4_fake_quantize(weight)
+        # Cached until the master changes (optimizer step, sync); a copy, so the graph never
+        # shares the cached tensor.
+        return cached_derived("fake_quantize", (weight,), lambda: nvfp4_fake_quantize(weight)).clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

@@ -377,6 +377,9 @@ def _copy_(func, args, kwargs):
     dst.qdata.copy_(parts.qdata)
     dst.scale.copy_(parts.scale)
     dst.global_encode_scale.copy_(parts.global_encode_scale)
+    # Inside __torch_dispatch__ in-place writes do not bump the parts' version counters (that
+    # happens above this dispatch level); bump them so version-keyed caches see the write.
+    torch.autograd.graph.increment_version((dst.qdata, dst.scale, dst.global_encode_scale))
     return dst
 
 

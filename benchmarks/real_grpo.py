@@ -1,0 +1,277 @@
+"""GRPO on the real model (SmolLM2-135M-Instruct) under one precision configuration and seed.
+
+A self-contained GRPO loop (no TRL: the GPU image has none) built from quads' parts, so each
+configuration runs exactly the same algorithm:
+
+* **rollout**: the configuration's rollout engine (``build_rollout_model`` of the trainer's
+  masters; BF16, FP8 W8A8 or NVFP4 W4A4 with or without residual compensation; eager attention,
+  unlike the trainer's SDPA, so BF16 has an engine-drift floor) samples ``G`` completions per
+  prompt with ``generate`` (T = 1, no top-k / top-p); the sampling log-probs are read from the
+  engine's raw logits (token-by-token decoding with a KV cache);
+* **trainer**: FP32 masters, forward under BF16 autocast (like TRL's ``bf16=True``), with the
+  configuration's trainer policy (none, W4A16 QAT or symmetric W4A4 QAT); one teacher-forced
+  forward gives the trainer log-probs;
+* **loss**: GRPO, group-normalised advantages, one policy-gradient step per batch (ratio
+  ``exp(lp - sg(lp))``), token-level normalisation, no KL term; TRL's ``sequence_mask``
+  importance correction against the rollout (sequence ratio ``exp(sum(lp_train - lp_rollout))``,
+  sequences with ratio > 3 masked);
+* **sync**: after every optimizer step ``sync_weights_`` re-quantizes the masters into the rollout.
+
+Every step writes one JSON line to ``<out>/<config>-s<seed>/metrics.jsonl``: reward, final-answer
+accuracy, step credit, completion length, the mismatch metrics of
+:func:`quads.diagnostics.mismatch.mismatch_metrics` (gap mean / p99 / max, k3 KL, raw IS ratios,
+masked fraction) and phase timings. Held-out accuracy (greedy, exact final answer) is measured
+before and after, with the configuration's rollout engine and with the BF16 masters, into
+``summary.json``. ``--resume`` continues from ``state.pt`` (masters + optimizer + RNG), so a long
+run can be cut into pieces that each fit a 10-minute command.
+
+    python benchmarks/real_grpo.py --config quads --seed 0 --steps 200 --out runs/real_grpo --device cuda
+    python benchmarks/real_grpo.py --config naive --seed 0 --steps 3 --prompts 2 --group 2 --max-new-tokens 64 \\
+        --eval-problems 4 --out runs/real_grpo_smoke           # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import quads  # noqa: E402
+from quads.diagnostics.fp8_reference import fp8_w8a8_  # noqa: E402
+from quads.diagnostics.mismatch import mismatch_metrics  # noqa: E402
+from quads.diagnostics.scoring import positions_from_mask  # noqa: E402
+from quads.models import find_smollm2, load_smollm2  # noqa: E402
+from quads.policies import POLICY_PRESETS, build_rollout_model, copy_model  # noqa: E402
+from quads.policies.presets import with_residual_fraction  # noqa: E402
+from quads.tasks.chain_sum import MAX_NEW_TOKENS, chat_prompt, make_problems, score_completion  # noqa: E402
+
+FP8 = "fp8"
+#: configuration -> (trainer policy or None, rollout policy / FP8 / None)
+CONFIGS = {
+    "bf16": (None, None),
+    "naive": (POLICY_PRESETS["naive"].trainer, POLICY_PRESETS["naive"].rollout),
+    "sym-qat": (POLICY_PRESETS["sym-qat"].trainer, POLICY_PRESETS["sym-qat"].rollout),
+    "w4a16-qat": (POLICY_PRESETS["w4a16-qat"].trainer, POLICY_PRESETS["w4a16-qat"].rollout),
+    "quads": (POLICY_PRESETS["quads"].trainer, POLICY_PRESETS["quads"].rollout),
+    "quads-100": (POLICY_PRESETS["quads"].trainer, with_residual_fraction(POLICY_PRESETS["quads"], 1.0).rollout),
+    "fp8": (None, FP8),
+}
+IS_CLIP_MAX = 3.0
+
+
+def build_models(base, config: str, device):
+    trainer_policy, rollout_policy = CONFIGS[config]
+    trainer = copy_model(base, torch.float32, device)
+    trainer.requires_grad_(True)
+    trainer.train()
+    if trainer_policy is not None:
+        quads.quantize_(trainer, trainer_policy)
+    if rollout_policy == FP8:
+        rollout = fp8_w8a8_(copy_model(trainer, torch.bfloat16, device))
+    else:
+        rollout = build_rollout_model(trainer, rollout_policy, dtype=torch.bfloat16, device=device)
+    # A different attention kernel from the trainer's (SDPA), as a separate engine has (and as
+    # `quads diagnose` does): the BF16 configuration then measures an engine-drift floor.
+    rollout.set_attn_implementation("eager")
+    rollout.eval()
+    return trainer, rollout
+
+
+def encode_prompts(tok, problems, device):
+    tok.padding_side = "left"
+    texts = [chat_prompt(tok, p["numbers"]) for p in problems]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def completion_mask(completion: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 up to and including the first EOS, 0 after it."""
+    is_eos = completion == eos_id
+    after = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    return (~after).long()
+
+
+@torch.no_grad()
+def sample(rollout, tok, ids, attn, group: int, max_new_tokens: int):
+    """``group`` completions per prompt and their rollout log-probs (engine path, raw logits)."""
+    ids, attn = ids.repeat_interleave(group, 0), attn.repeat_interleave(group, 0)
+    out = rollout.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
+                           top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                           eos_token_id=tok.eos_token_id, output_logits=True, return_dict_in_generate=True)
+    completion = out.sequences[:, ids.shape[1]:]
+    logits = torch.stack(out.logits, dim=1).float()
+    logps = torch.log_softmax(logits, -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    return ids, attn, completion, logps
+
+
+def trainer_logps(trainer, prompt_ids, prompt_attn, completion, cmask):
+    input_ids = torch.cat([prompt_ids, completion], dim=1)
+    attn = torch.cat([prompt_attn, cmask], dim=1)
+    n = completion.shape[1]
+    device_type = input_ids.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16):  # positions skip left padding, as in generate
+        logits = trainer(input_ids=input_ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+                         logits_to_keep=n + 1).logits[:, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def held_out_accuracy(model, tok, problems, device, max_new_tokens: int, batch: int = 32) -> float:
+    correct = 0
+    for s in range(0, len(problems), batch):
+        chunk = problems[s : s + batch]
+        ids, attn = encode_prompts(tok, chunk, device)
+        out = model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        for p, c in zip(chunk, out[:, ids.shape[1]:]):
+            correct += score_completion(tok.decode(c, skip_special_tokens=True), p["numbers"])["final"]
+    return correct / max(len(problems), 1)
+
+
+def evaluate(trainer, rollout, tok, problems, device, max_new_tokens) -> dict:
+    master = copy_model(trainer, torch.bfloat16, device)
+    return {"rollout": held_out_accuracy(rollout, tok, problems, device, max_new_tokens),
+            "master_bf16": held_out_accuracy(master, tok, problems, device, max_new_tokens)}
+
+
+def grpo_step(trainer, rollout, tok, opt, problems, args, device) -> dict:
+    t0 = time.perf_counter()
+    p_ids, p_attn = encode_prompts(tok, problems, device)
+    p_ids, p_attn, completion, rollout_lp = sample(rollout, tok, p_ids, p_attn, args.group, args.max_new_tokens)
+    cmask = completion_mask(completion, tok.eos_token_id)
+    t_gen = time.perf_counter()
+    scores = [score_completion(tok.decode(c, skip_special_tokens=True), problems[i // args.group]["numbers"])
+              for i, c in enumerate(completion)]
+    rewards = torch.tensor([s["reward"] for s in scores], device=device)
+    grouped = rewards.view(-1, args.group)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+
+    lp = trainer_logps(trainer, p_ids, p_attn, completion, cmask)
+    m = cmask.float()
+    metrics = mismatch_metrics(rollout_lp, lp.detach(), cmask.bool(), is_mode="sequence_mask",
+                               clip_max=IS_CLIP_MAX, prefix="")
+    seq_log_ratio = ((lp.detach() - rollout_lp) * m).sum(-1)
+    ratio = torch.exp(seq_log_ratio)
+    is_weight = torch.where(ratio <= IS_CLIP_MAX, ratio, torch.zeros_like(ratio))  # TRL sequence_mask
+    pg = torch.exp(lp - lp.detach())  # = 1, gradient of lp
+    loss = -((is_weight * adv)[:, None] * pg * m).sum() / m.sum().clamp_min(1.0)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), args.max_grad_norm).item()
+    opt.step()
+    t_train = time.perf_counter()
+    quads.sync_weights_(rollout, trainer)
+    t_sync = time.perf_counter()
+    metrics.update({
+        "reward": rewards.mean().item(),
+        "final_acc": sum(s["final"] for s in scores) / len(scores),
+        "step_credit": sum(s["steps"] for s in scores) / len(scores),
+        "completion_len": m.sum(-1).mean().item(),
+        "loss": loss.item(), "grad_norm": grad_norm,
+        "t_generate": t_gen - t0, "t_train": t_train - t_gen, "t_sync": t_sync - t_train,
+    })
+    return metrics
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else find_smollm2()
+    if model_dir is None:
+        sys.exit("SmolLM2 is not built: run `quads fetch-real-model` (or pass --model DIR)")
+    base, tok = load_smollm2(model_dir)
+    run_dir = Path(args.out) / f"{args.config}-s{args.seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = run_dir / "state.pt"
+    torch.manual_seed(args.seed)
+    trainer, rollout = build_models(base, args.config, device)
+    del base
+    opt = torch.optim.AdamW(trainer.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    heldout = make_problems(args.eval_problems, seed=0, split="heldout")
+    summary_path = run_dir / "summary.json"
+    start = 0
+    if args.resume and state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        trainer.load_state_dict(state["trainer"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        if device.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        start = state["step"]
+        quads.sync_weights_(rollout, trainer)
+        summary = json.loads(summary_path.read_text())
+    else:
+        (run_dir / "metrics.jsonl").write_text("")
+        summary = {"config": args.config, "seed": args.seed, "args": vars(args),
+                   "heldout_before": evaluate(trainer, rollout, tok, heldout, device, args.max_new_tokens)}
+        summary_path.write_text(json.dumps(summary, indent=1))
+        print(f"[{args.config} s{args.seed}] held-out before: {summary['heldout_before']}", flush=True)
+    rng = random.Random(f"{args.seed}/{start}")
+    target = args.total_steps or start + args.steps  # the run's last step
+    end = min(start + args.steps, target)
+    began = time.perf_counter()
+    with open(run_dir / "metrics.jsonl", "a") as log:
+        for step in range(start, end):
+            if args.time_budget_s and time.perf_counter() - began > args.time_budget_s:
+                end = step  # out of time for this call: save the state, continue with --resume
+                print(f"[{args.config} s{args.seed}] time budget reached after step {step - 1}", flush=True)
+                break
+            problems = make_problems(args.prompts, seed=rng.randrange(2**31), split="train")
+            metrics = {"step": step, **grpo_step(trainer, rollout, tok, opt, problems, args, device)}
+            log.write(json.dumps(metrics) + "\n")
+            log.flush()
+            print(f"[{args.config} s{args.seed}] step {step}: reward {metrics['reward']:.3f} "
+                  f"acc {metrics['final_acc']:.3f} gap mean {metrics['logp_gap_mean']:.4f} "
+                  f"max {metrics['logp_gap_max']:.3f} masked {metrics['is_masked_fraction']:.2f} "
+                  f"({metrics['t_generate']:.1f}+{metrics['t_train']:.1f}+{metrics['t_sync']:.1f} s)", flush=True)
+    done = end >= target
+    if done:
+        summary["heldout_after"] = evaluate(trainer, rollout, tok, heldout, device, args.max_new_tokens)
+        summary["steps"] = end
+        print(f"[{args.config} s{args.seed}] held-out after {end} steps: {summary['heldout_after']}", flush=True)
+    summary_path.write_text(json.dumps(summary, indent=1))
+    if not done or args.keep_state:
+        state = {"trainer": trainer.state_dict(), "optimizer": opt.state_dict(), "step": end,
+                 "rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None}
+        torch.save(state, state_path)
+    elif state_path.exists():
+        state_path.unlink()
+    return summary
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(CONFIGS), required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=200, help="steps to run in this call")
+    p.add_argument("--total-steps", type=int, default=None,
+                   help="the run's length; with --resume, calls continue until it (held-out 'after' at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from <run>/state.pt if present")
+    p.add_argument("--keep-state", action="store_true", help="keep state.pt after the last step")
+    p.add_argument("--time-budget-s", type=float, default=0,
+                   help="stop starting new steps after this many seconds (then save state.pt; resume later)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--eval-problems", type=int, default=64)
+    p.add_argument("--model", default=None, help="SmolLM2 directory (default: the quads cache)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default="runs/real_grpo")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    run(parse_args())

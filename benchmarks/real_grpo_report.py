@@ -1,0 +1,118 @@
+"""Table and plots of the real-model GRPO ablation (``benchmarks/real_grpo.py`` runs).
+
+    python benchmarks/real_grpo_report.py runs/real_grpo [--out docs/img]
+
+Reads every ``<config>-s<seed>/metrics.jsonl`` and ``summary.json``; prints the paper-form table
+(per-step max log-prob gap averaged over steps, its ratio to the BF16 floor, mean / p99 gap,
+k3 KL, importance-sampling masking, held-out accuracy before and after, averaged over seeds),
+the paper's numbers beside it, and writes ``real_grpo_gap.png`` and ``real_grpo_reward.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+ORDER = ["bf16", "fp8", "naive", "sym-qat", "w4a16-qat", "quads", "quads-100"]
+#: the source paper's numbers (max per-step gap, final accuracy); "-" where it gives none
+PAPER = {"bf16": ("0.74", "73.15"), "fp8": ("-", "72.88"), "naive": ("1.3", "51.37"), "quads": ("0.86", "72.86")}
+
+
+def load(runs: Path) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = defaultdict(list)
+    for run in sorted(p for p in runs.iterdir() if p.is_dir() and (p / "summary.json").exists()):
+        summary = json.loads((run / "summary.json").read_text())
+        steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        out[summary["config"]].append({"summary": summary, "steps": steps})
+    return out
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    def per_run(run, key):
+        return _mean([s[key] for s in run["steps"]])
+
+    rows = {}
+    for config, rs in runs.items():
+        done = [r for r in rs if "heldout_after" in r["summary"]]
+        rows[config] = {
+            "seeds": len(rs),
+            "steps": _mean([len(r["steps"]) for r in rs]),
+            "gap_max": _mean([per_run(r, "logp_gap_max") for r in rs]),
+            "gap_mean": _mean([per_run(r, "logp_gap_mean") for r in rs]),
+            "gap_p99": _mean([per_run(r, "logp_gap_p99") for r in rs]),
+            "k3": _mean([per_run(r, "k3_kl") for r in rs]),
+            "masked": _mean([per_run(r, "is_masked_fraction") for r in rs]),
+            "is_max": _mean([per_run(r, "is_ratio_raw_max") for r in rs]),
+            "before": _mean([r["summary"]["heldout_before"]["rollout"] for r in rs]),
+            "after": _mean([r["summary"]["heldout_after"]["rollout"] for r in done]) if done else None,
+            "after_master": _mean([r["summary"]["heldout_after"]["master_bf16"] for r in done]) if done else None,
+        }
+    floor = rows.get("bf16", {}).get("gap_max", float("nan"))
+    head = ("| config | seeds | steps | max gap (mean over steps) | / BF16 floor | mean gap | p99 gap | k3 KL | "
+            "IS masked | raw IS max | held-out before | after (rollout) | after (BF16 masters) | paper max gap | paper acc |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for config in [c for c in ORDER if c in rows] + sorted(set(rows) - set(ORDER)):
+        r = rows[config]
+        pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
+        paper = PAPER.get(config, ("-", "-"))
+        lines.append(f"| {config} | {r['seeds']} | {r['steps']:.0f} | {r['gap_max']:.3f} | {r['gap_max'] / floor:.2f} | "
+                     f"{r['gap_mean']:.4f} | {r['gap_p99']:.3f} | {r['k3']:.2e} | {r['masked']:.3f} | {r['is_max']:.3g} | "
+                     f"{pct(r['before'])} | {pct(r['after'])} | {pct(r['after_master'])} | {paper[0]} | {paper[1]} |")
+    return "\n".join(lines)
+
+
+def plots(runs: dict[str, list[dict]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, name, ylabel in (("logp_gap_max", "real_grpo_gap.png", "per-step max |log p_rollout - log p_trainer|"),
+                              ("reward", "real_grpo_reward.png", "mean reward")):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for config in [c for c in ORDER if c in runs]:
+            for i, r in enumerate(runs[config]):
+                ys = [s[key] for s in r["steps"]]
+                k = 10
+                smooth = [statistics.fmean(ys[max(0, j - k + 1) : j + 1]) for j in range(len(ys))]
+                ax.plot(range(len(ys)), smooth, label=config if i == 0 else None,
+                        color=f"C{ORDER.index(config)}", alpha=0.9 if i == 0 else 0.5)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel(ylabel + " (10-step mean)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", type=Path)
+    p.add_argument("--out", type=Path, default=None, help="folder for the PNG plots (default: the runs folder)")
+    args = p.parse_args(argv)
+    runs = load(args.runs)
+    if not runs:
+        raise SystemExit(f"no runs with summary.json under {args.runs}")
+    print(table(runs))
+    out = args.out or args.runs
+    out.mkdir(parents=True, exist_ok=True)
+    for path in plots(runs, out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
