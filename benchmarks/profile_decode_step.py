@@ -32,8 +32,8 @@ from quads.policies import build_rollout_model  # noqa: E402
 from rollout_throughput import DEVICE, build_model  # noqa: E402
 
 FAMILIES = [
-    ("quads quant", r"quantize|_quant|amax|operand"),
-    ("quads gemm", r"decode_gemm|_decode|w4a4|grouped|moe_|_gemm_kernel|splitk|reduce_partials"),
+    ("quads quant", r"^_(act_quant|quantize|amax|scaled_fp16)"),  # quads' Triton kernels are named _...
+    ("quads gemm", r"^_(decode_gemm|moe_w4a4|w4a4|gemm|dequant)"),
     ("cublas gemm", r"gemm|sm90_xmma|cutlass|nvjet|cublas|gemv"),
     ("attention", r"flash|attention|fmha|sdpa|softmax_warp|efficient"),
     ("sampling", r"topk|sort|exponential|argmax|log_softmax|isin|radix"),
@@ -42,9 +42,8 @@ FAMILIES = [
 
 
 def family(name: str) -> str:
-    low = name.lower()
     for fam, pattern in FAMILIES:
-        if re.search(pattern, low):
+        if re.search(pattern, name if fam.startswith("quads") else name.lower()):
             return fam
     return "other"
 

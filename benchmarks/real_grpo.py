@@ -61,7 +61,7 @@ CONFIGS = {
     "sym-qat": (POLICY_PRESETS["sym-qat"].trainer, POLICY_PRESETS["sym-qat"].rollout),
     "w4a16-qat": (POLICY_PRESETS["w4a16-qat"].trainer, POLICY_PRESETS["w4a16-qat"].rollout),
     "quads": (POLICY_PRESETS["quads"].trainer, POLICY_PRESETS["quads"].rollout),
-    "quads-100": (POLICY_PRESETS["quads"].trainer, with_residual_fraction(POLICY_PRESETS["quads"], 1.0).rollout),
+    "quads-50": (POLICY_PRESETS["quads"].trainer, with_residual_fraction(POLICY_PRESETS["quads"], 0.5).rollout),  # the paper's k
     "fp8": (None, FP8),
 }
 IS_CLIP_MAX = 3.0

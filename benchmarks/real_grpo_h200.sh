@@ -2,7 +2,7 @@
 # The real-model GRPO ablation on one H200, in pieces that fit the 10-minute command limit.
 #
 #   bash benchmarks/real_grpo_h200.sh SEEDS CONFIGS TOTAL_STEPS BUDGET_S
-#   e.g. bash benchmarks/real_grpo_h200.sh "0 1" "bf16 naive sym-qat w4a16-qat quads quads-100 fp8" 200 480
+#   e.g. bash benchmarks/real_grpo_h200.sh "0 1" "bf16 naive sym-qat w4a16-qat quads quads-50 fp8" 200 480
 #
 # Runs every config x seed as its own process in parallel on the GPU (a 135M model leaves the
 # GPU mostly idle: the decode loop is launch-bound), each for at most BUDGET_S seconds of steps
@@ -13,7 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${1:-"0 1"}
-CONFIGS=${2:-"bf16 naive sym-qat w4a16-qat quads quads-100 fp8"}
+CONFIGS=${2:-"bf16 naive sym-qat w4a16-qat quads quads-50 fp8"}
 TOTAL=${3:-200}
 BUDGET=${4:-480}
 PY=${PYTHON:-python3}

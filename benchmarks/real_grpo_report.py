@@ -16,7 +16,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-ORDER = ["bf16", "fp8", "naive", "sym-qat", "w4a16-qat", "quads", "quads-100"]
+ORDER = ["bf16", "fp8", "naive", "sym-qat", "w4a16-qat", "quads-50", "quads"]
 #: the source paper's numbers (max per-step gap, final accuracy); "-" where it gives none
 PAPER = {"bf16": ("0.74", "73.15"), "fp8": ("-", "72.88"), "naive": ("1.3", "51.37"), "quads": ("0.86", "72.86")}
 
