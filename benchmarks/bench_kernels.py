@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight  # noqa: E402
+from timing import graph_time  # noqa: E402
 
 from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
 from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
@@ -48,36 +48,6 @@ QUADS_DEFAULT = ActivationQuant(residual_fraction=1.0)  # see docs/kernels.md: t
 TOPK50 = ActivationQuant(residual_fraction=0.5)
 PLAIN = ActivationQuant(residual_fraction=0.0)
 SHAPES = [(4096, 4096), (2048, 4096), (4096, 2048), (4096, 14336), (14336, 4096)]  # (K, N)
-
-
-def graph_time(calls, iters=30):
-    """Median µs per call of a CUDA graph running ``calls`` (one per input set) back to back."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for c in calls:
-            c()
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=st):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
-    del g
-    return statistics.median(ts)
 
 
 def row(section, name, us, floor_bytes=None, peers=None, **extra):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -27,11 +26,13 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from quads.kernels.hopper_weight_layout import load_weight_tile, to_hopper_layout  # noqa: E402
 from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
+from timing import graph_time  # noqa: E402
 
 
 @triton.jit
@@ -85,31 +86,6 @@ def _decode_noepi_kernel(VALS, SCALES, X, PART, num_kb, K, N, SEG_KB: tl.constex
         acc = tl.dot(w, tl.trans(x), acc)
     offs_n = pid_n * BN + tl.arange(0, BN)
     tl.store(PART + (pid_s * 2).to(tl.int64) * N + tok[None, :] * N + offs_n[:, None], acc, mask=tmask[None, :])
-
-
-def graph_time(calls, iters=30):
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=st):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(ts)
 
 
 def main():
