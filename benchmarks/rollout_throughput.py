@@ -7,9 +7,10 @@ Models are built from config with random weights (no hub): ``moe`` has Qwen3-30B
 shapes (hidden 2048, 32/4 heads of 128, 128 experts top-8 of width 768), ``dense`` Llama-3-8B's
 (hidden 4096, MLP 14336, 32/8 heads), ``--layers`` decoder layers each and a 32000 vocabulary
 (lm_head and embeddings stay BF16 in every variant). Variants, each a rollout copy of the same
-BF16 model: ``bf16`` (transformers' grouped_mm experts), ``quads`` (the default rollout
-policy: W4A4 + residual), ``naive`` (W4A4, no residual), ``w4a16`` (NVFP4 weights, BF16
-activations).
+BF16 model: ``bf16`` (transformers' grouped_mm experts), ``fp8`` (W8A8: per-channel E4M3
+weights, per-token E4M3 activations by one fused kernel, cuBLASLt ``_scaled_mm`` and
+``_scaled_grouped_mm``; ``benchmarks/fp8_rollout.py``), ``quads`` (the default rollout policy:
+W4A4 + residual), ``naive`` (W4A4, no residual), ``w4a16`` (NVFP4 weights, BF16 activations).
 
 For each batch size: prompts of ``--prompt`` random tokens (no padding), ``--new-tokens``
 sampled at temperature 1 with no EOS (every row runs to the end). Times, after one warm-up
@@ -33,14 +34,16 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import quads  # noqa: E402
 from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec  # noqa: E402
-from quads.policies import build_rollout_model  # noqa: E402
+from quads.policies import build_rollout_model, copy_model  # noqa: E402
 
 VOCAB = 32000
 VARIANTS = {
     "bf16": None,
+    "fp8": "fp8",  # benchmarks/fp8_rollout.py: W8A8, fused per-token activation quantization
     "quads": quads.QuadsPolicy(side="rollout"),
     "naive": quads.QuadsPolicy(side="rollout", residual_fraction=0.0),
     "w4a16": quads.QuadsPolicy(side="rollout", activations="bf16"),
@@ -200,10 +203,18 @@ def main():
             model = None
             try:
                 t0 = time.perf_counter()
-                model = base if VARIANTS[name] is None else build_rollout_model(base, VARIANTS[name])
+                if VARIANTS[name] is None:
+                    model = base
+                elif VARIANTS[name] == "fp8":
+                    from fp8_rollout import to_fp8_rollout
+
+                    model = to_fp8_rollout(copy_model(base))
+                else:
+                    model = build_rollout_model(base, VARIANTS[name])
                 _sync()
                 build_s = time.perf_counter() - t0
-                sync_s = sync_time(lambda: quads.sync_weights_(model, base)) if model is not base else 0.0
+                quantized = model is not base and VARIANTS[name] != "fp8"
+                sync_s = sync_time(lambda: quads.sync_weights_(model, base)) if quantized else 0.0
                 record(kind=kind, variant=name, build_s=round(build_s, 2), sync_ms=round(sync_s * 1e3, 1),
                        weights_gib=_memory("memory_allocated"))
                 bench_variant(kind, name, model, batches, args.prompt, args.new_tokens, args.hf_batch, args.budget_s)
