@@ -16,8 +16,10 @@ from tests.tiny_models import build
 
 @pytest.fixture(autouse=True)
 def fresh_cache():
+    """The cache is off by default; these tests turn it on (64 MB) and restore the default."""
     weight_cache.clear_weight_cache()
     budget = weight_cache_info()["budget_bytes"]
+    weight_cache.set_weight_cache_budget(64)
     yield
     weight_cache.set_weight_cache_budget(budget / 2**20)
     weight_cache.clear_weight_cache()
@@ -122,3 +124,30 @@ def test_trainer_and_rollout_stay_aligned_across_training_steps():
         opt.zero_grad()
         quads.sync_weights_(rollout, trainer)
     assert weight_cache_info()["hits"] > 0
+
+
+def test_off_by_default_so_fused_optimizer_steps_are_seen():
+    """A fused AdamW step updates the master without bumping its version counter: a cache on by
+    default would hand the trainer the old fake-quantized weight. Default off: always fresh."""
+    weight_cache.set_weight_cache_budget(0)
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    opt = torch.optim.AdamW([w], lr=0.5, fused=True)
+    before = fake_quantize_weight(w)
+    version = w._version
+    w.grad = torch.randn_like(w)
+    opt.step()
+    assert w._version == version  # what makes version-keyed caching unsafe in training
+    after = fake_quantize_weight(w)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, nvfp4_fake_quantize(w.detach()))
+
+
+def test_enabled_scope_restores_the_budget_and_drops_entries():
+    weight_cache.set_weight_cache_budget(0)
+    w = torch.randn(64, 64)
+    with weight_cache.weight_cache_enabled(8):
+        assert weight_cache_info()["budget_bytes"] == 8 * 2**20
+        fake_quantize_weight(w)
+        assert weight_cache_info()["entries"] == 1
+    assert weight_cache_info() | {"hits": 0, "misses": 0} == {"entries": 0, "bytes": 0, "budget_bytes": 0,
+                                                             "hits": 0, "misses": 0}

@@ -49,6 +49,7 @@ from quads.diagnostics.mismatch import k3_kl, logp_gap_stats
 from quads.diagnostics.scoring import positions_from_mask, score_incremental, score_teacher_forced
 from quads.ops.activation_quant import ActivationQuant, dequantize_activation, quantize_activation_reference
 from quads.policies import POLICY_PRESETS, QuadsPolicy, quantize_
+from quads.ops.weight_cache import weight_cache_enabled
 from quads.policies.presets import with_residual_fraction
 from quads.policies.walk import conversion_targets
 
@@ -160,7 +161,13 @@ def layer_activation_errors(model, input_ids, attention_mask, fractions=(0.0, 0.
 
 def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, seed=0,
                  progress: Callable | None = None, tokens_per_step: int = 16) -> dict:
-    """The whole report as a dict (see module doc)."""
+    """The whole report as a dict (see module doc). Derived weights are cached for the run
+    (``weight_cache_enabled``: the models' weights only change by quads' own in-place writes)."""
+    with weight_cache_enabled():
+        return _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress, tokens_per_step)
+
+
+def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress, tokens_per_step) -> dict:
     model.eval()
     ids, attn, comp_mask = sample_completions(model, tokenizer, prompts, max_new_tokens, temperature, seed)
     n = comp_mask.shape[1]

@@ -20,9 +20,18 @@ that way; code that does calls :func:`clear_weight_cache` afterwards (or runs wi
 garbage collected are dropped with it (``weakref.finalize`` on the source, or on its base for a
 view such as one expert's slice).
 
-**Memory.** The cache holds at most ``QUADS_WEIGHT_CACHE_MB`` megabytes (default 4096) over all
-devices, least recently used first out; ``QUADS_WEIGHT_CACHE_MB=0`` (or
-:func:`set_weight_cache_budget` ``(0)``) turns it off. Dequantized float32 values take 7x the
+**Off by default; on only where weights cannot change behind its back.** Version counters
+are not a reliable change signal in training: ``torch.optim.AdamW(fused=True)`` (transformers'
+and TRL's default optimizer where available) updates parameters without bumping them, and so
+do vLLM's weight loaders (``param.data.copy_``). A cache on by default served the trainer stale
+fake-quantized weights after fused optimizer steps (the TRL main job's log-prob gap grew from
+0.011 to 0.054 over 8 steps; found 2026-12-01). So the default budget is 0 and only code that
+owns its weights for the duration turns it on: ``quads diagnose`` runs inside
+:func:`weight_cache_enabled`. ``QUADS_WEIGHT_CACHE_MB`` sets the budget process-wide (for
+users who know their weights change only through in-place ops that bump version counters).
+
+**Memory.** When on, the cache holds at most its budget in megabytes over all devices, least
+recently used first out; a budget of 0 (:func:`set_weight_cache_budget` ``(0)``) turns it off. Dequantized float32 values take 7x the
 packed weight (4 bytes per element against 0.5625), a BF16 fake-quant copy 1x the master.
 Tensors being traced (``torch.compile``), meta tensors and inference-mode tensors (no version
 counter) are never cached. Not thread-safe (like the modules that call it).
@@ -33,15 +42,19 @@ from __future__ import annotations
 import os
 import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Callable, Hashable
 
 import torch
 
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
 
-__all__ = ["cached_derived", "dequantized_weight", "clear_weight_cache", "set_weight_cache_budget", "weight_cache_info"]
+__all__ = ["cached_derived", "dequantized_weight", "clear_weight_cache", "set_weight_cache_budget", "weight_cache_info",
+           "weight_cache_enabled"]
 
-_DEFAULT_BUDGET_MB = 4096
+_DEFAULT_BUDGET_MB = 0  # off: see the module doc
+#: the budget ``weight_cache_enabled()`` uses (``quads diagnose``)
+SCOPED_BUDGET_MB = 4096
 
 
 class _Entry:
@@ -174,3 +187,17 @@ def weight_cache_info() -> dict:
     """``{"entries", "bytes", "budget_bytes", "hits", "misses"}`` (for tests and benchmarks)."""
     return {"entries": len(_CACHE.entries), "bytes": _CACHE.nbytes, "budget_bytes": _CACHE.budget,
             "hits": _CACHE.hits, "misses": _CACHE.misses}
+
+
+@contextmanager
+def weight_cache_enabled(megabytes: float = SCOPED_BUDGET_MB):
+    """Cache derived weights inside the block (for code whose weights change only through
+    in-place writes that bump version counters: ``quads diagnose``); the previous budget is
+    restored and every entry dropped on exit. A process-wide budget already larger is kept."""
+    previous = _CACHE.budget
+    _CACHE.budget = max(previous, int(megabytes * 2**20))
+    try:
+        yield
+    finally:
+        _CACHE.budget = previous
+        clear_weight_cache()
