@@ -287,7 +287,8 @@ def _describe(policy) -> str:
         return "NVFP4 fake-quant weights (STE), " + ("BF16 activations (W4A16 QAT)" if policy.activations == "bf16" else "NVFP4 fake-quant activations (W4A4 QAT)")
     if policy.activations == "bf16":
         return "packed NVFP4 weights, BF16 activations (W4A16)"
-    return f"packed NVFP4 weights, NVFP4 activations (W4A4), residual compensation {policy.residual_fraction:.0%} ({policy.residual_selection})"
+    which = "all channels" if policy.residual_fraction == 1.0 else policy.residual_selection
+    return f"packed NVFP4 weights, NVFP4 activations (W4A4), residual compensation {policy.residual_fraction:.0%} ({which})"
 
 
 def write_summary(out: Path, summary: dict) -> None:
