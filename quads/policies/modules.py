@@ -70,34 +70,6 @@ class QuadsModule:
         return f"{base}, {extra}" if base else extra
 
 
-def _copy_into(old, new) -> bool:
-    """Write ``new`` into ``old`` in place when both are tensors (or nested tuples of them) of
-    the same shapes, dtypes and devices; False (nothing written) otherwise.
-
-    In place matters: CUDA graphs and compiled graphs captured over a rollout model hold the
-    prepared tensors' addresses, so a weight sync must update them, not replace them."""
-    def same(a, b) -> bool:
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.is_contiguous() == b.is_contiguous()
-        if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
-            return all(same(x, y) for x, y in zip(a, b))
-        if isinstance(a, (torch.Tensor, tuple)) or isinstance(b, (torch.Tensor, tuple)):
-            return False
-        return a == b  # metadata (ints) or None
-
-    def copy(a, b) -> None:
-        if isinstance(a, torch.Tensor):
-            a.copy_(b)
-        elif isinstance(a, tuple):
-            for x, y in zip(a, b):
-                copy(x, y)
-
-    if not old or not same(old, new):
-        return False
-    copy(old, new)
-    return True
-
-
 class RolloutModule(QuadsModule):
     """Rollout mixin: owns packed parameters and the backend chosen for their device."""
 
@@ -121,9 +93,8 @@ class RolloutModule(QuadsModule):
         """Called whenever the packed weights were (re)written: by ``quantize_``, ``sync_weights_``
         and device moves. Rebuilds what the backend derives from the packed parts (the Hopper
         kernel layout: as many bytes again as the packed weight)."""
-        fresh = tuple(self.quads_backend.prepare_weight(getattr(self, n).parts) for n in self.quads_packed_names)
-        if not _copy_into(self.quads_prepared, fresh):
-            self.quads_prepared = fresh
+        self.quads_prepared = self.quads_backend.refresh_prepared(
+            self.quads_prepared, [getattr(self, n).parts for n in self.quads_packed_names])
         self._quads_prepared_versions = self._quads_versions()
 
     def quads_prepared_weights(self) -> tuple:

@@ -295,6 +295,9 @@ class QuadsLinearMethod(LinearMethodBase):
         _replace(layer, "weight", torch.cat([p.qdata for p in packed]))
         _replace(layer, "weight_scale", torch.cat([p.scale for p in packed]))
         _replace(layer, "weight_global_scale", torch.stack([p.global_encode_scale for p in packed]))
+        # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
+        layer.quads_prepared = layer.quads_backend.refresh_prepared(
+            getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
 
     def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         """The packed logical weights of ``layer`` (views of its parameters)."""
@@ -314,7 +317,8 @@ class QuadsLinearMethod(LinearMethodBase):
         return out
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend)
+        return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend,
+                            getattr(layer, "quads_prepared", None))
 
 
 def shard_linear(
@@ -323,20 +327,24 @@ def shard_linear(
     bias: torch.Tensor | None,
     act: ActivationQuant | None,
     backend: Backend | None = None,
+    prepared: tuple | None = None,
 ) -> torch.Tensor:
     """``cat_i rollout_linear(x, shard_i, bias_i, act)`` along the output dim.
 
     On the torch backend the activation is quantized once and shared by the shards (same
     result: the quantization depends on ``x`` only); kernels get one call per shard.
     ``backend``: the layer's (stored at weight loading); None picks one for ``x``'s device.
+    ``prepared``: one ``backend.prepare_weight`` result per shard (None: built per call).
     """
     backend = backend or select_backend(x.device)
+    prepared = prepared or (None,) * len(shards)
     if len(shards) == 1:
-        return rollout_linear(x, shards[0], bias, act, backend=backend)
+        return rollout_linear(x, shards[0], bias, act, backend=backend, prepared=prepared[0])
     sizes = [s.shape[0] for s in shards]
     biases = [None] * len(shards) if bias is None else list(bias.split(sizes))
     if act is None or backend.name != "torch":
-        return torch.cat([rollout_linear(x, s, b, act, backend=backend) for s, b in zip(shards, biases)], dim=-1)
+        return torch.cat([rollout_linear(x, s, b, act, backend=backend, prepared=p)
+                          for s, b, p in zip(shards, biases, prepared)], dim=-1)
     x2 = x.reshape(-1, x.shape[-1])
     qa = quantize_activation(x2, act, backend=backend)
     outs = []
@@ -418,6 +426,10 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             _replace(layer, name, packed.qdata)
             _replace(layer, f"{name}_scale", packed.scale)
             _replace(layer, f"{name}_global_scale", packed.global_encode_scale)
+        if layer.w13_weight.dtype == torch.uint8 and layer.w2_weight.dtype == torch.uint8:
+            gate_up, down = self.packed_weights(layer)
+            layer.quads_prepared = layer.quads_backend.refresh_prepared(
+                getattr(layer, "quads_prepared", ()), [gate_up.parts, down.parts])
 
     def packed_weights(self, layer: torch.nn.Module) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         dtype = layer.quads_orig_dtype
@@ -454,6 +466,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             getattr(layer, "w13_bias", None),
             getattr(layer, "w2_bias", None),
             backend=layer.quads_backend,
+            prepared=getattr(layer, "quads_prepared", (None, None)),
         )
 
 
