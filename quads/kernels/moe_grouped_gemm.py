@@ -24,6 +24,7 @@ import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
 from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight, load_weight_tile
+from quads.kernels.l2_prefetch import prefetch_l2
 from quads.kernels.w4a4_decode_hopper import SEG_K
 
 __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]
@@ -32,9 +33,10 @@ __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]
 @triton.jit
 def _moe_w4a4_kernel(
     VALS, SCALES, X, SX, SW, ROWS, OFFS, Y,
-    N, K, num_kb, rows_x, stride_xm, stride_ym, vals_stride_e, scales_stride_e,
+    N, K, num_kb, num_rb, rows_x, stride_xm, stride_ym, vals_stride_e, scales_stride_e,
     SEG_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, USE_ASM: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
+    PREFETCH_L2: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
@@ -46,7 +48,13 @@ def _moe_w4a4_kernel(
         offs_n = pid_n * BN + tl.arange(0, BN)
         nmask = offs_n < N
         sw = tl.load(SW + e)
-        num_seg = tl.cdiv(num_kb, SEG_KB)
+        if PREFETCH_L2:  # this tile's weight slab of expert e (contiguous in the layout) into L2
+            rb0 = pid_n * (BN // 16)
+            rbs = tl.minimum(BN // 16, num_rb - rb0).to(tl.int64)
+            prefetch_l2(vals + rb0.to(tl.int64) * num_kb * 512, (rbs * num_kb * 512).to(tl.int32))
+            prefetch_l2(scales + rb0.to(tl.int64) * num_kb * 64, (rbs * num_kb * 64).to(tl.int32))
+        num_steps = tl.cdiv(num_kb, KBI)
+        STEPS_PER_SEG: tl.constexpr = SEG_KB // KBI
         for m0 in range(start, end, BM):
             p = m0 + tl.arange(0, BM)
             pmask = p < end
@@ -56,19 +64,26 @@ def _moe_w4a4_kernel(
                 src = p.to(tl.int64)
             tot = tl.zeros((BN, BM), dtype=tl.float32)
             totr = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(0, num_seg):
-                acc = tl.zeros((BN, BM), dtype=tl.float32)
-                accr = tl.zeros((BN, BM), dtype=tl.float32)
-                for it in tl.static_range(SEG_KB // KBI):
-                    kb = s * SEG_KB + it * KBI
-                    w = load_weight_tile(vals, scales, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
-                    kk = kb * 64 + tl.arange(0, KBI * 64)
-                    xmask = pmask[:, None] & (kk < K)[None, :]
-                    x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                    acc = tl.dot(w, tl.trans(x), acc)
-                    if HAS_RES:
-                        r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                        accr = tl.dot(w, tl.trans(r), accr)
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            accr = tl.zeros((BN, BM), dtype=tl.float32)
+            # K steps of KBI blocks (STAGES deep software pipeline); a segment's sums join the
+            # totals at its last step, in segment order
+            for step in tl.range(0, num_steps, num_stages=STAGES):
+                kb = step * KBI
+                w = load_weight_tile(vals, scales, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
+                kk = kb * 64 + tl.arange(0, KBI * 64)
+                xmask = pmask[:, None] & (kk < K)[None, :]
+                x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                acc = tl.dot(w, tl.trans(x), acc)
+                if HAS_RES:
+                    r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                    accr = tl.dot(w, tl.trans(r), accr)
+                if (step + 1) % STEPS_PER_SEG == 0:
+                    tot += acc
+                    totr += accr
+                    acc = tl.zeros_like(acc)
+                    accr = tl.zeros_like(accr)
+            if num_steps % STEPS_PER_SEG != 0:  # the last, partial segment
                 tot += acc
                 totr += accr
             sx = tl.load(SX + src, mask=pmask, other=1.0)
@@ -80,15 +95,19 @@ def _moe_w4a4_kernel(
 
 
 class MoeConfig:
-    __slots__ = ("bn", "bm", "kbi", "num_warps", "num_stages", "use_asm")
+    """Tiles of the grouped kernel: ``bn`` weight rows and ``bm`` routed rows per program, ``kbi``
+    64-channel blocks per K step, warps, software-pipeline stages; ``l2_prefetch`` requests the
+    program's weight slab into L2 first (:mod:`quads.kernels.l2_prefetch`)."""
 
-    def __init__(self, bn=64, bm=16, kbi=2, num_warps=4, num_stages=1, use_asm=True):
+    __slots__ = ("bn", "bm", "kbi", "num_warps", "num_stages", "use_asm", "l2_prefetch")
+
+    def __init__(self, bn=64, bm=16, kbi=2, num_warps=4, num_stages=1, use_asm=True, l2_prefetch=False):
         self.bn, self.bm, self.kbi = bn, bm, kbi
-        self.num_warps, self.num_stages, self.use_asm = num_warps, num_stages, use_asm
+        self.num_warps, self.num_stages, self.use_asm, self.l2_prefetch = num_warps, num_stages, use_asm, l2_prefetch
 
     def __repr__(self):
         return (f"MoeConfig(bn={self.bn}, bm={self.bm}, kbi={self.kbi}, warps={self.num_warps}, "
-                f"stages={self.num_stages}, asm={self.use_asm})")
+                f"stages={self.num_stages}, asm={self.use_asm}, l2_prefetch={self.l2_prefetch})")
 
 
 def pick_moe_config(rows: int, num_experts: int, n: int, k: int) -> MoeConfig:
@@ -132,8 +151,10 @@ def moe_w4a4_gemm(
     grid = (triton.cdiv(n, cfg.bn), num_experts)
     _moe_w4a4_kernel[grid](
         weight.values, weight.scales, x16, sx, sw.reshape(-1), rows if rows is not None else offsets, offsets, y,
-        n, k, num_kb, rows_x, x16.stride(0), y.stride(0), weight.values[0].numel(), weight.scales[0].numel(),
+        n, k, num_kb, weight.values.shape[-4], rows_x, x16.stride(0), y.stride(0), weight.values[0].numel(), weight.scales[0].numel(),
         SEG_KB=SEG_K // K_BLOCK, BN=cfg.bn, BM=cfg.bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_ROWS=rows is not None,
-        USE_ASM=cfg.use_asm and not interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_ASM=cfg.use_asm and not interpreting(), STAGES=cfg.num_stages,
+        PREFETCH_L2=cfg.l2_prefetch and not interpreting(), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return y

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from quads.kernels._interpreter import interpreter_safe_input, interpreting
 from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts, global_encode_scale_from_amax
@@ -269,7 +270,10 @@ def _act_quant_row_kernel(
     WRITE_DQ: tl.constexpr,
     PACKED_SEARCH: tl.constexpr,
     FULL: tl.constexpr,  # > 0: this program quantizes blocks [c*NB, (c+1)*NB) of a row of <= FULL elements
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let a programmatic dependent GEMM start prefetching its weights now
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if HAS_ROW_IDX:
@@ -611,6 +615,7 @@ def quantize_rows(
             WRITE_PACKED=write_packed,
             WRITE_DQ=write_operand,
             PACKED_SEARCH=_packed_search(topk_search, n_rows, k),
+            LAUNCH_DEPENDENTS=not interpreting(),
             num_warps=num_warps or (max(4, min(16, triton.next_power_of_2(k) // 1024)) if chunks > 1
                                     else _num_warps_for(k, n_rows)),
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from quads.kernels._interpreter import interpreting
 from quads.kernels.arrival_counters import arrival_counters
@@ -32,6 +33,7 @@ from quads.kernels.hopper_weight_layout import (
     load_weight_raw,
     load_weight_tile,
 )
+from quads.kernels.l2_prefetch import prefetch_l2
 
 __all__ = ["SEG_K", "OPERAND_SHIFT", "DecodeConfig", "pick_decode_config", "decode_gemm", "max_decode_columns"]
 
@@ -127,17 +129,129 @@ def _decode_gemm_kernel(
         tl.atomic_xchg(LOCKS + pid_n, 0)
 
 
-class DecodeConfig:
-    """Tile choice: ``bn`` weight rows per program (64 per warpgroup), warps, pipeline stages."""
+@triton.jit
+def _stream_step_loads(VALS, SCALES, X, xrow, xmask, rb0, step, num_kb, K, BN: tl.constexpr, KBI: tl.constexpr):
+    """Every load of one K step (KBI blocks of 64 channels): weight codes, scales, activations."""
+    kb0 = step * KBI
+    raw, s8 = load_weight_raw(VALS, SCALES, rb0, kb0, num_kb, BN, KBI)
+    kk = kb0 * 64 + tl.arange(0, KBI * 64)
+    x = tl.load(X + xrow[:, None] + kk[None, :], mask=xmask[:, None] & (kk < K)[None, :], other=0.0)
+    return raw, s8, x
 
-    __slots__ = ("bn", "kbi", "num_warps", "num_stages", "use_asm", "unroll", "prefetch")
+
+@triton.jit
+def _stream_step_mma(acc, tot, raw, s8, x, step, BN: tl.constexpr, KBI: tl.constexpr,
+                     STEPS_PER_SEG: tl.constexpr, USE_ASM: tl.constexpr):
+    """One K step into the segment accumulator; at a segment's end its sum joins ``tot`` (in order)."""
+    acc = tl.dot(decode_weight_raw(raw, s8, BN, KBI, USE_ASM), tl.trans(x), acc)
+    if (step + 1) % STEPS_PER_SEG == 0:
+        tot += acc
+        acc = tl.zeros_like(acc)
+    return acc, tot
+
+
+@triton.jit
+def _decode_stream_kernel(
+    VALS, SCALES, X, SX, SW, BIAS, Y,
+    M, N, K, num_kb, num_rb, stride_xm, stride_ym,
+    SEG_KB: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KBI: tl.constexpr, DEPTH: tl.constexpr,
+    STAGES: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+    PREFETCH_L2: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program per BN weight rows walks all of K (no cross-program reduction): the loads of
+    the next ``DEPTH - 1`` K steps are in flight while a step is decoded and multiplied. Segment
+    sums from zero, added in segment order: the bits of :func:`_decode_gemm_kernel`. With the
+    residual, MMA column ``2m`` is token ``m``'s main row and ``2m + 1`` its residual row (the
+    pair lands in one thread's accumulator registers, so the final add needs no exchange).
+    ``PREFETCH_L2``: the program's whole weight slab is requested into L2 first
+    (:mod:`quads.kernels.l2_prefetch`). ``PDL`` (launched as a programmatic dependent of the
+    activation quantization): weights are prefetched before waiting for that kernel's output."""
+    pid_n = tl.program_id(0)
+    rb0 = pid_n * (BN // 16)
+    if PREFETCH_L2:  # this tile's row blocks: contiguous in the layout, every K block
+        rbs = tl.minimum(BN // 16, num_rb - rb0).to(tl.int64)
+        prefetch_l2(VALS + rb0.to(tl.int64) * num_kb * 512, (rbs * num_kb * 512).to(tl.int32))
+        prefetch_l2(SCALES + rb0.to(tl.int64) * num_kb * 64, (rbs * num_kb * 64).to(tl.int32))
+    if PDL:
+        gdc_wait()  # the activations below are the previous kernel's output
+    t = tl.arange(0, NT)
+    if HAS_RES:
+        row = tl.where(t % 2 == 0, t // 2, M + t // 2)
+        xmask = t // 2 < M
+    else:
+        row = t
+        xmask = t < M
+    xrow = row.to(tl.int64) * stride_xm
+    num_steps = tl.cdiv(num_kb, KBI)
+    STEPS_PER_SEG: tl.constexpr = SEG_KB // KBI
+    acc = tl.zeros((BN, NT), dtype=tl.float32)
+    tot = tl.zeros((BN, NT), dtype=tl.float32)
+    if DEPTH == 1:  # Triton's software pipeline (async copies through shared memory, STAGES deep)
+        for step in tl.range(0, num_steps, num_stages=STAGES):
+            raw, s8, x = _stream_step_loads(VALS, SCALES, X, xrow, xmask, rb0, step, num_kb, K, BN, KBI)
+            acc, tot = _stream_step_mma(acc, tot, raw, s8, x, step, BN, KBI, STEPS_PER_SEG, USE_ASM)
+    elif DEPTH == 2:  # loads of step + 1 issued before step is decoded (steps past K load nothing)
+        raw0, s80, x0 = _stream_step_loads(VALS, SCALES, X, xrow, xmask, rb0, 0, num_kb, K, BN, KBI)
+        for step in range(0, num_steps):
+            raw1, s81, x1 = _stream_step_loads(VALS, SCALES, X, xrow, xmask, rb0, step + 1, num_kb, K, BN, KBI)
+            acc, tot = _stream_step_mma(acc, tot, raw0, s80, x0, step, BN, KBI, STEPS_PER_SEG, USE_ASM)
+            raw0, s80, x0 = raw1, s81, x1
+    else:  # DEPTH == 3
+        raw0, s80, x0 = _stream_step_loads(VALS, SCALES, X, xrow, xmask, rb0, 0, num_kb, K, BN, KBI)
+        raw1, s81, x1 = _stream_step_loads(VALS, SCALES, X, xrow, xmask, rb0, 1, num_kb, K, BN, KBI)
+        for step in range(0, num_steps):
+            raw2, s82, x2 = _stream_step_loads(VALS, SCALES, X, xrow, xmask, rb0, step + 2, num_kb, K, BN, KBI)
+            acc, tot = _stream_step_mma(acc, tot, raw0, s80, x0, step, BN, KBI, STEPS_PER_SEG, USE_ASM)
+            raw0, s80, x0 = raw1, s81, x1
+            raw1, s81, x1 = raw2, s82, x2
+    if num_steps % STEPS_PER_SEG != 0:  # the last, partial segment
+        tot += acc
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    sw = tl.load(SW)
+    if HAS_RES:  # the residual shares the row's global scale
+        main, res = tl.split(tl.reshape(tot, (BN, NT // 2, 2)))
+        tot2 = main + res
+        m = tl.arange(0, NT // 2)
+    else:
+        tot2 = tot
+        m = tl.arange(0, NT)
+    mmask = m < M
+    sx = tl.load(SX + m, mask=mmask, other=1.0)
+    y = tl.math.div_rn(tot2 * 16384.0, (sx * sw)[None, :] + tl.zeros_like(tot2))
+    if HAS_BIAS:
+        y = y + tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    tl.store(Y + m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y.to(Y.dtype.element_ty),
+             mask=nmask[:, None] & mmask[None, :])
+
+
+class DecodeConfig:
+    """Tile choice: ``bn`` weight rows per program (64 per warpgroup), ``kbi`` 64-channel blocks
+    per K step, warps, pipeline stages. ``stream``: one program per row tile over all of K
+    (:func:`_decode_stream_kernel`): ``depth`` 2 / 3 keeps 1 / 2 K steps of loads in registers
+    ahead, ``depth`` 1 uses Triton's ``num_stages`` software pipeline; ``l2_prefetch`` requests
+    the tile's weight slab into L2 first; ``pdl`` launches it as a programmatic dependent of the
+    previous kernel. Otherwise split-K over segments with the last-arriving reduction
+    (:func:`_decode_gemm_kernel`)."""
+
+    __slots__ = ("bn", "kbi", "num_warps", "num_stages", "use_asm", "unroll", "prefetch", "stream", "depth",
+                 "l2_prefetch", "pdl")
 
     def __init__(self, bn: int = 64, kbi: int = 2, num_warps: int = 4, num_stages: int = 1, use_asm: bool = True,
-                 unroll: bool = True, prefetch: bool = False):
+                 unroll: bool = True, prefetch: bool = False, stream: bool = False, depth: int = 2,
+                 l2_prefetch: bool = False, pdl: bool = False):
+        if depth not in (1, 2, 3):
+            raise ValueError(f"depth must be 1 (Triton's pipeline, num_stages deep), 2 or 3, got {depth}")
+        if (l2_prefetch or pdl) and not stream:
+            raise ValueError("l2_prefetch and pdl are options of the streaming kernel (stream=True)")
         self.bn, self.kbi, self.num_warps, self.num_stages = bn, kbi, num_warps, num_stages
         self.use_asm, self.unroll, self.prefetch = use_asm, unroll, prefetch
+        self.stream, self.depth, self.l2_prefetch, self.pdl = stream, depth, l2_prefetch, pdl
 
     def __repr__(self):
+        if self.stream:
+            return (f"DecodeConfig(stream, bn={self.bn}, kbi={self.kbi}, depth={self.depth}, stages={self.num_stages}, "
+                    f"warps={self.num_warps}, asm={self.use_asm}, l2_prefetch={self.l2_prefetch}, pdl={self.pdl})")
         return (f"DecodeConfig(bn={self.bn}, kbi={self.kbi}, warps={self.num_warps}, stages={self.num_stages}, "
                 f"asm={self.use_asm}, unroll={self.unroll}, prefetch={self.prefetch})")
 
@@ -182,9 +296,23 @@ def decode_gemm(
     num_seg = triton.cdiv(triton.cdiv(k, K_BLOCK), seg_kb)
     if cfg.prefetch and seg_kb != 2 * cfg.kbi:
         raise ValueError(f"prefetch splits a segment in two: needs kbi = {seg_kb // 2}, got {cfg.kbi}")
+    nt = max(16, triton.next_power_of_2(cols))
+    if cfg.stream:
+        if seg_kb % cfg.kbi:
+            raise ValueError(f"kbi={cfg.kbi} must divide the segment's {seg_kb} blocks")
+        native = not interpreting()  # PTX (prefetch, grid dependency control) needs a GPU
+        extra = {"launch_pdl": True} if cfg.pdl and native else {}
+        _decode_stream_kernel[(triton.cdiv(n, cfg.bn),)](
+            weight.values, weight.scales, x16, sx, sw.reshape(1), bias if bias is not None else sx, y,
+            m, n, k, num_kb, weight.values.shape[-4], x16.stride(0), y.stride(0),
+            SEG_KB=seg_kb, BN=cfg.bn, NT=nt, KBI=cfg.kbi, DEPTH=cfg.depth, STAGES=cfg.num_stages,
+            HAS_RES=has_residual, HAS_BIAS=bias is not None, USE_ASM=cfg.use_asm and native,
+            PREFETCH_L2=cfg.l2_prefetch and native, PDL=cfg.pdl and native,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        )
+        return y
     grid = (triton.cdiv(n, cfg.bn), num_seg)
     part = torch.empty((num_seg, cols, n), dtype=torch.float32, device=dev)
-    nt = max(16, triton.next_power_of_2(cols))
     bm = max(16, min(64, triton.next_power_of_2(m)))
     _decode_gemm_kernel[grid](
         weight.values, weight.scales, x16, sx, sw.reshape(1), bias if bias is not None else sx, y, part,
