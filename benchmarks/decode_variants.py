@@ -3,14 +3,13 @@
     PYTHONPATH=. python benchmarks/decode_variants.py [--out DIR] [--quick]
 
 For each (K x N) weight and M tokens (W4A4 + residual, k = 100%; and plain W4A4 at M = 1):
-every variant's output must equal the split-K default bit for bit (a variant that does not is
+every variant's output must equal the default's bit for bit (a variant that does not is
 reported and not timed), then each is timed with CUDA graphs over rotating weight sets larger
-than L2 against cuBLAS BF16 in the same run. Variants: the split-K kernel (default, and with
-the whole segment's loads issued first), the streaming kernel (one program per row tile over
-all of K) with a register ring (depth 2) or Triton's async-copy pipeline (stages 3-8), with
-or without a bulk L2 prefetch of the program's weight slab (+L2) and programmatic dependent
-launch after the activation quantization (+PDL: only the "quant+GEMM" column can show it).
-The grouped MoE kernel: pipeline stages and L2 prefetch, bits checked against the default.
+than L2 against cuBLAS BF16 in the same run: the GEMM alone, and quantization + GEMM (the layer
+as it runs). Variants of the split-K decode kernel: the segment's loads all issued first
+(prefetch), programmatic dependent launch after the quantization (+PDL: only the
+quant+GEMM column can show it), the cross-segment sums in a second launch (reduce kernel).
+The grouped MoE kernel: one pass (default) vs split-K over segments (+ prefetch).
 """
 
 from __future__ import annotations
@@ -38,23 +37,20 @@ SHAPES = ((4096, 4096), (2048, 4096), (4096, 2048), (4096, 14336), (14336, 4096)
 
 
 def dense_variants(cols: int) -> dict[str, DecodeConfig | None]:
+    if cols <= 16:
+        bn, kbi, warps = 64, 2, 4
+    else:
+        bn, kbi, warps = 128, 4, 8
     v = {
         "split (default)": None,
-        "split prefetch": DecodeConfig(64, 4, 4, 1, prefetch=True),
-        "stream ring d2 kbi2": DecodeConfig(64, 2, 4, stream=True, depth=2),
-        "stream ring d2 kbi2 +L2": DecodeConfig(64, 2, 4, stream=True, depth=2, l2_prefetch=True),
-        "stream pipe s4 kbi2": DecodeConfig(64, 2, 4, 4, stream=True, depth=1),
-        "stream pipe s4 kbi2 +L2": DecodeConfig(64, 2, 4, 4, stream=True, depth=1, l2_prefetch=True),
-        "stream pipe s4 kbi2 +L2 +PDL": DecodeConfig(64, 2, 4, 4, stream=True, depth=1, l2_prefetch=True, pdl=True),
-        "stream pipe s3 kbi2 +L2 +PDL": DecodeConfig(64, 2, 4, 3, stream=True, depth=1, l2_prefetch=True, pdl=True),
-        "stream pipe s6 kbi2 +L2 +PDL": DecodeConfig(64, 2, 4, 6, stream=True, depth=1, l2_prefetch=True, pdl=True),
-        "stream pipe s4 kbi4 +L2 +PDL": DecodeConfig(64, 4, 4, 4, stream=True, depth=1, l2_prefetch=True, pdl=True),
-        "stream pipe s8 kbi1 +L2 +PDL": DecodeConfig(64, 1, 4, 8, stream=True, depth=1, l2_prefetch=True, pdl=True),
+        "reduce kernel": DecodeConfig(bn, kbi, warps, reduce_kernel=True),
+        "prefetch": DecodeConfig(bn, 4, warps, prefetch=True),
+        "prefetch +PDL": DecodeConfig(bn, 4, warps, prefetch=True, pdl=True),
+        "prefetch +reduce kernel": DecodeConfig(bn, 4, warps, prefetch=True, reduce_kernel=True),
+        "prefetch +PDL +reduce kernel": DecodeConfig(bn, 4, warps, prefetch=True, pdl=True, reduce_kernel=True),
     }
-    if cols > 16:  # the register ring grows with the columns; wider tiles
-        v = {name: c for name, c in v.items() if "ring" not in name}
-        v["stream pipe s4 kbi2 bn128 w8 +L2 +PDL"] = DecodeConfig(128, 2, 8, 4, stream=True, depth=1,
-                                                                 l2_prefetch=True, pdl=True)
+    if cols > 16:
+        v["bn64 w4 prefetch +PDL +reduce kernel"] = DecodeConfig(64, 4, 4, prefetch=True, pdl=True, reduce_kernel=True)
     return v
 
 
@@ -147,8 +143,9 @@ def bench_moe(rows, quick):
 
                 base = pick_moe_config(T * top, E, prep[0][wi].n, prep[0][wi].k)
                 want = call(base, 0)
-                for st, l2 in ((1, False), (1, True), (3, False), (3, True), (4, True), (6, True)):
-                    cfg = MoeConfig(base.bn, base.bm, base.kbi, base.num_warps, st, l2_prefetch=l2)
+                variants = [base, MoeConfig(base.bn, base.bm, base.kbi, base.num_warps, split=True),
+                            MoeConfig(base.bn, 16, base.kbi, base.num_warps, split=True, prefetch=True)]
+                for cfg in variants:
                     try:
                         got = call(cfg, 0)
                         if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
@@ -158,7 +155,7 @@ def bench_moe(rows, quick):
                         print(f"{tag:44s} {cfg!r:60s} {us:8.2f} us", flush=True)
                         rows.append(dict(moe=tag, config=repr(cfg), us=us))
                     except Exception as e:  # noqa: BLE001
-                        print(f"{tag} stages={st} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        print(f"{tag} {cfg!r} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         del parts, prep
         torch.cuda.empty_cache()
 

@@ -23,8 +23,13 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
-from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight, load_weight_tile
-from quads.kernels.l2_prefetch import prefetch_l2
+from quads.kernels.hopper_weight_layout import (
+    K_BLOCK,
+    HopperWeight,
+    decode_weight_raw,
+    load_weight_raw,
+    load_weight_tile,
+)
 from quads.kernels.w4a4_decode_hopper import SEG_K
 
 __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]
@@ -33,10 +38,9 @@ __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]
 @triton.jit
 def _moe_w4a4_kernel(
     VALS, SCALES, X, SX, SW, ROWS, OFFS, Y,
-    N, K, num_kb, num_rb, rows_x, stride_xm, stride_ym, vals_stride_e, scales_stride_e,
+    N, K, num_kb, rows_x, stride_xm, stride_ym, vals_stride_e, scales_stride_e,
     SEG_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
-    PREFETCH_L2: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
@@ -48,13 +52,7 @@ def _moe_w4a4_kernel(
         offs_n = pid_n * BN + tl.arange(0, BN)
         nmask = offs_n < N
         sw = tl.load(SW + e)
-        if PREFETCH_L2:  # this tile's weight slab of expert e (contiguous in the layout) into L2
-            rb0 = pid_n * (BN // 16)
-            rbs = tl.minimum(BN // 16, num_rb - rb0).to(tl.int64)
-            prefetch_l2(vals + rb0.to(tl.int64) * num_kb * 512, (rbs * num_kb * 512).to(tl.int32))
-            prefetch_l2(scales + rb0.to(tl.int64) * num_kb * 64, (rbs * num_kb * 64).to(tl.int32))
-        num_steps = tl.cdiv(num_kb, KBI)
-        STEPS_PER_SEG: tl.constexpr = SEG_KB // KBI
+        num_seg = tl.cdiv(num_kb, SEG_KB)
         for m0 in range(start, end, BM):
             p = m0 + tl.arange(0, BM)
             pmask = p < end
@@ -64,26 +62,19 @@ def _moe_w4a4_kernel(
                 src = p.to(tl.int64)
             tot = tl.zeros((BN, BM), dtype=tl.float32)
             totr = tl.zeros((BN, BM), dtype=tl.float32)
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            accr = tl.zeros((BN, BM), dtype=tl.float32)
-            # K steps of KBI blocks (STAGES deep software pipeline); a segment's sums join the
-            # totals at its last step, in segment order
-            for step in tl.range(0, num_steps, num_stages=STAGES):
-                kb = step * KBI
-                w = load_weight_tile(vals, scales, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
-                kk = kb * 64 + tl.arange(0, KBI * 64)
-                xmask = pmask[:, None] & (kk < K)[None, :]
-                x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                acc = tl.dot(w, tl.trans(x), acc)
-                if HAS_RES:
-                    r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                    accr = tl.dot(w, tl.trans(r), accr)
-                if (step + 1) % STEPS_PER_SEG == 0:
-                    tot += acc
-                    totr += accr
-                    acc = tl.zeros_like(acc)
-                    accr = tl.zeros_like(accr)
-            if num_steps % STEPS_PER_SEG != 0:  # the last, partial segment
+            for s in range(0, num_seg):
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+                accr = tl.zeros((BN, BM), dtype=tl.float32)
+                for it in tl.static_range(SEG_KB // KBI):
+                    kb = s * SEG_KB + it * KBI
+                    w = load_weight_tile(vals, scales, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
+                    kk = kb * 64 + tl.arange(0, KBI * 64)
+                    xmask = pmask[:, None] & (kk < K)[None, :]
+                    x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                    acc = tl.dot(w, tl.trans(x), acc)
+                    if HAS_RES:
+                        r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                        accr = tl.dot(w, tl.trans(r), accr)
                 tot += acc
                 totr += accr
             sx = tl.load(SX + src, mask=pmask, other=1.0)
@@ -94,20 +85,126 @@ def _moe_w4a4_kernel(
                      mask=nmask[:, None] & pmask[None, :])
 
 
+@triton.jit
+def _moe_segment_kernel(
+    VALS, SCALES, X, ROWS, OFFS, PART,
+    N, K, num_kb, rows_x, num_rows, stride_xm, vals_stride_e, scales_stride_e,
+    SEG_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Split-K over the canonical segments: program (tile, expert, segment) writes that
+    segment's sums (from zero, the k16 chain of :func:`_moe_w4a4_kernel`) of the expert's rows
+    to PART (num_seg, 2, num_rows, N) (main, residual); :func:`_moe_reduce_kernel` adds them
+    in segment order. ``PREFETCH``: both halves of the segment's weight loads issued first."""
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    seg = tl.program_id(2)
+    start = tl.load(OFFS + e)
+    end = tl.load(OFFS + e + 1)
+    if end > start:
+        vals = VALS + e.to(tl.int64) * vals_stride_e
+        scales = SCALES + e.to(tl.int64) * scales_stride_e
+        rb0 = pid_n * (BN // 16)
+        kb_lo = seg * SEG_KB
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        nmask = offs_n < N
+        HALF: tl.constexpr = SEG_KB // 2
+        if PREFETCH:
+            raw0, sc0 = load_weight_raw(vals, scales, rb0, kb_lo, num_kb, BN, HALF)
+            raw1, sc1 = load_weight_raw(vals, scales, rb0, kb_lo + HALF, num_kb, BN, HALF)
+        for m0 in range(start, end, BM):
+            p = m0 + tl.arange(0, BM)
+            pmask = p < end
+            if HAS_ROWS:
+                src = tl.load(ROWS + p, mask=pmask, other=0).to(tl.int64)
+            else:
+                src = p.to(tl.int64)
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            accr = tl.zeros((BN, BM), dtype=tl.float32)
+            if PREFETCH:
+                for h in tl.static_range(2):
+                    kk = (kb_lo + h * HALF) * 64 + tl.arange(0, HALF * 64)
+                    xmask = pmask[:, None] & (kk < K)[None, :]
+                    if h == 0:
+                        w = decode_weight_raw(raw0, sc0, BN, HALF, USE_ASM)
+                    else:
+                        w = decode_weight_raw(raw1, sc1, BN, HALF, USE_ASM)
+                    x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                    acc = tl.dot(w, tl.trans(x), acc)
+                    if HAS_RES:
+                        r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                        accr = tl.dot(w, tl.trans(r), accr)
+            else:
+                for it in tl.static_range(SEG_KB // KBI):
+                    kb = kb_lo + it * KBI
+                    w = load_weight_tile(vals, scales, rb0, kb, num_kb, BN, KBI, USE_ASM)
+                    kk = kb * 64 + tl.arange(0, KBI * 64)
+                    xmask = pmask[:, None] & (kk < K)[None, :]
+                    x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                    acc = tl.dot(w, tl.trans(x), acc)
+                    if HAS_RES:
+                        r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                        accr = tl.dot(w, tl.trans(r), accr)
+            base = PART + (seg * 2).to(tl.int64) * num_rows * N
+            ptrs = base + p[None, :].to(tl.int64) * N + offs_n[:, None]
+            smask = nmask[:, None] & pmask[None, :]
+            tl.store(ptrs, acc, mask=smask)
+            if HAS_RES:
+                tl.store(ptrs + num_rows * N, accr, mask=smask)
+
+
+@triton.jit
+def _moe_reduce_kernel(PART, SX, SW, ROWS, OFFS, Y, N, num_rows, num_seg, num_experts, stride_ym,
+                       BN: tl.constexpr, BM: tl.constexpr, E_POW2: tl.constexpr,
+                       HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """Rows' segment sums in segment order (main, then residual), then the epilogue of
+    :func:`_moe_w4a4_kernel`: ``(tot + totr) * 2^14 / (S_x[row] S_w[expert])``. Rows routed to no
+    expert (position >= offsets[E]) are left as they are (zeros)."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    p = tl.program_id(1) * BM + tl.arange(0, BM)
+    ev = tl.arange(0, E_POW2)
+    bounds = tl.load(OFFS + 1 + ev, mask=ev < num_experts, other=2147483647)  # offsets[1..E]
+    expert = tl.sum((bounds[None, :] <= p[:, None]).to(tl.int32), axis=1)  # the expert of row p
+    pmask = (p < num_rows) & (expert < num_experts)
+    if HAS_ROWS:
+        src = tl.load(ROWS + p, mask=pmask, other=0).to(tl.int64)
+    else:
+        src = p.to(tl.int64)
+    lmask = nmask[:, None] & pmask[None, :]
+    ofs = p[None, :].to(tl.int64) * N + offs_n[:, None]
+    tot = tl.zeros((BN, BM), dtype=tl.float32)
+    totr = tl.zeros((BN, BM), dtype=tl.float32)
+    seg_stride = (2 * num_rows * N).to(tl.int64)
+    for seg in range(0, num_seg):
+        base = PART + seg * seg_stride
+        tot += tl.load(base + ofs, mask=lmask, other=0.0, cache_modifier=".cg")
+        if HAS_RES:
+            totr += tl.load(base + num_rows * N + ofs, mask=lmask, other=0.0, cache_modifier=".cg")
+    sx = tl.load(SX + src, mask=pmask, other=1.0)
+    sw = tl.load(SW + expert, mask=pmask, other=1.0)
+    if HAS_RES:
+        tot = tot + totr
+    y = tl.math.div_rn(tot * 16384.0, (sx * sw)[None, :] + tl.zeros_like(tot))
+    tl.store(Y + p[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y.to(Y.dtype.element_ty), mask=lmask)
+
+
 class MoeConfig:
     """Tiles of the grouped kernel: ``bn`` weight rows and ``bm`` routed rows per program, ``kbi``
-    64-channel blocks per K step, warps, software-pipeline stages; ``l2_prefetch`` requests the
-    program's weight slab into L2 first (:mod:`quads.kernels.l2_prefetch`)."""
+    64-channel blocks per load step, warps, stages. ``split``: one program per (tile, expert,
+    K segment) writing partial sums, a second launch adding them (more programs for few rows;
+    ``prefetch``: a segment's weight loads all issued first). Every choice gives the same bits."""
 
-    __slots__ = ("bn", "bm", "kbi", "num_warps", "num_stages", "use_asm", "l2_prefetch")
+    __slots__ = ("bn", "bm", "kbi", "num_warps", "num_stages", "use_asm", "split", "prefetch")
 
-    def __init__(self, bn=64, bm=16, kbi=2, num_warps=4, num_stages=1, use_asm=True, l2_prefetch=False):
+    def __init__(self, bn=64, bm=16, kbi=2, num_warps=4, num_stages=1, use_asm=True, split=False, prefetch=False):
         self.bn, self.bm, self.kbi = bn, bm, kbi
-        self.num_warps, self.num_stages, self.use_asm, self.l2_prefetch = num_warps, num_stages, use_asm, l2_prefetch
+        self.num_warps, self.num_stages, self.use_asm = num_warps, num_stages, use_asm
+        self.split, self.prefetch = split, prefetch
 
     def __repr__(self):
         return (f"MoeConfig(bn={self.bn}, bm={self.bm}, kbi={self.kbi}, warps={self.num_warps}, "
-                f"stages={self.num_stages}, asm={self.use_asm}, l2_prefetch={self.l2_prefetch})")
+                f"stages={self.num_stages}, asm={self.use_asm}, split={self.split}, prefetch={self.prefetch})")
 
 
 def pick_moe_config(rows: int, num_experts: int, n: int, k: int) -> MoeConfig:
@@ -148,13 +245,27 @@ def moe_w4a4_gemm(
     if num_rows == 0:
         return y
     num_kb = weight.values.shape[-3]
+    if cfg.split:
+        seg_kb = SEG_K // K_BLOCK
+        num_seg = triton.cdiv(num_kb, seg_kb)
+        part = torch.empty((num_seg, 2, num_rows, n), dtype=torch.float32, device=x16.device)
+        _moe_segment_kernel[(triton.cdiv(n, cfg.bn), num_experts, num_seg)](
+            weight.values, weight.scales, x16, rows if rows is not None else offsets, offsets, part,
+            n, k, num_kb, rows_x, num_rows, x16.stride(0), weight.values[0].numel(), weight.scales[0].numel(),
+            SEG_KB=seg_kb, BN=cfg.bn, BM=cfg.bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_ROWS=rows is not None,
+            USE_ASM=cfg.use_asm and not interpreting(), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=1,
+        )
+        _moe_reduce_kernel[(triton.cdiv(n, cfg.bn), triton.cdiv(num_rows, 16))](
+            part, sx, sw.reshape(-1), rows if rows is not None else offsets, offsets, y, n, num_rows, num_seg,
+            num_experts, y.stride(0), BN=cfg.bn, BM=16, E_POW2=triton.next_power_of_2(num_experts),
+            HAS_RES=has_residual, HAS_ROWS=rows is not None, num_warps=4,
+        )
+        return y
     grid = (triton.cdiv(n, cfg.bn), num_experts)
     _moe_w4a4_kernel[grid](
         weight.values, weight.scales, x16, sx, sw.reshape(-1), rows if rows is not None else offsets, offsets, y,
-        n, k, num_kb, weight.values.shape[-4], rows_x, x16.stride(0), y.stride(0), weight.values[0].numel(), weight.scales[0].numel(),
+        n, k, num_kb, rows_x, x16.stride(0), y.stride(0), weight.values[0].numel(), weight.scales[0].numel(),
         SEG_KB=SEG_K // K_BLOCK, BN=cfg.bn, BM=cfg.bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_ROWS=rows is not None,
-        USE_ASM=cfg.use_asm and not interpreting(), STAGES=cfg.num_stages,
-        PREFETCH_L2=cfg.l2_prefetch and not interpreting(), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        USE_ASM=cfg.use_asm and not interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -122,3 +122,36 @@ def test_weight_only_grouped_rows_equal_dense_w4a16_bits():
         dense = w4a16_linear_hopper(hid.to(DEV)[rows[lo:hi].long()], NVFP4Tensor(
             p.qdata[e], p.scale[e], p.global_encode_scale[e], torch.float32).parts, None)
         assert torch.equal(y[lo:hi].cpu(), dense.cpu())
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("gathered", [True, False])
+def test_split_k_grouped_kernel_has_the_same_bits(residual, gathered):
+    """The split-K grouped kernel (one program per tile, expert and K segment, then the
+    segment-order reduction) gives the one-pass kernel's bits: K of three segments (the last
+    partial), N not a multiple of the tile, rows routed to no expert left zero."""
+    g = torch.Generator().manual_seed(4)
+    e_, t_, top, k_, n_ = 5, 6, 2, 1088, 72
+    w = NVFP4Tensor.from_float(torch.randn(e_, n_, k_, generator=g) * 0.1).to(DEV).parts
+    hw = to_hopper_layout(w.qdata, w.scale)
+    idx = torch.stack([torch.randperm(e_, generator=g)[:top] for _ in range(t_)])
+    idx[1, 0] = e_  # a sentinel: sorts last, belongs to no expert
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.zeros(e_ + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=e_ + 1)[:e_], 0)
+    num_rows = flat.numel()
+    rows_x = t_ if gathered else num_rows
+    x = torch.randn(rows_x, k_, generator=g)
+    q = activation_operands_triton(x.to(DEV), ActivationQuant(residual_fraction=1.0 if residual else 0.0))
+    rows = (order // top).to(torch.int32).to(DEV) if gathered else None
+    kbi = 1 if INTERP else 2
+    base = MoeConfig(64, 16, kbi, 4, 1, not INTERP)
+    want = moe_w4a4_gemm(q.stacked, q.main_scale, rows, offsets.to(DEV), hw, w.global_encode_scale, num_rows, rows_x,
+                         residual, config=base)
+    for prefetch in ((False,) if INTERP else (False, True)):
+        cfg = MoeConfig(64, 16, kbi, 4, 1, not INTERP, split=True, prefetch=prefetch)
+        got = moe_w4a4_gemm(q.stacked, q.main_scale, rows, offsets.to(DEV), hw, w.global_encode_scale, num_rows,
+                            rows_x, residual, config=cfg)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), cfg
+    assert torch.all(want[int(offsets[-1]):] == 0) and want[: int(offsets[-1])].abs().sum() > 0

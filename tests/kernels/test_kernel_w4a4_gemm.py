@@ -104,39 +104,23 @@ def test_decode_k_tail_and_bias(kbi):
 
 
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("kbi,depth", [(1, 1), (1, 2), (1, 3), (2, 1)])
-@pytest.mark.parametrize("m,k,n", [(5, 1088, 72), (3, 208, 64), (1, 512, 64), (16, 640, 128)])
-def test_stream_decode_has_the_split_kernels_bits(m, k, n, kbi, depth, residual):
-    """The streaming decode kernel (one program per row tile over all of K, loads in flight)
-    gives the split-K kernel's bits: same segments, same order, same epilogue (odd M, N not a
-    multiple of the tile, K with a partial last segment and a K tail inside a layout block).
-    The stream kernel interleaves main and residual columns; numpy's matmul (the interpreter's
-    dot) rounds a column by its position once there are more than 16, so there the interpreter
-    checks the fp32 bound only (on a GPU every column's wgmma arithmetic is the same)."""
+@pytest.mark.parametrize("m,k,n", [(5, 1088, 72), (3, 208, 64), (16, 640, 128)])
+def test_decode_epilogue_variants_have_the_same_bits(m, k, n, residual):
+    """The split-K reduction as a second launch (``reduce_kernel``) and the programmatic
+    dependent launch option give the default's bits (odd M, N not a multiple of the tile, K with
+    a partial last segment and a K tail inside a layout block, bias or not)."""
     x, wp, qa, q = _operands(m, k, n, seed=5, residual=residual)
-    exact = not INTERP or (2 * m if residual else m) <= 16
     bias = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(DEV)
     asm = not INTERP
-    split = DecodeConfig(bn=64, kbi=kbi, num_warps=4, num_stages=1, use_asm=asm)
-    stream = DecodeConfig(bn=64, kbi=kbi, num_warps=4, num_stages=3 if depth == 1 else 1, use_asm=asm, stream=True,
-                          depth=depth)
+    base = DecodeConfig(bn=64, kbi=1, num_warps=4, num_stages=1, use_asm=asm)
     for b in (None, bias):
-        want = _decode(q, wp, m, residual, b, split)
-        got = _decode(q, wp, m, residual, b, stream)
-        if exact:
-            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-        else:
-            assert torch.all((got - want).abs().cpu() <= 2 * _bound(qa, wp, k))
+        want = _decode(q, wp, m, residual, b, base)
+        for cfg in (DecodeConfig(bn=64, kbi=1, use_asm=asm, reduce_kernel=True),
+                    DecodeConfig(bn=64, kbi=1, use_asm=asm, reduce_kernel=True, pdl=True)):
+            got = _decode(q, wp, m, residual, b, cfg)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), cfg
     ref = w4a4_matmul_reference(qa, _cpu(wp))
-    assert torch.all((got.cpu() - bias.cpu() - ref).abs() <= _bound(qa, wp, k) + 1e-6 * bias.abs().cpu())
-
-
-def test_stream_config_rejects_bad_depth_and_kbi():
-    with pytest.raises(ValueError, match="depth"):
-        DecodeConfig(stream=True, depth=0)
-    x, wp, qa, q = _operands(1, 512, 64)
-    with pytest.raises(ValueError, match="kbi=3"):
-        _decode(q, wp, 1, True, None, DecodeConfig(kbi=3, stream=True))
+    assert torch.all((want.cpu() - bias.cpu() - ref).abs() <= _bound(qa, wp, k) + 1e-6 * bias.abs().cpu())
 
 
 def test_batch_invariance_and_determinism():
