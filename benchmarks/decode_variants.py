@@ -9,7 +9,7 @@ than L2 against cuBLAS BF16 in the same run: the GEMM alone, and quantization + 
 as it runs). Variants of the split-K decode kernel: the segment's loads all issued first
 (prefetch), programmatic dependent launch after the quantization (+PDL: only the
 quant+GEMM column can show it), the cross-segment sums in a second launch (reduce kernel).
-The grouped MoE kernel: one pass (default) vs split-K over segments (+ prefetch).
+The grouped MoE kernel: one pass vs split-K over segments (the default picks by shape).
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ def bench_moe(rows, quick):
                                          parts[s][wi].global_encode_scale, T * top, rx, True, torch.bfloat16, cfg)
 
                 base = pick_moe_config(T * top, E, prep[0][wi].n, prep[0][wi].k)
-                want = call(base, 0)
-                variants = [base, MoeConfig(base.bn, base.bm, base.kbi, base.num_warps, split=True),
-                            MoeConfig(base.bn, 16, base.kbi, base.num_warps, split=True, prefetch=True)]
+                one_pass = MoeConfig(base.bn, base.bm, base.kbi, base.num_warps, split=False)
+                want = call(one_pass, 0)
+                variants = [one_pass, MoeConfig(base.bn, base.bm, base.kbi, base.num_warps, split=True)]
                 for cfg in variants:
                     try:
                         got = call(cfg, 0)

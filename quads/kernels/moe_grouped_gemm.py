@@ -90,12 +90,12 @@ def _moe_segment_kernel(
     VALS, SCALES, X, ROWS, OFFS, PART,
     N, K, num_kb, rows_x, num_rows, stride_xm, vals_stride_e, scales_stride_e,
     SEG_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, USE_ASM: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     """Split-K over the canonical segments: program (tile, expert, segment) writes that
     segment's sums (from zero, the k16 chain of :func:`_moe_w4a4_kernel`) of the expert's rows
     to PART (num_seg, 2, num_rows, N) (main, residual); :func:`_moe_reduce_kernel` adds them
-    in segment order. ``PREFETCH``: both halves of the segment's weight loads issued first."""
+    in segment order."""
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
     seg = tl.program_id(2)
@@ -108,10 +108,6 @@ def _moe_segment_kernel(
         kb_lo = seg * SEG_KB
         offs_n = pid_n * BN + tl.arange(0, BN)
         nmask = offs_n < N
-        HALF: tl.constexpr = SEG_KB // 2
-        if PREFETCH:
-            raw0, sc0 = load_weight_raw(vals, scales, rb0, kb_lo, num_kb, BN, HALF)
-            raw1, sc1 = load_weight_raw(vals, scales, rb0, kb_lo + HALF, num_kb, BN, HALF)
         for m0 in range(start, end, BM):
             p = m0 + tl.arange(0, BM)
             pmask = p < end
@@ -121,30 +117,16 @@ def _moe_segment_kernel(
                 src = p.to(tl.int64)
             acc = tl.zeros((BN, BM), dtype=tl.float32)
             accr = tl.zeros((BN, BM), dtype=tl.float32)
-            if PREFETCH:
-                for h in tl.static_range(2):
-                    kk = (kb_lo + h * HALF) * 64 + tl.arange(0, HALF * 64)
-                    xmask = pmask[:, None] & (kk < K)[None, :]
-                    if h == 0:
-                        w = decode_weight_raw(raw0, sc0, BN, HALF, USE_ASM)
-                    else:
-                        w = decode_weight_raw(raw1, sc1, BN, HALF, USE_ASM)
-                    x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                    acc = tl.dot(w, tl.trans(x), acc)
-                    if HAS_RES:
-                        r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                        accr = tl.dot(w, tl.trans(r), accr)
-            else:
-                for it in tl.static_range(SEG_KB // KBI):
-                    kb = kb_lo + it * KBI
-                    w = load_weight_tile(vals, scales, rb0, kb, num_kb, BN, KBI, USE_ASM)
-                    kk = kb * 64 + tl.arange(0, KBI * 64)
-                    xmask = pmask[:, None] & (kk < K)[None, :]
-                    x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                    acc = tl.dot(w, tl.trans(x), acc)
-                    if HAS_RES:
-                        r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                        accr = tl.dot(w, tl.trans(r), accr)
+            for it in tl.static_range(SEG_KB // KBI):
+                kb = kb_lo + it * KBI
+                w = load_weight_tile(vals, scales, rb0, kb, num_kb, BN, KBI, USE_ASM)
+                kk = kb * 64 + tl.arange(0, KBI * 64)
+                xmask = pmask[:, None] & (kk < K)[None, :]
+                x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                acc = tl.dot(w, tl.trans(x), acc)
+                if HAS_RES:
+                    r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+                    accr = tl.dot(w, tl.trans(r), accr)
             base = PART + (seg * 2).to(tl.int64) * num_rows * N
             ptrs = base + p[None, :].to(tl.int64) * N + offs_n[:, None]
             smask = nmask[:, None] & pmask[None, :]
@@ -192,26 +174,31 @@ def _moe_reduce_kernel(PART, SX, SW, ROWS, OFFS, Y, N, num_rows, num_seg, num_ex
 class MoeConfig:
     """Tiles of the grouped kernel: ``bn`` weight rows and ``bm`` routed rows per program, ``kbi``
     64-channel blocks per load step, warps, stages. ``split``: one program per (tile, expert,
-    K segment) writing partial sums, a second launch adding them (more programs for few rows;
-    ``prefetch``: a segment's weight loads all issued first). Every choice gives the same bits."""
+    K segment) writing partial sums, a second launch adding them in segment order (more
+    programs when each expert has few rows). Every choice gives the same bits."""
 
-    __slots__ = ("bn", "bm", "kbi", "num_warps", "num_stages", "use_asm", "split", "prefetch")
+    __slots__ = ("bn", "bm", "kbi", "num_warps", "num_stages", "use_asm", "split")
 
-    def __init__(self, bn=64, bm=16, kbi=2, num_warps=4, num_stages=1, use_asm=True, split=False, prefetch=False):
+    def __init__(self, bn=64, bm=16, kbi=2, num_warps=4, num_stages=1, use_asm=True, split=False):
         self.bn, self.bm, self.kbi = bn, bm, kbi
         self.num_warps, self.num_stages, self.use_asm = num_warps, num_stages, use_asm
-        self.split, self.prefetch = split, prefetch
+        self.split = split
 
     def __repr__(self):
         return (f"MoeConfig(bn={self.bn}, bm={self.bm}, kbi={self.kbi}, warps={self.num_warps}, "
-                f"stages={self.num_stages}, asm={self.use_asm}, split={self.split}, prefetch={self.prefetch})")
+                f"stages={self.num_stages}, asm={self.use_asm}, split={self.split})")
 
 
 def pick_moe_config(rows: int, num_experts: int, n: int, k: int) -> MoeConfig:
     if interpreting():
         return MoeConfig(bn=64, bm=16, kbi=1, num_warps=4, num_stages=1, use_asm=False)
     per_expert = rows / max(num_experts, 1)
-    return MoeConfig(bn=64, bm=16 if per_expert <= 16 else 64, kbi=2, num_warps=4, num_stages=1)
+    # split-K (measured on the H200, 2026-12-01, benchmarks/results/h200_2026-12-01b/run2): faster for
+    # K >= 2048 (gate_up of both MoE shapes at T = 1..64: 1.1-1.2x; down K = 14336 at <= 2 rows per
+    # expert: 1.6x), slower for down K = 14336 at 4 rows per expert (1.3x) and K = 768 (1.1x); its
+    # fp32 partials (segments x 2 x rows x N) stay small at <= 16 rows per expert
+    split = k >= 2048 and per_expert <= 16 and (k <= 4096 or per_expert <= 2)
+    return MoeConfig(bn=64, bm=16 if per_expert <= 16 else 64, kbi=2, num_warps=4, num_stages=1, split=split)
 
 
 def moe_w4a4_gemm(
@@ -253,7 +240,7 @@ def moe_w4a4_gemm(
             weight.values, weight.scales, x16, rows if rows is not None else offsets, offsets, part,
             n, k, num_kb, rows_x, num_rows, x16.stride(0), weight.values[0].numel(), weight.scales[0].numel(),
             SEG_KB=seg_kb, BN=cfg.bn, BM=cfg.bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_ROWS=rows is not None,
-            USE_ASM=cfg.use_asm and not interpreting(), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=1,
+            USE_ASM=cfg.use_asm and not interpreting(), num_warps=cfg.num_warps, num_stages=1,
         )
         _moe_reduce_kernel[(triton.cdiv(n, cfg.bn), triton.cdiv(num_rows, 16))](
             part, sx, sw.reshape(-1), rows if rows is not None else offsets, offsets, y, n, num_rows, num_seg,
