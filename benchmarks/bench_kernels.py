@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight  # noqa: E402
 from timing import graph_time  # noqa: E402
 
-from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
+from quads.kernels.hopper_weight_layout import to_hopper_layout, to_hopper_layout_reference  # noqa: E402
 from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
 from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
 from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
@@ -242,8 +242,13 @@ def bench_sync():
         t = graph_time([lambda: quantize_weight_triton(w)], iters=10)
         row("sync", f"{shape} bf16 -> NVFP4 parts (quantize_weight_triton)", t, 2 * n + n // 2 + n // 16)
         p = quantize_weight_triton(w)
-        t = graph_time([lambda: to_hopper_layout(p.qdata, p.scale)], iters=10)
-        row("sync", f"{shape} parts -> Hopper layout (to_hopper_layout)", t, 2 * (n // 2 + n // 16))
+        held = to_hopper_layout(p.qdata, p.scale)
+        layout_bytes = 2 * (n // 2 + n // 16)
+        kernel = graph_time([lambda: to_hopper_layout(p.qdata, p.scale, out=held)], iters=10)
+        reference = graph_time([lambda: to_hopper_layout_reference(p.qdata, p.scale)], iters=10)
+        row("sync", f"{shape} parts -> Hopper layout, in place (to_hopper_layout: kernel)", kernel, layout_bytes,
+            {"torch_reference": reference})
+        row("sync", f"{shape} parts -> Hopper layout (to_hopper_layout_reference: torch ops)", reference, layout_bytes)
 
 
 def main():

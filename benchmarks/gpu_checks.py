@@ -8,7 +8,8 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
   naive), stacked fp16 operands exact;
 * weight quantization bit-exact (4096x4096, 3-D experts); the Hopper weight layout round trip and
   its in-register decode (inline PTX) == the portable decode == the reference, E4M3-subnormal and
-  zero block scales included;
+  zero block scales included; the layout kernel's bytes == the torch reference's (4096x4096,
+  (128, 1536, 2048) experts, a padded odd shape; random code and scale bytes; in place);
 * decode GEMM (M = 1, 8, 16, 64; with and without residual; bias; K = 14336) and prefill GEMM
   (M = 256 split-K, 2048) vs an fp64 reference within the fp32-summation bound;
 * batch invariance: a row's bits equal across M = 1 / 8 / 16 / 64 (decode) and 256 / 2048
@@ -39,6 +40,7 @@ from quads.kernels.hopper_weight_layout import (  # noqa: E402
     from_hopper_layout,
     load_weight_tile,
     to_hopper_layout,
+    to_hopper_layout_reference,
 )
 from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
 from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
@@ -181,6 +183,27 @@ def check_weights():
                           f"e.g. [{r0},{c0}] got {out[r0, c0].item():.6g} want {want[r0, c0].item():.6g}; "
                           f"scale byte {ref.scale.view(torch.uint8)[r0, c0 // 16].item()}")
             record(f"tile decode == e2m1*s*2^-14 (asm={use_asm}, kbi={kbi})", bad.numel() == 0, detail)
+
+
+@check("layout kernel == torch reference")
+def check_layout_kernel():
+    g = torch.Generator(device="cuda").manual_seed(7)
+    # (3, 1000, 1040): N and K need padding, K = 65 * 16 is no multiple of 64
+    for shape in ((4096, 4096), (128, 1536, 2048), (3, 1000, 1040)):
+        *lead, n, k = shape
+        qdata = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+        scale = torch.randint(0, 256, (*lead, n, k // 16), dtype=torch.uint8, device="cuda",
+                              generator=g).view(torch.float8_e4m3fn)  # every byte, NaN codes included
+        want = to_hopper_layout_reference(qdata, scale)
+        held = HopperWeight(torch.zeros_like(want.values), torch.zeros_like(want.scales), n, k)
+        got = to_hopper_layout(qdata, scale, out=held)
+        in_place = got.values.data_ptr() == held.values.data_ptr() and got.scales.data_ptr() == held.scales.data_ptr()
+        same = bits_equal(got.values, want.values) and bits_equal(got.scales, want.scales)
+        nbad = int((got.values != want.values).sum()) + int((got.scales != want.scales).sum())
+        record(f"layout kernel {shape} == reference bytes, in place", same and in_place,
+               f"{nbad} bytes differ, in place={in_place}")
+        del qdata, scale, want, held, got
+        torch.cuda.empty_cache()
 
 
 def ref64(x16, sx, r16, wp):
@@ -355,11 +378,11 @@ def check_moe():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="act_quant,weights,gemm,w4a16,moe")
+    ap.add_argument("--only", default="act_quant,weights,layout,gemm,w4a16,moe")
     args = ap.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
-    checks = {"act_quant": check_act_quant, "weights": check_weights, "gemm": check_gemm, "w4a16": check_w4a16,
-              "moe": check_moe}
+    checks = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
+              "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe}
     for name in args.only.split(","):
         checks[name]()
     with open(os.path.join(args.out, "checks.json"), "w") as f:

@@ -24,10 +24,11 @@ Storage (both uint8, sizes equal to the plain parts' after padding N to 64 and K
 * ``scales``: ``(N/16, K/64, 8, 8)``: row block, k block, row ``g`` of the lane, then per k16
   tile ``t`` the scale bytes of rows ``g`` and ``g+8`` (``[t*2 + half]``).
 
-:func:`to_hopper_layout` builds it (torch ops, on the weight's device, at quantize/sync time);
-:func:`from_hopper_layout` inverts it (tests). In a kernel, :func:`load_weight_tile` loads and
-decodes one (BN, 64) tile straight into the dot-operand layout (checked in the TTGIR: no layout
-conversion, no shared memory for the weight).
+:func:`to_hopper_layout` builds it at quantize/sync time, in place into the previous layout on a
+sync (a Triton kernel on CUDA, :mod:`quads.kernels.hopper_layout_pack`; the torch reference
+:func:`to_hopper_layout_reference` elsewhere); :func:`from_hopper_layout` inverts it (tests). In a
+kernel, :func:`load_weight_tile` loads and decodes one (BN, 64) tile straight into the
+dot-operand layout (checked in the TTGIR: no layout conversion, no shared memory for the weight).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ __all__ = [
     "ROW_BLOCK",
     "K_BLOCK",
     "to_hopper_layout",
+    "to_hopper_layout_reference",
+    "hopper_layout_destination",
+    "hopper_layout_fits",
     "from_hopper_layout",
     "load_weight_tile",
     "load_weight_raw",
@@ -95,9 +99,94 @@ def _fragment_codes(codes: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, n // 16, k // 64, 8, 4, 4, 4, 2)
 
 
-def to_hopper_layout(qdata: torch.Tensor, scale: torch.Tensor) -> HopperWeight:
+def _layout_shapes(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[tuple, tuple, int, int]:
+    """The layout's ``values`` and ``scales`` shapes and the weight's ``(n, k)`` for plain parts;
+    raises, naming the culprit, for parts that are not a packed NVFP4 weight."""
+    if not isinstance(qdata, torch.Tensor) or qdata.dtype != torch.uint8:
+        raise TypeError(f"to_hopper_layout: qdata must be a uint8 tensor (two E2M1 codes per byte), got "
+                        f"{getattr(qdata, 'dtype', type(qdata).__name__)}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"to_hopper_layout: scale must be a torch.float8_e4m3fn tensor (E4M3 block scales), got "
+                        f"{getattr(scale, 'dtype', type(scale).__name__)}")
+    if qdata.dim() < 2:
+        raise ValueError(f"to_hopper_layout: qdata must be (..., N, K/2), got shape {tuple(qdata.shape)}")
+    *lead, n, half_k = qdata.shape
+    k = 2 * half_k
+    if k % 16:
+        raise ValueError(f"to_hopper_layout: K = {k} (qdata's last dim {half_k} x 2) is not a multiple of 16, "
+                         "the NVFP4 block")
+    if tuple(scale.shape) != (*lead, n, k // 16):
+        raise ValueError(f"to_hopper_layout: scale has shape {tuple(scale.shape)}; qdata {tuple(qdata.shape)} "
+                         f"needs {(*lead, n, k // 16)}")
+    if scale.device != qdata.device:
+        raise ValueError(f"to_hopper_layout: qdata is on {qdata.device}, scale on {scale.device}")
+    row_blocks, k_blocks = triton.cdiv(n, ROW_PAD) * ROW_PAD // ROW_BLOCK, triton.cdiv(k, K_BLOCK)
+    return (*lead, row_blocks, k_blocks, 32, 16), (*lead, row_blocks, k_blocks, 8, 8), n, k
+
+
+def _out_mismatch(out, values_shape: tuple, scales_shape: tuple, n: int, k: int, device: torch.device) -> str | None:
+    """Why ``out`` cannot take a layout of these shapes in place (None: it can)."""
+    if not isinstance(out, HopperWeight):
+        return f"out must be a HopperWeight, got {type(out).__name__}"
+    for name, t, shape in (("values", out.values, values_shape), ("scales", out.scales, scales_shape)):
+        if not isinstance(t, torch.Tensor):
+            return f"out.{name} is a {type(t).__name__}, not a tensor"
+        if t.dtype != torch.uint8:
+            return f"out.{name} is {t.dtype}, not torch.uint8"
+        if tuple(t.shape) != shape:
+            return f"out.{name} has shape {tuple(t.shape)}, the layout of these parts has {shape}"
+        if t.device != device:
+            return f"out.{name} is on {t.device}, the parts on {device}"
+        if not t.is_contiguous():
+            return f"out.{name} is not contiguous"
+    if (out.n, out.k) != (n, k):
+        return f"out is the layout of an N x K = {out.n} x {out.k} weight, the parts are {n} x {k}"
+    return None
+
+
+def hopper_layout_fits(out, qdata: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether ``out`` (an earlier layout, or anything) can take the layout of these parts in place."""
+    return _out_mismatch(out, *_layout_shapes(qdata, scale), qdata.device) is None
+
+
+def hopper_layout_destination(qdata: torch.Tensor, scale: torch.Tensor,
+                              out: HopperWeight | None = None) -> HopperWeight:
+    """Where the layout of these parts goes: ``out`` (checked) or new empty tensors. Raises, naming
+    the culprit, for bad parts or an ``out`` of the wrong shape, dtype or device (nothing written)."""
+    values_shape, scales_shape, n, k = _layout_shapes(qdata, scale)
+    if out is None:
+        return HopperWeight(torch.empty(values_shape, dtype=torch.uint8, device=qdata.device),
+                            torch.empty(scales_shape, dtype=torch.uint8, device=qdata.device), n, k)
+    problem = _out_mismatch(out, values_shape, scales_shape, n, k, qdata.device)
+    if problem:
+        raise ValueError(f"to_hopper_layout: {problem}")
+    return out
+
+
+def to_hopper_layout(qdata: torch.Tensor, scale: torch.Tensor, out: HopperWeight | None = None) -> HopperWeight:
     """Plain packed parts (``qdata`` uint8 (..., N, K/2), ``scale`` E4M3 (..., N, K/16)) -> the
-    kernel layout. Padding rows / channels get code 0 and scale 0 (value 0)."""
+    kernel layout. Padding rows / channels get code 0 and scale 0 (value 0).
+
+    CUDA tensors: the Triton kernel (:mod:`quads.kernels.hopper_layout_pack`); others: the torch
+    reference :func:`to_hopper_layout_reference` (same bytes). ``out``: an earlier layout of a
+    weight of the same shape, rewritten in place (its tensors keep their addresses) and returned."""
+    if qdata.is_cuda:
+        from quads.kernels.hopper_layout_pack import to_hopper_layout_triton  # that module imports this one
+
+        return to_hopper_layout_triton(qdata, scale, out)
+    dest = None if out is None else hopper_layout_destination(qdata, scale, out)  # checked before any write
+    fresh = to_hopper_layout_reference(qdata, scale)
+    if dest is None:
+        return fresh
+    dest.values.copy_(fresh.values)
+    dest.scales.copy_(fresh.scales)
+    return dest
+
+
+def to_hopper_layout_reference(qdata: torch.Tensor, scale: torch.Tensor) -> HopperWeight:
+    """:func:`to_hopper_layout` in torch ops (any device): the layout's definition, which the
+    kernel is tested against, and the CPU path."""
+    _layout_shapes(qdata, scale)
     lead = qdata.shape[:-2]
     n, kh = qdata.shape[-2:]
     k = kh * 2

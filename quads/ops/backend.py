@@ -47,32 +47,6 @@ __all__ = ["BACKEND_NAMES", "Backend", "get_backend", "select_backend", "use_bac
 BACKEND_NAMES = ("auto", "torch", "hopper", "blackwell")
 
 
-def _write_into(old, new) -> bool:
-    """Copy ``new`` into ``old`` (tensors or nested tuples of them, same metadata); False, with
-    nothing written, when the structures differ."""
-
-    def same(a, b) -> bool:
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.is_contiguous() == b.is_contiguous()
-        if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
-            return all(same(x, y) for x, y in zip(a, b))
-        if isinstance(a, (torch.Tensor, tuple)) or isinstance(b, (torch.Tensor, tuple)):
-            return False
-        return a == b  # metadata (ints) or None
-
-    def copy(a, b) -> None:
-        if isinstance(a, torch.Tensor):
-            a.copy_(b)
-        elif isinstance(a, tuple):
-            for x, y in zip(a, b):
-                copy(x, y)
-
-    if not old or not same(old, new):
-        return False
-    copy(old, new)
-    return True
-
-
 class Backend:
     """The torch reference backend; kernel backends override the methods they accelerate.
 
@@ -83,16 +57,19 @@ class Backend:
 
     name = "torch"
 
-    def prepare_weight(self, weight: NVFP4Parts):
+    def prepare_weight(self, weight: NVFP4Parts, out=None):
+        """What this backend's GEMMs read from ``weight`` (None here). ``out``: an earlier result,
+        rewritten in place and returned when it fits ``weight`` (same shapes, dtypes, device)."""
         return None
 
     def refresh_prepared(self, held: tuple, weights) -> tuple:
-        """``prepare_weight`` of each of ``weights``, written **into** ``held`` when it has the same
-        structure (tensor shapes, dtypes, devices), else a new tuple. In place matters: CUDA graphs
-        (ours, vLLM's) and compiled graphs captured over a rollout hold the prepared tensors'
-        addresses, so a weight sync must update them, not replace them."""
-        fresh = tuple(self.prepare_weight(w) for w in weights)
-        return held if _write_into(held, fresh) else fresh
+        """``prepare_weight`` of each of ``weights``, written **into** its predecessor in ``held``
+        where that fits, else new. In place matters: CUDA graphs (ours, vLLM's) and compiled graphs
+        captured over a rollout hold the prepared tensors' addresses, so a weight sync must update
+        them, not replace them (on CUDA the Hopper layout kernel writes them directly)."""
+        if len(held) != len(weights):
+            held = (None,) * len(weights)
+        return tuple(self.prepare_weight(w, out) for w, out in zip(weights, held))
 
     def quantize_weight(
         self, x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None
@@ -122,8 +99,8 @@ class Backend:
 class HopperBackend(Backend):
     name = "hopper"
 
-    def prepare_weight(self, weight):
-        return prepare_weight_hopper(weight)
+    def prepare_weight(self, weight, out=None):
+        return prepare_weight_hopper(weight, out)
 
     def quantize_weight(self, x, granularity=None, global_encode_scale=None):
         return quantize_weight_triton(x, granularity, global_encode_scale)

@@ -82,12 +82,15 @@ def w4a4_linear_reference(
     return y.to(x2.dtype)
 
 
-def prepare_weight_hopper(weight: NVFP4Parts):
+def prepare_weight_hopper(weight: NVFP4Parts, out=None):
     """The packed weight (2-D, or 3-D experts) in the decode kernels' layout
-    (:mod:`quads.kernels.hopper_weight_layout`): built once per weight write, not per call."""
-    from quads.kernels.hopper_weight_layout import to_hopper_layout
+    (:mod:`quads.kernels.hopper_weight_layout`): built once per weight write, not per call;
+    written into ``out`` (an earlier layout) when it fits, so its tensors keep their addresses."""
+    from quads.kernels.hopper_weight_layout import hopper_layout_fits, to_hopper_layout
 
-    return to_hopper_layout(weight.qdata, weight.scale)
+    if out is not None and not hopper_layout_fits(out, weight.qdata, weight.scale):
+        out = None
+    return to_hopper_layout(weight.qdata, weight.scale, out)
 
 
 def w4a4_linear_hopper(

@@ -92,7 +92,8 @@ class RolloutModule(QuadsModule):
     def quads_weights_changed(self) -> None:
         """Called whenever the packed weights were (re)written: by ``quantize_``, ``sync_weights_``
         and device moves. Rebuilds what the backend derives from the packed parts (the Hopper
-        kernel layout: as many bytes again as the packed weight)."""
+        kernel layout: as many bytes again as the packed weight), in place into the tensors it
+        holds when their shapes still fit (captured graphs keep their addresses)."""
         self.quads_prepared = self.quads_backend.refresh_prepared(
             self.quads_prepared, [getattr(self, n).parts for n in self.quads_packed_names])
         self._quads_prepared_versions = self._quads_versions()
