@@ -51,12 +51,16 @@ def max_decode_columns() -> int:
 @triton.jit
 def _reduce_segments_store(PART, SX, SW, BIAS, Y, M, N, cols, num_seg, offs_n, nmask, stride_ym,
                            BN: tl.constexpr, BM: tl.constexpr, RED: tl.constexpr,
-                           HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr):
+                           HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, SW_PER_ROW: tl.constexpr):
     """The epilogue of a (BN,) output tile: segment sums from PART (num_seg, cols, N) added in
     segment order (RED loads in flight at a time), the residual's after the main one's, then
-    ``y = tot * 2^14 / (S_x S_w) [+ bias]`` for every token row."""
+    ``y = tot * 2^14 / (S_x S_w) [+ bias]`` for every token row. ``SW_PER_ROW``: ``S_w`` per
+    weight row (several weights stacked along N, each with its own global scale)."""
     rows = tl.arange(0, BM)
-    sw = tl.load(SW)
+    if SW_PER_ROW:
+        sw = tl.load(SW + offs_n, mask=nmask, other=1.0)
+    else:
+        sw = tl.load(SW)
     for m0 in range(0, M, BM):
         m = m0 + rows
         mmask = m < M
@@ -75,7 +79,11 @@ def _reduce_segments_store(PART, SX, SW, BIAS, Y, M, N, cols, num_seg, offs_n, n
         sx = tl.load(SX + m, mask=mmask, other=1.0)
         if HAS_RES:  # the residual shares the row's global scale
             tot = tot + totr
-        y = tl.math.div_rn(tot * 16384.0, (sx * sw)[None, :] + tl.zeros_like(tot))
+        if SW_PER_ROW:
+            den = sx[None, :] * sw[:, None]
+        else:
+            den = (sx * sw)[None, :] + tl.zeros_like(tot)
+        y = tl.math.div_rn(tot * 16384.0, den)
         if HAS_BIAS:
             y = y + tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
         tl.store(Y + m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y.to(Y.dtype.element_ty), mask=pmask)
@@ -88,7 +96,7 @@ def _decode_gemm_kernel(
     SEG_KB: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr,
     STAGES: tl.constexpr, RED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    REDUCE_KERNEL: tl.constexpr, GDC: tl.constexpr,
+    REDUCE_KERNEL: tl.constexpr, GDC: tl.constexpr, SW_PER_ROW: tl.constexpr,
 ):
     """``PDL``: launched as a programmatic dependent of the activation quantization: the
     weight loads are issued before waiting for that kernel's output (PREFETCH path).
@@ -147,20 +155,20 @@ def _decode_gemm_kernel(
         arrived = tl.atomic_add(LOCKS + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == num_seg - 1:  # the last program of this tile adds the segment sums
             _reduce_segments_store(PART, SX, SW, BIAS, Y, M, N, cols, num_seg, offs_n, nmask, stride_ym,
-                                   BN, BM, RED, HAS_RES, HAS_BIAS)
+                                   BN, BM, RED, HAS_RES, HAS_BIAS, SW_PER_ROW)
             tl.atomic_xchg(LOCKS + pid_n, 0)
 
 
 @triton.jit
 def _decode_reduce_kernel(PART, SX, SW, BIAS, Y, M, N, cols, num_seg, stride_ym,
                           BN: tl.constexpr, BM: tl.constexpr, RED: tl.constexpr,
-                          HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                          HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, SW_PER_ROW: tl.constexpr):
     """The split-K epilogue as its own launch (``REDUCE_KERNEL``): the same sums, same order."""
     if PDL:
         gdc_wait()  # the GEMM's segment sums
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     _reduce_segments_store(PART, SX, SW, BIAS, Y, M, N, cols, num_seg, offs_n, offs_n < N, stride_ym,
-                           BN, BM, RED, HAS_RES, HAS_BIAS)
+                           BN, BM, RED, HAS_RES, HAS_BIAS, SW_PER_ROW)
 
 
 class DecodeConfig:
@@ -212,7 +220,8 @@ def decode_gemm(
 ) -> torch.Tensor:
     """``y (m, N)`` from the stacked fp16 operand ``x16`` (``2m`` rows with the residual rows
     after the main ones, else ``m``; unscaled ``e2m1 * s`` values, width >= K) and the rows'
-    global scales ``sx`` (``m``, fp32; the residual shares them); ``sw`` fp32 scalar tensor."""
+    global scales ``sx`` (``m``, fp32; the residual shares them); ``sw``: the weight's fp32 global
+    scale, a scalar tensor, or one per weight row (N,) for weights stacked along N."""
     cols = 2 * m if has_residual else m
     if cols > _MAX_COLUMNS:
         raise ValueError(f"decode_gemm takes at most {_MAX_COLUMNS} columns, got {cols} (use the prefill GEMM)")
@@ -230,6 +239,9 @@ def decode_gemm(
     num_seg = triton.cdiv(triton.cdiv(k, K_BLOCK), seg_kb)
     if cfg.prefetch and seg_kb != 2 * cfg.kbi:
         raise ValueError(f"prefetch splits a segment in two: needs kbi = {seg_kb // 2}, got {cfg.kbi}")
+    sw_per_row = sw.dim() == 1 and sw.numel() == n and n > 1
+    if not sw_per_row and sw.numel() != 1:
+        raise ValueError(f"decode_gemm: sw must be a scalar or one scale per weight row ({n}), got {tuple(sw.shape)}")
     native = not interpreting()  # PTX (decode, grid dependency control) needs a GPU
     pdl = cfg.pdl and native
     grid = (triton.cdiv(n, cfg.bn), num_seg)
@@ -238,18 +250,18 @@ def decode_gemm(
     bm = max(16, min(64, triton.next_power_of_2(m)))
     bias_arg = bias if bias is not None else sx
     _decode_gemm_kernel[grid](
-        weight.values, weight.scales, x16, sx, sw.reshape(1), bias_arg, y, part,
+        weight.values, weight.scales, x16, sx, sw.reshape(-1), bias_arg, y, part,
         arrival_counters(dev, grid[0], 4096),
         m, n, k, num_kb, x16.stride(0), y.stride(0),
         SEG_KB=seg_kb, BN=cfg.bn, NT=nt, BM=bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_BIAS=bias is not None,
         USE_ASM=cfg.use_asm and native, UNROLL=cfg.unroll, STAGES=cfg.num_stages, RED=8, PREFETCH=cfg.prefetch,
-        PDL=pdl, REDUCE_KERNEL=cfg.reduce_kernel, GDC=native,
+        PDL=pdl, REDUCE_KERNEL=cfg.reduce_kernel, GDC=native, SW_PER_ROW=sw_per_row,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     if cfg.reduce_kernel:
         _decode_reduce_kernel[(grid[0],)](
-            part, sx, sw.reshape(1), bias_arg, y, m, n, cols, num_seg, y.stride(0),
-            BN=cfg.bn, BM=bm, RED=8, HAS_RES=has_residual, HAS_BIAS=bias is not None, PDL=native,
+            part, sx, sw.reshape(-1), bias_arg, y, m, n, cols, num_seg, y.stride(0),
+            BN=cfg.bn, BM=bm, RED=8, HAS_RES=has_residual, HAS_BIAS=bias is not None, PDL=native, SW_PER_ROW=sw_per_row,
             num_warps=4, **({"launch_pdl": True} if native else {}),
         )
     return y

@@ -184,3 +184,22 @@ def test_forced_blackwell_without_sm100_uses_emulation():
     got = get_backend("blackwell").linear(x.to(DEV), w.parts if not torch.cuda.is_available() else w.to(DEV).parts,
                                           None, act, None)
     assert torch.allclose(got.cpu(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_stacked_weights_with_per_row_global_scales(residual):
+    """Weights stacked along N (fused q/k/v), each with its own global scale, passed with one
+    ``S_w`` per row: every output column has the bits of its own weight's GEMM."""
+    m, k = 3, 640
+    x, wa, qa, q = _operands(m, k, 64, seed=7, residual=residual)
+    g = torch.Generator().manual_seed(8)
+    wb = nvfp4_quantize((torch.randn(128, k, generator=g) * 3.0).to(DEV))  # another global scale
+    assert not torch.equal(wa.global_encode_scale, wb.global_encode_scale)
+    stacked = to_hopper_layout(torch.cat([wa.qdata, wb.qdata]), torch.cat([wa.scale, wb.scale]))
+    sw = torch.cat([wa.global_encode_scale.reshape(1).expand(64), wb.global_encode_scale.reshape(1).expand(128)])
+    bias = torch.randn(192, generator=g).to(DEV)
+    got = decode_gemm(q.stacked, q.main_scale, stacked, sw.float(), m, residual, bias)
+    want = torch.cat([_decode(q, wa, m, residual, bias[:64]), _decode(q, wb, m, residual, bias[64:])], dim=1)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match="one scale per weight row"):
+        decode_gemm(q.stacked, q.main_scale, stacked, sw[:100].float(), m, residual)
