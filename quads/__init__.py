@@ -8,6 +8,7 @@ Both sides share one quantizer, so the rollout's weights equal the trainer's bit
     quads.quantize_(trainer_model, quads.QuadsPolicy(side="trainer"))
     quads.quantize_(rollout_model, quads.QuadsPolicy(side="rollout", residual_fraction=0.5))
     quads.sync_weights_(rollout_model, trainer_model)   # after every optimizer step
+    quads.fuse_projections_(rollout_model)  # GPU: q/k/v and gate/up as one decode GEMM each
 """
 
 from quads.ops import ActivationQuant, Backend, select_backend, use_backend
@@ -15,6 +16,7 @@ from quads.policies import (
     POLICY_PRESETS,
     QuadsPolicy,
     calibrate_residual_channels,
+    fuse_projections_,
     quantize_,
     quantized_modules,
     sync_weights_,
@@ -30,6 +32,7 @@ __all__ = [
     "NVFP4Tensor",
     "QuadsPolicy",
     "calibrate_residual_channels",
+    "fuse_projections_",
     "nvfp4_dequantize",
     "nvfp4_fake_quantize",
     "nvfp4_quantize",

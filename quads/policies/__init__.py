@@ -2,6 +2,7 @@
 named presets and rollout copies. Imports ``tensor``, ``kernels`` (through ``ops``) and ``ops``."""
 
 from quads.policies.calibrate import calibrate_residual_channels
+from quads.policies.fused_projections import fuse_projections_, unfuse_projections_
 from quads.policies.policy import DEFAULT_SKIP_PATTERNS, QuadsPolicy
 from quads.policies.presets import POLICY_PRESETS, PolicyPreset, get_preset
 from quads.policies.quantize import quantize_, quantized_modules
@@ -16,8 +17,10 @@ __all__ = [
     "build_rollout_model",
     "calibrate_residual_channels",
     "copy_model",
+    "fuse_projections_",
     "get_preset",
     "quantize_",
     "quantized_modules",
     "sync_weights_",
+    "unfuse_projections_",
 ]

@@ -97,6 +97,12 @@ class RolloutModule(QuadsModule):
         self.quads_prepared = self.quads_backend.refresh_prepared(
             self.quads_prepared, [getattr(self, n).parts for n in self.quads_packed_names])
         self._quads_prepared_versions = self._quads_versions()
+        group = getattr(self, "quads_group", None)
+        if group is not None:  # a fused projection (quads.policies.fused_projections)
+            if group.holds(self.quads_group_index, self.quads_prepared[0]):
+                group.write_scales(self.quads_group_index)
+            else:  # the layout could not be written in place (a device move): compute alone again
+                group.dissolve()
 
     def quads_prepared_weights(self) -> tuple:
         """The prepared weights, rebuilt first if the packed parts were written in place since
@@ -123,8 +129,15 @@ class RolloutLinear(RolloutModule):
     quads_packed_names = ("weight",)
     #: calibrated channel mask (K,) for residual_selection="static", else None
     quads_static_mask: torch.Tensor | None = None
+    #: the fused sibling projections this linear belongs to (``quads.fuse_projections_``), if any
+    quads_group = None
+    quads_group_index = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quads_group is not None:
+            y = self.quads_group.forward(self.quads_group_index, x)
+            if y is not None:
+                return y
         (prepared,) = self.quads_prepared_weights()
         return rollout_linear(x, self.weight, self.bias, self.quads_act, self.quads_static_mask, self.quads_backend,
                               prepared)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from quads.policies.policy import QuadsPolicy
+from quads.policies.fused_projections import fuse_projections_
 from quads.policies.quantize import quantize_
 from quads.policies.shards import is_dtensor
 from quads.policies.sync import sync_weights_
@@ -68,12 +69,14 @@ def build_rollout_model(
     policy: QuadsPolicy | None,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
+    fuse_projections: bool = True,
 ) -> nn.Module:
     """A rollout model: :func:`copy_model` of ``trainer_model`` quantized per ``policy``, synced.
 
     ``policy=None`` leaves the copy unquantized (a BF16 rollout engine). Otherwise
     ``quads.quantize_(copy, policy)`` then ``quads.sync_weights_(copy, trainer_model)``, so the
-    rollout's dequantized weights equal the trainer's fake-quant weights bit for bit.
+    rollout's dequantized weights equal the trainer's fake-quant weights bit for bit; with
+    ``fuse_projections`` then :func:`quads.fuse_projections_` (Hopper backend only; same bits).
     """
     if policy is not None and policy.side != "rollout":
         raise ValueError(f"build_rollout_model needs a rollout-side policy, got side={policy.side!r}")
@@ -81,4 +84,6 @@ def build_rollout_model(
     if policy is not None:
         quantize_(rollout, policy)
         sync_weights_(rollout, trainer_model)
+        if fuse_projections:
+            fuse_projections_(rollout)
     return rollout
