@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import quads  # noqa: E402
 from quads.kernels.hopper_weight_layout import (  # noqa: E402
     HopperWeight,
     from_hopper_layout,
@@ -247,8 +248,11 @@ def check_gemm():
         record(f"decode M={m} + residual within bound", ok, f"max err/bound={worst:.3g}")
         y2 = decode_gemm(qm.stacked, qm.main_scale, hw, wp.global_encode_scale, m, True)
         record(f"decode M={m} deterministic", bits_equal(y, y2))
-        for cfg in (DecodeConfig(64, 1, 4, 1), DecodeConfig(64, 4, 4, 1), DecodeConfig(128, 2, 8, 1),
-                    DecodeConfig(64, 2, 4, 1, use_asm=False)):
+        for cfg in (DecodeConfig(64, 1, 4, 1), DecodeConfig(64, 2, 4, 1), DecodeConfig(64, 4, 4, 1),
+                    DecodeConfig(128, 2, 8, 1), DecodeConfig(128, 4, 8, 1), DecodeConfig(64, 2, 4, 1, use_asm=False),
+                    DecodeConfig(64, 4, 4, 1, prefetch=True), DecodeConfig(64, 4, 4, 1, prefetch=True, pdl=True),
+                    DecodeConfig(64, 4, 4, 1, prefetch=True, pdl=True, reduce_kernel=True),
+                    DecodeConfig(64, 2, 4, 1, reduce_kernel=True)):
             yc = decode_gemm(qm.stacked, qm.main_scale, hw, wp.global_encode_scale, m, True, config=cfg)
             record(f"decode M={m} {cfg} == default bits", bits_equal(yc, y))
         outs[m] = y
@@ -373,16 +377,44 @@ def check_moe():
                             hi - lo, True)
         same.append(bits_equal(y[lo:hi], dense))
     record("grouped rows == dense decode rows", all(same), f"{sum(same)}/{len(same)} experts")
+    from quads.kernels.moe_grouped_gemm import MoeConfig
+
+    for split in (False, True):
+        ys = moe_w4a4_gemm(q.stacked, q.main_scale, (order // TOPK).to(torch.int32), offsets, hw,
+                           p.global_encode_scale, flat.numel(), T, True, config=MoeConfig(64, 16, 2, 4, 1, split=split))
+        record(f"grouped kernel split={split} == default bits", bits_equal(ys, y))
+
+
+@check("fused")
+def check_fused_projections():
+    """Stacked weights with per-row global scales, and a fused-projection model: the unfused bits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quads.policies import build_rollout_model
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False)
+    base = LlamaForCausalLM(cfg).bfloat16().cuda()
+    policy = quads.QuadsPolicy(side="rollout")
+    fused = build_rollout_model(base, policy)
+    plain = build_rollout_model(base, policy, fuse_projections=False)
+    groups = sum(1 for m in fused.modules() if getattr(m, "quads_group", None) is not None)
+    record("fuse_projections_ grouped every q/k/v and gate/up", groups == 10, f"{groups} of 2 x 5 members")
+    with torch.no_grad():
+        for rows in ((8, 1), (2, 3), (1, 64)):
+            ids = torch.randint(0, 1000, rows, device="cuda")
+            record(f"fused projections == unfused logits {rows}", bits_equal(fused(ids).logits, plain(ids).logits))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="act_quant,weights,layout,gemm,w4a16,moe")
+    ap.add_argument("--only", default="act_quant,weights,layout,gemm,w4a16,moe,fused")
     args = ap.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     checks = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
-              "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe}
+              "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections}
     for name in args.only.split(","):
         checks[name]()
     with open(os.path.join(args.out, "checks.json"), "w") as f:
