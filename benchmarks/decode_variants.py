@@ -20,6 +20,8 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -160,14 +162,42 @@ def bench_moe(rows, quick):
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _empty_kernel(X):
+    pass
+
+
+def bench_floors(rows):
+    """What a decode-GEMM call costs before its bytes: an empty kernel with the 4096 x 4096 grid
+    (512 programs) and the decode kernel on a one-program weight (64 x 512), each per call in a
+    graph of 16 back-to-back calls; and the activation quantization of one row."""
+    out = torch.zeros(1, device="cuda")
+    t = graph_time([lambda: _empty_kernel[(64, 8)](out) for _ in range(16)])
+    print(f"floor: empty kernel, grid (64, 8), per call in a graph of 16: {t:.2f} us", flush=True)
+    rows.append(dict(floor="empty kernel grid (64, 8)", us=t))
+    for n, k in ((64, 512), (64, 4096), (4096, 512)):
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        parts = [nvfp4_quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()) for _ in range(16)]
+        prep = [to_hopper_layout(p.qdata, p.scale) for p in parts]
+        x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+        ops = activation_operands_triton(x, QUADS)
+        t = graph_time([lambda i=i: decode_gemm(ops.stacked, ops.main_scale, prep[i], parts[i].global_encode_scale, 1,
+                                                True, None, torch.bfloat16) for i in range(16)])
+        tq = graph_time([lambda: activation_operands_triton(x, QUADS) for _ in range(16)])
+        print(f"floor: decode GEMM N={n} K={k} M=1 + residual: {t:.2f} us; its quantization {tq:.2f} us", flush=True)
+        rows.append(dict(floor=f"decode N={n} K={k} M=1", us=t, quant_us=tq))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="fewer M / T values")
-    ap.add_argument("--sections", default="dense,moe")
+    ap.add_argument("--sections", default="floors,dense,moe")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows: list[dict] = []
+    if "floors" in args.sections:
+        bench_floors(rows)
     if "dense" in args.sections:
         bench_dense(rows, args.quick)
     if "moe" in args.sections:
