@@ -314,10 +314,12 @@ def decode_words(raw, sc, ROWS: tl.constexpr, COLS: tl.constexpr, USE_ASM: tl.co
 
 
 @triton.jit
-def load_weight_raw(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.constexpr):
+def load_weight_raw(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.constexpr, num_rb=None):
     """Issue the loads of a (BN, 64*KBI) weight tile (16-byte value loads, 8-byte scale loads per
     thread); :func:`decode_weight_raw` turns them into the MMA operand. Split in two so a kernel
-    can have the next tile's loads in flight while it decodes and multiplies the current one."""
+    can have the next tile's loads in flight while it decodes and multiplies the current one.
+    ``num_rb`` (row blocks stored): when given, row blocks past it read as zero (a tile of BN
+    rows may overhang the 64-row padding)."""
     W: tl.constexpr = BN // 16
     i = tl.arange(0, W * 32)
     q = tl.arange(0, KBI)
@@ -325,6 +327,8 @@ def load_weight_raw(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.co
     lane = i % 32
     blk = (rb * num_kb + kb0)[:, None] + q[None, :]  # (W*32, KBI) block index
     live = ((kb0 + q) < num_kb)[None, :, None]  # blocks past K (KBI not dividing it) read as zero
+    if num_rb is not None:
+        live = live & (rb < num_rb)[:, None, None]
     raw = tl.load(VALS + (blk * 512 + (lane * 16)[:, None])[:, :, None] + tl.arange(0, 16)[None, None, :],
                   mask=live, other=0)
     s8 = tl.load(SCALES + (blk * 64 + ((lane // 4) * 8)[:, None])[:, :, None] + tl.arange(0, 8)[None, None, :],
@@ -348,9 +352,11 @@ def decode_weight_raw(raw, s8, BN: tl.constexpr, KBI: tl.constexpr, USE_ASM: tl.
 
 
 @triton.jit
-def load_weight_tile(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.constexpr, USE_ASM: tl.constexpr):
+def load_weight_tile(VALS, SCALES, rb0, kb0, num_kb, BN: tl.constexpr, KBI: tl.constexpr, USE_ASM: tl.constexpr,
+                     num_rb=None):
     """The (BN, 64*KBI) fp16 weight tile of row blocks ``rb0 .. rb0 + BN/16`` and k blocks
     ``kb0 .. kb0 + KBI``, decoded (``e2m1 * s * 2^-14``) into the wgmma register-operand layout.
-    All its loads are issued before any decode (KBI 16-byte loads in flight per thread)."""
-    raw, s8 = load_weight_raw(VALS, SCALES, rb0, kb0, num_kb, BN, KBI)
+    All its loads are issued before any decode (KBI 16-byte loads in flight per thread).
+    ``num_rb``: see :func:`load_weight_raw`."""
+    raw, s8 = load_weight_raw(VALS, SCALES, rb0, kb0, num_kb, BN, KBI, num_rb)
     return decode_weight_raw(raw, s8, BN, KBI, USE_ASM)

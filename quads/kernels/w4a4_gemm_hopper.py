@@ -1,4 +1,4 @@
-"""Prefill GEMM on Hopper (many tokens): exact W4A4 (+ residual) with a materialized fp16 weight.
+"""Prefill GEMM on Hopper (many tokens): exact W4A4 (+ residual), bits independent of M.
 
 QUADS.md section 3: an E2M1 value times an E4M3 scale is exact in fp16, so
 ``y = x̂ Ŵᵀ + r̂ Ŵᵀ`` is reproduced by multiplying the *unscaled* operands on fp16 tensor cores
@@ -6,17 +6,31 @@ with fp32 accumulation and dividing the sum by ``S_x[row] * S_w`` (the residual 
 global scale) in the epilogue, exactly as :func:`quads.ops.linear.w4a4_matmul_reference` does; only the fp32
 summation order differs from the reference.
 
-For many tokens the weight is dequantized once per call by :func:`dequant_weight_fp16` to the
-operand values the decode kernel builds in registers (``e2m1 * s * 2^-14``, see
-:mod:`quads.kernels.hopper_weight_layout`), then a pipelined tensor-core GEMM with both operands
-in shared memory runs. Swap-AB (weight rows are the MMA's M) as in the decode kernel.
+The weight operand is ``e2m1 * s * 2^-14`` (the values the decode kernel builds in registers,
+see :mod:`quads.kernels.hopper_weight_layout`): dequantized once per call by
+:func:`dequant_weight_fp16` and read from shared memory, or (``GemmConfig(weight="packed")``)
+decoded per tile in registers from the Hopper layout. Swap-AB (weight rows are the MMA's M) as
+in the decode kernel.
 
 Batch invariance: K is cut into the canonical segments of :data:`quads.kernels.w4a4_decode_hopper.SEG_K`;
 each segment is summed from zero by a chain of k16 MMA steps and the segment sums are added in
-order, with the decode kernel's epilogue formula, so a row's bits are those of the decode
-kernel (checked on the H200: the MMA instruction's arithmetic does not depend on the tile shape,
-but ``mma.sync`` differs from wgmma, so every config uses wgmma: >= 4 warps, >= 64 weight rows).
-Optional split-K (segments over programs, the last program adds them in order) for mid-size M.
+order (main and residual sums apart, added in the epilogue), with the decode kernel's epilogue
+formula, so a row's bits are those of the decode kernel (checked on the H200: the MMA
+instruction's arithmetic does not depend on the tile shape, but ``mma.sync`` differs from
+wgmma, so every config uses wgmma: >= 4 warps, >= 64 weight rows per warpgroup). Two walks of
+that order (:class:`GemmConfig`):
+
+* ``loop="segment"`` (the measured default): a software-pipelined loop per segment (the
+  pipeline drains and refills every 512 channels), two MMAs per k-step with the residual;
+  optional split-K (segments over programs, the last program adds them in order) for mid-size M;
+* ``loop="flat"``: one pipelined loop over all of K; the k16 chain restarts at segment starts
+  and the segment sum is added at segment ends inside the loop; with the residual the main and
+  residual rows of the same tokens are the two halves of one MMA's columns (one weight-tile read,
+  two accumulators instead of four); grouped program order for L2 reuse; pointer (cp.async)
+  or TMA loads.
+
+:func:`cublas_prefill` is an opt-in path through cuBLAS on the same operands: exact products,
+another summation order, **not batch invariant**; nothing in the library calls it.
 """
 
 from __future__ import annotations
@@ -24,12 +38,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quads.kernels._interpreter import interpreting
 from quads.kernels.arrival_counters import arrival_counters
+from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight, load_weight_tile, to_hopper_layout
 from quads.kernels.w4a4_decode_hopper import SEG_K
 
-__all__ = ["w4a4_gemm", "GemmConfig", "pick_config", "dequant_weight_fp16"]
+__all__ = ["w4a4_gemm", "GemmConfig", "pick_config", "dequant_weight_fp16", "cublas_prefill"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +192,138 @@ def _w4a4_gemm_kernel(
         _epilogue(tot, totr, SX, offs_m, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym, HAS_RES, HAS_BIAS)
 
 
+# ---------------------------------------------------------------------------------------------
+# Flat K walk (GemmConfig(loop="flat")): one pipelined loop over every k-step of the tile
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_coords(pid, grid_n, grid_m, GROUP: tl.constexpr):
+    """Program id -> (weight tile, token tile): groups of ``GROUP`` weight tiles, each group
+    sweeping every token tile before the next starts (L2 reuse of the group's weight rows)."""
+    per_group = GROUP * grid_m
+    first_n = (pid // per_group) * GROUP
+    size = tl.minimum(grid_n - first_n, GROUP)
+    return first_n + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def _column_rows(X, R, m0, M, stride_xm, stride_rm, BM: tl.constexpr, HAS_RES: tl.constexpr):
+    """Row pointers and validity of the MMA columns of the ``BM`` tokens from ``m0``: the tokens'
+    main rows, then (with the residual) their residual rows: ``2 * BM`` columns, one MMA."""
+    if HAS_RES:
+        col = tl.arange(0, 2 * BM)
+        tok = m0 + col % BM
+        rows = tl.where(col < BM, X + tok.to(tl.int64) * stride_xm, R + tok.to(tl.int64) * stride_rm)
+    else:
+        tok = m0 + tl.arange(0, BM)
+        rows = X + tok.to(tl.int64) * stride_xm
+    return rows, tok < M
+
+
+@triton.jit
+def _act_tile(rows, cmask, x_desc, m0, k0, K, BM: tl.constexpr, BK: tl.constexpr,
+              HAS_RES: tl.constexpr, TMA: tl.constexpr):
+    """The (columns, BK) fp16 activation tile at channel ``k0``, columns as :func:`_column_rows`
+    (TMA: one (2, BM, BK) box of the (main, residual) x tokens x K view, the same order)."""
+    if TMA:
+        if HAS_RES:
+            t = tl.reshape(x_desc.load([0, m0, k0]), (2 * BM, BK))
+        else:
+            t = x_desc.load([m0, k0])
+    else:
+        kk = k0 + tl.arange(0, BK)
+        t = tl.load(rows[:, None] + kk[None, :], mask=cmask[:, None] & (kk < K)[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def _weight_tile(W16, w_desc, VALS, SCALES, n0, k0, N, K, num_kb, num_rb,
+                 BN: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr, TMA: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+    """(BN, BK) fp16 weight operand ``e2m1 * s * 2^-14`` of rows ``n0 ..`` at channel ``k0``:
+    decoded in registers from the Hopper layout (``PACKED``), else read from the materialized
+    fp16 weight."""
+    if PACKED:
+        w = load_weight_tile(VALS, SCALES, n0 // 16, k0 // 64, num_kb, BN, BK // 64, USE_ASM, num_rb)  # 64: K_BLOCK
+    elif TMA:
+        w = w_desc.load([n0, k0])
+    else:
+        rows = n0 + tl.arange(0, BN)
+        kk = k0 + tl.arange(0, BK)
+        w = tl.load(W16 + rows[:, None].to(tl.int64) * K + kk[None, :], mask=(rows < N)[:, None] & (kk < K)[None, :],
+                    other=0.0)
+    return w
+
+
+@triton.jit
+def _column_halves(t, BN: tl.constexpr, BM: tl.constexpr):
+    """(BN, 2 * BM) -> its column halves ``[:, :BM]``, ``[:, BM:]``."""
+    return tl.split(tl.permute(tl.reshape(t, (BN, 2, BM)), (0, 2, 1)))
+
+
+@triton.jit
+def _flat_tile(
+    tile, X, R, x_desc, SX, W16, w_desc, VALS, SCALES, sw, BIAS, Y,
+    M, N, K, num_kb, num_rb, stride_xm, stride_rm, stride_ym,
+    SEG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, TMA: tl.constexpr,
+    USE_ASM: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Output tile ``tile`` (BN weight rows x BM tokens), K walked by one software-pipelined
+    loop: the k16 chain restarts from zero at every canonical segment and each segment sum is
+    added to ``tot`` in segment order (the segment walk's order, so the same bits) with no
+    pipeline drain between segments. With the residual the MMA has ``2 * BM`` columns (main
+    rows, then residual rows): one MMA per k-step, two accumulators; ``tot``'s column halves
+    are the main and residual sums."""
+    COLS: tl.constexpr = 2 * BM if HAS_RES else BM
+    pid_n, pid_m = _tile_coords(tile, tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP)
+    n0 = pid_n * BN
+    m0 = pid_m * BM
+    rows, cmask = _column_rows(X, R, m0, M, stride_xm, stride_rm, BM, HAS_RES)
+    steps_per_seg: tl.constexpr = SEG // BK
+    n_steps = tl.cdiv(K, BK)
+    acc = tl.zeros((BN, COLS), dtype=tl.float32)
+    tot = tl.zeros((BN, COLS), dtype=tl.float32)
+    for i in tl.range(0, n_steps, num_stages=STAGES):
+        w = _weight_tile(W16, w_desc, VALS, SCALES, n0, i * BK, N, K, num_kb, num_rb, BN, BK, PACKED, TMA, USE_ASM)
+        x = _act_tile(rows, cmask, x_desc, m0, i * BK, K, BM, BK, HAS_RES, TMA)
+        acc = tl.dot(w, tl.trans(x), acc)
+        if ((i + 1) % steps_per_seg == 0) | (i == n_steps - 1):  # a canonical segment ends
+            tot += acc
+            acc = tl.zeros((BN, COLS), dtype=tl.float32)
+    offs_n = n0 + tl.arange(0, BN)
+    offs_m = m0 + tl.arange(0, BM)
+    if HAS_RES:
+        main, res = _column_halves(tot, BN, BM)
+    else:
+        main, res = tot, tot
+    _epilogue(main, res, SX, offs_m, sw, BIAS, Y, offs_m, offs_m < M, offs_n, offs_n < N, stride_ym, HAS_RES, HAS_BIAS)
+
+
+@triton.jit
+def _w4a4_gemm_flat_kernel(
+    X, R, x_desc, SX, W16, w_desc, VALS, SCALES, SW, BIAS, Y,
+    M, N, K, num_kb, num_rb, stride_xm, stride_rm, stride_ym,
+    SEG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, TMA: tl.constexpr,
+    USE_ASM: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """One program per output tile, or (``PERSISTENT``) a grid of about one program per SM, each
+    walking tiles ``pid, pid + grid, ...`` in one loop flattened with the K walk (the next tile's
+    loads are in flight during this tile's epilogue)."""
+    sw = tl.load(SW)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), tl.cdiv(N, BN) * tl.cdiv(M, BM), tl.num_programs(0), flatten=True):
+            _flat_tile(tile, X, R, x_desc, SX, W16, w_desc, VALS, SCALES, sw, BIAS, Y, M, N, K, num_kb, num_rb,
+                       stride_xm, stride_rm, stride_ym, SEG, BN, BM, BK, GROUP, HAS_RES, HAS_BIAS, PACKED, TMA,
+                       USE_ASM, STAGES)
+    else:
+        _flat_tile(tl.program_id(0), X, R, x_desc, SX, W16, w_desc, VALS, SCALES, sw, BIAS, Y, M, N, K, num_kb, num_rb,
+                   stride_xm, stride_rm, stride_ym, SEG, BN, BM, BK, GROUP, HAS_RES, HAS_BIAS, PACKED, TMA,
+                   USE_ASM, STAGES)
+
+
 @triton.jit
 def _dequant_weight_kernel(WQ, WS, W16, N, K, KH, KS, BR: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
     """W16 (N, K) fp16 = e2m1 * s * 2^-14: the prefill path's MMA operand (exact, the values the
@@ -195,27 +343,80 @@ def _dequant_weight_kernel(WQ, WS, W16, N, K, KH, KS, BR: tl.constexpr, BK: tl.c
     tl.store(W16 + r64[:, None] * K + (k0 + kk)[None, :], w, mask=rmask[:, None] & ((k0 + kk) < K)[None, :])
 
 
+@triton.jit
+def _cublas_epilogue_kernel(ACC, SX, SW, BIAS, Y, M, N, stride_ym,
+                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``m`` of :func:`cublas_prefill`: ``(acc[m] [+ acc[M + m]]) * 2^14 / (Sx[m] Sw) [+ bias]``,
+    the kernels' epilogue formula on the stacked fp32 product (main rows, then residual rows)."""
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.load(ACC + m * N + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        acc = acc + tl.load(ACC + (M + m) * N + offs, mask=mask, other=0.0)
+    den = tl.load(SX + m) * tl.load(SW)
+    y = tl.math.div_rn(acc * 16384.0, den + tl.zeros_like(acc))
+    if HAS_BIAS:
+        y = y + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + m * stride_ym + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------
 
+_LOOPS = ("segment", "flat")
+_LOADS = ("pointer", "tma")
+_WEIGHTS = ("fp16", "packed")
+
 
 class GemmConfig:
-    """Tile config of the prefill GEMM (tuned on the H200, see docs/kernels.md)."""
+    """Tile config of the prefill GEMM (see docs/kernels.md for the measurements behind them).
 
-    __slots__ = ("bn", "bm", "bk", "split", "num_warps", "num_stages")
+    * ``bn``: weight rows per program (64 per warpgroup: wgmma); ``bm``: tokens per program (with
+      the residual: ``2 * bm`` MMA columns); ``bk``: channels per k-step (divides the segment);
+    * ``loop``: ``"segment"`` (a pipelined loop per 512-channel segment, refilled per segment;
+      ``split``: one program per segment, the last to arrive adds them in order) or ``"flat"``
+      (one pipelined loop over all of K, the same order; main and residual rows as one MMA);
+    * ``loads`` (flat): ``"pointer"`` (cp.async) or ``"tma"`` (tensor-memory-accelerator boxes);
+    * ``weight`` (flat): ``"fp16"`` (decoded once per call by :func:`dequant_weight_fp16`) or
+      ``"packed"`` (the Hopper layout, decoded per tile in registers: no fp16 copy);
+    * ``group`` (flat): weight tiles per program group (L2 reuse of their rows);
+    * ``persistent`` (flat): 0 = one program per output tile; p > 0 = ``p`` programs per SM, each
+      walking tiles in one loop flattened with the K walk (the next tile's loads overlap this
+      tile's epilogue).
 
-    def __init__(self, bn, bm, bk, split, num_warps=4, num_stages=3):
+    Every choice keeps the bits: the same k16 chains and segment order.
+    """
+
+    __slots__ = ("bn", "bm", "bk", "split", "num_warps", "num_stages", "loop", "loads", "weight", "group",
+                 "persistent")
+
+    def __init__(self, bn, bm, bk, split, num_warps=4, num_stages=3, loop="segment", loads="pointer",
+                 weight="fp16", group=8, persistent=0):
+        if loop not in _LOOPS or loads not in _LOADS or weight not in _WEIGHTS:
+            raise ValueError(f"loop in {_LOOPS}, loads in {_LOADS}, weight in {_WEIGHTS}: "
+                             f"got {loop}, {loads}, {weight}")
+        if loop == "segment" and (loads, weight, persistent) != ("pointer", "fp16", 0):
+            raise ValueError("the segment walk takes pointer loads of the fp16 weight, one program per tile")
+        if loop == "flat" and split:
+            raise ValueError("the flat walk does not split K")
+        if weight == "packed" and bk % K_BLOCK:
+            raise ValueError(f"the packed weight is read in blocks of {K_BLOCK} channels, got bk={bk}")
         self.bn, self.bm, self.bk, self.split = bn, bm, bk, split
         self.num_warps, self.num_stages = num_warps, num_stages
+        self.loop, self.loads, self.weight, self.group, self.persistent = loop, loads, weight, group, persistent
 
     def __repr__(self):
+        flat = (f", {self.loads}, {self.weight}, group={self.group}, persistent={self.persistent}"
+                if self.loop == "flat" else "")
         return (f"GemmConfig(bn={self.bn}, bm={self.bm}, bk={self.bk}, split={self.split}, "
-                f"warps={self.num_warps}, stages={self.num_stages})")
+                f"warps={self.num_warps}, stages={self.num_stages}, {self.loop}{flat})")
 
 
 def pick_config(m: int, n: int, k: int) -> GemmConfig:
-    """Tile choice by token count."""
+    """Tile choice by token count. The segment walk is the measured default (docs/kernels.md);
+    the flat configs of ``benchmarks/prefill_experiments.py`` are candidates until measured."""
     if interpreting():
         return GemmConfig(bn=16, bm=16, bk=32, split=m <= 32, num_warps=1, num_stages=1)
     if m <= 256:
@@ -235,38 +436,81 @@ def dequant_weight_fp16(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
         wq, ws_u8, out, n, k, k // 2, k // 16, BR=br, BK=bk, USE_ASM=not interpreting(), num_warps=4)
     return out
 
-def w4a4_gemm(
-    x16: torch.Tensor,
-    sx: torch.Tensor,
-    wq: torch.Tensor,
-    ws: torch.Tensor,
-    sw: torch.Tensor,
-    r16: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float32,
-    config: GemmConfig | None = None,
-    seg_k: int = SEG_K,
-    w16: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``y (M, N) = (x16 @ Ŵᵀ [+ r16 @ Ŵᵀ]) / (sx Sw) [+ bias]``, see module doc.
 
-    x16/r16: fp16 (M, K) unscaled activations (the residual shares the rows' scales); sx fp32
-    (M,); wq uint8 (N, K/2); ws uint8
-    or float8_e4m3fn (N, K/16); sw fp32 scalar tensor; ``w16``: the materialized weight if the
-    caller has it already (:func:`dequant_weight_fp16`).
-    """
+def _residual_row_offset(x16: torch.Tensor, r16: torch.Tensor) -> int | None:
+    """Rows from ``x16``'s first row to ``r16``'s when both are row ranges of one buffer with
+    the same row stride and the residual after the main rows (the stacked operand); else None."""
+    if r16.stride(0) != x16.stride(0) or r16.untyped_storage().data_ptr() != x16.untyped_storage().data_ptr():
+        return None
+    gap = r16.data_ptr() - x16.data_ptr()
+    row_bytes = x16.stride(0) * x16.element_size()
+    if gap <= 0 or gap % row_bytes or gap // row_bytes < x16.shape[0]:
+        return None
+    return gap // row_bytes
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA's requirements on a 2-D fp16 operand: 16-byte aligned base and row stride, unit inner stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def _activation_desc(x16, r16, cfg):
+    """TMA descriptor of the activation operand: (M, K) boxes of (bm, bk); with the residual a
+    3-D (main / residual, M, K) view of the stacked buffer (boxes (2, bm, bk)), or None when the
+    operands are not TMA-addressable that way (the launcher then loads by pointer: same bits)."""
     m, k = x16.shape
-    n = wq.shape[0]
-    cfg = config or pick_config(m, n, k)
-    if seg_k % cfg.bk:
-        raise ValueError(f"BLOCK_K={cfg.bk} must divide the K segment {seg_k}")
+    if not _tma_ok(x16):
+        return None
+    if r16 is None:
+        return TensorDescriptor(x16, [m, k], [x16.stride(0), 1], [cfg.bm, cfg.bk])
+    gap = _residual_row_offset(x16, r16)
+    if gap is None or (gap * x16.stride(0) * x16.element_size()) % 16:
+        return None
+    return TensorDescriptor(x16, [2, m, k], [gap * x16.stride(0), x16.stride(0), 1], [2, cfg.bm, cfg.bk])
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (2 under the interpreter: programs walk several tiles)."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_flat(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16, hopper_weight):
+    """The flat K walk (:func:`_w4a4_gemm_flat_kernel`) on one output."""
+    m, k = x16.shape
+    n = y.shape[1]
+    has_res = r16 is not None
+    packed = cfg.weight == "packed"
+    x_desc = _activation_desc(x16, r16, cfg) if cfg.loads == "tma" else None
+    w_desc = vals = scales = None
+    num_kb = num_rb = 0
+    if packed:
+        hw = hopper_weight if hopper_weight is not None else to_hopper_layout(wq, ws)
+        vals, scales = hw.values, hw.scales
+        num_rb, num_kb = vals.shape[-4], vals.shape[-3]
+    else:
+        w16 = w16 if w16 is not None else dequant_weight_fp16(wq, ws)
+        if x_desc is not None:
+            w_desc = TensorDescriptor.from_tensor(w16, [cfg.bn, cfg.bk])
+    r = r16 if has_res else x16
+    tiles = triton.cdiv(n, cfg.bn) * triton.cdiv(m, cfg.bm)
+    grid = (min(tiles, cfg.persistent * _num_sms(x16.device)) if cfg.persistent else tiles,)
+    _w4a4_gemm_flat_kernel[grid](
+        x16, r, x_desc, sx, w16 if not packed else x16, w_desc, vals, scales, sw.reshape(1),
+        bias if bias is not None else sx, y,
+        m, n, k, num_kb, num_rb, x16.stride(0), r.stride(0), y.stride(0),
+        SEG=seg_k, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, GROUP=cfg.group, HAS_RES=has_res, HAS_BIAS=bias is not None,
+        PACKED=packed, TMA=x_desc is not None, USE_ASM=not interpreting(), STAGES=cfg.num_stages,
+        PERSISTENT=cfg.persistent > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _launch_segment(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16):
+    """The segment walk (:func:`_w4a4_gemm_kernel`), split over programs or not."""
+    m, k = x16.shape
+    n = y.shape[1]
     dev = x16.device
-    if interpreting() and out_dtype == torch.bfloat16:
-        # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even
-        return w4a4_gemm(x16, sx, wq, ws, sw, r16, bias, torch.float32, config, seg_k, w16).to(out_dtype)
-    y = torch.empty((m, n), dtype=out_dtype, device=dev)
-    if m == 0:
-        return y
     has_res = r16 is not None
     num_seg = triton.cdiv(k, seg_k)
     split = cfg.split and num_seg > 1
@@ -281,10 +525,117 @@ def w4a4_gemm(
     if w16 is None:
         w16 = dequant_weight_fp16(wq, ws)
     _w4a4_gemm_kernel[grid](
-        x16, r16 if has_res else x16, sx, w16, sw.reshape(1) if sw.dim() == 0 else sw,
+        x16, r16 if has_res else x16, sx, w16, sw.reshape(1),
         bias if bias is not None else sx, y, part, locks,
         m, n, k, x16.stride(0), (r16 if has_res else x16).stride(0), y.stride(0),
         SEG=seg_k, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, SPLIT=split,
         HAS_RES=has_res, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def w4a4_gemm(
+    x16: torch.Tensor,
+    sx: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    sw: torch.Tensor,
+    r16: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    config: GemmConfig | None = None,
+    seg_k: int = SEG_K,
+    w16: torch.Tensor | None = None,
+    hopper_weight: HopperWeight | None = None,
+) -> torch.Tensor:
+    """``y (M, N) = (x16 @ Ŵᵀ [+ r16 @ Ŵᵀ]) / (sx Sw) [+ bias]``, see module doc.
+
+    x16/r16: fp16 (M, K) unscaled activations (the residual shares the rows' scales; rows of
+    the stacked operand are what TMA loads take as one box); sx fp32 (M,); wq uint8 (N, K/2);
+    ws uint8 or float8_e4m3fn (N, K/16); sw fp32 scalar tensor; ``w16``: the materialized weight
+    if the caller has it already (:func:`dequant_weight_fp16`); ``hopper_weight``: the weight in
+    the Hopper layout for ``weight="packed"`` configs (built here if not given: slow).
+    """
+    m, k = x16.shape
+    n = wq.shape[0]
+    cfg = config or pick_config(m, n, k)
+    if seg_k % cfg.bk:
+        raise ValueError(f"BLOCK_K={cfg.bk} must divide the K segment {seg_k}")
+    if interpreting() and out_dtype == torch.bfloat16:
+        # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even
+        return w4a4_gemm(x16, sx, wq, ws, sw, r16, bias, torch.float32, config, seg_k, w16,
+                         hopper_weight).to(out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=x16.device)
+    if m == 0:
+        return y
+    if cfg.loop == "flat":
+        _launch_flat(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16, hopper_weight)
+    else:
+        _launch_segment(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Opt-in: cuBLAS on the same exact operands (NOT batch invariant)
+# ---------------------------------------------------------------------------------------------
+
+
+def _stacked_rows(x16: torch.Tensor, r16: torch.Tensor | None) -> torch.Tensor:
+    """(M or 2M, K): the main rows, then the residual rows; a view of the stacked operand when
+    the residual rows directly follow the main ones, else a copy."""
+    if r16 is None:
+        return x16
+    m = x16.shape[0]
+    if _residual_row_offset(x16, r16) == m:
+        return x16.as_strided((2 * m, x16.shape[1]), x16.stride())
+    return torch.cat([x16, r16])
+
+
+def _fp16_mm_fp32(a: torch.Tensor, w16: torch.Tensor) -> torch.Tensor:
+    """``a @ w16ᵀ`` of fp16 operands with fp32 accumulation and an fp32 result (every product
+    of two fp16 values is exact in fp32). CUDA: cuBLAS fp16 GEMM with fp32 output
+    (``torch.mm(..., out_dtype=torch.float32)``, torch >= 2.8: tensor-core speed, no rounding of
+    the sums to fp16); CPU (no such kernel): an fp32 matmul of the exact fp32 copies."""
+    if a.is_cuda:
+        return torch.mm(a, w16.t(), out_dtype=torch.float32)
+    return torch.mm(a.float(), w16.float().t())
+
+
+def cublas_prefill(
+    x16: torch.Tensor,
+    sx: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    sw: torch.Tensor,
+    r16: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    w16: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """OPT-IN fast prefill, **not batch invariant**: :func:`w4a4_gemm`'s product through cuBLAS.
+
+    The same exact fp16 operands (activations ``e2m1 * s``, weight ``e2m1 * s * 2^-14`` from
+    :func:`dequant_weight_fp16` or the caller's cached ``w16``), the residual rows stacked under
+    the main rows (one GEMM of 2M rows, fp32 output), then the kernels' epilogue
+    ``(acc_main + acc_res) * 2^14 / (S_x S_w) [+ bias]`` in fp32 (:func:`_cublas_epilogue_kernel`).
+
+    Exactness: every product is exact in fp32 (fp16 x fp16 has 22 significant bits; the
+    products lie in [2^-34, 2^9]), so only the fp32 summation order differs from the reference:
+    ``|y - ref| <= 2 K 2^-24 (|x̂| + |r̂|) |Ŵ|ᵀ / (S_x S_w)`` elementwise, the bound the kernels
+    meet. But cuBLAS picks its kernel (tile shape, split-K) by M, so a row's bits depend on the
+    batch it is in, and differ from the decode / grouped kernels' bits: use it only where batch
+    invariance is not needed. Arguments as :func:`w4a4_gemm`.
+    """
+    m, k = x16.shape
+    n = wq.shape[0]
+    if interpreting() and out_dtype == torch.bfloat16:
+        # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even
+        return cublas_prefill(x16, sx, wq, ws, sw, r16, bias, torch.float32, w16).to(out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=x16.device)
+    if m == 0:
+        return y
+    acc = _fp16_mm_fp32(_stacked_rows(x16, r16), w16 if w16 is not None else dequant_weight_fp16(wq, ws))
+    block = min(1024, triton.next_power_of_2(n))
+    _cublas_epilogue_kernel[(m, triton.cdiv(n, block))](
+        acc, sx, sw.reshape(1), bias if bias is not None else sx, y, m, n, y.stride(0),
+        HAS_RES=r16 is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y

@@ -1,7 +1,8 @@
 """Exact-emulation W4A4 (+ residual) GEMMs vs ``w4a4_matmul_reference``: the decode kernel (Hopper
 weight layout, split-K over canonical segments) and the prefill kernel (materialized fp16 weight);
 determinism and batch invariance (a row's bits do not depend on the other rows, on M, or on which
-kernel ran).
+kernel ran); the prefill variants (flat K walk, TMA loads, packed weight) against the segment walk's
+bits; the opt-in cuBLAS prefill within the bound.
 
 Tolerance: the kernels and the reference sum the same exact products in different fp32 orders,
 so |y - ref| <= 2 * K * 2^-24 * (|x̂| + |r̂|) |Ŵ|ᵀ / (S_x S_w) elementwise (the residual shares S_x).
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
 from quads.kernels.w4a4_decode_hopper import SEG_K, DecodeConfig, decode_gemm  # noqa: E402
-from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
+from quads.kernels.w4a4_gemm_hopper import GemmConfig, cublas_prefill, w4a4_gemm  # noqa: E402
 from quads.ops import ActivationQuant, get_backend, rollout_linear, use_backend, w4a4_matmul_reference  # noqa: E402
 from quads.ops.activation_quant import (  # noqa: E402
     QuantizedActivation,
@@ -203,3 +204,69 @@ def test_stacked_weights_with_per_row_global_scales(residual):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     with pytest.raises(ValueError, match="one scale per weight row"):
         decode_gemm(q.stacked, q.main_scale, stacked, sw[:100].float(), m, residual)
+
+
+# Prefill variants vs the segment walk. Under the interpreter a dot is numpy's matmul, whose
+# summation order depends on the tile shape, so the variants run on the base's tile (bn, bk; the
+# packed weight needs bk = 64); on a GPU (k16 wgmma chains) any tile gives the same bits.
+_TILE = dict(bn=16, bm=16, bk=64, num_warps=1, num_stages=1) if INTERP else dict(bn=64, bm=64, bk=64, num_warps=4,
+                                                                                num_stages=3)
+_VARIANTS = {
+    "flat": dict(loop="flat"),
+    "flat-tma": dict(loop="flat", loads="tma"),
+    "flat-packed": dict(loop="flat", weight="packed", group=3),
+    "flat-tma-packed": dict(loop="flat", loads="tma", weight="packed", group=1),
+    "flat-tma-persistent": dict(loop="flat", loads="tma", persistent=1),
+}
+
+
+def _variant_run(q, wp, cfg, residual, bias=None, out_dtype=torch.float32, hw=None):
+    return w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale,
+                     q.residual if residual else None, bias=bias, out_dtype=out_dtype, config=cfg, hopper_weight=hw)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+def test_prefill_variants_equal_segment_walk_bits(variant, residual):
+    """Odd M (a partial token tile), N not a multiple of the tile, K = 1040: two segments and a
+    partial third, K not a multiple of 64 (layout padding, TMA zero fill, masks); group sizes
+    not dividing the grid; persistent programs walking several tiles; fp32 output with a bias
+    (plain: without), and with the residual also a bf16 output."""
+    m, k, n = 37, 1040, 72
+    x, wp, qa, q = _operands(m, k, n, seed=6, residual=residual)
+    hw = to_hopper_layout(wp.qdata, wp.scale)
+    bias = torch.randn(n).to(DEV) if residual else None
+    base_cfg = GemmConfig(split=False, **_TILE)
+    cfg = GemmConfig(split=False, **_TILE, **_VARIANTS[variant])
+    for out_dtype in (torch.float32, torch.bfloat16) if residual else (torch.float32,):
+        base = _variant_run(q, wp, base_cfg, residual, bias, out_dtype)
+        got = _variant_run(q, wp, cfg, residual, bias, out_dtype, hw)
+        assert got.dtype == out_dtype
+        assert torch.equal(got, base)
+
+
+def test_flat_walk_operands_outside_one_buffer():
+    """The residual rows a slice of a larger stacked buffer (the gap is not M rows), or a separate
+    tensor: TMA takes the first as a 3-D view and falls back to pointer loads for the second."""
+    m, k, n = 21, 576, 64
+    x, wp, qa, q = _operands(m + 11, k, n, seed=7)
+    cfg = GemmConfig(split=False, **_TILE, loop="flat", loads="tma")
+    base = w4a4_gemm(q.main[:m], q.main_scale[:m], wp.qdata, wp.scale, wp.global_encode_scale, q.residual[:m],
+                     config=GemmConfig(split=False, **_TILE))
+    for r16 in (q.residual[:m], q.residual[:m].clone()):
+        y = w4a4_gemm(q.main[:m], q.main_scale[:m], wp.qdata, wp.scale, wp.global_encode_scale, r16, config=cfg)
+        assert torch.equal(y, base)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_cublas_prefill_within_bound(residual):
+    """The opt-in cuBLAS path (not batch invariant) meets the kernels' fp32-order bound."""
+    m, k, n = 37, 1040, 72
+    x, wp, qa, q = _operands(m, k, n, seed=8, residual=residual)
+    bias = torch.randn(n).to(DEV)
+    ref = w4a4_matmul_reference(qa, _cpu(wp)) + bias.cpu()
+    y = cublas_prefill(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual, bias)
+    assert torch.all((y.cpu() - ref).abs() <= _bound(qa, wp, k) + 1e-6 * bias.abs().cpu())
+    yb = cublas_prefill(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual, bias,
+                        out_dtype=torch.bfloat16)
+    assert torch.equal(yb, y.to(torch.bfloat16))
