@@ -92,7 +92,7 @@ def _reduce_segments_store(PART, SX, SW, BIAS, Y, M, N, cols, num_seg, offs_n, n
 @triton.jit
 def _decode_gemm_kernel(
     VALS, SCALES, X, SX, SW, BIAS, Y, PART, LOCKS,
-    M, N, K, num_kb, stride_xm, stride_ym,
+    M, N, K, num_kb, num_rb, stride_xm, stride_ym,
     SEG_KB: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr,
     STAGES: tl.constexpr, RED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
@@ -115,8 +115,8 @@ def _decode_gemm_kernel(
     kb_lo = pid_s * SEG_KB
     if PREFETCH:  # the segment in two halves, every load of both issued before the first decode
         rb0 = pid_n * (BN // 16)
-        raw0, sc0 = load_weight_raw(VALS, SCALES, rb0, kb_lo, num_kb, BN, KBI)
-        raw1, sc1 = load_weight_raw(VALS, SCALES, rb0, kb_lo + KBI, num_kb, BN, KBI)
+        raw0, sc0 = load_weight_raw(VALS, SCALES, rb0, kb_lo, num_kb, BN, KBI, num_rb)
+        raw1, sc1 = load_weight_raw(VALS, SCALES, rb0, kb_lo + KBI, num_kb, BN, KBI, num_rb)
         if PDL:
             gdc_wait()  # the activations are the previous kernel's output
         kk0 = kb_lo * 64 + tl.arange(0, KBI * 64)
@@ -132,14 +132,14 @@ def _decode_gemm_kernel(
         if UNROLL:  # a fixed trip count, unrolled; blocks past K (the last segment) load as zeros
             for it in tl.static_range(SEG_KB // KBI):
                 kb = kb_lo + it * KBI
-                w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
+                w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM, num_rb)
                 kk = kb * 64 + tl.arange(0, KBI * 64)
                 x = tl.load(X + tok[:, None].to(tl.int64) * stride_xm + kk[None, :],
                             mask=tmask[:, None] & (kk < K)[None, :], other=0.0)
                 acc = tl.dot(w, tl.trans(x), acc)
         else:  # a software-pipelined loop (STAGES deep)
             for kb in tl.range(kb_lo, tl.minimum(kb_lo + SEG_KB, num_kb), KBI, num_stages=STAGES):
-                w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
+                w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM, num_rb)
                 kk = kb * 64 + tl.arange(0, KBI * 64)
                 x = tl.load(X + tok[:, None].to(tl.int64) * stride_xm + kk[None, :],
                             mask=tmask[:, None] & (kk < K)[None, :], other=0.0)
@@ -252,7 +252,7 @@ def decode_gemm(
     _decode_gemm_kernel[grid](
         weight.values, weight.scales, x16, sx, sw.reshape(-1), bias_arg, y, part,
         arrival_counters(dev, grid[0], 4096),
-        m, n, k, num_kb, x16.stride(0), y.stride(0),
+        m, n, k, num_kb, weight.values.shape[-4], x16.stride(0), y.stride(0),
         SEG_KB=seg_kb, BN=cfg.bn, NT=nt, BM=bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_BIAS=bias is not None,
         USE_ASM=cfg.use_asm and native, UNROLL=cfg.unroll, STAGES=cfg.num_stages, RED=8, PREFETCH=cfg.prefetch,
         PDL=pdl, REDUCE_KERNEL=cfg.reduce_kernel, GDC=native, SW_PER_ROW=sw_per_row,

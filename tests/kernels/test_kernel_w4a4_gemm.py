@@ -270,3 +270,19 @@ def test_cublas_prefill_within_bound(residual):
     yb = cublas_prefill(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual, bias,
                         out_dtype=torch.bfloat16)
     assert torch.equal(yb, y.to(torch.bfloat16))
+
+
+def test_decode_tile_overhanging_the_row_padding():
+    """128-row tiles over a weight whose rows pad to 64 but not 128 (N = 72 -> 128 stored rows ok;
+    N = 136 -> 192 stored rows, the last 128-row tile half outside): nothing past the stored rows
+    is read (masked), and the result has the 64-row tiles' bits."""
+    m, k, n = 2, 512, 136
+    x, wp, qa, q = _operands(m, k, n, seed=9)
+    asm = not INTERP
+    want = _decode(q, wp, m, True, None, DecodeConfig(bn=64, kbi=1, use_asm=asm))
+    configs = [DecodeConfig(bn=128, kbi=1, num_warps=8, use_asm=asm)]
+    if not INTERP:  # under the interpreter a 256-channel dot rounds unlike four 64-channel ones
+        configs.append(DecodeConfig(bn=128, kbi=4, num_warps=8, use_asm=asm, prefetch=True))
+    for cfg in configs:
+        got = _decode(q, wp, m, True, None, cfg)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), cfg
