@@ -261,11 +261,14 @@ def check_gemm():
     y = decode_gemm(qp.stacked, qp.main_scale, hw, wp.global_encode_scale, 16, False, bias)
     ok, worst = within(y, qp.main, qp.main_scale, None, wp, k, bias)
     record("decode M=16 plain + bias within bound", ok, f"max err/bound={worst:.3g}")
-    for m, cfg in ((256, GemmConfig(64, 128, 64, True, 4, 3)), (2048, GemmConfig(128, 128, 64, False, 8, 4))):
+    for m, cfg in ((256, GemmConfig(64, 128, 64, True, 4, 3)), (2048, GemmConfig(128, 128, 64, False, 8, 4)),
+                   (256, None), (2048, None)):  # None: the default (flat walk, TMA loads)
         y = w4a4_gemm(q.main[:m], q.main_scale[:m], wp.qdata, wp.scale, wp.global_encode_scale,
                       q.residual[:m], config=cfg)
         ok, worst = within(y, q.main[:m], q.main_scale[:m], q.residual[:m], wp, k)
-        record(f"prefill M={m} {cfg} within bound", ok, f"max err/bound={worst:.3g}")
+        record(f"prefill M={m} {cfg or 'default'} within bound", ok, f"max err/bound={worst:.3g}")
+        if cfg is None:
+            record(f"prefill M={m} default == segment walk bits", bits_equal(y, outs[m]))
         outs[m] = y
     for m in (8, 16, 64, 256, 2048):
         same = [bits_equal(outs[1][0], outs[m][0])] + [bits_equal(outs[8][i], outs[m][i]) for i in range(8)]

@@ -65,7 +65,10 @@ def _flat(bn, bk, warps, stages, **kw):
 # how the weight is passed: "per-call" (the library decodes it per call), "cached" (a precomputed fp16
 # operand), "hopper" (the packed Hopper layout))
 VARIANTS = {
-    "default": (lambda m, res: pick_config(m, 0, 0), "per-call"),
+    "default": (lambda m, res: pick_config(m, 0, 0, res), "per-call"),
+    "segment walk (the default before 2026-12-01)": (
+        lambda m, res: GemmConfig(64, 128, 64, True, 4, 3) if m <= 256 else GemmConfig(128, 128, 64, False, 8, 4),
+        "per-call"),
     "flat-ptr-128x64": (_flat(128, 64, 8, 4), "per-call"),
     "flat-tma-128x64": (_flat(128, 64, 8, 4, loads="tma"), "per-call"),
     "flat-tma-128x128": (_flat(128, 128, 8, 3, loads="tma"), "per-call"),
