@@ -49,18 +49,41 @@ def kernels(path: str) -> None:
 
 
 def rollout(path: str) -> None:
+    """Tables of a rollout_throughput.json: one per model and ``glue`` setting (rows without one
+    predate the flag: the old glue), then the glue settings' step ratios against ``old``."""
     data = json.load(open(path))
-    steps, hf = {}, {}
+    by_glue = {}
     for r in data["rows"]:
-        if "decode_step_us" not in r:
-            continue
-        (hf if r.get("engine") == "hf_generate" else steps)[(r["kind"], r["variant"], r.get("batch"))] = r
+        if "decode_step_us" in r and r.get("engine") != "hf_generate":
+            by_glue.setdefault(r.get("glue", "old"), {})[(r["kind"], r["variant"], r.get("batch"))] = r
+    for i, glue in enumerate(by_glue):
+        if len(by_glue) > 1:
+            print(f"\n## glue = {glue}")
+        _rollout_tables(data, by_glue[glue], show_hf=i == 0)
+    if "old" in by_glue and len(by_glue) > 1:
+        old = by_glue["old"]
+        for glue, steps in by_glue.items():
+            if glue == "old":
+                continue
+            print(f"\nglue {glue} vs old: decode step us saved (old step / {glue} step)")
+            for (kind, variant, b), r in sorted(steps.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+                o = old.get((kind, variant, b))
+                if o:
+                    print(f"- {kind} {variant} B={b}: {o['decode_step_us'] - r['decode_step_us']:.0f} us "
+                          f"({o['decode_step_us'] / r['decode_step_us']:.3f}x)")
+
+
+def _rollout_tables(data: dict, steps: dict, show_hf: bool) -> None:
+    hf = {}
+    for r in data["rows"] if show_hf else ():
+        if "decode_step_us" in r and r.get("engine") == "hf_generate":
+            hf[(r["kind"], r["variant"], r.get("batch"))] = r
     batches = sorted({b for (_, _, b) in steps})
     for kind in ("moe", "dense"):
         print(f"\n{kind}: decode step us (graphed), ratio = BF16 step / this step; prefill ratio in brackets")
         print("| variant | " + " | ".join(f"B={b}" for b in batches) + " |")
         print("|---|" + "---:|" * len(batches))
-        for variant in ("bf16", "quads", "naive", "w4a16"):
+        for variant in ("bf16", "fp8", "quads", "naive", "w4a16"):
             cells = []
             for b in batches:
                 r, base = steps.get((kind, variant, b)), steps.get((kind, "bf16", b))

@@ -1,6 +1,7 @@
 """Where one rollout decode step spends its GPU time: kernel-level profile, BF16 vs quads.
 
     PYTHONPATH=. python benchmarks/profile_decode_step.py --out DIR [--cases dense:1,moe:8] [--layers 4]
+        [--glue new,old] [--new-tokens 256]
 
 Same models as ``rollout_throughput.py``. For each case (model kind : batch size) and variant
 (``bf16``, ``quads``): the graphed decoder's step time (CUDA-graph replay, median of 50), then
@@ -8,6 +9,12 @@ the same step run eagerly under ``torch.profiler`` (10 steps): per kernel name, 
 microseconds per step, grouped into families (quads quantization / quads GEMM / cuBLAS GEMM /
 attention / elementwise+norm / sampling / other). The sum of kernel times against the replay
 time shows what the graph leaves as gaps between kernels.
+
+``--glue`` (default ``new,old``): the decoder's glue settings profiled, each case once per
+setting (``rollout_throughput.GLUE``: ``new`` = GQA attention without ``repeat_kv`` + one
+activation quantization per sibling group, ``old`` = both off). ``--new-tokens`` sets the cache
+length as the end-to-end run has it (prompt + new tokens, rounded up to 64: 320 for 64 + 256),
+since the ``repeat_kv`` copies scale with it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quads  # noqa: E402
 from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec  # noqa: E402
 from quads.policies import build_rollout_model  # noqa: E402
-from rollout_throughput import DEVICE, build_model  # noqa: E402
+from rollout_throughput import DEVICE, GLUE, build_model  # noqa: E402
 
 FAMILIES = [
     ("quads quant", r"^_(act_quant|quantize|amax|scaled_fp16)"),  # quads' Triton kernels are named _...
@@ -48,9 +55,17 @@ def family(name: str) -> str:
     return "other"
 
 
-def replay_us(decoder: GraphedDecoder, ids, am, steps: int) -> float:
-    spec = SamplingSpec(max_new_tokens=steps, eos_token_ids=(), pad_token_id=0)
+def rewind(decoder: GraphedDecoder, width: int) -> None:
+    """Put the session's next step back at slot ``width`` (right after the unpadded prompt), so
+    that the steps timed after a full ``generate`` write inside the cache."""
+    decoder._state.slot.fill_(width)
+    decoder._state.position.fill_(width)
+
+
+def replay_us(decoder: GraphedDecoder, ids, am, new_tokens: int) -> float:
+    spec = SamplingSpec(max_new_tokens=new_tokens, eos_token_ids=(), pad_token_id=0)  # sets the cache length
     decoder.generate(ids, am, spec)  # capture
+    rewind(decoder, ids.shape[1])  # 50 replays from slot P: inside the cache (P + 50 <= P + new_tokens)
     graph = decoder._state.graph
     times = []
     for _ in range(50):
@@ -63,9 +78,10 @@ def replay_us(decoder: GraphedDecoder, ids, am, steps: int) -> float:
     return statistics.median(times)
 
 
-def kernel_profile(decoder: GraphedDecoder, ids, am, steps: int = 10):
-    spec = SamplingSpec(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
-    decoder.generate(ids, am, spec)  # session + warm-up
+def kernel_profile(decoder: GraphedDecoder, ids, am, new_tokens: int, steps: int = 10):
+    spec = SamplingSpec(max_new_tokens=new_tokens, eos_token_ids=(), pad_token_id=0)
+    decoder.generate(ids, am, spec)  # the session at the end-to-end cache length (eager steps: warm-up too)
+    rewind(decoder, ids.shape[1])  # profile steps at slots [P, P + steps): inside the cache
     state = decoder._state
     from torch.profiler import ProfilerActivity, profile
 
@@ -93,7 +109,14 @@ def main():
     ap.add_argument("--variants", default="bf16,quads")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=256, help="sets the cache length (prompt + new tokens)")
+    ap.add_argument("--glue", default="new,old", help=f"comma list of {tuple(GLUE)}")
     args = ap.parse_args()
+    if args.new_tokens < 51:
+        raise SystemExit("--new-tokens must be >= 51 (50 timed replays run inside the cache)")
+    glues = args.glue.split(",")
+    if any(x not in GLUE for x in glues):
+        raise SystemExit(f"--glue: use names of {tuple(GLUE)}")
     if DEVICE != "cuda":
         raise SystemExit("profile_decode_step.py needs a CUDA device (it profiles GPU kernels)")
     os.makedirs(args.out, exist_ok=True)
@@ -113,20 +136,24 @@ def main():
                 g = torch.Generator(device="cuda").manual_seed(0)
                 ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt), device="cuda", generator=g)
                 am = torch.ones_like(ids)
-                graph_us = replay_us(GraphedDecoder(model), ids, am, 8)
-                kernels = kernel_profile(GraphedDecoder(model, use_cuda_graph=False), ids, am)
-                fams = defaultdict(float)
-                for r in kernels:
-                    fams[r["family"]] += r["us_per_step"]
-                total = sum(fams.values())
-                case = dict(kind=kind, variant=name, batch=batch, build_s=round(build_s, 1), graph_step_us=round(graph_us, 1),
-                            kernel_sum_us=round(total, 1), kernels_per_step=sum(r["calls_per_step"] for r in kernels),
-                            families={f: round(v, 1) for f, v in sorted(fams.items(), key=lambda x: -x[1])},
-                            top=kernels[:30])
-                results["cases"].append(case)
-                print(json.dumps({k2: v for k2, v in case.items() if k2 != "top"}), flush=True)
-                for r in kernels[:18]:
-                    print(f"   {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x  [{r['family']}] {r['kernel']}", flush=True)
+                for glue in glues:
+                    graph_us = replay_us(GraphedDecoder(model, **GLUE[glue]), ids, am, args.new_tokens)
+                    kernels = kernel_profile(GraphedDecoder(model, use_cuda_graph=False, **GLUE[glue]), ids, am,
+                                             args.new_tokens)
+                    fams = defaultdict(float)
+                    for r in kernels:
+                        fams[r["family"]] += r["us_per_step"]
+                    total = sum(fams.values())
+                    case = dict(kind=kind, variant=name, glue=glue, batch=batch, build_s=round(build_s, 1),
+                                graph_step_us=round(graph_us, 1), kernel_sum_us=round(total, 1),
+                                kernels_per_step=sum(r["calls_per_step"] for r in kernels),
+                                families={f: round(v, 1) for f, v in sorted(fams.items(), key=lambda x: -x[1])},
+                                top=kernels[:30])
+                    results["cases"].append(case)
+                    print(json.dumps({k2: v for k2, v in case.items() if k2 != "top"}), flush=True)
+                    for r in kernels[:18]:
+                        print(f"   {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x  [{r['family']}] {r['kernel']}",
+                              flush=True)
             if model is not base:
                 del model
             torch.cuda.empty_cache()

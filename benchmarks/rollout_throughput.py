@@ -19,6 +19,14 @@ call (graph capture, Triton compilation): prefill (a ``max_new_tokens=1`` call: 
 Decode tokens/s = batch x (new tokens - 1) / decode time. ``hf_generate`` rows time
 ``model.generate`` (dynamic cache, no graphs: the engine before this benchmark) at one batch
 size. A greedy check compares the graphed and eager step loops token for token.
+
+``--glue`` (default ``new``): the decoder's glue settings to run, each a full pass over the
+batches, rows tagged ``glue``: ``new`` = :class:`GraphedDecoder`'s defaults (GQA attention
+without ``repeat_kv``, sibling linears sharing one activation quantization), ``old`` = both
+off (the engine as measured before), ``no-gqa`` / ``no-share`` = one of them off. With two or
+more, a ``glue_greedy_agreement`` row compares the first two's greedy tokens (the attention
+kernel's blocking may move BF16 roundings; informational). ``python benchmarks/make_tables.py
+rollout <json>`` prints one table per glue and the new/old step ratio.
 """
 
 from __future__ import annotations
@@ -47,6 +55,13 @@ VARIANTS = {
     "quads": quads.QuadsPolicy(side="rollout"),
     "naive": quads.QuadsPolicy(side="rollout", residual_fraction=0.0),
     "w4a16": quads.QuadsPolicy(side="rollout", activations="bf16"),
+}
+#: --glue settings -> GraphedDecoder keyword arguments
+GLUE = {
+    "new": dict(gqa_attention=True, share_quantization=True),
+    "old": dict(gqa_attention=False, share_quantization=False),
+    "no-gqa": dict(gqa_attention=False, share_quantization=True),
+    "no-share": dict(gqa_attention=True, share_quantization=False),
 }
 ROWS: list[dict] = []
 START = time.time()
@@ -111,10 +126,18 @@ def record(**row):
     print(json.dumps(row), flush=True)
 
 
-def bench_variant(kind, name, model, batches, prompt, new_tokens, hf_batch, budget_s):
-    decoder = GraphedDecoder(model)
-    prefill = GraphedDecoder(model)  # its own session: the full-length one keeps its graph
-    eager = GraphedDecoder(model, use_cuda_graph=False)
+def greedy_tokens(model, glue: str, prompt: int) -> torch.Tensor:
+    """16 graphed greedy tokens x 8 rows (the seed-1 prompts of :func:`bench_variant`'s check)."""
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (8, prompt), device=DEVICE, generator=g)
+    spec = SamplingSpec(max_new_tokens=16, eos_token_ids=(), pad_token_id=0, do_sample=False)
+    return GraphedDecoder(model, **GLUE[glue]).generate(ids, torch.ones_like(ids), spec)[0]
+
+
+def bench_variant(kind, name, model, batches, prompt, new_tokens, hf_batch, budget_s, glue="new"):
+    decoder = GraphedDecoder(model, **GLUE[glue])
+    prefill = GraphedDecoder(model, **GLUE[glue])  # its own session: the full-length one keeps its graph
+    eager = GraphedDecoder(model, use_cuda_graph=False, **GLUE[glue])
     g = torch.Generator(device=DEVICE).manual_seed(1)
     # greedy check: graphed and eager step loops give the same tokens (same kernels, same order)
     vocab = model.config.vocab_size
@@ -123,11 +146,11 @@ def bench_variant(kind, name, model, batches, prompt, new_tokens, hf_batch, budg
     greedy = SamplingSpec(max_new_tokens=16, eos_token_ids=(), pad_token_id=0, do_sample=False)
     a, _ = decoder.generate(ids, am, greedy)
     b, _ = eager.generate(ids, am, greedy)
-    record(kind=kind, variant=name, check="graphed_equals_eager_greedy", ok=bool(torch.equal(a, b)),
+    record(kind=kind, variant=name, glue=glue, check="graphed_equals_eager_greedy", ok=bool(torch.equal(a, b)),
            mismatched_tokens=int((a != b).sum()))
     for batch in batches:
         if time.time() - START > budget_s:
-            record(kind=kind, variant=name, batch=batch, skipped="time budget")
+            record(kind=kind, variant=name, glue=glue, batch=batch, skipped="time budget")
             continue
         ids = torch.randint(0, vocab, (batch, prompt), device=DEVICE, generator=g)
         am = torch.ones_like(ids)
@@ -140,14 +163,14 @@ def bench_variant(kind, name, model, batches, prompt, new_tokens, hf_batch, budg
             t_prefill = min(sync_time(lambda: prefill.generate(ids, am, first)) for _ in range(2))
             t_full = sync_time(lambda: decoder.generate(ids, am, full))
             t_decode = max(t_full - t_prefill, 1e-9)
-            record(kind=kind, variant=name, batch=batch, prompt=prompt, new_tokens=new_tokens,
+            record(kind=kind, variant=name, glue=glue, batch=batch, prompt=prompt, new_tokens=new_tokens,
                    prefill_ms=round(t_prefill * 1e3, 3), decode_ms=round(t_decode * 1e3, 3),
                    decode_step_us=round(t_decode / (new_tokens - 1) * 1e6, 2),
                    decode_tok_s=round(batch * (new_tokens - 1) / t_decode, 1),
                    total_tok_s=round(batch * new_tokens / t_full, 1),
                    peak_mem_gib=_memory("max_memory_allocated"))
         except Exception as error:  # noqa: BLE001 - record and go on: one device run must give every number it can
-            record(kind=kind, variant=name, batch=batch, error=f"{type(error).__name__}: {error}",
+            record(kind=kind, variant=name, glue=glue, batch=batch, error=f"{type(error).__name__}: {error}",
                    trace=traceback.format_exc()[-1500:])
         decoder._state = prefill._state = None
         _free()
@@ -180,8 +203,13 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--glue", default="new", help=f"comma list of {tuple(GLUE)} (see the module doc)")
     ap.add_argument("--tiny", action="store_true", help="toy widths (CPU smoke test of the script)")
     args = ap.parse_args()
+    glues = args.glue.split(",")
+    unknown = [x for x in glues if x not in GLUE]
+    if unknown:
+        raise SystemExit(f"--glue: unknown {unknown}, use {tuple(GLUE)}")
     os.makedirs(args.out, exist_ok=True)
     meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 argv=sys.argv[1:])
@@ -217,7 +245,13 @@ def main():
                 sync_s = sync_time(lambda: quads.sync_weights_(model, base)) if quantized else 0.0
                 record(kind=kind, variant=name, build_s=round(build_s, 2), sync_ms=round(sync_s * 1e3, 1),
                        weights_gib=_memory("memory_allocated"))
-                bench_variant(kind, name, model, batches, args.prompt, args.new_tokens, args.hf_batch, args.budget_s)
+                for i, glue in enumerate(glues):
+                    bench_variant(kind, name, model, batches, args.prompt, args.new_tokens,
+                                  args.hf_batch if i == 0 else 0, args.budget_s, glue)
+                if len(glues) > 1:
+                    a, b = (greedy_tokens(model, x, args.prompt) for x in glues[:2])
+                    record(kind=kind, variant=name, check="glue_greedy_agreement", glues=glues[:2],
+                           mismatched_tokens=int((a != b).sum()), of=a.numel())
             except Exception as error:  # noqa: BLE001
                 record(kind=kind, variant=name, error=f"{type(error).__name__}: {error}",
                        trace=traceback.format_exc()[-2000:])

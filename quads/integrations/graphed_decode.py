@@ -26,18 +26,29 @@ keeps from vLLM). Sampling draws with the exponential-race form of multinomial s
 does not cover (repetition penalty, min-p, beams, ...) are reported by
 :func:`unsupported_reason` so callers fall back to ``generate``.
 
+Two pieces of transformers glue are cut inside the decoder's forwards (prefill and decode), on
+by default, each switchable for before/after measurements: grouped-query attention without
+``repeat_kv`` copies of the static cache (``gqa_attention``, :mod:`.gqa_attention`; sdpa models
+only, the model's configuration restored after every forward) and one activation quantization
+shared by the rollout linears that read the same input (``share_quantization``: q/k/v and
+gate/up on the kernel path, :mod:`quads.ops.activation_memo`; bit-identical outputs).
+
 Without CUDA (or with ``use_cuda_graph=False``) the same step runs eagerly: that is how the CPU
 tests check it against ``generate`` and against the teacher-forced scorer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from quads.integrations.gqa_attention import model_configs, use_gqa_attention
+from quads.ops.activation_memo import share_activation_quantization
 
 __all__ = ["GraphedDecoder", "SamplingSpec", "SlotCache", "unsupported_reason"]
 
@@ -220,17 +231,23 @@ class _Slots:
 
 
 class _DecodeState:
-    """The static buffers of one (batch, cache length) session."""
+    """The static buffers of one (batch, cache length) session.
+
+    Two aliasings save a kernel each per step: the sampled token (``out_token``) *is* the next
+    step's input (``token`` is its (B, 1) view: the step reads it in the embedding before it
+    writes the new one), and the cache slot and the position ids are one buffer, advanced by one
+    ``add_``."""
 
     def __init__(self, batch: int, cache_len: int, device: torch.device, num_layers: int):
         self.batch, self.cache_len, self.device = batch, cache_len, device
         long = dict(dtype=torch.long, device=device)
-        self.token = torch.zeros(batch, 1, **long)  # the token fed to the next step
-        self.slot = torch.zeros(1, **long)  # its cache slot
-        self.position = torch.zeros(batch, 1, **long)  # its position id per row
+        self.out_token = torch.zeros(batch, **long)  # the token sampled by the last step
+        self.token = self.out_token.view(batch, 1)  # = the token fed to the next step
+        self.counters = torch.zeros(1 + batch, **long)  # [slot, position per row]
+        self.slot = self.counters[:1]  # the next token's cache slot
+        self.position = self.counters[1:].view(batch, 1)  # its position id per row
         self.key_valid = torch.zeros(batch, cache_len, dtype=torch.bool, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.out_token = torch.zeros(batch, **long)
         self.out_logp = torch.zeros(batch, dtype=torch.float32, device=device)
         self.eos = torch.zeros(0, **long)  # the spec's EOS ids (set per session: no host copy in the graph)
         self.where = _Slots(cache_len, self.slot)
@@ -251,9 +268,17 @@ class GraphedDecoder:
     host checks for "every row finished" (the only host syncs of the loop).
     One captured session (batch size, cache length) is kept; a call with another shape
     recaptures (a prefill-sized cost).
+
+    ``gqa_attention`` (default True): an sdpa model's attention runs
+    :func:`~quads.integrations.gqa_attention.gqa_sdpa_attention` inside the decoder's forwards
+    (no ``repeat_kv`` copy of the cache; equal to sdpa's result up to the kernel's blocking;
+    eager-attention models are left on eager). ``share_quantization`` (default True): rollout
+    linears reading the same input quantize it once on the kernel path (bit-identical). False
+    for either gives the glue as it was (the benchmarks' before/after switch).
     """
 
-    def __init__(self, model: nn.Module, *, use_cuda_graph: bool | None = None, check_every: int = 16):
+    def __init__(self, model: nn.Module, *, use_cuda_graph: bool | None = None, check_every: int = 16,
+                 gqa_attention: bool = True, share_quantization: bool = True):
         if check_every < 1:
             raise ValueError(f"GraphedDecoder: check_every must be >= 1, got {check_every}")
         impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -271,6 +296,18 @@ class GraphedDecoder:
         params = inspect.signature(model.forward).parameters
         self._pass_cache_position = "cache_position" in params
         self._pass_logits_to_keep = "logits_to_keep" in params
+        self.gqa_attention = gqa_attention
+        self.share_quantization = share_quantization
+        self._configs = model_configs(model)
+
+    def _glue(self):
+        """The forward's context: the GQA attention switched in, sibling linears sharing one
+        activation quantization (each as configured), both undone on exit."""
+        stack = contextlib.ExitStack()
+        if self.gqa_attention:
+            stack.enter_context(use_gqa_attention(self.model, self._configs))
+        stack.enter_context(share_activation_quantization(self.share_quantization))
+        return stack
 
     # -- one forward -------------------------------------------------------------------------
 
@@ -282,7 +319,8 @@ class GraphedDecoder:
             kwargs["cache_position"] = slots
         if self._pass_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        out = self.model(**kwargs)
+        with self._glue():
+            out = self.model(**kwargs)
         return out.logits[:, -1, :].float()
 
     def _mask_dtype(self, mask: torch.Tensor) -> torch.Tensor:
@@ -301,14 +339,12 @@ class GraphedDecoder:
         mask = self._mask_dtype(state.key_valid[:, None, None, :])
         logits = self._forward(state, state.token, mask, state.position, state.slot)
         token, logp = sample_tokens(logits, spec)
-        token = torch.where(state.finished, torch.full_like(token, spec.pad_token_id), token)
-        state.out_token.copy_(token)
+        token = token.masked_fill(state.finished, spec.pad_token_id)  # one kernel (was full_like + where)
+        state.out_token.copy_(token)  # also the next step's input (state.token is its view)
         state.out_logp.copy_(logp)
         if spec.eos_token_ids:
             state.finished.logical_or_(torch.isin(token, state.eos))
-        state.token.copy_(token[:, None])
-        state.slot.add_(1)
-        state.position.add_(1)
+        state.counters.add_(1)  # slot and positions
 
     # -- sessions ----------------------------------------------------------------------------
 

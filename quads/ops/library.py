@@ -8,13 +8,16 @@ flow reaches the graph (the reference experts loop, which synchronizes with the 
 inside the opaque op; on the GPU the grouped kernel has none).
 
 Arguments are tensors and plain values (the backend by name, the activation quantizer as its
-three fields, the Hopper layout as its two tensors and its logical shape).
+three fields, the Hopper layout as its two tensors and its logical shape). The ops' bodies
+never share one activation quantization between sibling linears
+(:mod:`quads.ops.activation_memo`: compiled code reuses buffers without version bumps).
 """
 
 from __future__ import annotations
 
 import torch
 
+from quads.ops.activation_memo import sharing_suspended
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import get_backend
 from quads.tensor.nvfp4_math import NVFP4Parts
@@ -52,11 +55,12 @@ def linear_op(
 ) -> torch.Tensor:
     """(M, K) -> (M, N): the backend's rollout linear (W4A4 + residual, or W4A16)."""
     n, k = qdata.shape[0], qdata.shape[1] * 2
-    return get_backend(backend).linear(
-        x, NVFP4Parts(qdata, scale, global_encode_scale), bias,
-        _act(quantize_activations, residual_fraction, selection, granularity), static_mask,
-        _prepared(prepared_values, prepared_scales, n, k),
-    )
+    with sharing_suspended():  # compiled code reuses buffers behind version counters' backs
+        return get_backend(backend).linear(
+            x, NVFP4Parts(qdata, scale, global_encode_scale), bias,
+            _act(quantize_activations, residual_fraction, selection, granularity), static_mask,
+            _prepared(prepared_values, prepared_scales, n, k),
+        )
 
 
 @linear_op.register_fake
@@ -86,11 +90,12 @@ def grouped_linear_op(
 ) -> torch.Tensor:
     """(num_rows, N): the backend's grouped expert linear (see :mod:`quads.ops.grouped_linear`)."""
     n, k = qdata.shape[1], qdata.shape[2] * 2
-    return get_backend(backend).grouped_linear(
-        x, rows, offsets, NVFP4Parts(qdata, scale, global_encode_scale), bias,
-        _act(quantize_activations, residual_fraction, selection, granularity), static_mask, num_rows,
-        prepared=_prepared(prepared_values, prepared_scales, n, k),
-    )
+    with sharing_suspended():
+        return get_backend(backend).grouped_linear(
+            x, rows, offsets, NVFP4Parts(qdata, scale, global_encode_scale), bias,
+            _act(quantize_activations, residual_fraction, selection, granularity), static_mask, num_rows,
+            prepared=_prepared(prepared_values, prepared_scales, n, k),
+        )
 
 
 @grouped_linear_op.register_fake

@@ -23,7 +23,7 @@ from quads.ops.activation_quant import (
     quantize_activation_reference,
     quantize_activation_triton,
 )
-from quads.ops.activation_memo import memo_last
+from quads.ops.activation_memo import memo_last, shared_operands
 from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
 
@@ -103,13 +103,18 @@ def w4a4_linear_hopper(
 ) -> torch.Tensor:
     """Triton twin of :func:`w4a4_linear_reference`: fused quantization, then the exact W4A4
     decode GEMM (few tokens: weight streamed once in the layout ``prepared`` by
-    :func:`prepare_weight_hopper`, built here if not given) or the prefill GEMM (many tokens)."""
+    :func:`prepare_weight_hopper`, built here if not given) or the prefill GEMM (many tokens).
+    Inside :func:`~quads.ops.activation_memo.share_activation_quantization`, consecutive calls
+    on the same input tensor and configuration quantize it once (q/k/v, gate/up)."""
     from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
     from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
 
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    ops = activation_operands_triton(x2, act, static_mask)
+    if static_mask is None:  # siblings reading this input share one quantization (activation_memo)
+        ops = shared_operands(x2, ("w4a4_operands", act),
+                              lambda: activation_operands_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), act))
+    else:  # a calibrated channel set of this layer's own
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        ops = activation_operands_triton(x2, act, static_mask)
     sw = weight.global_encode_scale.to(torch.float32)
     m = x2.shape[0]
     has_res = ops.residual is not None
@@ -160,7 +165,7 @@ def w4a16_linear_hopper(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor
     from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
     from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
 
-    x16, sx = scaled_fp16_rows(x2)
+    x16, sx = shared_operands(x2, "fp16_rows", lambda: scaled_fp16_rows(x2))  # shared by siblings, as W4A4
     sw = weight.global_encode_scale.to(torch.float32)
     if x2.shape[0] <= max_decode_columns():
         prepared = prepared if prepared is not None else prepare_weight_hopper(weight)

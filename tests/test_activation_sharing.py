@@ -1,0 +1,209 @@
+"""One activation quantization for sibling linears on the kernel path (quads.ops.activation_memo).
+
+Kernels run under the Triton interpreter (tests/conftest.py). Counted: calls of the fused row
+quantizer (one launch each on the GPU) per forward; checked: outputs bit-identical to no sharing.
+"""
+
+import pytest
+import torch
+
+import quads
+import quads.kernels.quantize_nvfp4 as quantize_nvfp4
+import quads.kernels.fp16_operand as fp16_operand
+import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper
+from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec
+from quads.ops.activation_memo import share_activation_quantization, shared_operands, sharing_suspended
+from quads.ops.activation_quant import ActivationQuant
+from tests.tiny_models import build
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the row quantizer's calls (the wrapped function still runs)."""
+    count = {"quantize_rows": 0}
+    real = quantize_nvfp4.quantize_rows
+
+    def counted(*args, **kwargs):
+        count["quantize_rows"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantize_nvfp4, "quantize_rows", counted)
+    return count
+
+
+def _rollout(kind: str, **policy):
+    model = build(kind).eval()
+    with quads.use_backend("hopper"):
+        quads.quantize_(model, quads.QuadsPolicy(side="rollout", **policy))
+    return model
+
+
+def _forward(model, ids, launches, share: bool):
+    launches["quantize_rows"] = 0
+    with torch.no_grad(), share_activation_quantization(share):
+        logits = model(ids).logits
+    return logits, launches["quantize_rows"]
+
+
+# per decoder layer: llama q,k,v,o,gate,up,down -> {q,k,v},o,{gate,up},down; the MoE's
+# attention q,k,v,o -> {q,k,v},o, its fused experts (gate_up, down) have no siblings
+PER_LAYER = {"llama": (7, 4), "qwen3_moe": (6, 4)}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("gemm", ["decode", "prefill"])
+def test_siblings_quantize_once_and_outputs_are_bit_identical(kind, gemm, launches, monkeypatch):
+    """Both GEMMs read the shared operands: ``prefill`` routes every call to the many-token GEMM
+    (its threshold set to 0: the interpreter would take minutes for > 64 real tokens)."""
+    if gemm == "prefill":
+        monkeypatch.setattr(w4a4_decode_hopper, "max_decode_columns", lambda: 0)
+    model = _rollout(kind)
+    ids = torch.randint(0, 96, (2, 3), generator=torch.Generator().manual_seed(0))
+    plain, n_plain = _forward(model, ids, launches, share=False)
+    shared, n_shared = _forward(model, ids, launches, share=True)
+    layers = model.config.num_hidden_layers
+    assert (n_plain, n_shared) == tuple(layers * n for n in PER_LAYER[kind])
+    assert torch.equal(plain, shared)
+
+
+def test_naive_w4a4_shares_too(launches):
+    model = _rollout("llama", residual_fraction=0.0)
+    ids = torch.randint(0, 96, (2, 1))
+    plain, n_plain = _forward(model, ids, launches, share=False)
+    shared, n_shared = _forward(model, ids, launches, share=True)
+    assert (n_plain, n_shared) == (14, 8) and torch.equal(plain, shared)
+
+
+def test_w4a16_fp16_operand_is_shared(monkeypatch, launches):
+    count = [0]
+    real = fp16_operand.scaled_fp16_rows
+
+    def counted(x):
+        count[0] += 1
+        return real(x)
+
+    monkeypatch.setattr(fp16_operand, "scaled_fp16_rows", counted)
+    model = _rollout("llama", activations="bf16")
+    ids = torch.randint(0, 96, (2, 1))
+    with torch.no_grad():
+        plain = model(ids).logits
+        n_plain = count[0]
+        with share_activation_quantization():
+            shared = model(ids).logits
+    assert (n_plain, count[0] - n_plain) == (14, 8) and torch.equal(plain, shared)
+
+
+def test_inference_mode_does_not_share(launches):
+    """Inference tensors have no version counter: an in-place write between two linears could
+    not be seen, so they are never shared (same count as without sharing, same bits)."""
+    model = _rollout("llama")
+    ids = torch.randint(0, 96, (2, 1))
+    plain, n_plain = _forward(model, ids, launches, share=False)
+    launches["quantize_rows"] = 0
+    with torch.inference_mode(), share_activation_quantization():
+        got = model(ids).logits
+    assert launches["quantize_rows"] == n_plain and torch.equal(got, plain)
+
+
+def test_decoder_shares_by_default_with_identical_samples(launches):
+    """The graphed decoder's default: fewer quantizations, the same tokens and log-prob bits."""
+    model = _rollout("llama")
+    ids = torch.randint(8, 96, (2, 4), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    am[0, :2] = 0
+    spec = SamplingSpec(max_new_tokens=2, eos_token_ids=(), pad_token_id=0, do_sample=False)
+    runs = {}
+    for share in (True, False):
+        launches["quantize_rows"] = 0
+        out = GraphedDecoder(model, use_cuda_graph=False, share_quantization=share).generate(ids, am, spec)
+        runs[share] = (*out, launches["quantize_rows"])
+    (t1, l1, n1), (t0, l0, n0) = runs[True], runs[False]
+    forwards, layers = 2, model.config.num_hidden_layers
+    assert (n0, n1) == (forwards * layers * 7, forwards * layers * 4)
+    assert torch.equal(t1, t0) and torch.equal(l1, l0)
+
+
+# -- the memo's rules, on a counter ----------------------------------------------------------
+
+
+def _counter():
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return object()
+
+    return calls, compute
+
+
+def test_hits_need_the_same_tensor_config_and_version():
+    calls, compute = _counter()
+    act = ActivationQuant()
+    x = torch.randn(4, 32)
+    with share_activation_quantization():
+        a = shared_operands(x, act, compute)
+        assert shared_operands(x.reshape(-1, 32), act, compute) is a  # a view of the same rows: hit
+        assert len(calls) == 1
+        shared_operands(x, ActivationQuant(residual_fraction=0.0), compute)  # another config: miss
+        assert len(calls) == 2
+        b = shared_operands(x, act, compute)
+        x.add_(1.0)  # an in-place write bumps the version counter: miss
+        assert shared_operands(x, act, compute) is not b and len(calls) == 4
+        shared_operands(x.clone(), act, compute)  # equal values, another tensor: miss
+        assert len(calls) == 5
+        y = x[:2]
+        shared_operands(y, act, compute)  # other rows of the same storage: miss
+        assert len(calls) == 6
+    calls.clear()
+    shared_operands(x, act, compute)
+    shared_operands(x, act, compute)  # outside a sharing block: never shared
+    assert len(calls) == 2
+
+
+def test_entries_do_not_outlive_the_outermost_block():
+    calls, compute = _counter()
+    x = torch.randn(2, 16)
+    with share_activation_quantization():
+        with share_activation_quantization():
+            shared_operands(x, "cfg", compute)
+        shared_operands(x, "cfg", compute)  # the inner exit keeps the entry
+        assert len(calls) == 1
+    with share_activation_quantization():
+        shared_operands(x, "cfg", compute)  # a new block starts empty
+    assert len(calls) == 2
+
+
+def test_suspended_inference_and_disabled_blocks_never_share():
+    calls, compute = _counter()
+    x = torch.randn(2, 16)
+    with share_activation_quantization():
+        with sharing_suspended():
+            shared_operands(x, "cfg", compute)
+            shared_operands(x, "cfg", compute)
+        assert len(calls) == 2
+    with share_activation_quantization(enabled=False):
+        shared_operands(x, "cfg", compute)
+        shared_operands(x, "cfg", compute)
+    assert len(calls) == 4
+    with torch.inference_mode():
+        xi = torch.randn(2, 16)
+    with share_activation_quantization():
+        shared_operands(xi, "cfg", compute)
+        shared_operands(xi, "cfg", compute)
+    assert len(calls) == 6
+
+
+def test_custom_op_bodies_do_not_share(launches):
+    """Compiled graphs run the ``quads::linear`` op's body with ``is_compiling()`` False; inductor
+    reuses buffers without version bumps, so the body must not share."""
+    model = _rollout("llama")
+    layer = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    (prepared,) = layer.quads_prepared_weights()
+    w = layer.weight.parts
+    args = (w.qdata, w.scale, w.global_encode_scale, None, prepared.values, prepared.scales, True, 1.0,
+            "per_token", "row", None, "hopper")
+    with share_activation_quantization(), torch.no_grad():
+        a = torch.ops.quads.linear(x, *args)
+        b = torch.ops.quads.linear(x, *args)
+    assert launches["quantize_rows"] == 2 and torch.equal(a, b)
