@@ -83,7 +83,7 @@ def _rollout_tables(data: dict, steps: dict, show_hf: bool) -> None:
         print(f"\n{kind}: decode step us (graphed), ratio = BF16 step / this step; prefill ratio in brackets")
         print("| variant | " + " | ".join(f"B={b}" for b in batches) + " |")
         print("|---|" + "---:|" * len(batches))
-        for variant in ("bf16", "fp8", "quads", "naive", "w4a16"):
+        for variant in ("bf16", "fp8", "quads", "quads-unfused", "naive", "w4a16"):
             cells = []
             for b in batches:
                 r, base = steps.get((kind, variant, b)), steps.get((kind, "bf16", b))

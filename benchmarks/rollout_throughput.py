@@ -10,7 +10,9 @@ shapes (hidden 2048, 32/4 heads of 128, 128 experts top-8 of width 768), ``dense
 BF16 model: ``bf16`` (transformers' grouped_mm experts), ``fp8`` (W8A8: per-channel E4M3
 weights, per-token E4M3 activations by one fused kernel, cuBLASLt ``_scaled_mm`` and
 ``_scaled_grouped_mm``; ``benchmarks/fp8_rollout.py``), ``quads`` (the default rollout policy:
-W4A4 + residual), ``naive`` (W4A4, no residual), ``w4a16`` (NVFP4 weights, BF16 activations).
+W4A4 + residual, sibling projections fused by ``build_rollout_model``), ``quads-unfused`` (the
+same without :func:`quads.fuse_projections_`: every linear its own GEMM, like the BF16 and FP8
+peers), ``naive`` (W4A4, no residual; fused), ``w4a16`` (NVFP4 weights, BF16 activations).
 
 For each batch size: prompts of ``--prompt`` random tokens (no padding), ``--new-tokens``
 sampled at temperature 1 with no EOS (every row runs to the end). Times, after one warm-up
@@ -53,6 +55,7 @@ VARIANTS = {
     "bf16": None,
     "fp8": "fp8",  # benchmarks/fp8_rollout.py: W8A8, fused per-token activation quantization
     "quads": quads.QuadsPolicy(side="rollout"),
+    "quads-unfused": quads.QuadsPolicy(side="rollout"),  # without quads.fuse_projections_
     "naive": quads.QuadsPolicy(side="rollout", residual_fraction=0.0),
     "w4a16": quads.QuadsPolicy(side="rollout", activations="bf16"),
 }
@@ -238,7 +241,7 @@ def main():
 
                     model = to_fp8_rollout(copy_model(base))
                 else:
-                    model = build_rollout_model(base, VARIANTS[name])
+                    model = build_rollout_model(base, VARIANTS[name], fuse_projections=name != "quads-unfused")
                 _sync()
                 build_s = time.perf_counter() - t0
                 quantized = model is not base and VARIANTS[name] != "fp8"
