@@ -40,7 +40,7 @@ from rollout_throughput import DEVICE, GLUE, build_model  # noqa: E402
 
 FAMILIES = [
     ("quads quant", r"^_(act_quant|quantize|amax|scaled_fp16)"),  # quads' Triton kernels are named _...
-    ("quads gemm", r"^_(decode_gemm|moe_w4a4|w4a4|gemm|dequant)"),
+    ("quads gemm", r"^_(decode_gemm|decode_reduce|moe_w4a4|moe_segment|moe_reduce|w4a4|gemm|flat|dequant|cublas_epilogue)"),
     ("cublas gemm", r"gemm|sm90_xmma|cutlass|nvjet|cublas|gemv"),
     ("attention", r"flash|attention|fmha|sdpa|softmax_warp|efficient"),
     ("sampling", r"topk|sort|exponential|argmax|log_softmax|isin|radix"),
