@@ -408,6 +408,23 @@ def check_fused_projections():
         for rows in ((8, 1), (2, 3), (1, 64)):
             ids = torch.randint(0, 1000, rows, device="cuda")
             record(f"fused projections == unfused logits {rows}", bits_equal(fused(ids).logits, plain(ids).logits))
+    # the RL loop: a decoder's captured graphs replayed after a sync see the new weights
+    from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec
+
+    spec = SamplingSpec(max_new_tokens=12, eos_token_ids=(), pad_token_id=0, do_sample=False)
+    prompts = torch.randint(0, 1000, (4, 16), device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    decoder = GraphedDecoder(fused)
+    before = decoder.generate(prompts, torch.ones_like(prompts), spec)[0]
+    with torch.no_grad():
+        for p_ in base.parameters():
+            p_.add_(torch.randn_like(p_) * 0.02)
+    quads.sync_weights_(fused, base)
+    after = decoder.generate(prompts, torch.ones_like(prompts), spec)[0]  # the same captured graph
+    fresh = build_rollout_model(base, policy, fuse_projections=False)
+    want = GraphedDecoder(fresh, use_cuda_graph=False).generate(prompts, torch.ones_like(prompts), spec)[0]
+    record("fused model: graphed tokens after a sync == a fresh unfused model's eager tokens",
+           bits_equal(after, want) and not bits_equal(before, after),
+           f"changed by the sync: {int((before != after).sum())} of {after.numel()} tokens")
 
 
 def main():
