@@ -36,6 +36,27 @@ __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]
 
 
 @triton.jit
+def _expert_segment_sums(vals, scales, X, src, pmask, rows_x, stride_xm, rb0, kb_lo, num_kb, K,
+                         SEG_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
+                         HAS_RES: tl.constexpr, USE_ASM: tl.constexpr):
+    """One canonical segment's sums (from zero, a chain of k16 MMAs) of BN weight rows of one
+    expert against BM gathered activation rows ``src`` (and their residual rows): (main, residual)."""
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    accr = tl.zeros((BN, BM), dtype=tl.float32)
+    for it in tl.static_range(SEG_KB // KBI):
+        kb = kb_lo + it * KBI
+        w = load_weight_tile(vals, scales, rb0, kb, num_kb, BN, KBI, USE_ASM)
+        kk = kb * 64 + tl.arange(0, KBI * 64)
+        xmask = pmask[:, None] & (kk < K)[None, :]
+        x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        if HAS_RES:
+            r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+            accr = tl.dot(w, tl.trans(r), accr)
+    return acc, accr
+
+
+@triton.jit
 def _moe_w4a4_kernel(
     VALS, SCALES, X, SX, SW, ROWS, OFFS, Y,
     N, K, num_kb, rows_x, stride_xm, stride_ym, vals_stride_e, scales_stride_e,
@@ -63,18 +84,8 @@ def _moe_w4a4_kernel(
             tot = tl.zeros((BN, BM), dtype=tl.float32)
             totr = tl.zeros((BN, BM), dtype=tl.float32)
             for s in range(0, num_seg):
-                acc = tl.zeros((BN, BM), dtype=tl.float32)
-                accr = tl.zeros((BN, BM), dtype=tl.float32)
-                for it in tl.static_range(SEG_KB // KBI):
-                    kb = s * SEG_KB + it * KBI
-                    w = load_weight_tile(vals, scales, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM)
-                    kk = kb * 64 + tl.arange(0, KBI * 64)
-                    xmask = pmask[:, None] & (kk < K)[None, :]
-                    x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                    acc = tl.dot(w, tl.trans(x), acc)
-                    if HAS_RES:
-                        r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                        accr = tl.dot(w, tl.trans(r), accr)
+                acc, accr = _expert_segment_sums(vals, scales, X, src, pmask, rows_x, stride_xm, pid_n * (BN // 16),
+                                                 s * SEG_KB, num_kb, K, SEG_KB, BN, BM, KBI, HAS_RES, USE_ASM)
                 tot += acc
                 totr += accr
             sx = tl.load(SX + src, mask=pmask, other=1.0)
@@ -115,18 +126,8 @@ def _moe_segment_kernel(
                 src = tl.load(ROWS + p, mask=pmask, other=0).to(tl.int64)
             else:
                 src = p.to(tl.int64)
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            accr = tl.zeros((BN, BM), dtype=tl.float32)
-            for it in tl.static_range(SEG_KB // KBI):
-                kb = kb_lo + it * KBI
-                w = load_weight_tile(vals, scales, rb0, kb, num_kb, BN, KBI, USE_ASM)
-                kk = kb * 64 + tl.arange(0, KBI * 64)
-                xmask = pmask[:, None] & (kk < K)[None, :]
-                x = tl.load(X + src[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                acc = tl.dot(w, tl.trans(x), acc)
-                if HAS_RES:
-                    r = tl.load(X + (src + rows_x)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
-                    accr = tl.dot(w, tl.trans(r), accr)
+            acc, accr = _expert_segment_sums(vals, scales, X, src, pmask, rows_x, stride_xm, rb0, kb_lo, num_kb, K,
+                                             SEG_KB, BN, BM, KBI, HAS_RES, USE_ASM)
             base = PART + (seg * 2).to(tl.int64) * num_rows * N
             ptrs = base + p[None, :].to(tl.int64) * N + offs_n[:, None]
             smask = nmask[:, None] & pmask[None, :]
