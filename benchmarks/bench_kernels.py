@@ -34,7 +34,6 @@ from timing import graph_time  # noqa: E402
 from quads.kernels.hopper_weight_layout import to_hopper_layout, to_hopper_layout_reference  # noqa: E402
 from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
 from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
-from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
 from quads.ops import ActivationQuant, get_backend, rollout_experts  # noqa: E402
 from quads.ops.activation_quant import activation_operands_triton  # noqa: E402
 from quads.ops.weight_quant import quantize_weight_triton  # noqa: E402

@@ -55,7 +55,7 @@ from quads.ops.activation_quant import (  # noqa: E402
 from quads.ops.linear import unscaled_values, w4a16_linear  # noqa: E402
 from quads.ops.weight_quant import quantize_weight_triton  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
-from quads.tensor.nvfp4_math import nvfp4_dequantize, nvfp4_quantize  # noqa: E402
+from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
 
 RESULTS: dict = {}
 HOPPER = get_backend("hopper")
