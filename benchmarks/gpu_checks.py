@@ -386,6 +386,10 @@ def check_moe():
         ys = moe_w4a4_gemm(q.stacked, q.main_scale, (order // TOPK).to(torch.int32), offsets, hw,
                            p.global_encode_scale, flat.numel(), T, True, config=MoeConfig(64, 16, 2, 4, 1, split=split))
         record(f"grouped kernel split={split} == default bits", bits_equal(ys, y))
+    qp = activation_operands_triton(hid, ActivationQuant(residual_fraction=0.0))  # no residual rows
+    yp = [moe_w4a4_gemm(qp.stacked, qp.main_scale, (order // TOPK).to(torch.int32), offsets, hw, p.global_encode_scale,
+                        flat.numel(), T, False, config=MoeConfig(64, 16, 2, 4, 1, split=split)) for split in (False, True)]
+    record("grouped kernel without residual: split == one pass bits", bits_equal(yp[0], yp[1]))
 
 
 @check("fused")

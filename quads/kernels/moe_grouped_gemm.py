@@ -99,7 +99,7 @@ def _moe_segment_kernel(
 ):
     """Split-K over the canonical segments: program (tile, expert, segment) writes that
     segment's sums (from zero, the k16 chain of :func:`_moe_w4a4_kernel`) of the expert's rows
-    to PART (num_seg, 2, num_rows, N) (main, residual); :func:`_moe_reduce_kernel` adds them
+    to PART (num_seg, 1 + HAS_RES, num_rows, N) (main [, residual]); :func:`_moe_reduce_kernel` adds them
     in segment order."""
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
@@ -122,7 +122,7 @@ def _moe_segment_kernel(
                 src = p.to(tl.int64)
             acc, accr = _expert_segment_sums(vals, scales, X, src, pmask, rows_x, stride_xm, rb0, kb_lo, num_kb, K,
                                              SEG_KB, BN, BM, KBI, HAS_RES, USE_ASM)
-            base = PART + (seg * 2).to(tl.int64) * num_rows * N
+            base = PART + (seg * (2 if HAS_RES else 1)).to(tl.int64) * num_rows * N
             ptrs = base + p[None, :].to(tl.int64) * N + offs_n[:, None]
             smask = nmask[:, None] & pmask[None, :]
             tl.store(ptrs, acc, mask=smask)
@@ -152,7 +152,7 @@ def _moe_reduce_kernel(PART, SX, SW, ROWS, OFFS, Y, N, num_rows, num_seg, num_ex
     ofs = p[None, :].to(tl.int64) * N + offs_n[:, None]
     tot = tl.zeros((BN, BM), dtype=tl.float32)
     totr = tl.zeros((BN, BM), dtype=tl.float32)
-    seg_stride = (2 * num_rows * N).to(tl.int64)
+    seg_stride = ((2 if HAS_RES else 1) * num_rows * N).to(tl.int64)
     for seg in range(0, num_seg):
         base = PART + seg * seg_stride
         tot += tl.load(base + ofs, mask=lmask, other=0.0, cache_modifier=".cg")
@@ -230,7 +230,8 @@ def moe_w4a4_gemm(
     if cfg.split:
         seg_kb = SEG_K // K_BLOCK
         num_seg = triton.cdiv(num_kb, seg_kb)
-        part = torch.empty((num_seg, 2, num_rows, n), dtype=torch.float32, device=x16.device)
+        # fp32 segment sums: (segment, main [, residual], row, N)
+        part = torch.empty((num_seg, 2 if has_residual else 1, num_rows, n), dtype=torch.float32, device=x16.device)
         _moe_segment_kernel[(triton.cdiv(n, cfg.bn), num_experts, num_seg)](
             weight.values, weight.scales, x16, rows if rows is not None else offsets, offsets, part,
             n, k, num_kb, rows_x, num_rows, x16.stride(0), weight.values[0].numel(), weight.scales[0].numel(),
