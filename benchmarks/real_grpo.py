@@ -189,6 +189,27 @@ def _now(device) -> float:
     return time.perf_counter()
 
 
+def grpo_backward(trainer, p_ids, p_attn, completion, cmask, rollout_lp, adv, micro_batch: int):
+    """Teacher-forced trainer log-probs and the GRPO loss's gradient, in micro-batches of sequences.
+
+    The loss is the whole batch's (normalised by its token count), so the gradient does not depend
+    on ``micro_batch``; only the activation peak does. Returns (detached log-probs, loss value).
+    """
+    m = cmask.float()
+    tokens = m.sum().clamp_min(1.0)
+    lps, loss_total = [], 0.0
+    for rows in torch.arange(completion.shape[0], device=completion.device).split(micro_batch):
+        lp = trainer_logps(trainer, p_ids[rows], p_attn[rows], completion[rows], cmask[rows])
+        ratio = torch.exp(((lp.detach() - rollout_lp[rows]) * m[rows]).sum(-1))
+        is_weight = torch.where(ratio <= IS_CLIP_MAX, ratio, torch.zeros_like(ratio))  # TRL sequence_mask
+        pg = torch.exp(lp - lp.detach())  # = 1, gradient of lp
+        loss = -((is_weight * adv[rows])[:, None] * pg * m[rows]).sum() / tokens
+        loss.backward()
+        loss_total += loss.item()
+        lps.append(lp.detach())
+    return torch.cat(lps), loss_total
+
+
 def grpo_step(trainer, rollout, sampler, tok, opt, problems, args, device) -> dict:
     t0 = _now(device)
     p_ids, p_attn = encode_prompts(tok, problems, device)
@@ -200,18 +221,10 @@ def grpo_step(trainer, rollout, sampler, tok, opt, problems, args, device) -> di
     rewards = torch.tensor([s["reward"] for s in scores], device=device)
     grouped = rewards.view(-1, args.group)
     adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
-
-    lp = trainer_logps(trainer, p_ids, p_attn, completion, cmask)
     m = cmask.float()
-    metrics = mismatch_metrics(rollout_lp, lp.detach(), cmask.bool(), is_mode="sequence_mask",
-                               clip_max=IS_CLIP_MAX, prefix="")
-    seq_log_ratio = ((lp.detach() - rollout_lp) * m).sum(-1)
-    ratio = torch.exp(seq_log_ratio)
-    is_weight = torch.where(ratio <= IS_CLIP_MAX, ratio, torch.zeros_like(ratio))  # TRL sequence_mask
-    pg = torch.exp(lp - lp.detach())  # = 1, gradient of lp
-    loss = -((is_weight * adv)[:, None] * pg * m).sum() / m.sum().clamp_min(1.0)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    lp, loss_total = grpo_backward(trainer, p_ids, p_attn, completion, cmask, rollout_lp, adv, args.train_micro_batch)
+    metrics = mismatch_metrics(rollout_lp, lp, cmask.bool(), is_mode="sequence_mask", clip_max=IS_CLIP_MAX, prefix="")
     grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), args.max_grad_norm).item()
     opt.step()
     t_train = _now(device)
@@ -222,7 +235,7 @@ def grpo_step(trainer, rollout, sampler, tok, opt, problems, args, device) -> di
         "final_acc": sum(s["final"] for s in scores) / len(scores),
         "step_credit": sum(s["steps"] for s in scores) / len(scores),
         "completion_len": m.sum(-1).mean().item(),
-        "loss": loss.item(), "grad_norm": grad_norm,
+        "loss": loss_total, "grad_norm": grad_norm,
         "t_generate": t_gen - t0, "t_train": t_train - t_gen, "t_sync": t_sync - t_train,
     })
     return metrics
@@ -251,9 +264,9 @@ def run(args) -> dict:
         state = torch.load(state_path, map_location=device, weights_only=True)  # no pickle
         trainer.load_state_dict(state["trainer"])
         opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state["rng"].cpu())  # map_location moved it
         if device.type == "cuda" and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"])
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu())
         start = state["step"]
         quads.sync_weights_(rollout, trainer)
         summary = json.loads(summary_path.read_text())
@@ -312,6 +325,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    p.add_argument("--train-micro-batch", type=int, default=16,
+                   help="sequences per trainer forward/backward (same loss; bounds the activation peak: "
+                        "64 sequences at once took ~28 GB per run on the H200)")
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--eval-problems", type=int, default=64)

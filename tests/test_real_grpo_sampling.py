@@ -70,3 +70,26 @@ def test_sampled_groups_and_completion_mask():
 def test_unknown_engine_is_named():
     with pytest.raises(ValueError, match="engine"):
         RolloutSampler(build("llama"), EOS, PAD, engine="vllm")
+
+
+def test_micro_batched_backward_gives_the_batch_gradient():
+    """The driver's GRPO backward in micro-batches equals one whole-batch backward (same loss)."""
+    from benchmarks.real_grpo import grpo_backward
+
+    ids, am = _left_padded()
+    g = torch.Generator().manual_seed(1)
+    completion = torch.randint(8, 96, (4, 6), generator=g)
+    completion[1, 3:] = EOS
+    cmask = completion_mask(completion, EOS)
+    rollout_lp = -torch.rand(4, 6, generator=g)
+    adv = torch.tensor([1.0, -0.5, 0.25, -0.75])
+    grads = []
+    for micro in (4, 3, 1):
+        model = build("llama").float()
+        lp, loss = grpo_backward(model, ids, am, completion, cmask, rollout_lp, adv, micro)
+        assert lp.shape == (4, 6) and not lp.requires_grad
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for other in grads[1:]:
+        assert len(other) == len(grads[0])
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
