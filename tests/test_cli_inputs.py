@@ -141,7 +141,8 @@ def test_example_complete_run_replaces_previous_outputs(tmp_path):
     _previous_run(out)
     torch_threads = torch.get_num_threads()
     try:
-        summary = _example().main(["--max-steps", "1", *SMALL, "--output-dir", str(out), "--threads", "2"])
+        summary = _example().main(["--max-steps", "1", *SMALL, "--output-dir", str(out), "--threads", "2",
+                                   "--overwrite"])
     finally:
         torch.set_num_threads(torch_threads)
     assert summary["complete"] is True and summary["status"] == "complete" and summary["steps"] == 1
@@ -157,7 +158,7 @@ def test_example_interrupted_run_is_marked_incomplete(tmp_path):
     pytest.importorskip("trl")
     out = tmp_path / "run"
     _previous_run(out)
-    cmd = [sys.executable, str(EXAMPLE), "--max-steps", "200", *SMALL, "--output-dir", str(out)]
+    cmd = [sys.executable, str(EXAMPLE), "--max-steps", "200", *SMALL, "--output-dir", str(out), "--overwrite"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # SIG_DFL in the child: a shell's background job inherits SIGINT ignored, and Python then
     # installs no KeyboardInterrupt handler (the test would see the run go on to the end)
@@ -180,3 +181,70 @@ def test_example_interrupted_run_is_marked_incomplete(tmp_path):
     csv_rows = (out / "metrics.csv").read_text().strip().splitlines()
     assert len(csv_rows) == 1 + summary["steps"] and "previous run" not in csv_rows[0]
     assert not (out / "reward_gap.png").exists()  # --no-plot: the previous run's plot was removed
+
+
+def _finished_run(out: pathlib.Path) -> dict:
+    """A finished run's files (what the example writes at the end of a complete run)."""
+    files = {"metrics.csv": "step,reward\n1,0.5\n", "metrics.jsonl": '{"step": 1}\n',
+             "summary.json": json.dumps({"complete": True, "status": "complete", "steps": 1})}
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return files
+
+
+def test_example_late_bad_input_keeps_a_finished_run(tmp_path, capsys, monkeypatch):
+    """Issue 22.1: a bad flag found late (--device cuda without a GPU, --seed -1, a model
+    directory whose tokenizer is empty) used to replace a finished run's outputs with a
+    failed, header-only one; each now exits 2 with one line before anything is touched, and a
+    finished run is replaced only with --overwrite."""
+    pytest.importorskip("trl")
+    example = _example()
+    out = tmp_path / "run"
+    files = _finished_run(out)
+    notok = tmp_path / "notok"
+    import shutil
+
+    shutil.copytree(REPO / "quads" / "assets" / "tiny-moe-arith", notok)
+    for f in notok.glob("tokenizer*"):
+        f.unlink()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cases = [(["--device", "cuda"], "CUDA is not available"),
+             (["--model", str(notok)], "encodes"),
+             (["--max-steps", "1"], "holds a finished run")]
+    for extra, match in cases:
+        with pytest.raises(UsageError, match=match):
+            example.main([*SMALL, *extra, "--output-dir", str(out)])
+    for flag in (["--seed", "-1"], ["--seed", str(2**70)], ["--threads", "100000"]):
+        with pytest.raises(SystemExit) as exit_:
+            example.main([*SMALL, *flag, "--output-dir", str(out)])
+        assert exit_.value.code == 2 and f"argument {flag[0]}:" in capsys.readouterr().err
+    for name, text in files.items():
+        assert (out / name).read_text() == text, name
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+
+
+def test_example_summary_never_follows_a_planted_symlink(tmp_path):
+    """Issue 22.8: the summary writer wrote through a planted summary.json.tmp symlink."""
+    example = _example()
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (out / "summary.json.tmp").symlink_to(victim)
+    example.write_summary(out, {"complete": False})
+    assert victim.read_text() == "precious"
+    assert json.loads((out / "summary.json").read_text()) == {"complete": False}
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json", "summary.json.tmp"]
+
+
+def test_example_compare_a_run_without_steps(tmp_path, capsys):
+    """Issue 22.10: --compare on a run interrupted before step 1 (header-only metrics.csv) crashed."""
+    pytest.importorskip("matplotlib")
+    example = _example()
+    run = tmp_path / "run"
+    run.mkdir()
+    example.write_csv([], run / "metrics.csv")
+    (run / "summary.json").write_text(json.dumps({"complete": False, "status": "interrupted", "policy": "quads"}))
+    example.compare([str(run)], tmp_path / "cmp")
+    assert "no steps logged" in capsys.readouterr().out

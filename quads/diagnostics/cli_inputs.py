@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -29,6 +30,10 @@ __all__ = [
     "check_output_dir",
     "device_name",
     "check_device",
+    "seed_int",
+    "thread_count",
+    "check_tokenizer",
+    "atomic_write_text",
 ]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -56,6 +61,36 @@ def int_at_least(low: int):
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+
+
+#: seeds every RNG a run seeds accepts (numpy's and Python's: [0, 2**32))
+SEED_LIMIT = 2**32
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed in ``[0, 2**32)`` (numpy, which TRL and transformers seed, takes no other)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {value}")
+    return value
+
+
+def max_threads() -> int:
+    """The most intra-op threads a CLI accepts: 4x the CPU count (more only oversubscribes the
+    cores, and a huge count crashes OpenMP: ``--threads 100000`` segfaulted)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def thread_count(text: str) -> int:
+    """argparse type: a thread count in ``[1, max_threads()]``."""
+    value = positive_int(text)
+    if value > max_threads():
+        raise argparse.ArgumentTypeError(f"must be <= {max_threads()} (4x this machine's {os.cpu_count()} CPUs), "
+                                         f"got {value}")
+    return value
 
 
 def _finite_float(text: str) -> float:
@@ -143,7 +178,49 @@ def load_local_causal_lm(path: str, dtype: torch.dtype):
         if tok.eos_token is None:
             raise UsageError(f"the tokenizer in {str(where)!r} has neither a pad nor an EOS token")
         tok.pad_token = tok.eos_token
+    check_tokenizer(tok, model, where)
     return model, tok
+
+
+def check_tokenizer(tok, model, where, prompts=("1 + 2 =",)) -> None:
+    """Raise UsageError unless every prompt tokenizes to at least one id the model's embedding has.
+
+    transformers builds a tokenizer even from a directory without tokenizer files (a vocabulary
+    of one special token); it encodes every prompt to nothing, and generation then fails deep
+    inside ``generate`` with an IndexError. Checked up front, naming the directory.
+    """
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for prompt in prompts:
+        try:
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        except Exception as err:  # noqa: BLE001 - a tokenizer that cannot encode is reported as such
+            raise UsageError(f"the tokenizer in {str(where)!r} cannot encode {prompt[:40]!r}: {_one_line(err)}") from err
+        if not ids:
+            raise UsageError(
+                f"the tokenizer in {str(where)!r} encodes {prompt[:40]!r} to no tokens (vocabulary of {len(tok)}; "
+                "are its tokenizer files missing?)"
+            )
+        if vocab is not None and max(ids) >= vocab:
+            raise UsageError(
+                f"the tokenizer in {str(where)!r} gives token id {max(ids)} for {prompt[:40]!r}, "
+                f"outside the model's vocabulary of {vocab}"
+            )
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``path`` atomically: a new uniquely named file in the same directory (created with
+    O_EXCL by :func:`tempfile.mkstemp`, so a planted ``path.tmp`` symlink is never followed),
+    then :func:`os.replace`. A reader sees the old or the new content, never half; on failure
+    the temporary file is removed."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_prompts(path: str) -> list[str]:
