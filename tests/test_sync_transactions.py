@@ -164,3 +164,63 @@ def test_sync_into_user_made_nvfp4_parameter_uses_the_recipe():
     quads.sync_weights_(dst, src)
     assert dst.weight.granularity == "row"
     assert torch.equal(dst.weight.dequantize(), NVFP4Tensor.from_float(src.weight.detach(), "row").dequantize())
+
+
+class _InterruptAtCopy(torch.overrides.TorchFunctionMode):
+    """Raises KeyboardInterrupt at the n-th in-place ``Tensor.copy_`` (once), as a Ctrl-C would."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.calls = n, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            self.calls += 1
+            if self.calls == self.n:
+                raise KeyboardInterrupt
+        return func(*args, **(kwargs or {}))
+
+
+def _count_copies(rollout, trainer):
+    counter = _InterruptAtCopy(0)
+    with counter:
+        quads.sync_weights_(rollout, trainer)
+    return counter.calls
+
+
+def test_ctrl_c_in_the_write_phase_restores_every_tensor(monkeypatch):
+    """Issue 22.2: a KeyboardInterrupt in the write phase used to leave some parameters
+    rewritten, one weight torn (new packed codes, old scales). Now every written tensor gets its
+    old value back, whichever copy the interrupt hits, and the rollout still works."""
+    trainer, rollout = _pair()
+    probe_trainer, probe_rollout = _pair()
+    total = _count_copies(probe_rollout, probe_trainer)
+    assert total > 20
+    with torch.no_grad():
+        ids = torch.arange(8).view(1, 8)
+        logits = rollout(ids).logits
+    before = snapshot(rollout)
+    for n in sorted({1, 2, 3, total // 3, total // 2 + 1, total - 1, total}):
+        with pytest.raises(KeyboardInterrupt), _InterruptAtCopy(n):
+            quads.sync_weights_(rollout, trainer)
+        assert_unchanged(before, rollout)
+    with torch.no_grad():
+        assert torch.equal(rollout(ids).logits, logits)
+
+    calls = []
+
+    def interrupted_hook(self):  # the interrupt lands while the modules are being notified
+        calls.append(self)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    real_hook = RolloutModule.quads_weights_changed
+    monkeypatch.setattr(RolloutModule, "quads_weights_changed",
+                        lambda self: interrupted_hook(self) if len(calls) < 2 else real_hook(self))
+    with pytest.raises(KeyboardInterrupt):
+        quads.sync_weights_(rollout, trainer)
+    assert_unchanged(before, rollout)
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(rollout(ids).logits, logits)
+    quads.sync_weights_(rollout, trainer)  # and a later sync goes through

@@ -15,7 +15,9 @@ never leave the rollout half-updated while it still produces plausible numbers:
 4. **write**: in place, into the existing storage, then ``quads_weights_changed()`` on every
    rollout module whose packed weights were written.
 
-Any error in 1-3 leaves the rollout bit for bit as it was and names the parameter(s).
+Any error in 1-3 leaves the rollout bit for bit as it was and names the parameter(s); an
+exception in 4, KeyboardInterrupt included, restores every tensor already written from a
+per-tensor snapshot (:func:`_write`), so no weight is ever left torn (new codes, old scales).
 """
 
 from __future__ import annotations
@@ -161,21 +163,47 @@ def _check_finite(writes: list[_Write]) -> None:
     )
 
 
-def _write(writes: list[_Write], rollout_model: nn.Module) -> None:
-    """Copy the staged values into the rollout's storage and notify the modules written."""
-    for w in writes:
-        if w.packed:
-            for dst, src in zip(w.param.parts, w.staged):
-                dst.copy_(src)
-        else:
-            w.param.copy_(w.staged)
+def _tensors(w: _Write) -> tuple[torch.Tensor, ...]:
+    """The storage a write changes: the packed parts, or the dense parameter."""
+    return tuple(w.param.parts) if w.packed else (w.param,)
+
+
+def _written_modules(writes: list[_Write], rollout_model: nn.Module) -> list[RolloutModule]:
     owners = _owners(rollout_model)
-    notified = set()
+    modules: dict[int, RolloutModule] = {}
     for w in writes:
         for module in owners.get(id(w.param), []) if w.packed else []:
-            if id(module) not in notified:
-                notified.add(id(module))
-                module.quads_weights_changed()
+            modules.setdefault(id(module), module)
+    return list(modules.values())
+
+
+def _write(writes: list[_Write], rollout_model: nn.Module) -> None:
+    """Copy the staged values into the rollout's storage and notify the modules written.
+
+    In place (captured CUDA graphs read these addresses), and undone on *any* exception,
+    KeyboardInterrupt included: each tensor's old value is cloned just before it is
+    overwritten, and the staged value it replaces is released, so the snapshot costs one
+    extra copy per tensor and, at its peak, the bytes of one tensor more than the staging
+    (docs/validation.md). On a BaseException every tensor written so far gets its old value
+    back and the modules are notified again, so the rollout is what it was, bit for bit.
+    """
+    done: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+    try:
+        for w in writes:
+            dst = _tensors(w)
+            done.append((dst, tuple(t.clone() for t in dst)))  # before the first byte is written
+            for d, src in zip(dst, w.staged if w.packed else (w.staged,)):
+                d.copy_(src)
+            w.staged = None  # the clone replaces the staged copy: memory stays flat
+        for module in _written_modules(writes, rollout_model):
+            module.quads_weights_changed()
+    except BaseException:
+        for dst, old in reversed(done):
+            for d, o in zip(dst, old):
+                d.copy_(o)
+        for module in _written_modules(writes, rollout_model):
+            module.quads_weights_changed()  # derived layouts follow the restored parts
+        raise
 
 
 @torch.no_grad()
