@@ -224,3 +224,26 @@ def test_ctrl_c_in_the_write_phase_restores_every_tensor(monkeypatch):
     with torch.no_grad():
         assert torch.equal(rollout(ids).logits, logits)
     quads.sync_weights_(rollout, trainer)  # and a later sync goes through
+
+
+@pytest.mark.parametrize("activations", ["bf16", "nvfp4"])
+def test_sync_that_would_dequantize_to_inf_in_float16_is_refused(activations):
+    """Issue 22.3: a float16 rollout synced from a trainer with one weight at 1e6 went silently
+    NaN (W4A16: every logit NaN; W4A4: dequantize(float16) held Inf). The sync now refuses,
+    naming the weight, and writes nothing; a weight at float16's edge still syncs."""
+    trainer = _llama().float()
+    rollout = _llama(seed=1).half()
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", activations=activations))
+    before = snapshot(rollout)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    with torch.no_grad():
+        dict(trainer.named_parameters())[name][3, 5] = 1e6
+    with pytest.raises(ValueError, match=r"dequantize to Inf.*model\.layers\.1\.self_attn\.o_proj\.weight"):
+        quads.sync_weights_(rollout, trainer)
+    assert_unchanged(before, rollout)
+    with torch.no_grad():
+        dict(trainer.named_parameters())[name][3, 5] = 65504.0  # float16's max: rounds to itself, fine
+    quads.sync_weights_(rollout, trainer)
+    packed = dict(rollout.named_parameters())[name]
+    assert torch.isfinite(packed.dequantize(torch.float16)).all()

@@ -33,7 +33,7 @@ from quads.policies.modules import (
 )
 from quads.policies.policy import QuadsPolicy
 from quads.policies.walk import ConversionTarget, FilterFn, conversion_targets
-from quads.tensor.finite import check_all_finite, check_finite
+from quads.tensor.finite import check_all_finite, check_dequantized_range, check_finite
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -237,4 +237,7 @@ def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy, model:
     with torch.no_grad():
         if policy.side == "rollout":
             _stage_packed(staged)
+            check_dequantized_range(
+                {id(p): (f"{t.name}.{n}" if t.name else n, p.parts, p.orig_dtype)
+                 for t in staged for n, p in t.packed.items()}.values(), "quantize_")
         _commit_all(staged, policy)

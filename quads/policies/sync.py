@@ -11,7 +11,9 @@ never leave the rollout half-updated while it still produces plausible numbers:
    their module's backend into new parts, dense ones cast / moved to the rollout parameter;
 3. **check**: every tensor that will be written is finite (the master of a packed parameter,
    the staged copy of a dense one), one fused reduction per tensor and one host sync per
-   device for the whole model (:func:`quads.tensor.finite.nonfinite_names`);
+   device for the whole model (:func:`quads.tensor.finite.nonfinite_names`), and no packed
+   weight dequantizes beyond its rollout dtype (float16: 65504), bounded from the staged scales
+   (:func:`quads.tensor.finite.check_dequantized_range`);
 4. **write**: in place, into the existing storage, then ``quads_weights_changed()`` on every
    rollout module whose packed weights were written.
 
@@ -30,7 +32,7 @@ import torch.nn as nn
 from quads.ops.backend import Backend, select_backend
 from quads.policies.modules import RolloutModule
 from quads.policies.shards import has_sharded_parameters
-from quads.tensor.finite import check_all_finite
+from quads.tensor.finite import check_all_finite, check_dequantized_range
 from quads.tensor.nvfp4_math import NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -160,6 +162,9 @@ def _check_finite(writes: list[_Write]) -> None:
     check_all_finite(
         [(w.name, w.source if w.packed else w.staged) for w in writes],
         "sync_weights_ (nothing was written)",
+    )
+    check_dequantized_range(
+        [(w.name, w.staged, w.param.orig_dtype) for w in writes if w.packed], "sync_weights_ (nothing was written)"
     )
 
 
