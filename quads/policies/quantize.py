@@ -92,6 +92,10 @@ def _check_target(target: _Target, side: str) -> None:
         if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
             raise NotImplementedError(f"{name}: only concatenated gate/up experts are supported")
     for qualified, weight in target.weights():
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{qualified} is {type(weight).__name__}, not a tensor; quads converts modules with weights")
+        if weight.numel() == 0:
+            raise ValueError(f"{qualified} has shape {tuple(weight.shape)}: an empty weight has nothing to quantize")
         if isinstance(weight, NVFP4Tensor):
             raise ValueError(f"{qualified} is already a packed NVFP4Tensor; quantize_ takes a high-precision model")
         if weight.dtype not in _QUANTIZABLE_DTYPES:
