@@ -28,6 +28,8 @@ __all__ = [
     "read_prompts",
     "check_output_file",
     "check_output_dir",
+    "check_new_output_dir",
+    "regex",
     "device_name",
     "check_device",
     "seed_int",
@@ -140,12 +142,14 @@ def _check_model_dir(path: Path) -> None:
         raise UsageError(f"{str(path)!r} has no weights (none of {', '.join(_WEIGHT_FILES)})")
 
 
-def load_local_causal_lm(path: str, dtype: torch.dtype):
+def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True):
     """``(model, tokenizer)`` from a local Hugging Face causal-LM directory, never the hub.
 
-    The tokenizer gets a pad token (its EOS) when it has none. Raises UsageError for a missing,
-    empty or corrupt directory (no config, unreadable config or weights, weights that leave
-    parameters missing), naming the path and the underlying error in one line.
+    The tokenizer gets a pad token (its EOS) when it has none, and must encode a probe prompt
+    to ids inside the model's vocabulary (:func:`check_tokenizer`). Raises UsageError for a
+    missing, empty or corrupt directory (no config, unreadable config or weights, weights that
+    leave parameters missing) or tokenizer, naming the path and the underlying error in one
+    line. ``require_tokenizer=False``: a directory without a usable tokenizer gives ``None``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -172,13 +176,19 @@ def load_local_causal_lm(path: str, dtype: torch.dtype):
         )
     try:
         tok = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+        if tok.pad_token_id is None:
+            if tok.eos_token is None:
+                raise UsageError(f"the tokenizer in {str(where)!r} has neither a pad nor an EOS token")
+            tok.pad_token = tok.eos_token
+        check_tokenizer(tok, model, where)
+    except UsageError:
+        if require_tokenizer:
+            raise
+        return model, None
     except Exception as err:  # noqa: BLE001
+        if not require_tokenizer:
+            return model, None
         raise UsageError(f"could not load the tokenizer from {str(where)!r}: {_one_line(err)}") from err
-    if tok.pad_token_id is None:
-        if tok.eos_token is None:
-            raise UsageError(f"the tokenizer in {str(where)!r} has neither a pad nor an EOS token")
-        tok.pad_token = tok.eos_token
-    check_tokenizer(tok, model, where)
     return model, tok
 
 
@@ -221,6 +231,40 @@ def atomic_write_text(path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def regex(text: str) -> str:
+    """argparse type: a valid Python regular expression."""
+    import re
+
+    try:
+        re.compile(text)
+    except re.error as err:
+        raise argparse.ArgumentTypeError(f"not a valid regular expression: {text!r} ({err})") from None
+    return text
+
+
+def check_new_output_dir(path: str) -> Path:
+    """Raise UsageError unless ``path`` can become a new directory: not a symlink, not an
+    existing file or non-empty directory, and its nearest existing parent is a writable
+    directory (probed with a temporary directory, removed again). Nothing is created."""
+    import tempfile
+
+    target = Path(path)
+    if target.is_symlink():
+        raise UsageError(f"--out {path!r} is a symbolic link; give a real new directory")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise UsageError(f"--out {path!r} exists and is not an empty directory; choose a new --out")
+    parent = target.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {path!r}: {str(parent)!r} is not a directory")
+    try:
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as err:
+        raise UsageError(f"--out {path!r}: cannot create a directory in {str(parent)!r} ({_one_line(err)})") from None
+    return target
 
 
 def read_prompts(path: str) -> list[str]:
