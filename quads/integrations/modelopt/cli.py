@@ -85,8 +85,7 @@ def _cmd(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     from quads.diagnostics.cli_inputs import regex
 
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        """The module doc as written, and every option's default in --help."""
+    from quads.diagnostics.cli_inputs import HelpFormatter as Formatter
 
     p = sub.add_parser("export", help="write a ModelOpt NVFP4 checkpoint (vLLM modelopt_fp4, SGLang, TensorRT-LLM)",
                        description=__doc__, formatter_class=Formatter)
