@@ -331,3 +331,19 @@ def test_killed_export_leaves_a_temp_dir_the_next_run_removes(tmp_path):
         left.mkdir()
         export_modelopt(build("llama"), tmp_path / "ck", "w4a16")
     assert not left.exists() and (tmp_path / "ck" / "config.json").exists()
+
+
+def test_index_file_cannot_point_outside_the_checkpoint(tmp_path):
+    """Issue 22.8: read_modelopt_checkpoint followed ../ and absolute paths in an index file."""
+    import json as json_
+
+    ck = tmp_path / "ck"
+    export_modelopt(build("llama"), ck, "w4a16")
+    shard = next(ck.glob("*.safetensors"))
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    (ck / "link.safetensors").symlink_to(outside)
+    for name in ("../outside.safetensors", str(outside), "link.safetensors"):
+        (ck / "model.safetensors.index.json").write_text(json_.dumps({"weight_map": {"x": name}}))
+        with pytest.raises(ValueError, match="outside the checkpoint|not a file name inside"):
+            read_modelopt_checkpoint(ck)
