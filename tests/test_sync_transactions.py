@@ -247,3 +247,31 @@ def test_sync_that_would_dequantize_to_inf_in_float16_is_refused(activations):
     quads.sync_weights_(rollout, trainer)
     packed = dict(rollout.named_parameters())[name]
     assert torch.isfinite(packed.dequantize(torch.float16)).all()
+
+
+def test_small_misuses_name_the_culprit():
+    """Issue 22.10: a module registered twice (s.b = s.a) was refused on the rollout side as
+    'tied'; sync_weights_(r, state_dict) gave a raw AttributeError; a meta-device trainer sync
+    did not name the parameter; device='cuda' without a GPU gave an AssertionError."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    trainer, rollout = nn.Sequential(nn.Linear(32, 32)), nn.Sequential(nn.Linear(32, 32))
+    trainer.add_module("again", trainer[0])
+    rollout.add_module("again", rollout[0])
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    assert rollout.again is rollout[0] and isinstance(rollout[0].weight, NVFP4Tensor)
+    assert quads.sync_weights_(rollout, trainer) == 2
+    with pytest.raises(TypeError, match="trainer_model must be an nn.Module, got OrderedDict.*load it into a trainer"):
+        quads.sync_weights_(rollout, trainer.state_dict())
+    meta = nn.Sequential(nn.Linear(32, 32, device="meta"))
+    meta.add_module("again", meta[0])
+    quads.quantize_(meta, quads.QuadsPolicy(side="trainer"))
+    with pytest.raises(ValueError, match=r"0\.weight is on the meta device in the trainer"):
+        quads.sync_weights_(rollout, meta)
+    if not torch.cuda.is_available():
+        from quads.policies.rollout_copy import copy_model
+
+        with pytest.raises(ValueError, match="'cuda' requested, but this machine has no usable CUDA"):
+            copy_model(_llama(layers=1), device="cuda")

@@ -124,6 +124,15 @@ def _check_ties(model: nn.Module, targets: list[_Target]) -> None:
     """Rollout side: a packed weight may be shared only by converted modules of one kind."""
     aliases = _aliases(model)
     converted = {q: t.kind for t in targets for q, _ in t.weights()}
+    # a module registered under several names (s.b = s.a) is converted once, under its first
+    # name; its weight under the other names is the same module's, not a tie to another one
+    module_names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(module), []).append(name)
+    for t in targets:
+        for other in module_names.get(id(t.module), [])[1:]:
+            for pname in t.weight_names:
+                converted[f"{other}.{pname}" if other else pname] = t.kind
     for t in targets:
         for qualified, weight in t.weights():
             others = [a for a in aliases.get(id(weight), []) if a != qualified]

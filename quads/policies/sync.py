@@ -88,6 +88,8 @@ def _problem(param: torch.Tensor, source: torch.Tensor) -> str | None:
     """Why ``source`` cannot be synced into ``param`` (metadata only), or None."""
     if isinstance(source, NVFP4Tensor):
         return "is packed (NVFP4Tensor) in the trainer; sync from high-precision masters"
+    if source.device.type == "meta":
+        return "is on the meta device in the trainer (no values to sync); load the trainer's weights first"
     if tuple(source.shape) != tuple(param.shape):
         return f"has shape {tuple(source.shape)} in the trainer, {tuple(param.shape)} in the rollout"
     if not source.dtype.is_floating_point:
@@ -230,6 +232,11 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict:
     A sharded trainer (FSDP2 / DTensor parameters) makes this a collective: every rank calls it
     with its own full rollout replica (:func:`quads.policies.sharded_sync.sync_sharded_weights_`).
     """
+    for what, model in (("rollout_model", rollout_model), ("trainer_model", trainer_model)):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"sync_weights_: {what} must be an nn.Module, got {type(model).__name__}"
+                            + (" (to sync from a state dict, load it into a trainer model first)"
+                               if isinstance(model, dict) else ""))
     if has_sharded_parameters(trainer_model):
         from quads.policies.sharded_sync import sync_sharded_weights_  # it imports this module
 
