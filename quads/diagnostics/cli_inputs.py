@@ -156,7 +156,7 @@ def _check_model_dir(path: Path) -> None:
         raise UsageError(f"{str(path)!r} has no weights (none of {', '.join(_WEIGHT_FILES)})")
 
 
-def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True):
+def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, set_pad: bool = True):
     """``(model, tokenizer)`` from a local Hugging Face causal-LM directory, never the hub.
 
     The tokenizer gets a pad token (its EOS) when it has none, and must encode a probe prompt
@@ -164,6 +164,7 @@ def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True):
     missing, empty or corrupt directory (no config, unreadable config or weights, weights that
     leave parameters missing) or tokenizer, naming the path and the underlying error in one
     line. ``require_tokenizer=False``: a directory without a usable tokenizer gives ``None``.
+    ``set_pad=False`` leaves the tokenizer as stored (``quads export`` saves it unchanged).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -190,7 +191,7 @@ def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True):
         )
     try:
         tok = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
-        if tok.pad_token_id is None:
+        if tok.pad_token_id is None and set_pad:
             if tok.eos_token is None:
                 raise UsageError(f"the tokenizer in {str(where)!r} has neither a pad nor an EOS token")
             tok.pad_token = tok.eos_token

@@ -59,7 +59,8 @@ def _cmd(args: argparse.Namespace) -> int:
     for stale in stale_temp_dirs(out):
         _progress(f"note: {stale} is an unfinished export's temporary directory (its process is alive)")
     _progress(f"loading {args.model}")
-    model, tokenizer = load_local_causal_lm(args.model, "auto", require_tokenizer=prompts is not None)
+    model, tokenizer = load_local_causal_lm(args.model, "auto", require_tokenizer=prompts is not None,
+                                            set_pad=False)
     model.eval()
     calibration = None
     if prompts is not None:
