@@ -190,8 +190,10 @@ def _write(writes: list[_Write], rollout_model: nn.Module) -> None:
     In place (captured CUDA graphs read these addresses), and undone on *any* exception,
     KeyboardInterrupt included: each tensor's old value is cloned just before it is
     overwritten, and the staged value it replaces is released, so the snapshot costs one
-    extra copy per tensor and, at its peak, the bytes of one tensor more than the staging
-    (docs/validation.md). On a BaseException every tensor written so far gets its old value
+    extra copy per tensor and, where the staged values are new tensors (every packed weight,
+    and dense ones cast or moved), no memory beyond one tensor; a dense parameter whose master
+    already has the rollout's dtype and device is staged as the master itself, and its
+    snapshot adds its bytes until the sync returns (docs/validation.md). On a BaseException every tensor written so far gets its old value
     back and the modules are notified again, so the rollout is what it was, bit for bit.
     """
     done: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
