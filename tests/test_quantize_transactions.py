@@ -123,3 +123,54 @@ def test_unsupported_weight_dtype_and_prepacked_weight():
     packed[0].weight = nn.Parameter(NVFP4Tensor.from_float(packed[0].weight.detach()), requires_grad=False)
     with pytest.raises(ValueError, match="already a packed NVFP4Tensor"):
         quads.quantize_(packed, quads.QuadsPolicy(side="rollout"))
+
+
+class _Affine(nn.Linear):
+    """An nn.Linear subclass with its own forward (what quads must not silently replace)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2 + 1
+
+
+class _Plain(nn.Linear):
+    """A subclass that keeps nn.Linear's forward: converted as before."""
+
+
+@pytest.mark.parametrize("side", ["trainer", "rollout"])
+def test_linear_subclass_with_its_own_forward_is_refused_by_name(side):
+    """Issue 22.4: quantize_ replaced the forward of nn.Linear subclasses (x*2+1 became a plain
+    linear; DeepseekV4GroupedLinear's output (2,3,4,16) became (2,3,4,64)). Now refused, naming
+    the module, the model unchanged; skipping it keeps its forward; plain subclasses convert."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _Affine(32, 32), _Plain(32, 32))
+    before = snapshot(model)
+    policy = quads.QuadsPolicy(side=side)
+    with pytest.raises(TypeError, match=r"^1 is a .*_Affine, an nn.Linear subclass with its own forward"):
+        quads.quantize_(model, policy)
+    assert_unchanged(before, model)
+    assert type(model[1]) is _Affine and type(model[0]) is nn.Linear
+    x = torch.randn(3, 32)
+    quads.quantize_(model, quads.QuadsPolicy(side=side, extra_skip_patterns=(r"^1$",)))
+    assert type(model[1]) is _Affine and isinstance(model[2], _Plain) and model[2].quads_policy.side == side
+    with torch.no_grad():
+        y = model[1](x)
+        assert torch.allclose(y, nn.functional.linear(x, model[1].weight, model[1].bias) * 2 + 1)
+
+
+def test_deepseek_v4_grouped_linear_is_refused():
+    mod = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    model = nn.Sequential(mod.DeepseekV4GroupedLinear(16, 64, n_groups=4))
+    with pytest.raises(TypeError, match="DeepseekV4GroupedLinear"):
+        quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
+
+
+@pytest.mark.parametrize("side", ["trainer", "rollout"])
+def test_empty_or_missing_weight_is_refused(side):
+    """Issue 22.10: Linear(0, 16) was accepted and crashed in its forward; weight=None gave a raw
+    AttributeError."""
+    with pytest.raises(ValueError, match=r"0\.weight has shape \(16, 0\)"):
+        quads.quantize_(nn.Sequential(nn.Linear(0, 16)), quads.QuadsPolicy(side=side))
+    no_weight = nn.Linear(16, 16)
+    no_weight.weight = None
+    with pytest.raises(TypeError, match=r"0\.weight is NoneType"):
+        quads.quantize_(nn.Sequential(no_weight), quads.QuadsPolicy(side=side))

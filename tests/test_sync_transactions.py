@@ -164,3 +164,114 @@ def test_sync_into_user_made_nvfp4_parameter_uses_the_recipe():
     quads.sync_weights_(dst, src)
     assert dst.weight.granularity == "row"
     assert torch.equal(dst.weight.dequantize(), NVFP4Tensor.from_float(src.weight.detach(), "row").dequantize())
+
+
+class _InterruptAtCopy(torch.overrides.TorchFunctionMode):
+    """Raises KeyboardInterrupt at the n-th in-place ``Tensor.copy_`` (once), as a Ctrl-C would."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.calls = n, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            self.calls += 1
+            if self.calls == self.n:
+                raise KeyboardInterrupt
+        return func(*args, **(kwargs or {}))
+
+
+def _count_copies(rollout, trainer):
+    counter = _InterruptAtCopy(0)
+    with counter:
+        quads.sync_weights_(rollout, trainer)
+    return counter.calls
+
+
+def test_ctrl_c_in_the_write_phase_restores_every_tensor(monkeypatch):
+    """Issue 22.2: a KeyboardInterrupt in the write phase used to leave some parameters
+    rewritten, one weight torn (new packed codes, old scales). Now every written tensor gets its
+    old value back, whichever copy the interrupt hits, and the rollout still works."""
+    trainer, rollout = _pair()
+    probe_trainer, probe_rollout = _pair()
+    total = _count_copies(probe_rollout, probe_trainer)
+    assert total > 20
+    with torch.no_grad():
+        ids = torch.arange(8).view(1, 8)
+        logits = rollout(ids).logits
+    before = snapshot(rollout)
+    for n in sorted({1, 2, 3, total // 3, total // 2 + 1, total - 1, total}):
+        with pytest.raises(KeyboardInterrupt), _InterruptAtCopy(n):
+            quads.sync_weights_(rollout, trainer)
+        assert_unchanged(before, rollout)
+    with torch.no_grad():
+        assert torch.equal(rollout(ids).logits, logits)
+
+    calls = []
+
+    def interrupted_hook(self):  # the interrupt lands while the modules are being notified
+        calls.append(self)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    real_hook = RolloutModule.quads_weights_changed
+    monkeypatch.setattr(RolloutModule, "quads_weights_changed",
+                        lambda self: interrupted_hook(self) if len(calls) < 2 else real_hook(self))
+    with pytest.raises(KeyboardInterrupt):
+        quads.sync_weights_(rollout, trainer)
+    assert_unchanged(before, rollout)
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(rollout(ids).logits, logits)
+    quads.sync_weights_(rollout, trainer)  # and a later sync goes through
+
+
+@pytest.mark.parametrize("activations", ["bf16", "nvfp4"])
+def test_sync_that_would_dequantize_to_inf_in_float16_is_refused(activations):
+    """Issue 22.3: a float16 rollout synced from a trainer with one weight at 1e6 went silently
+    NaN (W4A16: every logit NaN; W4A4: dequantize(float16) held Inf). The sync now refuses,
+    naming the weight, and writes nothing; a weight at float16's edge still syncs."""
+    trainer = _llama().float()
+    rollout = _llama(seed=1).half()
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", activations=activations))
+    before = snapshot(rollout)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    with torch.no_grad():
+        dict(trainer.named_parameters())[name][3, 5] = 1e6
+    with pytest.raises(ValueError, match=r"dequantize to Inf.*model\.layers\.1\.self_attn\.o_proj\.weight"):
+        quads.sync_weights_(rollout, trainer)
+    assert_unchanged(before, rollout)
+    with torch.no_grad():
+        dict(trainer.named_parameters())[name][3, 5] = 65504.0  # float16's max: rounds to itself, fine
+    quads.sync_weights_(rollout, trainer)
+    packed = dict(rollout.named_parameters())[name]
+    assert torch.isfinite(packed.dequantize(torch.float16)).all()
+
+
+def test_small_misuses_name_the_culprit():
+    """Issue 22.10: a module registered twice (s.b = s.a) was refused on the rollout side as
+    'tied'; sync_weights_(r, state_dict) gave a raw AttributeError; a meta-device trainer sync
+    did not name the parameter; device='cuda' without a GPU gave an AssertionError."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    trainer, rollout = nn.Sequential(nn.Linear(32, 32)), nn.Sequential(nn.Linear(32, 32))
+    trainer.add_module("again", trainer[0])
+    rollout.add_module("again", rollout[0])
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    assert rollout.again is rollout[0] and isinstance(rollout[0].weight, NVFP4Tensor)
+    assert quads.sync_weights_(rollout, trainer) == 2
+    with pytest.raises(TypeError, match="trainer_model must be an nn.Module, got OrderedDict.*load it into a trainer"):
+        quads.sync_weights_(rollout, trainer.state_dict())
+    meta = nn.Sequential(nn.Linear(32, 32, device="meta"))
+    meta.add_module("again", meta[0])
+    quads.quantize_(meta, quads.QuadsPolicy(side="trainer"))
+    with pytest.raises(ValueError, match=r"0\.weight is on the meta device in the trainer"):
+        quads.sync_weights_(rollout, meta)
+    if not torch.cuda.is_available():
+        from quads.policies.rollout_copy import copy_model
+
+        with pytest.raises(ValueError, match="'cuda' requested, but this machine has no usable CUDA"):
+            copy_model(_llama(layers=1), device="cuda")

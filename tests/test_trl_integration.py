@@ -255,3 +255,33 @@ def test_embedded_model_quads_gap_smaller_than_naive():
     print({p: round(g["sampling/quads/logp_gap_mean"], 5) for p, g in gaps.items()})
     assert q["sampling/quads/logp_gap_mean"] < n["sampling/quads/logp_gap_mean"]
     assert q["sampling/quads/k3_kl"] < n["sampling/quads/k3_kl"]
+
+
+def test_trl_failure_leaves_the_callers_model_unconverted(tmp_path, monkeypatch):
+    """Issue 22.9: the model was converted before TRL's __init__ ran; when TRL failed, its module
+    classes stayed swapped and a retry was refused. Now they are restored and a retry works."""
+    tok = make_tokenizer()
+    model = tiny_model(tok)
+    classes = {n: type(m) for n, m in model.named_modules()}
+    attrs = {n: set(vars(m)) for n, m in model.named_modules()}
+    ds = datasets.Dataset.from_list(make_prompts(16, seed=0))
+    args = GRPOConfig(output_dir=str(tmp_path / "x"), use_cpu=True, bf16=True, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, max_steps=1, report_to=[], save_strategy="no",
+                      disable_tqdm=True)
+    real_init = trl.GRPOTrainer.__init__
+
+    def failing_init(self, *a, **k):
+        real_init(self, *a, **k)
+        raise ValueError("TRL refused")
+
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", failing_init)
+    with pytest.raises(ValueError, match="TRL refused"):
+        QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=ds, processing_class=tok, quads_policy="quads")
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    added = {n: set(vars(m)) - attrs[n] for n, m in model.named_modules()}
+    assert not any("quads" in a for new in added.values() for a in new), added  # (TRL may add its own)
+    assert not quads.quantized_modules(model)
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", real_init)
+    trainer = QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=ds, processing_class=tok,
+                               quads_policy="w4a16-qat")
+    assert _sides(trainer.model) == {TrainerLinear, TrainerExperts}

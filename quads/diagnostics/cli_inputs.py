@@ -12,11 +12,13 @@ import argparse
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import torch
 
 __all__ = [
+    "HelpFormatter",
     "UsageError",
     "int_at_least",
     "positive_int",
@@ -27,11 +29,30 @@ __all__ = [
     "read_prompts",
     "check_output_file",
     "check_output_dir",
+    "check_new_output_dir",
+    "regex",
     "device_name",
     "check_device",
+    "seed_int",
+    "thread_count",
+    "check_tokenizer",
+    "atomic_write_text",
 ]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help for quads' tools: the description as written, and every option's default shown
+    (``(default: X)``) unless its help already names one or it has no meaningful default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings
+                or default == []):
+            return text
+        return f"{text} (default: {default})".strip()
 
 
 class UsageError(Exception):
@@ -56,6 +77,36 @@ def int_at_least(low: int):
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+
+
+#: seeds every RNG a run seeds accepts (numpy's and Python's: [0, 2**32))
+SEED_LIMIT = 2**32
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed in ``[0, 2**32)`` (numpy, which TRL and transformers seed, takes no other)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {value}")
+    return value
+
+
+def max_threads() -> int:
+    """The most intra-op threads a CLI accepts: 4x the CPU count (more only oversubscribes the
+    cores, and a huge count crashes OpenMP: ``--threads 100000`` segfaulted)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def thread_count(text: str) -> int:
+    """argparse type: a thread count in ``[1, max_threads()]``."""
+    value = positive_int(text)
+    if value > max_threads():
+        raise argparse.ArgumentTypeError(f"must be <= {max_threads()} (4x this machine's {os.cpu_count()} CPUs), "
+                                         f"got {value}")
+    return value
 
 
 def _finite_float(text: str) -> float:
@@ -105,12 +156,15 @@ def _check_model_dir(path: Path) -> None:
         raise UsageError(f"{str(path)!r} has no weights (none of {', '.join(_WEIGHT_FILES)})")
 
 
-def load_local_causal_lm(path: str, dtype: torch.dtype):
+def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, set_pad: bool = True):
     """``(model, tokenizer)`` from a local Hugging Face causal-LM directory, never the hub.
 
-    The tokenizer gets a pad token (its EOS) when it has none. Raises UsageError for a missing,
-    empty or corrupt directory (no config, unreadable config or weights, weights that leave
-    parameters missing), naming the path and the underlying error in one line.
+    The tokenizer gets a pad token (its EOS) when it has none, and must encode a probe prompt
+    to ids inside the model's vocabulary (:func:`check_tokenizer`). Raises UsageError for a
+    missing, empty or corrupt directory (no config, unreadable config or weights, weights that
+    leave parameters missing) or tokenizer, naming the path and the underlying error in one
+    line. ``require_tokenizer=False``: a directory without a usable tokenizer gives ``None``.
+    ``set_pad=False`` leaves the tokenizer as stored (``quads export`` saves it unchanged).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -137,13 +191,95 @@ def load_local_causal_lm(path: str, dtype: torch.dtype):
         )
     try:
         tok = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+        if tok.pad_token_id is None and set_pad:
+            if tok.eos_token is None:
+                raise UsageError(f"the tokenizer in {str(where)!r} has neither a pad nor an EOS token")
+            tok.pad_token = tok.eos_token
+        check_tokenizer(tok, model, where)
+    except UsageError:
+        if require_tokenizer:
+            raise
+        return model, None
     except Exception as err:  # noqa: BLE001
+        if not require_tokenizer:
+            return model, None
         raise UsageError(f"could not load the tokenizer from {str(where)!r}: {_one_line(err)}") from err
-    if tok.pad_token_id is None:
-        if tok.eos_token is None:
-            raise UsageError(f"the tokenizer in {str(where)!r} has neither a pad nor an EOS token")
-        tok.pad_token = tok.eos_token
     return model, tok
+
+
+def check_tokenizer(tok, model, where, prompts=("1 + 2 =",)) -> None:
+    """Raise UsageError unless every prompt tokenizes to at least one id the model's embedding has.
+
+    transformers builds a tokenizer even from a directory without tokenizer files (a vocabulary
+    of one special token); it encodes every prompt to nothing, and generation then fails deep
+    inside ``generate`` with an IndexError. Checked up front, naming the directory.
+    """
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for prompt in prompts:
+        try:
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        except Exception as err:  # noqa: BLE001 - a tokenizer that cannot encode is reported as such
+            raise UsageError(f"the tokenizer in {str(where)!r} cannot encode {prompt[:40]!r}: {_one_line(err)}") from err
+        if not ids:
+            raise UsageError(
+                f"the tokenizer in {str(where)!r} encodes {prompt[:40]!r} to no tokens (vocabulary of {len(tok)}; "
+                "are its tokenizer files missing?)"
+            )
+        if vocab is not None and max(ids) >= vocab:
+            raise UsageError(
+                f"the tokenizer in {str(where)!r} gives token id {max(ids)} for {prompt[:40]!r}, "
+                f"outside the model's vocabulary of {vocab}"
+            )
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``path`` atomically: a new uniquely named file in the same directory (created with
+    O_EXCL by :func:`tempfile.mkstemp`, so a planted ``path.tmp`` symlink is never followed),
+    then :func:`os.replace`. A reader sees the old or the new content, never half; on failure
+    the temporary file is removed."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def regex(text: str) -> str:
+    """argparse type: a valid Python regular expression."""
+    import re
+
+    try:
+        re.compile(text)
+    except re.error as err:
+        raise argparse.ArgumentTypeError(f"not a valid regular expression: {text!r} ({err})") from None
+    return text
+
+
+def check_new_output_dir(path: str) -> Path:
+    """Raise UsageError unless ``path`` can become a new directory: not a symlink, not an
+    existing file or non-empty directory, and its nearest existing parent is a writable
+    directory (probed with a temporary directory, removed again). Nothing is created."""
+    import tempfile
+
+    target = Path(path)
+    if target.is_symlink():
+        raise UsageError(f"--out {path!r} is a symbolic link; give a real new directory")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise UsageError(f"--out {path!r} exists and is not an empty directory; choose a new --out")
+    parent = target.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {path!r}: {str(parent)!r} is not a directory")
+    try:
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as err:
+        raise UsageError(f"--out {path!r}: cannot create a directory in {str(parent)!r} ({_one_line(err)})") from None
+    return target
 
 
 def read_prompts(path: str) -> list[str]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -36,13 +35,18 @@ import torch
 import torch.nn as nn
 
 from quads.diagnostics.cli_inputs import (
+    UsageError,
+    atomic_write_text,
     check_device,
     check_output_file,
+    check_tokenizer,
     device_name,
     load_local_causal_lm,
     positive_float,
     positive_int,
     read_prompts,
+    seed_int,
+    thread_count,
 )
 from quads.diagnostics.fp8_reference import fp8_w8a8_
 from quads.diagnostics.mismatch import k3_kl, logp_gap_stats
@@ -53,7 +57,11 @@ from quads.ops.weight_cache import weight_cache_enabled
 from quads.policies.presets import with_residual_fraction
 from quads.policies.walk import conversion_targets
 
-__all__ = ["ROWS", "DiagnoseRow", "run_diagnose", "add_parser"]
+__all__ = ["ROWS", "DiagnoseRow", "run_diagnose", "add_parser", "JSON_SCHEMA"]
+
+#: the ``schema`` field of ``quads diagnose --json`` (docs/validation.md lists its fields); the
+#: number goes up whenever a field is renamed or removed or changes meaning
+JSON_SCHEMA = "quads.diagnose/1"
 
 GENERIC_PROMPTS = [
     "The capital of France is",
@@ -230,12 +238,19 @@ def _cmd(args: argparse.Namespace) -> int:
     """Every input is checked (prompts, output path, model) before the first configuration runs."""
     from tqdm.auto import tqdm
 
+    from quads.tensor.finite import nonfinite_names
+
     prompts = read_prompts(args.prompts) if args.prompts else None
     if args.json:
         check_output_file(args.json)
     torch.set_num_threads(args.threads)
     device = check_device(args.device)
     model, tok, default_prompts = _load(args.model)
+    where = args.model or "the embedded model"
+    check_tokenizer(tok, model, where, prompts or default_prompts)  # no IndexError inside generate
+    bad = nonfinite_names(model.named_parameters())
+    if bad:
+        raise UsageError(f"{where}: non-finite weights (NaN/Inf) in {len(bad)} tensor(s), e.g. {bad[0]}")
     model.to(device)
     prompts = (prompts or default_prompts) * args.repeat
     started = time.perf_counter()
@@ -246,24 +261,24 @@ def _cmd(args: argparse.Namespace) -> int:
     report["model"] = args.model or "embedded tiny-moe-arith"
     print(format_report(report))
     if args.json:
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(tmp, args.json)  # a complete report or none: never a truncated one
+        # a complete report or none, through a unique O_EXCL temporary file (no planted symlink followed)
+        atomic_write_text(args.json, json.dumps({"schema": JSON_SCHEMA, **report}, indent=1))
         print(f"\nJSON written to {args.json}")
     return 0
 
 
 def add_parser(sub) -> None:
+    from quads.diagnostics.cli_inputs import HelpFormatter as Formatter
+
     p = sub.add_parser("diagnose", help="rollout-vs-trainer log-prob mismatch per precision config",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=Formatter)
     p.add_argument("--model", default=None, help="local HF causal LM directory (default: the embedded MoE)")
     p.add_argument("--prompts", default=None, help="text file, one prompt per line (\\n escapes allowed)")
     p.add_argument("--repeat", type=positive_int, default=1, help="sample each prompt this many times")
     p.add_argument("--max-new-tokens", type=positive_int, default=16)
     p.add_argument("--temperature", type=positive_float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--seed", type=seed_int, default=0, help="in [0, 2**32)")
+    p.add_argument("--threads", type=thread_count, default=2, help="intra-op CPU threads (at most 4x the CPUs)")
     p.add_argument("--device", type=device_name, default="cpu",
                    help="where the models run (e.g. cuda: the rollout rows then use the kernels)")
     p.add_argument("--tokens-per-step", type=positive_int, default=16,

@@ -33,7 +33,7 @@ from quads.policies.modules import (
 )
 from quads.policies.policy import QuadsPolicy
 from quads.policies.walk import ConversionTarget, FilterFn, conversion_targets
-from quads.tensor.finite import check_all_finite, check_finite
+from quads.tensor.finite import check_all_finite, check_dequantized_range, check_finite
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -92,6 +92,10 @@ def _check_target(target: _Target, side: str) -> None:
         if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
             raise NotImplementedError(f"{name}: only concatenated gate/up experts are supported")
     for qualified, weight in target.weights():
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{qualified} is {type(weight).__name__}, not a tensor; quads converts modules with weights")
+        if weight.numel() == 0:
+            raise ValueError(f"{qualified} has shape {tuple(weight.shape)}: an empty weight has nothing to quantize")
         if isinstance(weight, NVFP4Tensor):
             raise ValueError(f"{qualified} is already a packed NVFP4Tensor; quantize_ takes a high-precision model")
         if weight.dtype not in _QUANTIZABLE_DTYPES:
@@ -120,6 +124,15 @@ def _check_ties(model: nn.Module, targets: list[_Target]) -> None:
     """Rollout side: a packed weight may be shared only by converted modules of one kind."""
     aliases = _aliases(model)
     converted = {q: t.kind for t in targets for q, _ in t.weights()}
+    # a module registered under several names (s.b = s.a) is converted once, under its first
+    # name; its weight under the other names is the same module's, not a tie to another one
+    module_names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(module), []).append(name)
+    for t in targets:
+        for other in module_names.get(id(t.module), [])[1:]:
+            for pname in t.weight_names:
+                converted[f"{other}.{pname}" if other else pname] = t.kind
     for t in targets:
         for qualified, weight in t.weights():
             others = [a for a in aliases.get(id(weight), []) if a != qualified]
@@ -237,4 +250,7 @@ def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy, model:
     with torch.no_grad():
         if policy.side == "rollout":
             _stage_packed(staged)
+            check_dequantized_range(
+                {id(p): (f"{t.name}.{n}" if t.name else n, p.parts, p.orig_dtype)
+                 for t in staged for n, p in t.packed.items()}.values(), "quantize_")
         _commit_all(staged, policy)

@@ -36,6 +36,10 @@ def copy_model(model: nn.Module, dtype: torch.dtype | None = None, device: torch
     if from_config is None:
         raise TypeError(f"{type(model).__name__} has no _from_config; pass a transformers PreTrainedModel")
     target = torch.device(device)
+    if target.type == "cuda" and (not torch.cuda.is_available()
+                                  or (target.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"copy_model: device {str(target)!r} requested, but this machine has "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no usable'} CUDA device(s)")
     rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
     # built on the target device (a GPU initializes billions of parameters in milliseconds, a
     # CPU takes tens of seconds); the random init must not shift the caller's RNG streams

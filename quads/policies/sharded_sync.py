@@ -326,15 +326,28 @@ def stage_sharded_sync(entries: list[_Entry], comm: _Comm, bucket_bytes: int) ->
 
 @torch.no_grad()
 def _write(entries: list[_Entry]) -> None:
-    for e in entries:
-        if e.packed:
-            qdata, block_scale = e.full
-            e.param.copy_(NVFP4Tensor(qdata, block_scale, e.global_scale, orig_dtype=e.param.orig_dtype))
-        else:
-            e.param.copy_(e.full[0])
-        e.full = None
-    for module in {id(m): m for e in entries for m in e.holders}.values():
-        module.quads_weights_changed()
+    """In place, undone on any exception (KeyboardInterrupt included) from per-tensor snapshots,
+    as :func:`quads.policies.sync._write` does: no replica is left with a torn weight."""
+    done = []
+    try:
+        for e in entries:
+            dst = tuple(e.param.parts) if e.packed else (e.param,)
+            done.append((dst, tuple(t.clone() for t in dst)))
+            if e.packed:
+                qdata, block_scale = e.full
+                e.param.copy_(NVFP4Tensor(qdata, block_scale, e.global_scale, orig_dtype=e.param.orig_dtype))
+            else:
+                e.param.copy_(e.full[0])
+            e.full = None
+        for module in {id(m): m for e in entries for m in e.holders}.values():
+            module.quads_weights_changed()
+    except BaseException:
+        for dst, old in reversed(done):
+            for d, o in zip(dst, old):
+                d.copy_(o)
+        for module in {id(m): m for e in entries for m in e.holders}.values():
+            module.quads_weights_changed()
+        raise
 
 
 @torch.no_grad()

@@ -11,11 +11,15 @@ never leave the rollout half-updated while it still produces plausible numbers:
    their module's backend into new parts, dense ones cast / moved to the rollout parameter;
 3. **check**: every tensor that will be written is finite (the master of a packed parameter,
    the staged copy of a dense one), one fused reduction per tensor and one host sync per
-   device for the whole model (:func:`quads.tensor.finite.nonfinite_names`);
+   device for the whole model (:func:`quads.tensor.finite.nonfinite_names`), and no packed
+   weight dequantizes beyond its rollout dtype (float16: 65504), bounded from the staged scales
+   (:func:`quads.tensor.finite.check_dequantized_range`);
 4. **write**: in place, into the existing storage, then ``quads_weights_changed()`` on every
    rollout module whose packed weights were written.
 
-Any error in 1-3 leaves the rollout bit for bit as it was and names the parameter(s).
+Any error in 1-3 leaves the rollout bit for bit as it was and names the parameter(s); an
+exception in 4, KeyboardInterrupt included, restores every tensor already written from a
+per-tensor snapshot (:func:`_write`), so no weight is ever left torn (new codes, old scales).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch.nn as nn
 from quads.ops.backend import Backend, select_backend
 from quads.policies.modules import RolloutModule
 from quads.policies.shards import has_sharded_parameters
-from quads.tensor.finite import check_all_finite
+from quads.tensor.finite import check_all_finite, check_dequantized_range
 from quads.tensor.nvfp4_math import NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -84,6 +88,8 @@ def _problem(param: torch.Tensor, source: torch.Tensor) -> str | None:
     """Why ``source`` cannot be synced into ``param`` (metadata only), or None."""
     if isinstance(source, NVFP4Tensor):
         return "is packed (NVFP4Tensor) in the trainer; sync from high-precision masters"
+    if source.device.type == "meta":
+        return "is on the meta device in the trainer (no values to sync); load the trainer's weights first"
     if tuple(source.shape) != tuple(param.shape):
         return f"has shape {tuple(source.shape)} in the trainer, {tuple(param.shape)} in the rollout"
     if not source.dtype.is_floating_point:
@@ -159,23 +165,54 @@ def _check_finite(writes: list[_Write]) -> None:
         [(w.name, w.source if w.packed else w.staged) for w in writes],
         "sync_weights_ (nothing was written)",
     )
+    check_dequantized_range(
+        [(w.name, w.staged, w.param.orig_dtype) for w in writes if w.packed], "sync_weights_ (nothing was written)"
+    )
+
+
+def _tensors(w: _Write) -> tuple[torch.Tensor, ...]:
+    """The storage a write changes: the packed parts, or the dense parameter."""
+    return tuple(w.param.parts) if w.packed else (w.param,)
+
+
+def _written_modules(writes: list[_Write], rollout_model: nn.Module) -> list[RolloutModule]:
+    owners = _owners(rollout_model)
+    modules: dict[int, RolloutModule] = {}
+    for w in writes:
+        for module in owners.get(id(w.param), []) if w.packed else []:
+            modules.setdefault(id(module), module)
+    return list(modules.values())
 
 
 def _write(writes: list[_Write], rollout_model: nn.Module) -> None:
-    """Copy the staged values into the rollout's storage and notify the modules written."""
-    for w in writes:
-        if w.packed:
-            for dst, src in zip(w.param.parts, w.staged):
-                dst.copy_(src)
-        else:
-            w.param.copy_(w.staged)
-    owners = _owners(rollout_model)
-    notified = set()
-    for w in writes:
-        for module in owners.get(id(w.param), []) if w.packed else []:
-            if id(module) not in notified:
-                notified.add(id(module))
-                module.quads_weights_changed()
+    """Copy the staged values into the rollout's storage and notify the modules written.
+
+    In place (captured CUDA graphs read these addresses), and undone on *any* exception,
+    KeyboardInterrupt included: each tensor's old value is cloned just before it is
+    overwritten, and the staged value it replaces is released, so the snapshot costs one
+    extra copy per tensor and, where the staged values are new tensors (every packed weight,
+    and dense ones cast or moved), no memory beyond one tensor; a dense parameter whose master
+    already has the rollout's dtype and device is staged as the master itself, and its
+    snapshot adds its bytes until the sync returns (docs/validation.md). On a BaseException every tensor written so far gets its old value
+    back and the modules are notified again, so the rollout is what it was, bit for bit.
+    """
+    done: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+    try:
+        for w in writes:
+            dst = _tensors(w)
+            done.append((dst, tuple(t.clone() for t in dst)))  # before the first byte is written
+            for d, src in zip(dst, w.staged if w.packed else (w.staged,)):
+                d.copy_(src)
+            w.staged = None  # the clone replaces the staged copy: memory stays flat
+        for module in _written_modules(writes, rollout_model):
+            module.quads_weights_changed()
+    except BaseException:
+        for dst, old in reversed(done):
+            for d, o in zip(dst, old):
+                d.copy_(o)
+        for module in _written_modules(writes, rollout_model):
+            module.quads_weights_changed()  # derived layouts follow the restored parts
+        raise
 
 
 @torch.no_grad()
@@ -197,6 +234,11 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict:
     A sharded trainer (FSDP2 / DTensor parameters) makes this a collective: every rank calls it
     with its own full rollout replica (:func:`quads.policies.sharded_sync.sync_sharded_weights_`).
     """
+    for what, model in (("rollout_model", rollout_model), ("trainer_model", trainer_model)):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"sync_weights_: {what} must be an nn.Module, got {type(model).__name__}"
+                            + (" (to sync from a state dict, load it into a trainer model first)"
+                               if isinstance(model, dict) else ""))
     if has_sharded_parameters(trainer_model):
         from quads.policies.sharded_sync import sync_sharded_weights_  # it imports this module
 

@@ -3,6 +3,11 @@
 Used by :func:`quads.quantize_` and by the FP8 reference rows of ``quads diagnose``, so every
 conversion sees the same modules: each ``nn.Linear`` and each transformers-5 fused experts
 module whose name the skip rule does not match and ``filter_fn(module, name)`` (if given) accepts.
+
+A subclass of ``nn.Linear`` that overrides ``forward`` (``super().forward(x) * 2 + 1``,
+transformers' ``DeepseekV4GroupedLinear``, which reshapes) is refused, naming it: converting
+it would replace its forward with a plain linear one on both sides, a different model with no
+error. Skip it (``QuadsPolicy(extra_skip_patterns=...)`` or ``filter_fn``) to keep it dense.
 """
 
 from __future__ import annotations
@@ -11,9 +16,9 @@ from typing import Callable, NamedTuple
 
 import torch.nn as nn
 
-from quads.policies.modules import is_fused_experts
+from quads.policies.modules import QuadsModule, is_fused_experts
 
-__all__ = ["ConversionTarget", "FilterFn", "conversion_targets", "target_kind"]
+__all__ = ["ConversionTarget", "FilterFn", "conversion_targets", "target_kind", "overridden_forward"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -31,6 +36,12 @@ def target_kind(module: nn.Module) -> str | None:
     if is_fused_experts(module):
         return "experts"
     return None
+
+
+def overridden_forward(module: nn.Module) -> bool:
+    """True for an ``nn.Linear`` subclass with its own ``forward`` (quads' modules excepted)."""
+    return (isinstance(module, nn.Linear) and not isinstance(module, QuadsModule)
+            and type(module).forward is not nn.Linear.forward)
 
 
 def conversion_targets(
@@ -51,5 +62,12 @@ def conversion_targets(
             continue
         if filter_fn is not None and not filter_fn(module, name):
             continue
+        if kind == "linear" and overridden_forward(module):
+            cls = type(module)
+            raise TypeError(
+                f"{name or '<root>'} is a {cls.__module__}.{cls.__qualname__}, an nn.Linear subclass with its own "
+                "forward; quads would replace that forward with a plain linear one (a different model). "
+                f"Keep it dense: QuadsPolicy(extra_skip_patterns=[{name!r}]) or a filter_fn"
+            )
         targets.append(ConversionTarget(name, module, kind))
     return targets

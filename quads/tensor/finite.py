@@ -19,7 +19,9 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["check_finite", "nonfinite_names", "check_all_finite"]
+from quads.tensor.nvfp4_math import nvfp4_max_abs
+
+__all__ = ["check_finite", "nonfinite_names", "check_all_finite", "check_dequantized_range"]
 
 
 def _extremes(x: torch.Tensor) -> torch.Tensor:
@@ -79,4 +81,41 @@ def check_finite(x: torch.Tensor, what: str) -> None:
         raise ValueError(
             f"{what}: {_count_nonfinite(x)} non-finite value(s) (NaN/Inf) in a weight; NVFP4 quantization of "
             "non-finite weights would silently poison or saturate whole blocks, refusing"
+        )
+
+
+def _overflow_threshold(dtype: torch.dtype) -> float:
+    """The smallest magnitude that rounds to Inf in ``dtype``: its max plus half an ulp there
+    (float16: 65520), so a weight that rounds to the max itself is never refused."""
+    top = torch.tensor(torch.finfo(dtype).max, dtype=torch.float64)
+    below = torch.nextafter(top.to(dtype), torch.zeros((), dtype=dtype)).to(torch.float64)
+    return float(top + (top - below) / 2)
+
+
+def check_dequantized_range(named: Iterable[tuple[str, object, torch.dtype]], what: str) -> None:
+    """Raise ValueError naming every NVFP4 weight whose dequantization overflows its dtype.
+
+    ``named``: ``(name, parts, dtype)`` with ``parts`` an NVFP4Parts (or an NVFP4Tensor's
+    ``.parts``) and ``dtype`` the one it is dequantized into (the rollout's). A finite float32
+    master of 1e6 packs fine, but dequantized into float16 (max 65504) it becomes Inf and every
+    logit NaN. Bounded from the scales (:func:`quads.tensor.nvfp4_math.nvfp4_max_abs`): one
+    small reduction per tensor, one host sync per device; float32 targets are not checked.
+    """
+    by_device: dict[torch.device, list[tuple[str, torch.dtype, torch.Tensor]]] = {}
+    for name, parts, dtype in named:
+        if dtype == torch.float32 or parts.scale.device.type == "meta":
+            continue
+        by_device.setdefault(parts.scale.device, []).append(
+            (name, dtype, nvfp4_max_abs(parts.scale, parts.global_encode_scale)))
+    bad = []
+    for items in by_device.values():
+        bounds = torch.stack([b for _, _, b in items]).tolist()  # the one sync
+        bad += [(n, d, b) for (n, d, _), b in zip(items, bounds) if b >= _overflow_threshold(d)]
+    if bad:
+        shown = ", ".join(f"{n} (up to {b:.3g} > {str(d).replace('torch.', '')} max {torch.finfo(d).max:.6g})"
+                          for n, d, b in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ValueError(
+            f"{what}: {len(bad)} NVFP4 weight(s) would dequantize to Inf in the rollout's dtype: {shown}{more}. "
+            "Every logit would be NaN; refusing (use a bfloat16/float32 rollout, or fix the weight)"
         )

@@ -83,11 +83,28 @@ def exact_encode_scales(tensors: dict[str, torch.Tensor], encode_scales: dict[st
     return out
 
 
+def _confined(path: Path, name, index: Path) -> Path:
+    """``path / name`` if it names a file inside the checkpoint directory, else ValueError: an
+    index file must not make the reader open ``../`` or absolute paths (or follow a symlink out)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ValueError(f"{index}: shard {name!r} is not a file name inside the checkpoint directory")
+    root = path.resolve()
+    target = (path / name).resolve()
+    if not target.is_relative_to(root):
+        raise ValueError(f"{index}: shard {name!r} resolves to {target}, outside the checkpoint directory {root}")
+    return path / name
+
+
 def _shard_files(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / f for f in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a 'weight_map'): {err}") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: 'weight_map' must be an object of tensor name -> shard file")
+        return [_confined(path, f, index) for f in sorted(set(map(str, weight_map.values())))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")

@@ -232,6 +232,20 @@ def nvfp4_dequantize(
     return out.reshape(vals.shape).to(dtype)
 
 
+def nvfp4_max_abs(scale: torch.Tensor, global_encode_scale: torch.Tensor) -> torch.Tensor:
+    """An upper bound of ``|nvfp4_dequantize(...)|`` from the scales alone (float32, 0-dim, no sync).
+
+    The largest E2M1 magnitude is 6, so no element exceeds ``6 * f32(s) / S_enc`` of its block;
+    one reduction over the block scales (1/16 of the codes' elements) instead of a dequantization.
+    It is what decides whether the dequantized weight fits a dtype (float16 tops out at 65504).
+    """
+    s = scale.to(torch.float32).unsqueeze(-1)  # (..., K/16, 1): the shape blocks have, one column
+    s_enc = _broadcast_group(global_encode_scale.to(torch.float32), scale)
+    if s.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=scale.device)
+    return (s * 6.0 / s_enc).amax()
+
+
 def nvfp4_fake_quantize(
     x: torch.Tensor,
     granularity: str | None = None,

@@ -6,19 +6,34 @@ the metadata records its logical dtype and orientation (``quads.nvfp4``). ``torc
 ``torch.load(..., weights_only=True)`` need none of this: NVFP4Tensor is registered as a safe
 global (and checks its parts when loaded).
 
-safetensors has no checksum, so :func:`save_safetensors` also records a CRC32 of every stored
-tensor's bytes (``quads.crc32``) and :func:`load_safetensors` verifies it: a flipped bit
-anywhere in a file written by quads fails the load, naming the tensor. Files without
-checksums (written by other tools) load with the structural checks only: every NVFP4 entry's
-metadata, part shapes and dtypes, and finite, non-negative block scales and finite, positive
-global scales (:class:`NVFP4Tensor`); there a flipped bit in ``qdata`` changes one element
-silently, as it would in any unchecked weight file.
+safetensors has no checksum, so :func:`save_safetensors` records two:
+
+* ``quads.crc32``: a CRC32 of every stored tensor's bytes; a flipped bit in the data fails the
+  load, naming the tensor;
+* ``quads.header_crc32``: a CRC32 of the whole header (every tensor's dtype, shape and data
+  offsets, and all metadata, ``quads.nvfp4`` and ``quads.crc32`` included) without this entry,
+  as canonical JSON (sorted keys, no spaces). Same-size header edits (a dtype BF16 -> F16, a
+  swapped shape, ``"transposed": true``, a deleted NVFP4 entry, a flipped bit in a metadata
+  key) fail the load instead of giving a different state dict.
+
+:func:`load_safetensors` verifies both and refuses a file without the header checksum (written
+by another tool or an older quads) unless called with ``verify=False``; such files then load
+with the structural checks only: every NVFP4 entry's metadata, part shapes and dtypes, and
+finite, non-negative block scales and finite, positive global scales (:class:`NVFP4Tensor`);
+there a flipped bit in ``qdata`` changes one element silently, as in any unchecked file.
+
+The file is written to a unique temporary file in the target directory (O_EXCL) and moved into
+place with :func:`os.replace`: an interrupted save leaves the previous file, never half a file.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import struct
+import tempfile
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -34,6 +49,8 @@ __all__ = [
 
 _META_KEY = "quads.nvfp4"
 _CRC_KEY = "quads.crc32"
+_HEADER_CRC_KEY = "quads.header_crc32"
+_PENDING = "00000000"  # the header CRC's placeholder while the file is written (8 hex digits)
 _PARTS = ("qdata", "scale", "global_encode_scale")
 _DTYPES = {str(d).removeprefix("torch."): d for d in LOGICAL_DTYPES}
 
@@ -49,7 +66,13 @@ def flatten_nvfp4_state_dict(state_dict: dict) -> tuple[dict[str, torch.Tensor],
     tensors: dict[str, torch.Tensor] = {}
     nvfp4: dict[str, dict] = {}
     for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state dict entry {name!r} is {type(value).__name__}, not a tensor; safetensors stores tensors")
         if isinstance(value, NVFP4Tensor):
+            clash = [f"{name}.{p}" for p in _PARTS if f"{name}.{p}" in state_dict]
+            if clash:
+                raise ValueError(f"state dict entry {name!r} is an NVFP4Tensor stored as {name}.qdata/.scale/"
+                                 f".global_encode_scale, but the state dict also has {', '.join(clash)}; rename one")
             tensors[f"{name}.qdata"] = value.qdata.contiguous()
             tensors[f"{name}.scale"] = value.scale.view(torch.uint8).contiguous()
             tensors[f"{name}.global_encode_scale"] = value.global_encode_scale.contiguous()
@@ -127,25 +150,109 @@ def unflatten_nvfp4_state_dict(
     return out
 
 
+def _read_header(path: str) -> tuple[bytes, dict]:
+    """The raw JSON header of a safetensors file and its parsed form (ValueError if unreadable)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file ({len(head)} bytes)")
+        (size,) = struct.unpack("<Q", head)
+        if size > os.fstat(f.fileno()).st_size - 8:
+            raise ValueError(f"{path}: not a safetensors file (header of {size} bytes in a shorter file)")
+        raw = f.read(size)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: the safetensors header is not valid JSON ({err}); the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object; the file is corrupt")
+    return raw, header
+
+
+def header_crc32(header: dict) -> int:
+    """CRC32 of a parsed safetensors header without ``quads.header_crc32``, as canonical JSON."""
+    header = dict(header)
+    meta = dict(header.get("__metadata__") or {})
+    meta.pop(_HEADER_CRC_KEY, None)
+    header["__metadata__"] = meta
+    return zlib.crc32(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+
+
 def save_safetensors(state_dict: dict, path: str) -> None:
-    """Write ``state_dict`` (NVFP4Tensors included) to a safetensors file with checksums."""
+    """Write ``state_dict`` (NVFP4Tensors included) to a safetensors file with data and header
+    checksums, atomically (see the module doc).
+
+    The header CRC cannot be known before safetensors lays the header out, so the file is
+    written with an 8-digit placeholder, its header read back, and the placeholder overwritten
+    in place (same length: no offset moves) before the file is moved to ``path``.
+    """
     from safetensors.torch import save_file
 
     tensors, metadata = flatten_nvfp4_state_dict(state_dict)
-    save_file(tensors, path, metadata=metadata)
+    metadata[_HEADER_CRC_KEY] = _PENDING
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        raw, header = _read_header(tmp)
+        needle = json.dumps(_HEADER_CRC_KEY).encode() + b":" + json.dumps(_PENDING).encode()
+        at = raw.find(needle)
+        if at < 0 or raw.find(needle, at + 1) >= 0:
+            raise RuntimeError(f"save_safetensors: cannot place the header checksum in {tmp} (unexpected header layout)")
+        with open(tmp, "r+b") as f:
+            f.seek(8 + at + len(needle) - 1 - len(_PENDING))
+            f.write(f"{header_crc32(header):08x}".encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
-def load_safetensors(path: str, device: str = "cpu") -> dict:
-    """Read a file written by :func:`save_safetensors` (or plain safetensors) onto ``device``.
+def _verify_header(path: str, metadata: dict, verify: bool) -> None:
+    if not verify:
+        return
+    stored = (metadata or {}).get(_HEADER_CRC_KEY)
+    if stored is None:
+        raise ValueError(
+            f"{path}: no header checksum ({_HEADER_CRC_KEY}): not written by quads' save_safetensors, or by an older "
+            "version, or the key itself was damaged. load_safetensors(..., verify=False) loads it unchecked"
+        )
+    _, header = _read_header(path)
+    if stored != f"{header_crc32(header):08x}":
+        raise ValueError(
+            f"{path}: header checksum mismatch: the tensor names, dtypes, shapes, offsets or metadata changed "
+            "since the file was saved; the file is corrupt"
+        )
 
-    Checksums (when present) and NVFP4 invariants are verified on the CPU copy before anything
-    moves to ``device``; a corrupt file raises ValueError naming the tensor.
+
+def load_safetensors(path: str, device: str = "cpu", *, verify: bool = True) -> dict:
+    """Read a file written by :func:`save_safetensors` onto ``device``.
+
+    The header checksum (names, dtypes, shapes, offsets, metadata), the data checksums and the
+    NVFP4 invariants are verified on the CPU copy before anything moves to ``device``; a corrupt
+    file raises ValueError naming what changed. A file without a header checksum (another tool's)
+    is refused unless ``verify=False``, which loads any safetensors file with the structural
+    NVFP4 checks only (and the data checksums when present).
     """
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt", device="cpu") as f:
-        metadata = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    where = Path(path)
+    if where.is_dir():
+        raise IsADirectoryError(f"load_safetensors: {str(path)!r} is a directory; pass the .safetensors file in it")
+    if not where.exists():
+        raise FileNotFoundError(f"load_safetensors: {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors' own errors for a damaged file
+        raise ValueError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+    _verify_header(str(path), metadata, verify)
     state = unflatten_nvfp4_state_dict(tensors, metadata, what=str(path))
     if torch.device(device).type == "cpu":
         return state

@@ -7,63 +7,89 @@
 layers keep the parameter names). The model is converted with ``QuadsPolicy(side="trainer")``
 (so ``--calib`` runs the training forward, W4A16) and the weights written are that forward's
 weights (see :mod:`quads.integrations.modelopt.export` for the fused-layer rule and formats).
+
+Every input is checked before any work (``--out`` new, not a symlink, its parent writable;
+``--model`` a loadable directory; ``--calib`` readable and tokenizable; ``--extra-skip`` valid
+regexes); a bad one exits with status 2 and one line. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import sys
 
 __all__ = ["add_parser"]
 
 
-def _calibration(path: str, tokenizer):
-    if tokenizer is None:
-        raise SystemExit("quads export: --calib needs a tokenizer in --model")
-    lines = [line.rstrip("\n").replace("\\n", "\n") for line in Path(path).read_text().splitlines() if line.strip()]
-    if not lines:
-        raise SystemExit(f"quads export: {path} has no prompts")
-    return [tokenizer(line, return_tensors="pt")["input_ids"] for line in lines]
+def _progress(message: str) -> None:
+    """One progress line on stderr (stdout keeps the result: the path and the report)."""
+    print(f"quads export: {message}", file=sys.stderr, flush=True)
+
+
+def _reason(err: BaseException) -> str:
+    """An export error's message without its own ``export:`` prefix (the CLI adds ``quads export:``)."""
+    return str(err).strip().splitlines()[0].removeprefix("export: ") if str(err).strip() else type(err).__name__
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Every input is checked, in this order, before any work: --out, --format/--calib, the
+    --calib file, --model (config, weights, tokenizer), the prompts' tokenization. Each bad one
+    is a UsageError: one line, exit status 2 (``quads.cli``)."""
+    from quads.diagnostics.cli_inputs import (
+        UsageError,
+        check_new_output_dir,
+        check_tokenizer,
+        load_local_causal_lm,
+        read_prompts,
+    )
 
-    from quads.integrations.modelopt.export import check_out_dir, export_modelopt
+    out = check_new_output_dir(args.out)  # before loading a large model
+    if args.format == "nvfp4" and not args.calib:
+        raise UsageError("--format nvfp4 (W4A4) needs --calib FILE (one prompt per line) for its input_scale")
+    if args.format == "w4a16" and args.calib:
+        raise UsageError("--format w4a16 has no activation scales; drop --calib")
+    prompts = read_prompts(args.calib) if args.calib else None
+
+    import torch
+
+    from quads.integrations.modelopt.export import export_modelopt, stale_temp_dirs
     from quads.policies.policy import QuadsPolicy
     from quads.policies.quantize import quantize_
 
-    try:
-        check_out_dir(Path(args.out))  # before loading a large model
-    except FileExistsError as err:
-        raise SystemExit(f"quads export: {err}") from None
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", local_files_only=True).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    except (OSError, ValueError):
-        tokenizer = None
-    if args.format == "nvfp4" and not args.calib:
-        raise SystemExit("quads export: --format nvfp4 (W4A4) needs --calib FILE (one prompt per line) for its input_scale")
-    calibration = _calibration(args.calib, tokenizer) if args.calib else None
+    for stale in stale_temp_dirs(out):
+        _progress(f"note: {stale} is an unfinished export's temporary directory (its process is alive)")
+    _progress(f"loading {args.model}")
+    model, tokenizer = load_local_causal_lm(args.model, "auto", require_tokenizer=prompts is not None,
+                                            set_pad=False)
+    model.eval()
+    calibration = None
+    if prompts is not None:
+        check_tokenizer(tokenizer, model, args.model, prompts)
+        calibration = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
     policy = QuadsPolicy(side="trainer", extra_skip_patterns=tuple(args.extra_skip))
     try:
-        quantize_(model, policy)  # the training forward (W4A16), which calibration then runs
+        _progress("converting to the training forward (W4A16)")
+        quantize_(model, policy)  # the training forward, which calibration then runs
+        _progress(f"quantizing and writing {args.format}" + (f" ({len(prompts)} calibration prompts)" if prompts else ""))
         with torch.no_grad():
             report = export_modelopt(
-                model, args.out, args.format, calibration=calibration, fused_scales=args.fused_scales,
+                model, out, args.format, calibration=calibration, fused_scales=args.fused_scales,
                 tokenizer=tokenizer, policy=policy,
             )
     except (FileExistsError, ValueError, TypeError, NotImplementedError) as err:
-        raise SystemExit(f"quads export: {err}") from None
-    print(f"wrote {args.out}")
+        raise UsageError(f"{args.model}: {_reason(err)}") from err
+    print(f"wrote {out}")
     print(report.summary())
     return 0
 
 
 def add_parser(sub) -> None:
+    from quads.diagnostics.cli_inputs import regex
+
+    from quads.diagnostics.cli_inputs import HelpFormatter as Formatter
+
     p = sub.add_parser("export", help="write a ModelOpt NVFP4 checkpoint (vLLM modelopt_fp4, SGLang, TensorRT-LLM)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=Formatter)
     p.add_argument("--model", required=True, help="local HF checkpoint directory (BF16 masters)")
     p.add_argument("--out", required=True, help="new output directory")
     p.add_argument("--format", choices=("nvfp4", "w4a16"), default="w4a16",
@@ -71,6 +97,6 @@ def add_parser(sub) -> None:
     p.add_argument("--calib", default=None, help="text file, one calibration prompt per line (needed for nvfp4)")
     p.add_argument("--fused-scales", choices=("shared", "separate"), default="shared",
                    help="shared: one global scale per vLLM fused layer (q/k/v, gate/up); separate: bit-exact shards")
-    p.add_argument("--extra-skip", action="append", default=[], metavar="REGEX",
+    p.add_argument("--extra-skip", action="append", default=[], metavar="REGEX", type=regex,
                    help="module-name regex to keep in BF16 (repeatable)")
     p.set_defaults(func=_cmd)

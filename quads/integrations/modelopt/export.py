@@ -40,6 +40,7 @@ What is exported
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -321,9 +322,47 @@ def check_out_dir(out_dir: Path) -> None:
         raise FileExistsError(f"export: {out_dir} exists and is not an empty directory; choose a new --out")
 
 
+_TEMP_TAG = "quads-export"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # someone else's process (or not ours to judge): leave its directory alone
+    return True
+
+
+def stale_temp_dirs(out_dir: str | os.PathLike) -> list[Path]:
+    """Remove the temporary directories that killed exports to ``out_dir`` left beside it.
+
+    An export writes into ``.<out>.quads-export-<pid>.<random>`` and renames it into place; a
+    SIGTERM or SIGKILL during the write leaves it behind. Those whose process is gone are
+    removed here (each removal is warned about); the directories of exports still running
+    are returned (and left alone).
+    """
+    out_dir = Path(out_dir)
+    parent, live = out_dir.absolute().parent, []
+    if not parent.is_dir():
+        return live
+    for path in parent.glob(f".{glob.escape(out_dir.name)}.{_TEMP_TAG}-*.*"):
+        pid = path.name[len(f".{out_dir.name}.{_TEMP_TAG}-"):].split(".", 1)[0]
+        if not path.is_dir() or path.is_symlink() or not pid.isdigit():
+            continue
+        if _pid_alive(int(pid)):
+            live.append(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            warnings.warn(f"export: removed {path}, left by an export (pid {pid}) that did not finish", stacklevel=2)
+    return live
+
+
 def _temp_dir_beside(out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    stale_temp_dirs(out_dir)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{_TEMP_TAG}-{os.getpid()}.", dir=out_dir.parent))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,6 +39,24 @@ def _reducer(name: str) -> str:
     return "mean"
 
 
+def _class_snapshot(model: nn.Module):
+    """A function restoring every module of ``model`` to its current class and attribute set.
+
+    The trainer policy converts by swapping classes and adding attributes (no parameter is
+    replaced), so this undoes a ``quantize_(model, trainer_policy)`` exactly.
+    """
+    saved = [(m, type(m), set(vars(m))) for m in model.modules()]
+
+    def undo() -> None:
+        for module, cls, attrs in saved:
+            if type(module) is not cls:
+                module.__class__ = cls
+                for attr in set(vars(module)) - attrs:
+                    delattr(module, attr)
+
+    return undo
+
+
 class QuadsGRPOTrainer(_GRPOTrainer):
     """``trl.GRPOTrainer`` with a QUADS trainer policy and an NVFP4 rollout engine.
 
@@ -54,7 +72,8 @@ class QuadsGRPOTrainer(_GRPOTrainer):
     ``vllm_importance_sampling_*`` options keep their meaning and defaults
     (``sequence_mask``, clip max 3.0). Pass the trainer model as an instance (recommended:
     float32 masters with ``GRPOConfig(bf16=True)`` autocast) or a path; it is quantized in place
-    with the preset's trainer policy unless it already carries quads layers. A reference model
+    with the preset's trainer policy unless it already carries quads layers, and converted back
+    if TRL's ``__init__`` (or the rollout build) fails, so a retry works. A reference model
     (``beta > 0``) gets the same trainer policy. PEFT models are not supported.
     ``graphed_decode``: sample with the CUDA-graph decoder (None: on CUDA; see
     :class:`QuadsRolloutEngine`); False keeps ``generate``.
@@ -91,18 +110,22 @@ class QuadsGRPOTrainer(_GRPOTrainer):
 
             init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+        undo = _class_snapshot(model)
         self._quads_apply_trainer_policy(model)
+        try:
+            super().__init__(model, reward_funcs, args, *pos, **kwargs)
 
-        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            if hasattr(unwrapped, "peft_config"):
+                raise NotImplementedError("QuadsGRPOTrainer does not support PEFT models yet")
+            if self.ref_model is not None and self.quads_preset.trainer is not None:
+                self._quads_apply_trainer_policy(self.accelerator.unwrap_model(self.ref_model))
 
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if hasattr(unwrapped, "peft_config"):
-            raise NotImplementedError("QuadsGRPOTrainer does not support PEFT models yet")
-        if self.ref_model is not None and self.quads_preset.trainer is not None:
-            self._quads_apply_trainer_policy(self.accelerator.unwrap_model(self.ref_model))
-
-        rollout = build_rollout_model(unwrapped, self.quads_preset.rollout, dtype=rollout_dtype)
-        self.quads_rollout = QuadsRolloutEngine(self, rollout, graphed=graphed_decode)
+            rollout = build_rollout_model(unwrapped, self.quads_preset.rollout, dtype=rollout_dtype)
+            self.quads_rollout = QuadsRolloutEngine(self, rollout, graphed=graphed_decode)
+        except BaseException:
+            undo()  # TRL (or the rollout build) failed: the caller's model is as it was, a retry works
+            raise
         # Hand the engine to TRL's vLLM code path (see module doc).
         self.vllm_generation = self.quads_rollout
         self.vllm_mode = "quads"
