@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 from quads.kernels import fake_quantize_nvfp4 as fq_kernel  # noqa: E402
-from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize_weight_triton  # noqa: E402
+from quads.ops import weight_quant  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_fake_quantize  # noqa: E402
 
 from tests.kernels.test_kernel_quantize import DEV, adversarial  # noqa: E402
@@ -33,6 +33,16 @@ def assert_same_bits(got: torch.Tensor, ref: torch.Tensor) -> None:
     diff = _bits(got) != _bits(ref)
     diff &= ~nan
     assert not diff.any(), f"bits differ at {diff.nonzero()[:8].tolist()}: {got[diff][:4]} vs {ref[diff][:4]}"
+
+
+def fake_quantize_weight_triton(x, dtype=None, global_encode_scale=None):
+    out, gs = weight_quant.fake_quantize_weight_triton(x, dtype, global_encode_scale)
+    _, ref_gs = weight_quant.fake_quantize_weight_reference(x.cpu(), dtype)
+    assert gs.shape == ref_gs.shape and torch.equal(gs.cpu().nan_to_num(-1), ref_gs.nan_to_num(-1))
+    if global_encode_scale is None:  # the scale handed back reproduces the same bits without an amax
+        again, _ = weight_quant.fake_quantize_weight_triton(x, dtype, gs)
+        assert_same_bits(again, out)
+    return out
 
 
 def _master(dtype: torch.dtype, seed: int, m: int = 9, k: int = 80) -> torch.Tensor:
@@ -73,7 +83,9 @@ def test_fake_quantize_nan_and_edge_shapes():
     assert not w.is_contiguous()
     assert_same_bits(fake_quantize_weight_triton(w), nvfp4_fake_quantize(w.cpu()))
     assert fake_quantize_weight_triton(torch.zeros(0, 32, device=DEV)).shape == (0, 32)
-    assert_same_bits(fake_quantize_weight_reference(x, torch.bfloat16), nvfp4_fake_quantize(x, dtype=torch.bfloat16))
+    ref, gs = weight_quant.fake_quantize_weight_reference(x.cpu(), torch.bfloat16)
+    assert_same_bits(ref, nvfp4_fake_quantize(x.cpu(), dtype=torch.bfloat16))
+    assert_same_bits(weight_quant.fake_quantize_weight_reference(x.cpu(), torch.bfloat16, gs)[0], ref)
 
 
 def test_fake_quantize_bad_input_names_culprit():
