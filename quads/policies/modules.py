@@ -27,7 +27,7 @@ from quads.ops.backend import Backend, select_backend
 from quads.ops.experts import experts_loop
 from quads.ops.functional import rollout_experts, rollout_linear
 from quads.policies.policy import QuadsPolicy
-from quads.policies.ste import fake_quantize_activation, fake_quantize_weight
+from quads.policies.ste import fake_quant_linear, fake_quantize_activation, fake_quantize_weight
 from quads.policies.trainer_experts import grouped_experts_forward, grouped_mm_available
 
 __all__ = [
@@ -150,7 +150,7 @@ class TrainerLinear(TrainerModule):
         backend = self.quads_trainer_backend()
         if self.quads_act is not None:
             x = fake_quantize_activation(x, self.quads_act, backend)
-        return F.linear(x, fake_quantize_weight(self.weight, backend), self.bias)
+        return fake_quant_linear(x, self.weight, self.bias, backend)
 
 
 class RolloutLinear(RolloutModule):

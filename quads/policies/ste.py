@@ -32,7 +32,7 @@ from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize
 from quads.policies.shards import is_dtensor
 
 __all__ = ["fake_quantize_weight", "fake_quantize_weight_parts", "fake_quantize_activation", "forward_weight_dtype",
-           "fake_quantizer"]
+           "fake_quantizer", "fake_quant_linear"]
 
 
 def fake_quantizer(backend: Backend):
@@ -59,6 +59,37 @@ class _FakeQuantWeightSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _grad_scale):
         return grad.to(ctx.master_dtype), None, None
+
+
+class _FakeQuantLinear(torch.autograd.Function):
+    """``F.linear(x, DQ(Q(w)), b)`` with the operands in ``dtype`` (F.linear's autocast casts),
+    saving ``x`` (in ``dtype``, as F.linear under autocast saves it), the master (a parameter: no
+    new memory) and its global scale: the backward recomputes the forward weight instead of
+    keeping it alive; the weight gradient goes straight through to the master."""
+
+    @staticmethod
+    def forward(ctx, x, master, bias, backend: Backend, dtype: torch.dtype):
+        w, scale = fake_quantizer(backend)(master, dtype)
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(x2, master, scale)
+        ctx.backend, ctx.dtype, ctx.x_dtype, ctx.has_bias = backend, dtype, x.dtype, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, master, scale = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            w, _ = fake_quantizer(ctx.backend)(master, ctx.dtype, scale)  # the forward's bits again
+            grad_x = g2.mm(w).reshape(*grad.shape[:-1], w.shape[-1]).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = g2.t().mm(x2).to(master.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _FakeQuantActivationSTE(torch.autograd.Function):
@@ -116,6 +147,20 @@ def fake_quantize_weight(
     collective the forward must not issue, so this refuses.
     """
     return fake_quantize_weight_parts(weight, backend, dtype)[0]
+
+
+def fake_quant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: Backend | None = None
+) -> torch.Tensor:
+    """``F.linear(x, fake_quantize_weight(weight), bias)`` (same values and gradients) without
+    keeping the forward weight alive for the backward: a transient, recomputed there."""
+    _check_whole(weight)
+    dtype = forward_weight_dtype(weight)
+    if not torch.is_autocast_enabled(weight.device.type):  # F.linear's rule: no implicit casts
+        for what, t in (("input", x), ("bias", bias)):
+            if t is not None and t.dtype != weight.dtype:
+                raise TypeError(f"quads trainer linear: {what} dtype {t.dtype} differs from the weight's {weight.dtype}")
+    return _FakeQuantLinear.apply(x, weight, bias, backend or select_backend(weight.device), dtype)
 
 
 def fake_quantize_activation(x: torch.Tensor, config: ActivationQuant, backend: Backend | None = None) -> torch.Tensor:
