@@ -121,17 +121,22 @@ def build_model(kind: str, layers: int, tiny: bool):
 
 # --- the trainer before issue 23 (for the before/after row) -----------------------------------
 
+def _old_forward_weight(w, backend):
+    # reference fake quant in the master dtype, then the copy the old STE returned (it cloned the
+    # weight cache's result, which with the cache off was a fresh tensor already)
+    return fake_quantize_weight(w, backend, w.dtype).clone()
+
+
 class _OldLinear(TrainerLinear):
     def forward(self, x):
-        # reference fake quant in the master dtype; autocast casts it; F.linear keeps the cast
-        return F.linear(x, fake_quantize_weight(self.weight, self.quads_backend, self.weight.dtype), self.bias)
+        # autocast casts the FP32 forward weight; F.linear keeps the cast for the backward
+        return F.linear(x, _old_forward_weight(self.weight, self.quads_backend), self.bias)
 
 
 class _OldExperts(TrainerExperts):
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        b = self.quads_backend
-        gate_up = fake_quantize_weight(self.gate_up_proj, b, self.gate_up_proj.dtype)
-        down = fake_quantize_weight(self.down_proj, b, self.down_proj.dtype)
+        gate_up = _old_forward_weight(self.gate_up_proj, self.quads_backend)
+        down = _old_forward_weight(self.down_proj, self.quads_backend)
 
         def mlp(rows, e):
             return F.linear(apply_gate(self, F.linear(rows, gate_up[e])), down[e])
