@@ -71,21 +71,30 @@ def test_straight_through_gradient_reaches_master():
 
 
 def test_experts_fake_quant_runs_once_per_forward(monkeypatch):
+    """Each 3-D weight is fake-quantized once per forward (all experts at once), and once more in
+    the backward (the grouped path recomputes it instead of keeping it alive), without an amax."""
     model = build("qwen3_moe")
     quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
     calls = []
     import quads.policies.ste as ste
 
-    original = ste._FakeQuantWeightSTE.forward
+    original = ste.fake_quantize_weight_reference
 
-    def counting(ctx, w):
-        calls.append(tuple(w.shape))
-        return original(ctx, w)
+    def counting(w, dtype=None, global_encode_scale=None):
+        calls.append((tuple(w.shape), global_encode_scale is not None))
+        return original(w, dtype, global_encode_scale)
 
-    monkeypatch.setattr(ste._FakeQuantWeightSTE, "forward", staticmethod(counting))
-    model(_ids())
-    expert_calls = [s for s in calls if len(s) == 3]
-    assert len(expert_calls) == 2 * model.config.num_hidden_layers  # gate_up + down per layer
+    monkeypatch.setattr(ste, "fake_quantize_weight_reference", counting)
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        model(_ids())
+    assert [c for c in calls if len(c[0]) == 3] == [(c[0], False) for c in calls if len(c[0]) == 3]
+    assert len([c for c in calls if len(c[0]) == 3]) == 2 * layers  # gate_up + down per layer
+    calls.clear()
+    model(_ids()).logits.float().square().mean().backward()
+    expert_calls = [c for c in calls if len(c[0]) == 3]
+    assert sum(not given for _, given in expert_calls) == 2 * layers  # the forward's, with the amax
+    assert sum(given for _, given in expert_calls) == 2 * layers  # the backward's, with the saved scales
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -89,7 +89,7 @@ def test_expert_slices_are_cached_per_slice_and_follow_their_base():
     assert weight_cache_info()["entries"] == 0  # slices' entries die with their base weight
     w = torch.nn.Parameter(torch.randn(16, 32))
     with torch.inference_mode():  # first computed inside inference mode ...
-        fake_quantize_weight(w)
+        cached_derived("fake_quantize", (w,), lambda: nvfp4_fake_quantize(w.detach()))
     hit = cached_derived("fake_quantize", (w,), lambda: pytest.fail("should be cached"))
     assert not hit.is_inference()  # ... the cached tensor is still a normal one
 
@@ -126,20 +126,32 @@ def test_trainer_and_rollout_stay_aligned_across_training_steps():
     assert weight_cache_info()["hits"] > 0
 
 
-def test_off_by_default_so_fused_optimizer_steps_are_seen():
-    """A fused AdamW step updates the master without bumping its version counter: a cache on by
-    default would hand the trainer the old fake-quantized weight. Default off: always fresh."""
-    weight_cache.set_weight_cache_budget(0)
+@pytest.mark.parametrize("write", ["fused_adamw", "foreach", "data_copy"])
+def test_trainer_never_serves_a_stale_forward_weight(write):
+    """Fused AdamW (and ``torch._foreach_*`` / ``p.data`` writes, as vLLM-style loaders do) update
+    the master without bumping its version counter, so a version-keyed cache would hand the next
+    forward the old fake-quantized weight. The trainer does not cache its forward weight (the
+    fused kernel recomputes it for one read of the master): with the cache on (the fixture's
+    64 MB), the next forward still sees the new master."""
     w = torch.nn.Parameter(torch.randn(64, 64))
-    opt = torch.optim.AdamW([w], lr=0.5, fused=True)
+    x = torch.randn(3, 64)
     before = fake_quantize_weight(w)
+    assert torch.equal(cached_derived("fake_quantize", (w,), lambda: before), before)  # a version-keyed entry
     version = w._version
-    w.grad = torch.randn_like(w)
-    opt.step()
+    if write == "fused_adamw":
+        w.grad = torch.randn_like(w)
+        torch.optim.AdamW([w], lr=0.5, fused=True).step()
+    elif write == "foreach":
+        torch._foreach_add_([w.data], [torch.randn_like(w)])
+    else:
+        w.data.copy_(torch.randn_like(w))
     assert w._version == version  # what makes version-keyed caching unsafe in training
+    stale = cached_derived("fake_quantize", (w,), lambda: pytest.fail("the version key saw the write"))
+    assert torch.equal(stale, before)  # a version-keyed cache is stale here ...
     after = fake_quantize_weight(w)
-    assert not torch.equal(after, before)
+    assert not torch.equal(after, before)  # ... the trainer's forward weight is not
     assert torch.equal(after, nvfp4_fake_quantize(w.detach()))
+    assert torch.equal(torch.nn.functional.linear(x, after), torch.nn.functional.linear(x, nvfp4_fake_quantize(w.detach())))
 
 
 def test_enabled_scope_restores_the_budget_and_drops_entries():
@@ -147,7 +159,7 @@ def test_enabled_scope_restores_the_budget_and_drops_entries():
     w = torch.randn(64, 64)
     with weight_cache.weight_cache_enabled(8):
         assert weight_cache_info()["budget_bytes"] == 8 * 2**20
-        fake_quantize_weight(w)
+        cached_derived("fake_quantize", (w,), lambda: nvfp4_fake_quantize(w))
         assert weight_cache_info()["entries"] == 1
     assert weight_cache_info() | {"hits": 0, "misses": 0} == {"entries": 0, "bytes": 0, "budget_bytes": 0,
                                                              "hits": 0, "misses": 0}

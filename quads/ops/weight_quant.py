@@ -19,10 +19,12 @@ from quads.tensor.nvfp4_math import (
     check_quantizable,
     default_granularity,
     global_encode_scale_from_amax,
+    nvfp4_dequantize,
     nvfp4_quantize,
 )
 
-__all__ = ["quantize_weight_reference", "quantize_weight_triton"]
+__all__ = ["quantize_weight_reference", "quantize_weight_triton", "fake_quantize_weight_reference",
+           "fake_quantize_weight_triton"]
 
 
 def quantize_weight_reference(
@@ -68,3 +70,46 @@ def quantize_weight_triton(
         return NVFP4Parts(q, s, gs)
     q, s, _ = quantize_given_scale(x2, gs.reshape(-1), per_group)
     return NVFP4Parts(q.view(lead + (k // 2,)), s.view(torch.float8_e4m3fn).view(lead + (k // 16,)), gs)
+
+
+def _fake_quant_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    dtype = dtype or x.dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"fake quantization writes float32/bfloat16/float16, got {dtype}")
+    return dtype
+
+
+def fake_quantize_weight_reference(
+    x: torch.Tensor, dtype: torch.dtype | None = None, global_encode_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(DQ(Q(x)) in dtype, S_enc)`` of a weight (``dtype`` default ``x.dtype``): the recipe
+    (:func:`~quads.tensor.nvfp4_math.nvfp4_fake_quantize`; one global scale per 2-D weight, one
+    per expert of a 3-D one); the float32 result is cast to ``dtype`` once. Passing back the
+    returned ``global_encode_scale`` skips the amax (the backward's recomputation does)."""
+    check_quantizable(x, "weight")
+    dtype = _fake_quant_dtype(x, dtype)
+    parts = nvfp4_quantize(x.detach(), None, global_encode_scale)
+    return nvfp4_dequantize(*parts, dtype=dtype), parts.global_encode_scale
+
+
+def fake_quantize_weight_triton(
+    x: torch.Tensor, dtype: torch.dtype | None = None, global_encode_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel twin of :func:`fake_quantize_weight_reference` (same bits): an amax pass (skipped
+    when ``global_encode_scale`` is given), then one fused pass that reads the master once and
+    writes ``DQ(Q(x))`` in ``dtype`` (:mod:`quads.kernels.fake_quantize_nvfp4`)."""
+    from quads.kernels.fake_quantize_nvfp4 import fake_quantize_rows
+
+    check_quantizable(x, "weight")
+    dtype = _fake_quant_dtype(x, dtype)
+    if x.dim() > 3:
+        raise ValueError(f"weight fake quantization takes 1-D/2-D weights or 3-D experts, got shape {tuple(x.shape)}")
+    k = x.shape[-1]
+    x2 = x.detach().reshape(-1, k)
+    per_group = x.shape[1] if x.dim() == 3 else x2.shape[0]  # "expert" for 3-D, "tensor" otherwise
+    groups = x.shape[:1] if x.dim() == 3 else ()
+    if per_group == 0:
+        gs = torch.ones(groups, dtype=torch.float32, device=x.device)
+        return torch.empty(x.shape, dtype=dtype, device=x.device), gs
+    out, gs = fake_quantize_rows(x2, per_group, dtype, global_encode_scale)
+    return out.view(x.shape), gs.reshape(groups)

@@ -7,10 +7,13 @@ attributes (``act_fn``, ``_apply_gate``, ``config``) are untouched. Two module k
 * ``nn.Linear`` (and subclasses);
 * transformers-5 fused MoE experts: 3-D ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``
   (Qwen3-MoE, Mixtral, OLMoE, ...). The trainer fake-quantizes each 3-D weight once per
-  forward (one global scale per expert), not once per expert slice.
+  forward (one global scale per expert), not once per expert slice, and runs the experts with
+  grouped GEMMs (:mod:`quads.policies.trainer_experts`) where torch has them.
 
-Rollout modules store the :class:`~quads.ops.Backend` that runs their ops (``quads_backend``),
-chosen when they are converted and again whenever they are moved to another device.
+Every converted module stores the :class:`~quads.ops.Backend` that runs its ops
+(``quads_backend``), chosen when it is converted and again whenever it is moved to another
+device: the rollout's kernels, the trainer's fake quantizer (the fused kernel on kernel
+backends, the recipe on ``torch``; the same bits).
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from quads.ops.backend import Backend, select_backend
 from quads.ops.experts import experts_loop
 from quads.ops.functional import rollout_experts, rollout_linear
 from quads.policies.policy import QuadsPolicy
-from quads.policies.ste import fake_quantize_activation, fake_quantize_weight
+from quads.policies.ste import fake_quant_linear, fake_quantize_activation, fake_quantize_weight
+from quads.policies.trainer_experts import grouped_experts_forward, grouped_mm_available
 
 __all__ = [
     "QuadsModule",
+    "TrainerModule",
     "RolloutModule",
     "TrainerLinear",
     "RolloutLinear",
@@ -65,8 +70,9 @@ class QuadsModule:
         extra = f"quads={p.side}, activations={p.activations}"
         if p.side == "rollout" and p.activations == "nvfp4":
             extra += f", residual={p.residual_fraction}/{p.residual_selection}"
-        if isinstance(self, RolloutModule):
-            extra += f", backend={self.quads_backend.name}"
+        backend = self.__dict__.get("quads_backend")
+        if backend is not None:
+            extra += f", backend={backend.name}"
         return f"{base}, {extra}" if base else extra
 
 
@@ -118,11 +124,33 @@ class RolloutModule(QuadsModule):
         return out
 
 
-class TrainerLinear(QuadsModule):
+class TrainerModule(QuadsModule):
+    """Trainer mixin: the backend whose fake quantizer the forwards run, stored per device."""
+
+    #: the first master weight's name (its device picks the backend)
+    quads_master_name = "weight"
+
+    def quads_select_backend(self) -> Backend:
+        """(Re)pick the backend for the device the master weights are on."""
+        self.quads_backend = select_backend(getattr(self, self.quads_master_name).device)
+        return self.quads_backend
+
+    def quads_trainer_backend(self) -> Backend:
+        """The stored backend (picked now if the module predates it, e.g. unpickled)."""
+        return self.__dict__.get("quads_backend") or self.quads_select_backend()
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.quads_select_backend()  # .to(device) / .cuda() / to_empty(): the backend follows the weights
+        return out
+
+
+class TrainerLinear(TrainerModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = self.quads_trainer_backend()
         if self.quads_act is not None:
-            x = fake_quantize_activation(x, self.quads_act)
-        return F.linear(x, fake_quantize_weight(self.weight), self.bias)
+            x = fake_quantize_activation(x, self.quads_act, backend)
+        return fake_quant_linear(x, self.weight, self.bias, backend)
 
 
 class RolloutLinear(RolloutModule):
@@ -158,20 +186,29 @@ def _bias(module: nn.Module, name: str) -> torch.Tensor | None:
     return getattr(module, name, None)
 
 
-class TrainerExperts(QuadsModule):
+class TrainerExperts(TrainerModule):
+    quads_master_name = "gate_up_proj"
+    #: False: always the per-expert loop (the reference the grouped path is tested against)
+    quads_grouped = True
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        gate_up = fake_quantize_weight(self.gate_up_proj)  # once per forward, all experts
-        down = fake_quantize_weight(self.down_proj)
+        backend = self.quads_trainer_backend()
         gate_up_bias, down_bias = _bias(self, "gate_up_proj_bias"), _bias(self, "down_proj_bias")
         act = self.quads_act
+        if (self.quads_grouped and gate_up_bias is None and down_bias is None
+                and (act is None or act.granularity == "row") and grouped_mm_available(hidden_states.device)):
+            return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights, apply_gate, backend)
+        # the per-expert loop (expert biases, per-tensor activation scales, no grouped GEMM)
+        gate_up = fake_quantize_weight(self.gate_up_proj, backend)  # once per forward, all experts
+        down = fake_quantize_weight(self.down_proj, backend)
 
         def mlp(rows: torch.Tensor, e: int) -> torch.Tensor:
             if act is not None:
-                rows = fake_quantize_activation(rows, act)
+                rows = fake_quantize_activation(rows, act, backend)
             h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
             h = apply_gate(self, h)
             if act is not None:
-                h = fake_quantize_activation(h, act)
+                h = fake_quantize_activation(h, act, backend)
             return F.linear(h, down[e], None if down_bias is None else down_bias[e])
 
         return experts_loop(hidden_states, top_k_index, top_k_weights, gate_up.shape[0], mlp)

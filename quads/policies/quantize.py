@@ -167,6 +167,8 @@ def _commit(t: _Target, policy: QuadsPolicy) -> None:
     if policy.side == "rollout":
         t.module.quads_backend = t.backend
         t.module.quads_weights_changed()
+    else:
+        t.module.quads_select_backend()  # the fake quantizer for the masters' device
 
 
 def _commit_all(targets: list[_Target], policy: QuadsPolicy) -> None:

@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import quads
-import quads.policies.modules as quads_modules
+import quads.policies.ste as quads_ste
+import quads.policies.trainer_experts as quads_trainer_experts
 from quads.policies import build_rollout_model
 from quads.policies.sharded_sync import ShardedSyncError, sync_sharded_weights_
 from quads.tensor import NVFP4Tensor
@@ -77,11 +78,16 @@ def compute_context(precision: str):
 
 
 class ForwardWeightSpy:
-    """Records what every quads trainer layer's fake quantizer received and returned, by parameter name.
+    """Records what every quads trainer layer's fake quantizer received and returned in the forward,
+    by parameter name.
 
-    Wraps the real ``fake_quantize_weight`` (it still computes the forward) and identifies the
-    parameter through a forward pre-hook on each quads trainer module.
+    Wraps the backends' fake quantizers (``quads.policies.ste.fake_quantizer``, as the trainer
+    linear and the grouped experts look it up; they still compute the forward) and identifies the
+    parameter through a forward pre-hook on each quads trainer module. Calls with a given global
+    scale are the backward's recomputation, not recorded.
     """
+
+    _USERS = (quads_ste, quads_trainer_experts)
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -90,27 +96,35 @@ class ForwardWeightSpy:
         self._current: tuple[str, nn.Module] | None = None
 
     def __enter__(self):
-        self._real = quads_modules.fake_quantize_weight
+        self._real = quads_ste.fake_quantizer
         self._hooks = []
         for name, module in quads.quantized_modules(self.model).items():
             self._hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: self._enter(n, m)))
-        quads_modules.fake_quantize_weight = self._spy
+        for user in self._USERS:
+            user.fake_quantizer = self._spy
         return self
 
     def _enter(self, name, module):
         self._current = (name, module)
 
-    def _spy(self, weight):
-        out = self._real(weight)
-        name, module = self._current
-        pname = next(n for n, p in module.named_parameters(recurse=False) if p is weight)
-        key = f"{name}.{pname}"
-        self.inputs[key] = (isinstance(weight, DTensor), tuple(weight.shape))
-        self.outputs[key] = out.detach().clone()
-        return out
+    def _spy(self, backend):
+        real = self._real(backend)
+
+        def spied(weight, dtype=None, global_encode_scale=None):
+            out, scale = real(weight, dtype, global_encode_scale)
+            if global_encode_scale is None:
+                name, module = self._current
+                pname = next(n for n, p in module.named_parameters(recurse=False) if p is weight)
+                key = f"{name}.{pname}"
+                self.inputs[key] = (isinstance(weight, DTensor), tuple(weight.shape))
+                self.outputs[key] = out.detach().clone()
+            return out, scale
+
+        return spied
 
     def __exit__(self, *exc):
-        quads_modules.fake_quantize_weight = self._real
+        for user in self._USERS:
+            user.fake_quantizer = self._real
         for h in self._hooks:
             h.remove()
 

@@ -1,0 +1,104 @@
+"""The trainer's MoE experts through grouped GEMMs (the BF16 model's ``grouped_mm`` path).
+
+transformers 5 runs fused experts with ``grouped_mm`` (``experts_implementation="grouped_mm"``):
+the (token, choice) rows sorted by expert, one grouped GEMM for ``gate_up``, the gate, one for
+``down``. The quads trainer does the same on the fake-quantized 3-D weights, so a QAT step costs
+what a BF16 step costs instead of a Python loop over experts:
+
+* the rows are grouped by :class:`~quads.ops.experts.Routing` (the order the rollout uses);
+* each grouped GEMM is :class:`_FakeQuantGroupedMM`: forward ``x @ DQ(Q(W_e))^T`` per group;
+  backward recomputes ``DQ(Q(W))`` from the master (with the saved global scales: no amax pass)
+  instead of keeping the (E, N, K) forward weight alive between forward and backward, and
+  passes the weight gradient straight through to the master;
+* the combine is :func:`~quads.ops.experts.experts_loop`'s (flat row order, weighted sum over
+  the k choices), so per row this computes what the per-expert loop computes (tested).
+
+Dtypes follow F.linear under autocast (the loop's semantics): a float32 master under autocast
+gives forward weights and GEMMs in the autocast dtype (transformers' own ``grouped_mm`` path
+ignores autocast and multiplies float32 masters in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from quads.ops.backend import Backend
+from quads.ops.experts import Routing
+from quads.policies.ste import fake_quantize_activation, fake_quantizer, forward_weight_dtype
+
+__all__ = ["grouped_mm_available", "grouped_experts_forward"]
+
+
+def _grouped_mm_fn():
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_available(device: torch.device) -> bool:
+    """torch has a grouped GEMM for this device (CUDA: sm_80+; CPU: torch >= 2.9's kernel)."""
+    if _grouped_mm_fn() is None:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu"
+
+
+class _FakeQuantGroupedMM(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ DQ(Q(master))[e]^T``; ``ends`` (E,) int32 cumulative row
+    counts. Saves ``x``, the master (a parameter: no new memory) and its (E,) global scales."""
+
+    @staticmethod
+    def forward(ctx, x, master, ends, backend: Backend, dtype: torch.dtype):
+        grouped_mm = _grouped_mm_fn()
+        w, scale = fake_quantizer(backend)(master, dtype)
+        y = grouped_mm(x, w.transpose(-2, -1), offs=ends)
+        ctx.save_for_backward(x, master, scale, ends)
+        ctx.backend, ctx.dtype = backend, dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, master, scale, ends = ctx.saved_tensors
+        grouped_mm = _grouped_mm_fn()
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w, _ = fake_quantizer(ctx.backend)(master, ctx.dtype, scale)  # the forward's bits again
+            grad_x = grouped_mm(grad, w, offs=ends)
+        if ctx.needs_input_grad[1]:  # straight through: d/dW of the forward weight, to the master
+            grad_w = grouped_mm(x.t(), grad, offs=ends).transpose(-2, -1).to(master.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def grouped_experts_forward(
+    module: nn.Module,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    apply_gate,
+    backend: Backend,
+) -> torch.Tensor:
+    """A trainer experts module's forward with grouped GEMMs (no expert biases; activation
+    quantization per row only: the caller falls back to the loop otherwise)."""
+    act = module.quads_policy.activation_quant
+    gate_up, down = module.gate_up_proj, module.down_proj
+    dtype = forward_weight_dtype(gate_up)
+    num_tokens, hidden_dim = hidden.shape
+    route = Routing(top_k_index, gate_up.shape[0])
+    ends = route.offsets[1:].to(torch.int32)
+    # rows routed to no expert (expert-parallel sentinels, sorted last) are skipped by the grouped
+    # GEMMs, which leave them unwritten: zero them on the way in (their gradient too) and out
+    outside = (torch.arange(route.num_rows, device=hidden.device) >= route.offsets[-1]).unsqueeze(-1)
+    x = hidden[route.token_of_row]
+    if act is not None:
+        x = fake_quantize_activation(x, act, backend)
+    x = x.to(dtype).masked_fill(outside, 0)
+    h = _FakeQuantGroupedMM.apply(x, gate_up, ends, backend, dtype)
+    h = apply_gate(module, h)
+    if act is not None:
+        h = fake_quantize_activation(h, act, backend)
+    y = _FakeQuantGroupedMM.apply(h.to(dtype), down, ends, backend, dtype).masked_fill(outside, 0)
+    out = torch.zeros(route.num_rows, hidden_dim, dtype=hidden.dtype, device=hidden.device)
+    out = out.index_copy(0, route.order, y.to(hidden.dtype))
+    weighted = out.view(num_tokens, route.top_k, hidden_dim) * top_k_weights.unsqueeze(-1).to(out.dtype)
+    return weighted.sum(dim=1).to(hidden.dtype)

@@ -1,0 +1,100 @@
+"""The fused fake-quantization kernel vs the recipe (``nvfp4_fake_quantize``): bit-exact.
+
+Runs under TRITON_INTERPRET=1 on CPU (small shapes, the GPU's tile config) or natively on a GPU.
+Inputs: the adversarial rows of the quantizer tests (zeros, E4M3-subnormal and zero block scales,
+E2M1 ties, +-inf, huge, fp32-subnormal results), as one tensor (one global scale) and as 3-D
+experts with one row per expert (each row's own global scale, so every corner is reached).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+from quads.kernels import fake_quantize_nvfp4 as fq_kernel  # noqa: E402
+from quads.ops import weight_quant  # noqa: E402
+from quads.tensor.nvfp4_math import nvfp4_fake_quantize  # noqa: E402
+
+from tests.kernels.test_kernel_quantize import DEV, adversarial  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def assert_same_bits(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    got, ref = got.cpu(), ref.cpu()
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(got), nan), "NaN positions differ"
+    diff = _bits(got) != _bits(ref)
+    diff &= ~nan
+    assert not diff.any(), f"bits differ at {diff.nonzero()[:8].tolist()}: {got[diff][:4]} vs {ref[diff][:4]}"
+
+
+def fake_quantize_weight_triton(x, dtype=None, global_encode_scale=None):
+    out, gs = weight_quant.fake_quantize_weight_triton(x, dtype, global_encode_scale)
+    _, ref_gs = weight_quant.fake_quantize_weight_reference(x.cpu(), dtype)
+    assert gs.shape == ref_gs.shape and torch.equal(gs.cpu().nan_to_num(-1), ref_gs.nan_to_num(-1))
+    if global_encode_scale is None:  # the scale handed back reproduces the same bits without an amax
+        again, _ = weight_quant.fake_quantize_weight_triton(x, dtype, gs)
+        assert_same_bits(again, out)
+    return out
+
+
+def _master(dtype: torch.dtype, seed: int, m: int = 9, k: int = 80) -> torch.Tensor:
+    x = adversarial(m=m, k=k, dtype=torch.float32, seed=seed)
+    if dtype == torch.float16:  # keep fp16 finite where fp32 is (1e37 rows become inf otherwise)
+        x = x.clamp(-6e4, 6e4)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("master", DTYPES, ids=str)
+@pytest.mark.parametrize("out", DTYPES, ids=str)
+def test_fake_quantize_2d_bit_exact(master, out):
+    x = _master(master, seed=0)
+    assert_same_bits(fake_quantize_weight_triton(x, out), nvfp4_fake_quantize(x.cpu(), dtype=out))
+
+
+@pytest.mark.parametrize("master", DTYPES, ids=str)
+@pytest.mark.parametrize("out", DTYPES, ids=str)
+def test_fake_quantize_experts_bit_exact(master, out):
+    """3-D (E, N, K), one global scale per expert: with N = 1 every adversarial row is its own
+    group (tiny rows reach the per-element division path); with N = 3 groups mix rows."""
+    for n in (1, 3):
+        x = _master(master, seed=1, m=9).reshape(9 // n, n, 80)
+        assert_same_bits(fake_quantize_weight_triton(x, out), nvfp4_fake_quantize(x.cpu(), dtype=out))
+
+
+def test_fake_quantize_nan_and_edge_shapes():
+    x = _master(torch.float32, seed=2)
+    x[3, 7] = float("nan")  # the whole tensor's global scale is NaN: every output NaN, as the recipe
+    assert_same_bits(fake_quantize_weight_triton(x), nvfp4_fake_quantize(x.cpu()))
+    e = _master(torch.bfloat16, seed=3, m=9, k=48).reshape(3, 3, 48)
+    e[1, 2, 5] = float("nan")  # poisons expert 1 only
+    got = fake_quantize_weight_triton(e)
+    assert_same_bits(got, nvfp4_fake_quantize(e.cpu()))
+    assert torch.isnan(got[1]).all() and not torch.isnan(got[0]).any()
+    # more rows than one tile, K not a multiple of the tile's 256 columns, a non-contiguous master
+    w = torch.randn(19 * 16, 13, device=DEV).t()  # (13, 304), column-major
+    assert not w.is_contiguous()
+    assert_same_bits(fake_quantize_weight_triton(w), nvfp4_fake_quantize(w.cpu()))
+    assert fake_quantize_weight_triton(torch.zeros(0, 32, device=DEV)).shape == (0, 32)
+    ref, gs = weight_quant.fake_quantize_weight_reference(x.cpu(), torch.bfloat16)
+    assert_same_bits(ref, nvfp4_fake_quantize(x.cpu(), dtype=torch.bfloat16))
+    assert_same_bits(weight_quant.fake_quantize_weight_reference(x.cpu(), torch.bfloat16, gs)[0], ref)
+
+
+def test_fake_quantize_bad_input_names_culprit():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fake_quantize_weight_triton(torch.randn(4, 24, device=DEV))
+    with pytest.raises(TypeError, match="float32/bfloat16/float16"):
+        fake_quantize_weight_triton(torch.randn(4, 32, device=DEV), torch.float64)
+    with pytest.raises(ValueError, match="3-D experts"):
+        fake_quantize_weight_triton(torch.randn(2, 2, 2, 32, device=DEV))
+    with pytest.raises(ValueError, match="groups of"):
+        fq_kernel.fake_quantize_rows(torch.randn(5, 32, device=DEV), 2, torch.float32)
+
