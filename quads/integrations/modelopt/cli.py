@@ -52,7 +52,7 @@ def _cmd(args: argparse.Namespace) -> int:
         with torch.no_grad():
             report = export_modelopt(
                 model, args.out, args.format, calibration=calibration, fused_scales=args.fused_scales,
-                tokenizer=tokenizer, policy=policy,
+                tokenizer=tokenizer, policy=policy, dtype=args.dtype,
             )
     except (FileExistsError, ValueError, TypeError, NotImplementedError) as err:
         raise SystemExit(f"quads export: {err}") from None
@@ -71,6 +71,8 @@ def add_parser(sub) -> None:
     p.add_argument("--calib", default=None, help="text file, one calibration prompt per line (needed for nvfp4)")
     p.add_argument("--fused-scales", choices=("shared", "separate"), default="shared",
                    help="shared: one global scale per vLLM fused layer (q/k/v, gate/up); separate: bit-exact shards")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="dtype of the tensors not quantized (embeddings, norms, routers, lm_head); auto: the masters' dtype")
     p.add_argument("--extra-skip", action="append", default=[], metavar="REGEX",
                    help="module-name regex to keep in BF16 (repeatable)")
     p.set_defaults(func=_cmd)
