@@ -131,3 +131,14 @@ def test_load_errors_name_the_problem(tmp_path):
         load_exported(tmp_path / "nothing")
     with pytest.raises(ValueError, match="side must be one of"):
         load_exported(tmp_path / "plain", side="both")
+
+
+def test_cli_dtype_flag(tmp_path):
+    from quads.cli import main as cli_main
+
+    src = tmp_path / "trainer"
+    build("llama").save_pretrained(src)
+    cli_main(["export", "--model", str(src), "--out", str(tmp_path / "ck"), "--dtype", "float32"])
+    dt = _dtypes(tmp_path / "ck")
+    assert dt["model.embed_tokens.weight"] == dt["lm_head.weight"] == "F32"
+    assert dt["model.layers.0.self_attn.q_proj.weight"] == "U8"
