@@ -134,3 +134,50 @@ def test_bad_inputs():
         importance_ratio_stats(torch.zeros(2, 3), torch.zeros(2, 3), mode="bogus")
     with pytest.raises(ValueError):
         k3_kl(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(3, 2))
+
+
+def _verl_oracle(rollout, trainer, mask):
+    """verl's compute_offpolicy_metrics written out per sequence, in Python floats."""
+    import math
+
+    seqs = []
+    for q_row, p_row, m_row in zip(rollout.tolist(), trainer.tolist(), mask.tolist()):
+        toks = [(p, q) for p, q, m in zip(p_row, q_row, m_row) if m]
+        if toks:
+            seqs.append(toks)
+    toks = [t for s in seqs for t in s]
+    m_p = [sum(p for p, _ in s) / len(s) for s in seqs]
+    m_q = [sum(q for _, q in s) / len(s) for s in seqs]
+    diff = [b - a for a, b in zip(m_p, m_q)]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    clamp = lambda x: max(-20.0, min(20.0, x))  # noqa: E731
+    return {
+        "training_ppl": mean([math.exp(-x) for x in m_p]), "training_log_ppl": mean([-x for x in m_p]),
+        "rollout_ppl": mean([math.exp(-x) for x in m_q]), "rollout_log_ppl": mean([-x for x in m_q]),
+        "kl": mean([q - p for p, q in toks]), "k3_kl": mean([math.exp(p - q) - (p - q) - 1 for p, q in toks]),
+        "log_ppl_diff": mean(diff), "log_ppl_abs_diff": mean([abs(d) for d in diff]),
+        "log_ppl_diff_max": max(diff), "log_ppl_diff_min": min(diff), "ppl_ratio": mean([math.exp(d) for d in diff]),
+        "chi2_token": mean([math.exp(2 * clamp(p - q)) for p, q in toks]) - 1,
+        "chi2_seq": mean([math.exp(2 * clamp(sum(p - q for p, q in s))) for s in seqs]) - 1,
+    }
+
+
+def test_verl_rollout_corr_names_and_definitions():
+    from quads.diagnostics import rollout_corr_metrics
+    from quads.diagnostics.mismatch import ROLLOUT_CORR_ALIASES
+
+    g = torch.Generator().manual_seed(4)
+    trainer = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 3
+    rollout = trainer + torch.randn(5, 7, generator=g, dtype=torch.float64) * 0.2
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    mask[2] = False  # a sequence without tokens is left out
+    got = rollout_corr_metrics(rollout, trainer, mask)
+    want = _verl_oracle(rollout, trainer, mask)
+    assert set(got) == {f"rollout_corr/{k}" for k in want}
+    for k, v in want.items():
+        assert got[f"rollout_corr/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    both = mismatch_metrics(rollout, trainer, mask, rollout_corr=True)
+    for verl_name, quads_name in ROLLOUT_CORR_ALIASES.items():  # the documented aliases: same value
+        assert both[verl_name] == pytest.approx(both["sampling/quads/" + quads_name], rel=1e-12)
+    assert {k for k in both if k.startswith("sampling/quads/")} == set(mismatch_metrics(rollout, trainer, mask))
+    assert all(v == 0.0 for v in rollout_corr_metrics(rollout, trainer, torch.zeros_like(mask)).values())

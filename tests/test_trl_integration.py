@@ -69,7 +69,7 @@ def reward_digit_ones(completions, **kwargs):
     return [c.count("1") / max(1, len(c)) for c in completions]
 
 
-def make_trainer(policy, tmp_path, steps=2, lr=1e-2, decompose=False, **cfg):
+def make_trainer(policy, tmp_path, steps=2, lr=1e-2, decompose=False, rollout_corr=False, **cfg):
     tok = make_tokenizer()
     model = tiny_model(tok)
     ds = datasets.Dataset.from_list(make_prompts(16, seed=0))
@@ -80,8 +80,17 @@ def make_trainer(policy, tmp_path, steps=2, lr=1e-2, decompose=False, **cfg):
     )
     return QuadsGRPOTrainer(
         model, reward_digit_ones, args, train_dataset=ds, processing_class=tok,
-        quads_policy=policy, decompose_mismatch=decompose,
+        quads_policy=policy, decompose_mismatch=decompose, rollout_corr_metrics=rollout_corr,
     )
+
+
+def test_verl_rollout_corr_names_are_logged_beside_trls(tmp_path):
+    trainer = make_trainer("quads", tmp_path, steps=1, rollout_corr=True)
+    trainer.train()
+    (h,) = [h for h in trainer.state.log_history if "reward" in h]
+    for key in QUADS_KEYS + ["rollout_corr/kl", "rollout_corr/chi2_seq", "rollout_corr/log_ppl_abs_diff"]:
+        assert key in h and math.isfinite(h[key]), key
+    assert h["rollout_corr/k3_kl"] == pytest.approx(h["sampling/quads/k3_kl"], rel=1e-9)  # the documented alias
 
 
 def _sides(model):

@@ -36,7 +36,13 @@ __all__ = [
     "k3_kl",
     "importance_ratio_stats",
     "mismatch_metrics",
+    "rollout_corr_metrics",
+    "ROLLOUT_CORR_ALIASES",
 ]
+
+#: verl's ``rollout_corr/*`` names that are the same quantity as a quads (TRL-side) metric, with
+#: the quads name (``mismatch_metrics``' names without prefix).
+ROLLOUT_CORR_ALIASES = {"rollout_corr/k3_kl": "k3_kl"}
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 
@@ -137,6 +143,63 @@ def importance_ratio_stats(
     }
 
 
+#: verl clamps log-ratios to this before exponentiating in its chi-squared metrics
+_VERL_SAFETY_BOUND = 20.0
+
+
+def rollout_corr_metrics(
+    rollout_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor | None = None
+) -> dict[str, float]:
+    """verl's off-policy diagnostics (``rollout_corr/*``, its ``compute_offpolicy_metrics``) under
+    verl's names and definitions, for dashboards built on verl.
+
+    With ``log p_t`` (trainer, verl's ``old_log_prob``) and ``log q_t`` (rollout), per-sequence
+    means ``m_p``, ``m_q`` over its valid tokens, ``rho_t = p_t / q_t``:
+    ``training_ppl`` = mean_seq exp(-m_p), ``training_log_ppl`` = mean_seq(-m_p), the same for
+    ``rollout_*``; ``kl`` = mean_tok(log q - log p) (direct estimator of KL(rollout || trainer));
+    ``k3_kl`` = mean_tok(rho - 1 - log rho) (= quads' ``k3_kl``: :data:`ROLLOUT_CORR_ALIASES`);
+    ``log_ppl_diff`` = mean_seq(m_q - m_p), ``log_ppl_abs_diff`` its mean |.|,
+    ``log_ppl_diff_max`` / ``_min``; ``ppl_ratio`` = mean_seq exp(m_q - m_p); ``chi2_token`` =
+    mean_tok(rho^2) - 1 and ``chi2_seq`` = mean_seq(prod_t rho_t)^2 - 1 (log-ratios clamped to
+    +-20 first, as verl does). Tokens are quads' valid ones (mask, and finite log-probs: verl has
+    no NaN rule); sequences without one are left out; all 0.0 when nothing is valid.
+    """
+    m = _check(rollout_logps, trainer_logps, mask)
+    p, q = trainer_logps.double(), rollout_logps.double()
+    valid = m & torch.isfinite(p) & torch.isfinite(q)
+    names = ("training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "kl", "k3_kl", "log_ppl_diff",
+             "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq")
+    if not bool(valid.any()):
+        return {f"rollout_corr/{k}": 0.0 for k in names}
+    if valid.dim() == 1:
+        valid, p, q = valid[None], p[None], q[None]
+    zero = torch.zeros((), dtype=torch.float64)
+    p, q = torch.where(valid, p, zero), torch.where(valid, q, zero)
+    count = valid.sum(dim=-1)
+    has = count > 0
+    m_p = (p.sum(dim=-1)[has] / count[has])
+    m_q = (q.sum(dim=-1)[has] / count[has])
+    log_r = (p - q)[valid]
+    diff = m_q - m_p
+    log_r_seq = (p - q).sum(dim=-1)[has].clamp(-_VERL_SAFETY_BOUND, _VERL_SAFETY_BOUND)
+    out = {
+        "training_ppl": torch.exp(-m_p).mean().item(),
+        "training_log_ppl": (-m_p).mean().item(),
+        "rollout_ppl": torch.exp(-m_q).mean().item(),
+        "rollout_log_ppl": (-m_q).mean().item(),
+        "kl": (-log_r).mean().item(),
+        "k3_kl": (torch.expm1(log_r) - log_r).mean().item(),
+        "log_ppl_diff": diff.mean().item(),
+        "log_ppl_abs_diff": diff.abs().mean().item(),
+        "log_ppl_diff_max": diff.max().item(),
+        "log_ppl_diff_min": diff.min().item(),
+        "ppl_ratio": torch.exp(diff).mean().item(),
+        "chi2_token": torch.exp(2 * log_r.clamp(-_VERL_SAFETY_BOUND, _VERL_SAFETY_BOUND)).mean().item() - 1.0,
+        "chi2_seq": torch.exp(2 * log_r_seq).mean().item() - 1.0,
+    }
+    return {f"rollout_corr/{k}": out[k] for k in names}
+
+
 def mismatch_metrics(
     rollout_logps: torch.Tensor,
     trainer_logps: torch.Tensor,
@@ -146,12 +209,15 @@ def mismatch_metrics(
     clip_min: float | None = None,
     clip_max: float | None = 3.0,
     prefix: str = "sampling/quads/",
+    rollout_corr: bool = False,
 ) -> dict[str, float]:
     """All mismatch metrics of one batch as a flat ``{prefix + name: value}`` dict.
 
     Names: ``logp_gap_mean``, ``logp_gap_p99``, ``logp_gap_max``, ``k3_kl``,
     ``is_ratio_raw_min``, ``is_ratio_raw_mean``, ``is_ratio_raw_max``, ``is_log_ratio_raw_min``,
-    ``is_log_ratio_raw_max``, ``is_masked_fraction``.
+    ``is_log_ratio_raw_max``, ``is_masked_fraction``. ``rollout_corr=True`` adds verl's
+    ``rollout_corr/*`` names (:func:`rollout_corr_metrics`, not prefixed), so one run can be read
+    by TRL-style and verl-style dashboards.
     """
     gap = logp_gap_stats(rollout_logps, trainer_logps, mask)
     isr = importance_ratio_stats(rollout_logps, trainer_logps, mask, is_mode, clip_min, clip_max)
@@ -167,4 +233,7 @@ def mismatch_metrics(
         "is_log_ratio_raw_max": isr["log_raw_max"],
         "is_masked_fraction": isr["masked_fraction"],
     }
-    return {prefix + k: v for k, v in out.items()}
+    result = {prefix + k: v for k, v in out.items()}
+    if rollout_corr:
+        result.update(rollout_corr_metrics(rollout_logps, trainer_logps, mask))
+    return result

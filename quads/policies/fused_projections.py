@@ -23,8 +23,18 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from quads.kernels.hopper_weight_layout import ROW_PAD, HopperWeight
+from typing import TYPE_CHECKING
+
 from quads.ops.stacked_linear import stacked_fits_decode, stacked_linear_hopper
+
+if TYPE_CHECKING:  # the kernels import Triton: only the Hopper backend, which fusing requires, loads them
+    from quads.kernels.hopper_weight_layout import HopperWeight
+
+
+def _hopper_weight():
+    from quads.kernels.hopper_weight_layout import HopperWeight
+
+    return HopperWeight
 
 __all__ = ["SIBLING_PROJECTIONS", "ProjectionGroup", "fuse_projections_", "unfuse_projections_"]
 
@@ -49,6 +59,7 @@ class ProjectionGroup:
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         held = first.quads_prepared[0]
         n = self.offsets[-1]
+        HopperWeight = _hopper_weight()
         self.prepared = HopperWeight(
             torch.empty((n // 16, *held.values.shape[1:]), dtype=torch.uint8, device=held.values.device),
             torch.empty((n // 16, *held.scales.shape[1:]), dtype=torch.uint8, device=held.scales.device), n, k)
@@ -64,7 +75,7 @@ class ProjectionGroup:
 
     def member_view(self, i: int) -> HopperWeight:
         lo, hi = self.offsets[i] // 16, self.offsets[i + 1] // 16
-        return HopperWeight(self.prepared.values[lo:hi], self.prepared.scales[lo:hi],
+        return _hopper_weight()(self.prepared.values[lo:hi], self.prepared.scales[lo:hi],
                             self.offsets[i + 1] - self.offsets[i], self.prepared.k)
 
     def write_scales(self, i: int) -> None:
@@ -103,15 +114,17 @@ class ProjectionGroup:
         self._pending = None
         for m in self.members:
             view = m.quads_prepared[0]
-            m.quads_prepared = (HopperWeight(view.values.clone(), view.scales.clone(), view.n, view.k),)
+            m.quads_prepared = (_hopper_weight()(view.values.clone(), view.scales.clone(), view.n, view.k),)
             del m.quads_group, m.quads_group_index
 
 
 def _fusable(modules: list[nn.Module]) -> bool:
     from quads.policies.modules import RolloutLinear
 
-    if not all(isinstance(m, RolloutLinear) for m in modules):
+    if not all(isinstance(m, RolloutLinear) and m.quads_backend.name == "hopper" for m in modules):
         return False
+    from quads.kernels.hopper_weight_layout import ROW_PAD, HopperWeight  # the Hopper backend: Triton is there
+
     first = modules[0]
     act = first.quads_act
     return (act is not None and all(

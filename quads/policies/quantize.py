@@ -225,7 +225,24 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
             + ")"
         )
     convert_targets(targets, policy, model)
+    if policy.side == "rollout" and callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained = _SavePretrainedRefused(type(model).__name__)
     return model
+
+
+class _SavePretrainedRefused:
+    """``save_pretrained`` of a quads rollout model: transformers' writer cannot store
+    ``NVFP4Tensor`` parameters (it fails deep inside with "invalid python storage"), so the
+    call says at once how such a model is saved (:data:`quads.tensor.nvfp4_tensor.SAVE_HINT`)."""
+
+    def __init__(self, model_class: str):
+        self.model_class = model_class
+
+    def __call__(self, *args, **kwargs):
+        from quads.tensor.nvfp4_tensor import SAVE_HINT
+
+        raise TypeError(f"save_pretrained cannot write this quads rollout {self.model_class} (packed NVFP4 "
+                        f"weights): {SAVE_HINT}")
 
 
 def check_target(target: ConversionTarget, policy: QuadsPolicy) -> None:

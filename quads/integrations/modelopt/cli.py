@@ -74,7 +74,7 @@ def _cmd(args: argparse.Namespace) -> int:
         with torch.no_grad():
             report = export_modelopt(
                 model, out, args.format, calibration=calibration, fused_scales=args.fused_scales,
-                tokenizer=tokenizer, policy=policy,
+                tokenizer=tokenizer, policy=policy, dtype=args.dtype,
             )
     except (FileExistsError, ValueError, TypeError, NotImplementedError) as err:
         raise UsageError(f"{args.model}: {_reason(err)}") from err
@@ -97,6 +97,8 @@ def add_parser(sub) -> None:
     p.add_argument("--calib", default=None, help="text file, one calibration prompt per line (needed for nvfp4)")
     p.add_argument("--fused-scales", choices=("shared", "separate"), default="shared",
                    help="shared: one global scale per vLLM fused layer (q/k/v, gate/up); separate: bit-exact shards")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="dtype of the tensors not quantized (embeddings, norms, routers, lm_head); auto: the masters' dtype")
     p.add_argument("--extra-skip", action="append", default=[], metavar="REGEX", type=regex,
                    help="module-name regex to keep in BF16 (repeatable)")
     p.set_defaults(func=_cmd)

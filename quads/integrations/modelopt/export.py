@@ -34,7 +34,16 @@ What is exported
   (``model.safetensors`` or ``model-XXXXX-of-XXXXX.safetensors`` + index), generation config,
   tokenizer, and ``quads_export.json`` (the report). Everything is written to a temporary
   directory beside ``out_dir`` and moved into place at the end: an error leaves no partial
-  checkpoint, and an existing non-empty ``out_dir`` is refused.
+  checkpoint, and an existing non-empty ``out_dir`` is refused. Modes are ``save_pretrained``'s:
+  files ``0666`` and the directory ``0777``, both less the process umask (``0644`` / ``0755``
+  under the usual ``022``), so a server running as another user can read the checkpoint.
+* **Dtype of the tensors that are not quantized** (embeddings, norms, routers, ``lm_head``):
+  ``dtype="auto"`` (default) writes every floating one in the dtype of the masters of the
+  quantized weights (the trainer's forward-weight dtype, BF16 for a QUADS trainer), so the
+  checkpoint has one dtype, which ``config.json``'s ``dtype`` states and vLLM computes in
+  (no per-tensor cast warnings); ``"bfloat16"`` / ``"float16"`` / ``"float32"`` force one.
+  Integer buffers are written as stored. :func:`quads.integrations.modelopt.load_exported`
+  reads such a checkpoint back into a transformers model.
 """
 
 from __future__ import annotations
@@ -73,13 +82,15 @@ from quads.tensor.nvfp4_math import (
 )
 from quads.tensor.nvfp4_tensor import NVFP4Tensor, check_finite
 
-__all__ = ["FORMATS", "FUSED_SIBLINGS", "ExportReport", "check_out_dir", "export_modelopt"]
+__all__ = ["DTYPES", "FORMATS", "FUSED_SIBLINGS", "ExportReport", "check_out_dir", "export_modelopt"]
 
 #: ``--format`` -> ModelOpt ``quant_algo``
 FORMATS = {"nvfp4": "NVFP4", "w4a16": "W4A16_NVFP4"}
 #: sibling linears vLLM merges into one layer with one global weight scale
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_SCALES = ("shared", "separate")
+#: ``dtype`` choices for the tensors that are not quantized ("auto": the masters' dtype)
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
@@ -365,6 +376,37 @@ def _temp_dir_beside(out_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{_TEMP_TAG}-{os.getpid()}.", dir=out_dir.parent))
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and restoring it at once: POSIX has no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _publish_modes(tmp: Path) -> None:
+    """``save_pretrained``'s modes on everything in ``tmp`` (files 0666, directories 0777, less
+    the umask): ``mkdtemp`` makes a 0700 directory and safetensors' writer may make 0600 files."""
+    mask = _umask()
+    for path in sorted(tmp.rglob("*"), reverse=True):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+    tmp.chmod(0o777 & ~mask)
+
+
+def _rest_dtype(dtype: str, dtypes: dict[str, torch.dtype]) -> torch.dtype:
+    """The dtype of the tensors that are not quantized (see the module doc)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"export: dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if DTYPES[dtype] is not None:
+        return DTYPES[dtype]
+    found = sorted(set(dtypes.values()), key=str)
+    if len(found) != 1:
+        raise ValueError(
+            f"export: dtype='auto' needs one master dtype, the quantized weights have {[str(d) for d in found]}; "
+            "pass dtype='bfloat16', 'float16' or 'float32'"
+        )
+    return found[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # The export
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +452,7 @@ def export_modelopt(
     tokenizer=None,
     policy: QuadsPolicy | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: str = "auto",
 ) -> ExportReport:
     """Write ``model`` to ``out_dir`` as a ModelOpt NVFP4 checkpoint (see the module doc).
 
@@ -423,6 +466,8 @@ def export_modelopt(
         tokenizer: saved beside the weights when given.
         policy: which modules a plain model's export quantizes (default ``QuadsPolicy("trainer")``).
         max_shard_bytes: safetensors shard size limit.
+        dtype: of the tensors that are not quantized: ``"auto"`` (the masters' dtype) or
+            ``"bfloat16"`` / ``"float16"`` / ``"float32"``.
     """
     if format not in FORMATS:
         raise ValueError(f"export: format must be one of {tuple(FORMATS)}, got {format!r}")
@@ -432,6 +477,8 @@ def export_modelopt(
         raise ValueError("export: format 'nvfp4' (W4A4) needs calibration batches for its static input_scale")
     if format == "w4a16" and calibration is not None:
         raise ValueError("export: format 'w4a16' has no activation scales; drop the calibration batches")
+    if dtype not in DTYPES:
+        raise ValueError(f"export: dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     quant_algo = FORMATS[format]
     policy = policy or QuadsPolicy(side="trainer")
     out_dir = Path(out_dir)
@@ -439,6 +486,7 @@ def export_modelopt(
 
     targets = _targets(model, policy)
     parts, dtypes = _quantize_targets(targets)
+    rest_dtype = _rest_dtype(dtype, dtypes)
     groups = _fused_groups(targets)
     requantized, mismatched = {}, []
     if fused_scales == "shared":
@@ -473,7 +521,7 @@ def export_modelopt(
     if clash:
         raise ValueError(f"export: checkpoint names {sorted(clash)[:3]} are produced twice")
     exclude = _excluded(model, targets)
-    tensors.update({k: v.detach().cpu() for k, v in rest.items()})
+    tensors.update({k: (v.to(rest_dtype) if v.is_floating_point() else v).detach().cpu() for k, v in rest.items()})
     tensors = {k: v.detach().cpu() for k, v in tensors.items()}
 
     check_out_dir(out_dir)
@@ -483,6 +531,8 @@ def export_modelopt(
         in_config, legacy = _quant_configs(quant_algo, exclude)
         config = model.config.to_dict()
         config["quantization_config"] = in_config
+        config["dtype"] = str(rest_dtype).removeprefix("torch.")
+        config.pop("torch_dtype", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / QUANT_CONFIG_FILE).write_text(json.dumps(legacy, indent=2) + "\n")
         files += ["config.json", QUANT_CONFIG_FILE]
@@ -494,6 +544,7 @@ def export_modelopt(
             files += [Path(f).name for f in tokenizer.save_pretrained(tmp)]
         report = ExportReport(format, quant_algo, len(sources), exact, requantized, mismatched, exclude, sorted(set(files)))
         (tmp / "quads_export.json").write_text(json.dumps(dataclasses.asdict(report), indent=2) + "\n")
+        _publish_modes(tmp)
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         os.replace(tmp, out_dir)

@@ -67,6 +67,8 @@ class QuadsGRPOTrainer(_GRPOTrainer):
             ``torch.bfloat16`` default.
         decompose_mismatch: also log δ_num / δ_weight / δ_act each step (two extra scoring
             forwards over the completions).
+        rollout_corr_metrics: also log verl's ``rollout_corr/*`` diagnostics under verl's names
+            (:func:`quads.diagnostics.rollout_corr_metrics`); TRL's and quads' names are kept.
 
     ``args.use_vllm`` must be False (this class *is* the rollout engine). TRL's
     ``vllm_importance_sampling_*`` options keep their meaning and defaults
@@ -89,6 +91,7 @@ class QuadsGRPOTrainer(_GRPOTrainer):
         rollout_dtype: torch.dtype = torch.bfloat16,
         decompose_mismatch: bool = False,
         graphed_decode: bool | None = None,
+        rollout_corr_metrics: bool = False,
         **kwargs,
     ):
         if _trl is None:
@@ -104,6 +107,7 @@ class QuadsGRPOTrainer(_GRPOTrainer):
         self.quads_preset = get_preset(quads_policy)
         self.quads_rollout_dtype = rollout_dtype
         self.quads_decompose = decompose_mismatch
+        self.quads_rollout_corr = rollout_corr_metrics
 
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
@@ -187,6 +191,7 @@ class QuadsGRPOTrainer(_GRPOTrainer):
             is_mode=self.vllm_importance_sampling_mode,
             clip_min=self.vllm_importance_sampling_clip_min,
             clip_max=self.vllm_importance_sampling_clip_max,
+            rollout_corr=self.quads_rollout_corr,
         )
         if self.quads_decompose:
             metrics.update(self._decompose(output, rollout_lp, trainer_lp, mask))

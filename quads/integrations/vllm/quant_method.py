@@ -64,11 +64,13 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import Backend, select_backend
-from quads.ops.functional import quantize_activation, rollout_experts, rollout_linear
+from quads.ops import library
+from quads.ops.experts import rollout_experts as experts_on_parts
+from quads.ops.functional import quantize_activation, rollout_linear
 from quads.ops.linear import w4a4_matmul_reference
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
-from quads.tensor.nvfp4_math import BLOCK_SIZE
+from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 logger = init_logger(__name__)
@@ -317,6 +319,8 @@ class QuadsLinearMethod(LinearMethodBase):
         return out
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # vLLM's default engine: torch.compile + CUDA graphs
+            return compiled_shard_linear(layer, x, bias, self.config.activation_quant)
         return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend,
                             getattr(layer, "quads_prepared", None))
 
@@ -354,6 +358,32 @@ def shard_linear(
             y = y + b.to(torch.float32)
         outs.append(y.to(x.dtype))
     return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], sum(sizes))
+
+
+def compiled_shard_linear(
+    layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act: ActivationQuant | None
+) -> torch.Tensor:
+    """:func:`shard_linear` as dynamo traces it: one ``quads::linear`` custom op per shard, on
+    plain tensors (row slices of ``weight`` / ``weight_scale``, one ``weight_global_scale``).
+
+    Why a separate path: no :class:`NVFP4Tensor` may be built inside the traced forward (dynamo
+    cannot wrap a tensor subclass made from fake tensors: "Unexpected type in sourceless
+    builder"); the custom op is opaque to the compiler and runs the layer's backend, so each
+    shard's output has the eager bits. The torch backend quantizes the activation once per
+    shard here (same bits as the eager path's one shared quantization, more work).
+    """
+    sizes = layer.quads_output_partition_sizes
+    prepared = getattr(layer, "quads_prepared", None) or (None,) * len(sizes)
+    biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
+    x2 = x.reshape(-1, x.shape[-1])
+    outs, start = [], 0
+    for i, n in enumerate(sizes):
+        parts = NVFP4Parts(layer.weight[start:start + n], layer.weight_scale[start:start + n],
+                           layer.weight_global_scale[i])
+        outs.append(library.linear(layer.quads_backend, x2, parts, biases[i], act, None, prepared[i]))
+        start += n
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def dequantize_linear_weight(layer: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
@@ -454,8 +484,10 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         # Shared experts (if any) run in vLLM's MoE runner (no overlap without a modular kernel).
         if layer.apply_router_weight_on_input:
             raise NotImplementedError("quads: apply_router_weight_on_input MoE models are not supported")
-        gate_up, down = self.packed_weights(layer)
-        return rollout_experts(
+        # Plain parts, no NVFP4Tensor: this runs inside vLLM's torch.compile (see compiled_shard_linear)
+        gate_up = NVFP4Parts(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_global_scale)
+        down = NVFP4Parts(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_global_scale)
+        return experts_on_parts(
             x,
             topk_ids.long(),
             topk_weights.to(x.dtype),  # as transformers' routers hand them to the experts
@@ -463,9 +495,9 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             down,
             self._apply_gate,
             self.config.activation_quant,
+            layer.quads_backend,
             getattr(layer, "w13_bias", None),
             getattr(layer, "w2_bias", None),
-            backend=layer.quads_backend,
             prepared=getattr(layer, "quads_prepared", (None, None)),
         )
 

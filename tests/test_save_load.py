@@ -1,0 +1,68 @@
+"""Saving quantized models: what round-trips, and a clear error naming the way that works where
+transformers' or torchao's writer cannot store packed NVFP4 weights."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import quads
+from quads.tensor import load_safetensors, save_safetensors
+from tests.tiny_models import build
+
+IDS = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _packed(model):
+    return {n: p for n, p in model.named_parameters() if isinstance(p, quads.NVFP4Tensor)}
+
+
+def test_trainer_save_pretrained_round_trips(tmp_path):
+    """A trainer keeps its masters as plain parameters under their names: save_pretrained works."""
+    trainer = build("qwen3_moe")
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    trainer.save_pretrained(tmp_path / "t")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.bfloat16)
+    quads.quantize_(back, quads.QuadsPolicy(side="trainer"))
+    for (n, a), (m, b) in zip(trainer.state_dict().items(), back.state_dict().items()):
+        assert n == m and torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_rollout_save_pretrained_names_the_way_that_works_and_that_way_round_trips(kind, tmp_path):
+    rollout = build(kind)
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    with pytest.raises(TypeError, match=r"quads\.tensor\.save_safetensors.*load_safetensors"):
+        rollout.save_pretrained(tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+    save_safetensors(rollout.state_dict(), tmp_path / "r.safetensors")  # the way the error names
+    fresh = build(kind, seed=7)
+    quads.quantize_(fresh, quads.QuadsPolicy(side="rollout"))
+    fresh.load_state_dict(load_safetensors(tmp_path / "r.safetensors"))
+    mine, theirs = _packed(rollout), _packed(fresh)
+    assert mine.keys() == theirs.keys() and mine
+    for n in mine:
+        assert torch.equal(mine[n].qdata, theirs[n].qdata), n
+        assert torch.equal(mine[n].global_encode_scale, theirs[n].global_encode_scale), n
+    with torch.no_grad():
+        assert torch.equal(fresh(IDS).logits, rollout(IDS).logits)
+
+
+def test_torchao_rollout_save_pretrained_names_the_way_that_works(tmp_path):
+    pytest.importorskip("torchao")
+    from transformers import TorchAoConfig
+
+    import quads.integrations.torchao  # noqa: F401
+
+    build("llama").save_pretrained(tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "src", dtype=torch.bfloat16,
+        quantization_config=TorchAoConfig(quads.QuadsPolicy(side="rollout")))
+    assert _packed(model)
+    with pytest.raises(AttributeError, match=r"not a torchao tensor.*quads\.tensor\.save_safetensors"):
+        model.save_pretrained(tmp_path / "out")
+    save_safetensors(model.state_dict(), tmp_path / "m.safetensors")  # the named way works here too
+    back = load_safetensors(tmp_path / "m.safetensors")
+    for n, p in _packed(model).items():
+        assert torch.equal(back[n].qdata, p.qdata), n
+    assert not hasattr(next(iter(_packed(model).values())), "tensor_data_names")  # probes still get False
