@@ -24,6 +24,8 @@ from quads.ops.activation_quant import ActivationQuant, activation_operands_trit
 from quads.ops.linear import unscaled_values, w4a4_linear_reference, w4a16_linear
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 
+_ORIG_CONFIGS = hg.HummingNVFP4._configs  # the fixture stands in for it; one test checks the real one
+
 
 def _weight(n=64, k=128, seed=0, scale=0.05):
     g = torch.Generator().manual_seed(seed)
@@ -223,6 +225,7 @@ def test_residual_layout_selection(monkeypatch):
     assert hb.humming_residual_layout(1) == "stacked"
     assert hb.humming_residual_layout(hb.SUMMED_FROM_ROWS) == "summed"
     assert hb.humming_residual_layout(512, "stacked") == "stacked"
+    assert hb.humming_residual_layout(512, "auto", "batch_invariant") == "stacked"  # one layout at every M
     monkeypatch.setenv("QUADS_HUMMING_RESIDUAL", "summed")
     assert hb.humming_residual_layout(1) == "summed"
     monkeypatch.setenv("QUADS_HUMMING_RESIDUAL", "both")
@@ -278,3 +281,35 @@ def test_forced_humming_on_a_device_without_it_raises(monkeypatch):
     with quads.use_backend("humming"), pytest.raises(RuntimeError, match="sm_90"):
         quads.select_backend("cpu")
     assert quads.ops.get_backend("humming").name == "humming"
+
+
+def test_configuration_modes(fake_humming, monkeypatch):
+    """no_stream_k: humming's own M-interval table with Stream-K off in every entry (JSON, as
+    humming parses a user tuning config); batch_invariant: humming's compute flag."""
+    import enum
+    import json
+    import types
+
+    class Mma(enum.Enum):
+        WGMMA = "wgmma"
+
+    table = [[0, 8, {"block_shape": (16, 128, 64), "use_stream_k": True, "mma_type": Mma.WGMMA}],
+             [8, 1 << 30, {"block_shape": (64, 128, 64), "use_stream_k": False}]]
+    seen = []
+    fake_tune = types.ModuleType("humming.tune")
+    fake_tune.get_heuristics_config = lambda config, shape_m=None, device=None: seen.append(shape_m) or table
+    monkeypatch.setitem(sys.modules, "humming.tune", fake_tune)
+    layer = hb.HummingWeight(_weight(), "default").layer(torch.float16)
+    assert _ORIG_CONFIGS(layer) == (None, None)
+    nsk = layer.with_mode("no_stream_k")
+    compute, tuning = _ORIG_CONFIGS(nsk)
+    assert compute is None and seen == [None]  # the whole table (every M interval), not one M
+    parsed = json.loads(tuning)
+    assert [e[:2] for e in parsed] == [[0, 8], [8, 1 << 30]]
+    assert all(e[2]["use_stream_k"] is False for e in parsed) and parsed[0][2]["mma_type"] == "wgmma"
+    assert table[0][2]["use_stream_k"] is True  # humming's cached table is not modified
+    bi = layer.with_mode("batch_invariant")
+    assert _ORIG_CONFIGS(bi) == (json.dumps({"use_batch_invariant": True}), None)
+    assert bi.ws2 is layer.ws2 and bi.layer is layer.layer  # a view: one layout, refreshed together
+    with pytest.raises(ValueError, match="humming mode"):
+        layer.with_mode("fast")

@@ -155,6 +155,15 @@ def modelopt_tensors(qdata: torch.Tensor, scale: torch.Tensor, global_encode_sca
     return {"weight": qdata.contiguous(), "weight_scale": scale.contiguous(), "weight_scale_2": ws2.contiguous()}
 
 
+def _json_value(v):
+    """Enums and numpy scalars of humming's tuning tables as JSON values."""
+    if hasattr(v, "value"):
+        return v.value
+    if hasattr(v, "item"):
+        return v.item()
+    raise TypeError(f"humming tuning value {v!r} is not JSON-serializable")
+
+
 def _no_stream_k(table):
     table = copy.deepcopy(table)
     entries = [table] if isinstance(table, dict) else [entry[2] for entry in table]
@@ -244,7 +253,16 @@ class HummingNVFP4:
         from humming.tune import get_heuristics_config
 
         table = get_heuristics_config(self.layer.humming_config, shape_m=None, device=self.device)
-        return None, json.dumps(_no_stream_k(table))
+        return None, json.dumps(_no_stream_k(table), default=_json_value)
+
+    def with_mode(self, mode: str) -> "HummingNVFP4":
+        """A view running this layout (same tensors, refreshed together) under another ``mode``."""
+        if mode not in HUMMING_MODES:
+            raise ValueError(f"humming mode must be one of {HUMMING_MODES}, got {mode!r}")
+        view = copy.copy(self)
+        view.mode = mode
+        view.compute_config, view.tuning_config = view._configs()
+        return view
 
     # -- running ----------------------------------------------------------------------------------
     def __call__(self, a: torch.Tensor, scaling: str = "unit", out: torch.Tensor | None = None) -> torch.Tensor:

@@ -57,11 +57,16 @@ SUMMED_FROM_ROWS = 128
 _OPERAND_MAX = {"w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
 
 
-def humming_residual_layout(rows: int, layout: str = "auto") -> str:
-    """``"stacked"`` or ``"summed"`` for ``rows`` tokens (``QUADS_HUMMING_RESIDUAL`` overrides ``layout``)."""
+def humming_residual_layout(rows: int, layout: str = "auto", mode: str = "default") -> str:
+    """``"stacked"`` or ``"summed"`` for ``rows`` tokens (``QUADS_HUMMING_RESIDUAL`` overrides ``layout``).
+
+    ``auto`` switches layout with the token count, which changes a row's bits with the batch: under
+    the ``batch_invariant`` humming mode it keeps ``stacked`` at every M instead."""
     layout = os.environ.get("QUADS_HUMMING_RESIDUAL", layout)
     if layout not in RESIDUAL_LAYOUTS:
         raise ValueError(f"QUADS_HUMMING_RESIDUAL / residual_layout must be one of {RESIDUAL_LAYOUTS}, got {layout!r}")
+    if layout == "auto" and mode == "batch_invariant":
+        return "stacked"
     if layout == "auto":
         return "summed" if rows >= SUMMED_FROM_ROWS else "stacked"
     return layout
@@ -105,6 +110,12 @@ class HummingWeight:
         for layer in self.layers.values():
             layer.refresh_(weight.qdata, weight.scale, weight.global_encode_scale)
         return self
+
+    def with_mode(self, mode: str) -> "HummingWeight":
+        """The layers built so far, run under another humming ``mode`` (views: one layout)."""
+        view = HummingWeight(self.parts, mode)
+        view.layers = {dtype: layer.with_mode(mode) for dtype, layer in self.layers.items()}
+        return view
 
     def warmup(self, dtypes=(torch.float16,), ms=(1,)) -> None:
         for dtype in dtypes:
@@ -159,7 +170,7 @@ def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str =
     if ops.residual is None:
         o = layer(ops.main, "w4a4")
         return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=False)
-    if humming_residual_layout(m, residual_layout) == "stacked":
+    if humming_residual_layout(m, residual_layout, layer.mode) == "stacked":
         o = layer(ops.stacked, "w4a4")
         return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=True)
     o = layer(sum_stacked_rows(ops.stacked, m), "summed")

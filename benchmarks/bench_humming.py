@@ -1,0 +1,440 @@
+"""The humming fast path (issue 24, stage 1) on one H200: correctness, determinism, batch invariance, speed.
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_humming.py --out $OUT
+    PYTHONPATH=$PWD python benchmarks/bench_humming.py --dry-run --out /tmp/x   # CPU: the code, no numbers
+
+One run, same process, for each linear shape (K, N) of the issue and each M:
+
+1. **Correctness** (weight set 0, M = 1, 64, 512 rows of one input): every variant against the fp32
+   exact reference (``w4a4_linear_reference`` on fp32 inputs: exact products, fp32 sums; for W4A16
+   ``x @ DQ(W)ᵀ`` in fp32): ``rel`` = max|Δ| / max|ref|, and ``bound`` = max over outputs of
+   |Δ| / (its stated bound), PASS when <= 1. Bounds (per output element, ``|a|@|W|ᵀ`` the sums of
+   absolute products of the operand and the dequantized weight): every variant ``2^-8 |y|`` (the
+   bf16 output rounding 2^-9 and slack) ``+ K 2^-24 (|a|@|W|ᵀ)`` (fp32 sums in another order);
+   W4A4 variants ``+ 2^-11 (|x̂|@|W|ᵀ [+ |r̂|@|W|ᵀ])`` (the fp16 GEMM output rows) ``+ 2^-20 |W|_1/S_w`` (the
+   fp16 subnormal range after the output shift, generous); ``summed`` ``+ 2^-11 (|x̂+r̂|@|W|ᵀ)`` (its
+   one fp16 rounding per operand element). humming's FP8-activation mode is lossy: its ``rel`` only.
+2. **Determinism** (the same input twice, 3 times: max |Δ|) and **batch invariance** (row 0 alone,
+   inside M = 64 and M = 512: max |Δ|), per variant and humming mode.
+3. **Speed**: median µs per call of a CUDA graph over ``S`` weight sets (more than the 60 MB L2
+   between two uses of a set; ``benchmarks/timing.py``); peers cuBLAS BF16 and the fused FP8 W8A8 peer
+   (``benchmarks/fp8_peer.py``); quads' exact Hopper path (today's default: k = 100% residual, and
+   W4A16); humming W4A16 (bf16 in directly), W4A4 + residual ``stacked`` (2M rows) and ``summed``
+   (M rows), plain W4A4, each under the three humming modes (``default``: Stream-K heuristics;
+   ``no_stream_k``; ``batch_invariant``), the stacked GEMM alone (operands pre-built), and humming's
+   own FP8-activation W4A8 mode. Activation quantization is included in every quads/humming W4A4
+   row. Also: the JIT compile time of each layer/mode (first call), the in-place sync time
+   (humming refresh vs the Hopper layout kernel) and the layout bytes.
+
+Cut to stay under 4 minutes on the H200: MoE blocks (humming's MoE GEMMs are not wired yet), the
+k = 50% top-k variant, humming's FP8 mode under non-default modes; ``--budget-s`` (default 210 s)
+skips the remaining timing rows (printed as CUT) if the run is slower than planned.
+Writes ``bench_humming.json`` and ``bench_humming.csv`` to ``--out`` (after every shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+DRY = "--dry-run" in sys.argv
+if DRY:  # before any Triton kernel is decorated: the interpreter runs them on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from quads.kernels import humming_gemm as hg  # noqa: E402
+from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
+from quads.ops import ActivationQuant, get_backend  # noqa: E402
+from quads.ops.activation_quant import activation_operands_triton, quantize_activation_reference  # noqa: E402
+from quads.ops.humming_backend import HummingBackend, HummingWeight  # noqa: E402
+from quads.ops.linear import unscaled_values, w4a4_linear_reference  # noqa: E402
+from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
+
+HOPPER = get_backend("hopper")
+QUADS_DEFAULT = ActivationQuant(residual_fraction=1.0)
+PLAIN = ActivationQuant(residual_fraction=0.0)
+SHAPES = [(4096, 4096), (2048, 4096), (4096, 2048), (4096, 14336), (14336, 4096)]  # (K, N)
+MS = (1, 8, 16, 32, 64, 128, 256, 512, 2048)
+CHECK_MS = (1, 64, 512)
+BUCKETS = {"M<=16": (1, 8, 16), "M=32-128": (32, 64, 128), "M=256-512": (256, 512), "M=2048": (2048,)}
+TARGETS = {"M<=16": 1.25, "M=32-128": 1.0, "M=256-512": 0.8, "M=2048": 0.8}
+BACKENDS = {lay: HummingBackend(mode="default", residual_layout=lay) for lay in ("stacked", "summed")}
+ROWS: list[dict] = []
+T0 = time.time()
+
+
+# -- timing ------------------------------------------------------------------------------------------
+
+def timed(calls, budget) -> float | None:
+    """µs per call (CUDA graph over the calls; CPU dry run: wall clock), None once over budget."""
+    if time.time() - T0 > budget:
+        return None
+    if DRY:
+        ts = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for c in calls:
+                c()
+            ts.append((time.perf_counter() - t) * 1e6 / len(calls))
+        return statistics.median(ts)
+    from timing import graph_time
+
+    return graph_time(calls)
+
+
+def sync():
+    if not DRY:
+        torch.cuda.synchronize()
+
+
+def record(section, **kw):
+    ROWS.append({"section": section, **kw})
+    return kw
+
+
+# -- the CPU stand-in for humming's GEMM (dry run only) --------------------------------------------
+
+def install_cpu_emulation():
+    """Dry run: humming's GEMM replaced by its documented arithmetic on CPU (exact weight decode,
+    fp32 sums, * weight_scale_2, one rounding), so everything around it runs as on the GPU."""
+
+    class Config:
+        def __init__(self, key):
+            self.key = key
+
+        def to_str(self):
+            return self.key
+
+    class Layer(torch.nn.Module):
+        def __init__(self, qdata, scale, dtype):
+            super().__init__()
+            self.weight = torch.nn.Parameter(qdata.clone(), requires_grad=False)
+            self.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
+            self.humming_config = Config(f"{tuple(qdata.shape)}{dtype}")
+
+    def call(self, a, scaling="unit", out=None):
+        w = unscaled_values(NVFP4Parts(self.layer.weight, self.layer.weight_scale, torch.ones(())))
+        return ((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype)
+
+    hg.check_humming_device = lambda d: torch.device(d)
+    hg.import_humming = lambda: None
+    hg.HummingNVFP4._build = lambda self, q, s, g: Layer(q, s, self.dtype)
+    hg.HummingNVFP4._configs = lambda self: (None, None)
+    hg.HummingNVFP4.__call__ = call
+
+
+# -- variants ----------------------------------------------------------------------------------------
+
+def variants(mode_weights: dict, modes) -> dict:
+    """name -> fn(x, i): every humming variant under every mode, on weight set i."""
+    out = {}
+    for mode in modes:
+        hw = mode_weights[mode]
+        out[f"humming W4A16 [{mode}]"] = ("w4a16", lambda x, i, hw=hw: hw[i].layer(torch.bfloat16)(x))
+        for lay in ("stacked", "summed"):
+            out[f"humming W4A4+res {lay} [{mode}]"] = (
+                lay, lambda x, i, hw=hw, lay=lay: BACKENDS[lay].linear(x, hw[i].parts, None, QUADS_DEFAULT, None, hw[i]))
+        out[f"humming W4A4 plain [{mode}]"] = (
+            "plain", lambda x, i, hw=hw: BACKENDS["stacked"].linear(x, hw[i].parts, None, PLAIN, None, hw[i]))
+    return out
+
+
+def bounds(x: torch.Tensor, parts: NVFP4Parts, kind: str):
+    """(fp32 reference, per-element error bound) of a variant kind (module doc)."""
+    k = x.shape[1]
+    w = nvfp4_dequantize(*parts, dtype=torch.float32)
+    aw = w.abs().T
+    if kind in ("w4a16", "fp8"):
+        ref = x.float() @ w.T
+        return ref, 2**-8 * ref.abs() + k * 2**-24 * (x.float().abs() @ aw)
+    act = PLAIN if kind == "plain" else QUADS_DEFAULT
+    ref = w4a4_linear_reference(x.float(), parts, None, act)
+    qa = quantize_activation_reference(x.float(), act)
+    xh = nvfp4_dequantize(*qa.main, dtype=torch.float32)
+    mags = xh.abs() @ aw
+    b = 2**-8 * ref.abs() + 2**-11 * mags + 2**-20 * w.abs().sum(-1)
+    if qa.residual is not None:
+        rh = nvfp4_dequantize(*qa.residual, dtype=torch.float32)
+        mags = mags + rh.abs() @ aw
+        b = b + 2**-11 * (rh.abs() @ aw)
+        if kind == "summed":
+            b = b + 2**-11 * ((xh + rh).abs() @ aw)
+    return ref, b + k * 2**-24 * mags
+
+
+def check(name, kind, fn, x_big, parts, tag):
+    """Correctness, determinism and batch invariance of one variant (module doc, items 1-2)."""
+    res = {}
+    try:
+        worst_rel, worst_bound, det = 0.0, 0.0, 0.0
+        outs = {}
+        for m in CHECK_MS:
+            x = x_big[:m]
+            y = fn(x, 0)
+            sync()
+            ref, b = bounds(x, parts, kind)
+            err = (y.float() - ref).abs()
+            worst_rel = max(worst_rel, float(err.max() / ref.abs().max().clamp(min=1e-30)))
+            worst_bound = max(worst_bound, float((err / b.clamp(min=1e-30)).max()))
+            for _ in range(3):
+                det = max(det, float((fn(x, 0).float() - y.float()).abs().max()))
+            outs[m] = y[:1].float()
+        inv = max(float((outs[m] - outs[1]).abs().max()) for m in CHECK_MS)
+        res = dict(rel=worst_rel, bound=None if kind == "fp8" else worst_bound, det_maxdiff=det, inv_maxdiff=inv)
+        ok = "" if kind == "fp8" else ("PASS" if worst_bound <= 1 else "FAIL")
+        print(f"check {tag} {name:40s} rel {worst_rel:.2e} bound {res['bound'] if res['bound'] is None else round(worst_bound, 3)}"
+              f" {ok} | rerun maxdiff {det:.2e} | batch-inv maxdiff {inv:.2e}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        res = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(f"check {tag} {name} FAILED TO RUN: {res['error']}", flush=True)
+    record("check", shape=tag, name=name, **res)
+
+
+# -- one shape ---------------------------------------------------------------------------------------
+
+def nvfp4_bytes(k, n):
+    return n * k // 2 + n * k // 16
+
+
+def fp8_humming_layer(parts: NVFP4Parts):
+    """humming's own dynamic per-token FP8 activation quantization over the NVFP4 weight (W4A8)."""
+    from humming.layer import HummingLayer
+
+    layer = HummingLayer(shape_n=parts.qdata.shape[0], shape_k=parts.qdata.shape[1] * 2, torch_dtype=torch.bfloat16,
+                         weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"},
+                         input_config={"quant_method": "humming", "a_dtype": "float8e4m3",
+                                       "input_quant_mode": "dynamic_token"}).to(parts.qdata.device)
+    layer.load_from_tensors(hg.modelopt_tensors(*parts))
+    layer.transform()
+    return layer
+
+
+def bench_shape(k, n, ms, modes, budget, dev):
+    tag = f"K={k} N={n}"
+    if time.time() - T0 > budget:
+        print(f"CUT {tag}: over the {budget} s budget", flush=True)
+        return
+    per = nvfp4_bytes(k, n)
+    s_sets = 2 if DRY else max(4, min(32, int(200e6 // per) + 1))
+    g = torch.Generator(device=dev).manual_seed(k + n)
+    ws = [(torch.randn(n, k, device=dev, generator=g) * 0.02).bfloat16() for _ in range(s_sets)]
+    parts = [nvfp4_quantize(w) for w in ws]
+    prep = [to_hopper_layout(p.qdata, p.scale) for p in parts]
+    fp8w = None
+    if not DRY:
+        from fp8_peer import fp8_weight
+
+        fp8w = [fp8_weight(w) for w in ws]
+    t = time.time()
+    base = [HummingWeight(p, "default") for p in parts]
+    for hw in base:
+        hw.layer(torch.float16), hw.layer(torch.bfloat16)
+    sync()
+    record("build", shape=tag, seconds=round(time.time() - t, 3), sets=s_sets,
+           layout_bytes_fp16=base[0].layers[torch.float16].nbytes if not DRY else None, nvfp4_bytes=per)
+    mode_weights = {m: [hw.with_mode(m) for hw in base] for m in modes}
+    # JIT: the first call of each (layout dtype, mode) compiles its M-interval table
+    x1 = torch.randn(1, k, device=dev, generator=g)
+    for mode in modes:
+        for dtype in (torch.float16, torch.bfloat16):
+            t = time.time()
+            try:
+                mode_weights[mode][0].layer(dtype)(x1.to(dtype))
+                sync()
+                record("jit", shape=tag, mode=mode, dtype=str(dtype), seconds=round(time.time() - t, 2))
+                print(f"jit {tag} {mode} {dtype}: {time.time() - t:.2f} s", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"jit {tag} {mode} {dtype} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    fp8_layers = None
+    if not DRY:
+        try:
+            t = time.time()
+            fp8_layers = [fp8_humming_layer(p) for p in parts]
+            fp8_layers[0](x1.bfloat16())
+            sync()
+            print(f"jit {tag} humming FP8-activation layer: {time.time() - t:.2f} s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"humming FP8-activation mode unavailable: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+    var = variants(mode_weights, modes)
+    exact = {"quads exact k=100% (default)": ("stacked", lambda x, i: HOPPER.linear(x, parts[i], None, QUADS_DEFAULT,
+                                                                                      None, prep[i])),
+             "quads exact W4A16": ("w4a16", lambda x, i: HOPPER.linear(x, parts[i], None, None, None, prep[i]))}
+    if fp8_layers:
+        var["humming W4A8 FP8-act (own quant)"] = ("fp8", lambda x, i: fp8_layers[i](x))
+    # 1-2: correctness, determinism, batch invariance
+    x_big = torch.randn(max(CHECK_MS), k, device=dev, generator=g).bfloat16()
+    x_big[:, 7] *= 20  # an outlier channel
+    for name, (kind, fn) in {**exact, **var}.items():
+        check(name, kind, fn, x_big, parts[0], tag)
+    # 3: speed
+    for m in ms:
+        S = s_sets if m <= 256 else min(4, s_sets)
+        xs = [torch.randn(m, k, device=dev, generator=g).bfloat16() for _ in range(S)]
+        mt = f"{tag} M={m}"
+        bf16 = timed([lambda i=i: torch.matmul(xs[i], ws[i].t()) for i in range(S)], budget)
+        if bf16 is None:
+            print(f"CUT {mt}: over the {budget} s budget", flush=True)
+            continue
+        line = {"bf16": bf16}
+        if fp8w is not None:
+            from fp8_peer import fp8_linear
+
+            line["fp8"] = timed([lambda i=i: fp8_linear(xs[i], *fp8w[i]) for i in range(S)], budget)
+        ops = [activation_operands_triton(x, QUADS_DEFAULT) for x in xs]
+        gemm_only = {"humming stacked GEMM only [default]":
+                     lambda i: mode_weights["default"][i].layer(torch.float16)(ops[i].stacked, "w4a4")}
+        for name, fn in [*((nm, f) for nm, (_, f) in {**exact, **var}.items())]:
+            try:
+                line[name] = timed([lambda i=i, fn=fn: fn(xs[i], i) for i in range(S)], budget)
+            except Exception as e:  # noqa: BLE001
+                print(f"time {mt} {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        if "default" in modes:
+            for name, fn in gemm_only.items():
+                try:
+                    line[name] = timed([lambda i=i, fn=fn: fn(i) for i in range(S)], budget)
+                except Exception as e:  # noqa: BLE001
+                    print(f"time {mt} {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        for name, us in line.items():
+            if us is not None:
+                record("time", shape=tag, k=k, n=n, m=m, name=name, us=us,
+                       x_vs_bf16=bf16 / us, x_vs_fp8=line["fp8"] / us if line.get("fp8") else None)
+        print(f"time {mt}: bf16 {bf16:.1f} us | " + " | ".join(
+            f"{nm} {bf16 / us:.2f}x" for nm, us in line.items() if nm != "bf16" and us), flush=True)
+    # sync: in-place refresh of the humming layout vs the Hopper layout kernel
+    if time.time() - T0 < budget and (k, n) in ((4096, 4096), (14336, 4096), (128, 64)):
+        hw = base[0]
+        ts, th = [], []
+        for _ in range(3):
+            t = time.perf_counter()
+            hw.refresh_(parts[1])
+            sync()
+            ts.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            to_hopper_layout(parts[1].qdata, parts[1].scale, out=prep[0])
+            sync()
+            th.append(time.perf_counter() - t)
+        record("sync", shape=tag, humming_refresh_ms=round(1e3 * statistics.median(ts), 3),
+               hopper_layout_ms=round(1e3 * statistics.median(th), 3), layers=len(hw.layers))
+        print(f"sync {tag}: humming refresh (fp16+bf16 layouts) {1e3 * statistics.median(ts):.2f} ms, "
+              f"Hopper layout kernel {1e3 * statistics.median(th):.3f} ms", flush=True)
+    del ws, parts, prep, fp8w, base, mode_weights, fp8_layers
+    if not DRY:
+        torch.cuda.empty_cache()
+
+
+# -- summary -----------------------------------------------------------------------------------------
+
+def _geomean(vals):
+    vals = [v for v in vals if v and v > 0]
+    return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
+
+
+def summary():
+    times = [r for r in ROWS if r["section"] == "time" and r["name"] != "bf16"]
+    names = sorted({r["name"] for r in times})
+    print("\n=== geomean x BF16 per M bucket (targets: " + ", ".join(f"{b} >= {t}" for b, t in TARGETS.items())
+          + "; W4A16: M<=16 >= 1.4, M=64 >= 1.1) ===")
+    out = {}
+    for name in names:
+        cells = []
+        for bucket, ms in BUCKETS.items():
+            vals = [r["x_vs_bf16"] for r in times if r["name"] == name and r["m"] in ms]
+            gm = _geomean(vals)
+            worst = min(vals) if vals else None
+            out.setdefault(name, {})[bucket] = {"geomean": gm, "min": worst, "n": len(vals)}
+            cells.append(f"{bucket} {gm:.2f} (min {worst:.2f})" if gm else f"{bucket} -")
+        w64 = _geomean([r["x_vs_bf16"] for r in times if r["name"] == name and r["m"] == 64])
+        out[name]["M=64"] = w64
+        print(f"{name:42s} " + " | ".join(cells) + (f" | M=64 {w64:.2f}" if w64 else ""))
+    # stacked vs summed per M (sets SUMMED_FROM_ROWS), humming modes vs default (the 10% rule)
+    print("\n=== per M: faster residual layout (default mode), and each mode's time / default's ===")
+    for m in sorted({r["m"] for r in times}):
+        pick = {}
+        for lay in ("stacked", "summed"):
+            v = [r["us"] for r in times if r["m"] == m and r["name"] == f"humming W4A4+res {lay} [default]"]
+            pick[lay] = _geomean(v)
+        ratios = []
+        for mode in ("no_stream_k", "batch_invariant"):
+            for kind in ("W4A16", "W4A4+res stacked"):
+                a = {r["shape"]: r["us"] for r in times if r["m"] == m and r["name"] == f"humming {kind} [{mode}]"}
+                b = {r["shape"]: r["us"] for r in times if r["m"] == m and r["name"] == f"humming {kind} [default]"}
+                common = a.keys() & b.keys()
+                gm = _geomean([a[s] / b[s] for s in common])
+                if gm:
+                    ratios.append(f"{kind} {mode} {gm:.2f}")
+        best = min((v, k) for k, v in pick.items() if v) if any(pick.values()) else (None, None)
+        st, su = (f"{pick[k]:.1f}" if pick[k] else "-" for k in ("stacked", "summed"))
+        print(f"M={m:5d}: geomean us stacked {st}, summed {su} -> {best[1]} | time / default: " + ", ".join(ratios))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shape, humming's GEMM emulated")
+    ap.add_argument("--shapes", default=None, help="K:N,K:N (default: the issue's five)")
+    ap.add_argument("--ms", default=None, help="comma list of M (default: 1..2048)")
+    ap.add_argument("--modes", default=",".join(hg.HUMMING_MODES))
+    ap.add_argument("--budget-s", type=float, default=210.0)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    modes = tuple(args.modes.split(","))
+    if DRY:
+        install_cpu_emulation()
+        dev, shapes, ms = "cpu", [(128, 64)], (1, 3)
+        global CHECK_MS
+        CHECK_MS = (1, 4, 8)
+    else:
+        hg.check_humming_device("cuda")
+        humming = hg.import_humming()
+        dev, shapes, ms = "cuda", SHAPES, MS
+        import triton
+
+        record("meta", torch=torch.__version__, triton=triton.__version__, humming=humming.__version__,
+               device=torch.cuda.get_device_name(), cache=os.environ.get("HUMMING_CACHE_DIR"))
+        print(ROWS[-1], flush=True)
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
+    if args.ms:
+        ms = tuple(int(v) for v in args.ms.split(","))
+    for k, n in shapes:
+        t = time.time()
+        try:
+            bench_shape(k, n, ms, modes, args.budget_s, dev)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        print(f"--- K={k} N={n}: {time.time() - t:.0f} s (total {time.time() - T0:.0f} s)", flush=True)
+        write(args.out, None)
+    write(args.out, summary())
+    print(f"total {time.time() - T0:.0f} s; wrote {args.out}/bench_humming.json, .csv")
+
+
+def write(out_dir, summ):
+    tmp = os.path.join(out_dir, "bench_humming.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"rows": ROWS, "summary": summ}, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "bench_humming.json"))
+    keys = sorted({k for r in ROWS for k in r})
+    tmp = os.path.join(out_dir, "bench_humming.csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(ROWS)
+    os.replace(tmp, os.path.join(out_dir, "bench_humming.csv"))
+
+
+if __name__ == "__main__":
+    main()
