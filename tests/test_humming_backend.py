@@ -138,11 +138,18 @@ def fake_humming(monkeypatch):
     def build(self, qdata, scale, gs):
         return _FakeLayer(qdata, scale, self.dtype)
 
-    def call(self, a, scaling="unit", out=None):
+    def call(self, a, scaling="unit", out=None, expert_layout=None):
         assert a.dtype == self.dtype
         calls.append((tuple(a.shape), scaling))
         w = unscaled_values(NVFP4Parts(self.layer.weight, self.layer.weight_scale, torch.ones(())))
-        return ((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype)
+        if expert_layout is None:
+            return ((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype)
+        y = torch.full((a.shape[0], w.shape[-2]), float("nan"), dtype=self.dtype)  # unwritten rows: garbage
+        bounds = expert_layout.tolist()
+        for e in range(len(bounds) - 1):
+            lo, hi = bounds[e], bounds[e + 1]
+            y[lo:hi] = ((a[lo:hi].float() @ w[e].T) * self.ws2[scaling][e]).to(self.dtype)
+        return y
 
     monkeypatch.setattr(hg, "check_humming_device", lambda d: torch.device(d))
     monkeypatch.setattr(hg, "import_humming", lambda: None)
@@ -212,11 +219,39 @@ def test_refresh_rewrites_the_held_tensors_in_place(fake_humming):
 def test_weights_humming_cannot_hold_go_to_the_hopper_layout(fake_humming, monkeypatch):
     rowwise = nvfp4_quantize(torch.randn(64, 128), "row")
     assert not hb.humming_supports(rowwise) and hb.humming_supports(_weight())
-    assert not hb.humming_supports(nvfp4_quantize(torch.randn(2, 32, 64), "expert"))
+    assert hb.humming_supports(nvfp4_quantize(torch.randn(2, 32, 64), "expert"))
+    assert not hb.humming_supports(nvfp4_quantize(torch.randn(2, 32, 64), "tensor"))  # one S_w for all experts
     monkeypatch.setattr(hb, "prepare_weight_hopper", lambda w, out=None: ("hopper", w))
     assert hb.HummingBackend().prepare_weight(rowwise)[0] == "hopper"
-    with pytest.raises(NotImplementedError, match="MoE"):
-        hg.HummingNVFP4(*nvfp4_quantize(torch.randn(2, 32, 64), "expert"))
+
+
+@pytest.mark.parametrize("act", [None, ActivationQuant(), ActivationQuant(residual_fraction=0.0)])
+def test_grouped_experts_through_humming_match_the_exact_path(fake_humming, act):
+    from quads.ops.experts import Routing
+    from quads.ops.grouped_linear import grouped_linear_reference
+
+    g = torch.Generator().manual_seed(3)
+    w = nvfp4_quantize(torch.randn(4, 48, 64, generator=g) * torch.tensor([0.01, 0.1, 1.0, 5.0])[:, None, None],
+                       "expert")
+    x = _x(m=6, k=64)
+    idx = torch.tensor([[0, 2], [1, 3], [3, 0], [2, 2], [1, 0], [9, 3]])  # 9: an expert-parallel sentinel
+    route = Routing(idx, 4)
+    be = hb.HummingBackend()
+    prepared = be.prepare_weight(w)
+    assert isinstance(prepared, hb.HummingWeight)
+    y = be.grouped_linear(x, route.token_of_row, route.offsets, w, None, act, None, route.num_rows, prepared)
+    ref = grouped_linear_reference(x, route.token_of_row, route.offsets, w, None, act, None, route.num_rows)
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    assert torch.all(y[int(route.offsets[-1]):] == 0)  # the sentinel's row: no expert, zero
+    for e in range(4):  # per expert (their scales differ by 500x): bf16 roundings + the summed operand's
+        lo, hi = int(route.offsets[e]), int(route.offsets[e + 1])
+        if hi > lo:
+            assert _rel(y[lo:hi], ref[lo:hi]) <= 2**-7, e
+    h = _x(m=route.num_rows, k=48, seed=4)  # the down projection's input: already sorted rows
+    wd = nvfp4_quantize(torch.randn(4, 64, 48, generator=g) * 0.05, "expert")
+    yd = be.grouped_linear(h, None, route.offsets, wd, None, act, None, route.num_rows, be.prepare_weight(wd))
+    refd = grouped_linear_reference(h, None, route.offsets, wd, None, act, None, route.num_rows)
+    assert _rel(yd, refd) <= 2**-7
 
 
 # -- selection and errors ------------------------------------------------------------------------------

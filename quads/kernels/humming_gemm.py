@@ -66,6 +66,7 @@ __all__ = [
 
 HUMMING_REQUIREMENT = "humming-kernels==0.1.19"
 HUMMING_MODES = ("default", "no_stream_k", "batch_invariant")
+GROUPED = "grouped_contiguous"  # humming's MoE GEMM over rows sorted by expert (quads' Routing)
 E2M1_BLOCK_L1_MAX = 96.0  # 16 values of |e2m1| <= 6 per block
 FP16_OUTPUT_LIMIT = 2.0**15  # keep the bound of |o| below this (fp16 max 65504)
 
@@ -92,7 +93,7 @@ def import_humming():
     except ImportError as err:
         raise ImportError(
             f"the quads 'humming' backend needs humming: pip install {HUMMING_REQUIREMENT} "
-            f"(the GPU extra: pip install 'quads[gpu]'); import failed: {err}"
+            f"(or the extra: pip install 'quads[humming]'); import failed: {err}"
         ) from err
     return humming
 
@@ -173,7 +174,7 @@ def _no_stream_k(table):
 
 
 class HummingNVFP4:
-    """One NVFP4 weight (N, K) as a transformed humming layer, its GEMM configuration and the
+    """One NVFP4 weight (N, K), or experts (E, N, K), as a transformed humming layer, its GEMM configuration and the
     fp32 tensors the kernel reads at run time (``weight_scale_2`` per operand range, the
     epilogue's ``2^c``), all refreshable in place.
 
@@ -187,13 +188,11 @@ class HummingNVFP4:
             raise ValueError(f"humming mode must be one of {HUMMING_MODES}, got {mode!r}")
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"humming layers multiply fp16 or bf16 activations, got {dtype}")
-        experts, _ = _check_parts(qdata, scale, global_encode_scale)
-        if experts is not None:
-            raise NotImplementedError("3-D expert weights: humming's MoE GEMMs are not wired yet (use 'hopper')")
+        self.num_experts, _ = _check_parts(qdata, scale, global_encode_scale)
         self.device = check_humming_device(qdata.device)
         self.humming = import_humming()
         self.dtype, self.mode = dtype, mode
-        self.shape_n, self.shape_k = qdata.shape[0], qdata.shape[1] * 2
+        self.shape_n, self.shape_k = qdata.shape[-2], qdata.shape[-1] * 2
         self.operand_max = dict(operand_max or {"unit": None})
         self.layer = self._build(qdata, scale, global_encode_scale)
         self.shift: dict[str, torch.Tensor] = {}
@@ -208,6 +207,7 @@ class HummingNVFP4:
 
         with torch.cuda.device(self.device):
             layer = HummingLayer(shape_n=self.shape_n, shape_k=self.shape_k, torch_dtype=self.dtype,
+                                 num_experts=self.num_experts,
                                  weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"}).to(self.device)
             layer.load_from_tensors(modelopt_tensors(qdata, scale, gs))
             layer.transform()
@@ -216,7 +216,8 @@ class HummingNVFP4:
     def _write_scales(self, scale, gs):
         one = torch.ones(1, dtype=torch.float32, device=self.device)
         for name, amax in self.operand_max.items():
-            c = output_shift(scale, gs, amax) if amax is not None else torch.zeros(1, device=self.device)
+            # one shift for all experts (the epilogue's 2^c does not depend on the row's expert)
+            c = output_shift(scale, gs, amax).amax().reshape(1) if amax is not None else torch.zeros(1, device=self.device)
             ws2 = one / gs.reshape(-1).to(torch.float32) * torch.exp2(-c)
             unshift = torch.exp2(c)
             if name in self.ws2:  # in place: captured graphs read these addresses
@@ -229,9 +230,10 @@ class HummingNVFP4:
     def refresh_(self, qdata, scale, global_encode_scale) -> None:
         """Rewrite the held layout from new parts of the same shapes, in place (see the module doc)."""
         _check_parts(qdata, scale, global_encode_scale)
-        if (qdata.shape[0], qdata.shape[1] * 2) != (self.shape_n, self.shape_k):
-            raise ValueError(f"refresh_ got a ({qdata.shape[0]}, {qdata.shape[1] * 2}) weight for a "
-                             f"({self.shape_n}, {self.shape_k}) humming layer")
+        experts = qdata.shape[0] if qdata.dim() == 3 else None
+        if (experts, qdata.shape[-2], qdata.shape[-1] * 2) != (self.num_experts, self.shape_n, self.shape_k):
+            raise ValueError(f"refresh_ got a {tuple(qdata.shape[:-1])} x {qdata.shape[-1] * 2} weight for a "
+                             f"({self.num_experts or ''}, {self.shape_n}, {self.shape_k}) humming layer")
         scratch = self._build(qdata, scale, global_encode_scale)
         held = dict(self.layer.named_parameters())
         new = dict(scratch.named_parameters())
@@ -246,14 +248,17 @@ class HummingNVFP4:
 
     # -- configuration ----------------------------------------------------------------------------
     def _configs(self) -> tuple[str | None, str | None]:
+        compute = {"gemm_type": GROUPED} if self.num_experts else {}
         if self.mode == "batch_invariant":
-            return json.dumps({"use_batch_invariant": True}), None
-        if self.mode == "default":
-            return None, None
+            compute["use_batch_invariant"] = True
+        compute_str = json.dumps(compute) if compute else None
+        if self.mode != "no_stream_k":
+            return compute_str, None
         from humming.tune import get_heuristics_config
 
-        table = get_heuristics_config(self.layer.humming_config, shape_m=None, device=self.device)
-        return None, json.dumps(_no_stream_k(table), default=_json_value)
+        table = get_heuristics_config(self.layer.humming_config, shape_m=None, device=self.device,
+                                      **({"gemm_type": GROUPED} if self.num_experts else {}))
+        return compute_str, json.dumps(_no_stream_k(table), default=_json_value)
 
     def with_mode(self, mode: str) -> "HummingNVFP4":
         """A view running this layout (same tensors, refreshed together) under another ``mode``."""
@@ -265,23 +270,34 @@ class HummingNVFP4:
         return view
 
     # -- running ----------------------------------------------------------------------------------
-    def __call__(self, a: torch.Tensor, scaling: str = "unit", out: torch.Tensor | None = None) -> torch.Tensor:
-        """``a @ DQ(W)^T * 2^-c`` (M, N) in ``self.dtype`` (c of ``scaling``; 0 for ``"unit"``)."""
+    def __call__(self, a: torch.Tensor, scaling: str = "unit", out: torch.Tensor | None = None,
+                 expert_layout: torch.Tensor | None = None) -> torch.Tensor:
+        """``a @ DQ(W)^T * 2^-c`` (M, N) in ``self.dtype`` (c of ``scaling``; 0 for ``"unit"``).
+
+        Experts: ``expert_layout`` (E+1,) int32/int64 row offsets, rows ``[off[e], off[e+1])`` of
+        ``a`` multiplied by expert ``e`` (humming's grouped-contiguous MoE GEMM; quads'
+        :class:`~quads.ops.experts.Routing` offsets); rows from ``off[E]`` on are not written."""
         from humming.forward import humming_forward
 
         layer = self.layer
         if a.dtype != self.dtype:
             raise TypeError(f"this humming layer multiplies {self.dtype} rows, got {a.dtype}")
+        if (expert_layout is None) != (self.num_experts is None):
+            raise ValueError("expert_layout goes with (and only with) a 3-D experts layer")
         return humming_forward(layer.humming_config, inputs=a, weight=layer.weight,
                                weight_scale=layer.weight_scale, weight_scale_2=self.ws2[scaling],
-                               outputs=out, locks=layer.locks, compute_config=self.compute_config,
-                               tuning_config=self.tuning_config)
+                               outputs=out, locks=layer.locks, expert_layout=expert_layout,
+                               compute_config=self.compute_config, tuning_config=self.tuning_config)
 
     def warmup(self, ms=(1,)) -> None:
         """Compile (first call: every kernel of the M-interval table) and run once per M in ``ms``:
         call before CUDA-graph capture."""
         for m in ms:
-            self(torch.zeros(m, self.shape_k, dtype=self.dtype, device=self.device))
+            layout = None
+            if self.num_experts:  # all rows to expert 0
+                layout = torch.full((self.num_experts + 1,), m, dtype=torch.int64, device=self.device)
+                layout[0] = 0
+            self(torch.zeros(m, self.shape_k, dtype=self.dtype, device=self.device), expert_layout=layout)
         torch.cuda.synchronize(self.device)
 
     @property

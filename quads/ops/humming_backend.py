@@ -27,9 +27,16 @@ the packed weight and 16-bit activation operands:
 :data:`~quads.kernels.humming_gemm.HUMMING_MODES`; the default ``"no_stream_k"`` has no split
 reduction (deterministic run to run) pending the measurement of its speed against ``"default"``.
 
-Not on humming yet (the exact Hopper kernels serve them): MoE experts (3-D weights: humming's
-grouped / indexed MoE GEMMs are the next stage), weights with per-row global scales, fp32
-activations. The prepared object of such a weight is the Hopper layout.
+**MoE experts** (3-D weights, :meth:`HummingBackend.grouped_linear`): humming's grouped-contiguous
+MoE GEMM over quads' routing (rows sorted by expert, ``offsets`` = humming's ``expert_layout``);
+the token operands are built once and their rows gathered (quantization is row-local, so a
+gathered row has the bits of the token's); W4A4 + residual uses the *summed* operand there (the
+stacked one would need per-expert interleaving: next stage). Rows past ``offsets[E]`` (no expert)
+are zeroed as the exact path does.
+
+Not on humming (the exact Hopper kernels serve them): weights with per-row global scales, experts
+with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
+experts. The prepared object of such a weight is the Hopper layout.
 
 Weight memory: one humming layout per (weight, activation dtype) actually used: a W4A4 model
 builds the fp16 one, a W4A16 bf16 model the bf16 one; the packed parts stay (quads' checkpoint
@@ -73,8 +80,10 @@ def humming_residual_layout(rows: int, layout: str = "auto", mode: str = "defaul
 
 
 def humming_supports(weight: NVFP4Parts) -> bool:
-    """Whether humming serves this weight: 2-D with one global scale (else the Hopper kernels)."""
-    return weight.qdata.dim() == 2 and weight.global_encode_scale.numel() == 1
+    """Whether humming serves this weight: 2-D with one global scale, or 3-D experts with one per
+    expert (else the Hopper kernels)."""
+    dim = weight.qdata.dim()
+    return dim in (2, 3) and weight.global_encode_scale.numel() == (1 if dim == 2 else weight.qdata.shape[0])
 
 
 class HummingWeight:
@@ -145,6 +154,15 @@ class HummingBackend(HopperBackend):
             return out.refresh_(weight)
         return HummingWeight(weight, self.mode)
 
+    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
+        if (not isinstance(prepared, HummingWeight) and prepared is not None) or not humming_supports(weight) \
+                or bias is not None or x.dtype not in (torch.float16, torch.bfloat16) \
+                or (act is not None and act.granularity != "row"):
+            hopper = prepared if not isinstance(prepared, HummingWeight) else None
+            return super().grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, hopper)
+        prepared = prepared if prepared is not None else self.prepare_weight(weight)
+        return humming_grouped(x, rows, offsets, prepared, act, static_mask, num_rows)
+
     def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None):
         if not humming_supports(weight) or x2d.dtype not in (torch.float16, torch.bfloat16):
             hopper = prepared if prepared is not None and not isinstance(prepared, HummingWeight) else None
@@ -175,3 +193,27 @@ def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str =
         return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=True)
     o = layer(sum_stacked_rows(ops.stacked, m), "summed")
     return unscale_rows(o, m, layer.unshift["summed"], ops.main_scale, bias, x2.dtype, stacked=False)
+
+
+def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask, num_rows: int) -> torch.Tensor:
+    """(num_rows, N) in ``x.dtype``: row ``p`` = ``linear(x[rows[p]], W[e(p)])`` through humming's
+    grouped MoE GEMM (see the module doc); ``rows`` None = identity."""
+    from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    valid = torch.arange(num_rows, device=x.device) < offsets[-1]  # rows of no expert give 0
+    if act is None:
+        a = x if rows is None else x.index_select(0, rows)
+        y = prepared.layer(x.dtype)(a, expert_layout=offsets)
+        return y.masked_fill_(~valid[:, None], 0)
+    ops = activation_operands_triton(x, act, static_mask)
+    m = x.shape[0]
+    op = sum_stacked_rows(ops.stacked, m) if ops.residual is not None else ops.main
+    scale = ops.main_scale
+    if rows is not None:
+        op, scale = op.index_select(0, rows), scale.index_select(0, rows)
+    layer = prepared.layer(torch.float16)
+    scaling = "summed" if ops.residual is not None else "w4a4"
+    o = layer(op, scaling, expert_layout=offsets)
+    y = unscale_rows(o, num_rows, layer.unshift[scaling], scale, None, x.dtype, stacked=False)
+    return y.masked_fill_(~valid[:, None], 0)
