@@ -124,9 +124,15 @@ def install_cpu_emulation():
             self.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
             self.humming_config = Config(f"{tuple(qdata.shape)}{dtype}")
 
-    def call(self, a, scaling="unit", out=None):
+    def call(self, a, scaling="unit", out=None, expert_layout=None):
         w = unscaled_values(NVFP4Parts(self.layer.weight, self.layer.weight_scale, torch.ones(())))
-        return ((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype)
+        if expert_layout is None:
+            return ((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype)
+        y = torch.zeros(a.shape[0], w.shape[-2], dtype=self.dtype)
+        b = expert_layout.tolist()
+        for e in range(len(b) - 1):
+            y[b[e]:b[e + 1]] = ((a[b[e]:b[e + 1]].float() @ w[e].T) * self.ws2[scaling][e]).to(self.dtype)
+        return y
 
     hg.check_humming_device = lambda d: torch.device(d)
     hg.import_humming = lambda: None
@@ -335,6 +341,121 @@ def bench_shape(k, n, ms, modes, budget, dev):
         torch.cuda.empty_cache()
 
 
+# -- MoE blocks ------------------------------------------------------------------------------------
+
+MOE_CONFIGS = ((128, 8, 2048, 768), (8, 2, 4096, 14336))  # (E, top-k, H, I): bench_kernels.py's two blocks
+MOE_TS = (1, 4, 16, 64)
+
+
+def bf16_experts(hid, idx, wts, gate_up_t, down_t, inter):
+    """transformers-5 grouped_mm experts (BF16), as bench_kernels.py's peer: sort, two torch._grouped_mm."""
+    import torch.nn.functional as F
+
+    num_tokens, top_k = idx.shape
+    e = gate_up_t.shape[0]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(e, dtype=torch.int32, device=hid.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = torch._grouped_mm(hid[order // top_k], gate_up_t, offs=offs)
+    h = F.silu(h[:, :inter]) * h[:, inter:]
+    y = torch._grouped_mm(h, down_t, offs=offs)
+    out = torch.zeros_like(y).index_copy_(0, order, y)
+    return (out.view(num_tokens, top_k, -1) * wts.unsqueeze(-1)).sum(1)
+
+
+def bench_moe(budget, dev, configs=MOE_CONFIGS, ts=MOE_TS):
+    """MoE blocks, captured: BF16 grouped_mm, quads exact (k = 100%, W4A16), humming (default mode:
+    W4A16, W4A4 + residual summed, plain W4A4); rel error of each vs quads' exact output."""
+    import torch.nn.functional as F
+
+    from quads.ops import rollout_experts
+    from quads.tensor import NVFP4Tensor
+
+    humming = HummingBackend(mode="default")
+    for E, TOPK, H, I in configs:
+        tag = f"E={E} top{TOPK} H={H} I={I}"
+        if time.time() - T0 > budget:
+            print(f"CUT moe {tag}: over the {budget} s budget", flush=True)
+            continue
+        g = torch.Generator(device=dev).manual_seed(9)
+        gu = (torch.randn(E, 2 * I, H, device=dev, generator=g) * 0.02).bfloat16()
+        dn = (torch.randn(E, H, I, device=dev, generator=g) * 0.02).bfloat16()
+        gu_t, dn_t = gu.transpose(1, 2), dn.transpose(1, 2)
+        qgu, qdn = NVFP4Tensor.from_float(gu), NVFP4Tensor.from_float(dn)
+        del gu, dn
+        prep_h = (HOPPER.prepare_weight(qgu.parts), HOPPER.prepare_weight(qdn.parts))
+        prep_m = (humming.prepare_weight(qgu.parts), humming.prepare_weight(qdn.parts))
+        t = time.time()
+        for p in prep_m:
+            p.layer(torch.float16), p.layer(torch.bfloat16)
+        sync()
+        record("build", shape=tag, seconds=round(time.time() - t, 3))
+
+        def gate(h, inter=I):
+            return F.silu(h[:, :inter]) * h[:, inter:]
+
+        paths = {
+            "quads exact k=100% (default)": lambda h, i, w: rollout_experts(h, i, w, qgu, qdn, gate, QUADS_DEFAULT,
+                                                                            backend=HOPPER, prepared=prep_h),
+            "quads exact W4A16": lambda h, i, w: rollout_experts(h, i, w, qgu, qdn, gate, None, backend=HOPPER,
+                                                                 prepared=prep_h),
+            "humming W4A16 [default]": lambda h, i, w: rollout_experts(h, i, w, qgu, qdn, gate, None,
+                                                                       backend=humming, prepared=prep_m),
+            "humming W4A4+res summed [default]": lambda h, i, w: rollout_experts(
+                h, i, w, qgu, qdn, gate, QUADS_DEFAULT, backend=humming, prepared=prep_m),
+            "humming W4A4 plain [default]": lambda h, i, w: rollout_experts(h, i, w, qgu, qdn, gate, PLAIN,
+                                                                            backend=humming, prepared=prep_m),
+        }
+        for T in ts:
+            S = 2 if DRY else 8
+            hid = [torch.randn(T, H, device=dev, generator=g).bfloat16() for _ in range(S)]
+            idx = [torch.stack([torch.randperm(E, device=dev, generator=g)[:TOPK] for _ in range(T)]) for _ in range(S)]
+            wts = [torch.softmax(torch.randn(T, TOPK, device=dev, generator=g), -1).bfloat16() for _ in range(S)]
+            mt = f"{tag} T={T}"
+            t = time.time()
+            refs = {"w4a16": paths["quads exact W4A16"](hid[0], idx[0], wts[0]).float(),
+                    "w4a4": paths["quads exact k=100% (default)"](hid[0], idx[0], wts[0]).float(),
+                    "plain": rollout_experts(hid[0], idx[0], wts[0], qgu, qdn, gate, PLAIN, backend=HOPPER,
+                                             prepared=prep_h).float()}
+            for name, fn in paths.items():
+                if not name.startswith("humming"):
+                    continue
+                try:
+                    y = fn(hid[0], idx[0], wts[0]).float()
+                    ref = refs["w4a16" if "W4A16" in name else "plain" if "plain" in name else "w4a4"]
+                    rel = float((y - ref).abs().max() / ref.abs().max())
+                    record("check", shape=mt, name=name, rel_vs_exact=rel)
+                    print(f"check moe {mt} {name}: rel vs exact {rel:.2e}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"check moe {mt} {name} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            if DRY:
+                record("jit", shape=mt, seconds=round(time.time() - t, 2))
+            base = None
+            if not DRY:
+                try:
+                    base = timed([lambda i=i: bf16_experts(hid[i], idx[i], wts[i], gu_t, dn_t, I) for i in range(S)],
+                                 budget)
+                except Exception as e:  # noqa: BLE001
+                    print(f"moe bf16 failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            line = {}
+            for name, fn in paths.items():
+                try:
+                    line[name] = timed([lambda i=i, fn=fn: fn(hid[i], idx[i], wts[i]) for i in range(S)], budget)
+                except Exception as e:  # noqa: BLE001
+                    print(f"time moe {mt} {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            for name, us in line.items():
+                if us is not None:
+                    record("moe", shape=tag, t=T, name=name, us=us, x_vs_bf16=base / us if base else None)
+            print(f"moe {mt}: bf16 grouped_mm {base} us | " + " | ".join(
+                f"{nm} {us:.1f} us" + (f" {base / us:.2f}x" if base else "") for nm, us in line.items() if us),
+                flush=True)
+        del qgu, qdn, prep_h, prep_m, gu_t, dn_t
+        if not DRY:
+            torch.cuda.empty_cache()
+
+
 # -- summary -----------------------------------------------------------------------------------------
 
 def _geomean(vals):
@@ -389,6 +510,7 @@ def main():
     ap.add_argument("--ms", default=None, help="comma list of M (default: 1..2048)")
     ap.add_argument("--modes", default=",".join(hg.HUMMING_MODES))
     ap.add_argument("--budget-s", type=float, default=210.0)
+    ap.add_argument("--sections", default="linear,moe")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     modes = tuple(args.modes.split(","))
@@ -410,13 +532,25 @@ def main():
         shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     if args.ms:
         ms = tuple(int(v) for v in args.ms.split(","))
-    for k, n in shapes:
+    sections = args.sections.split(",")
+    for k, n in shapes if "linear" in sections else ():
         t = time.time()
         try:
             bench_shape(k, n, ms, modes, args.budget_s, dev)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         print(f"--- K={k} N={n}: {time.time() - t:.0f} s (total {time.time() - T0:.0f} s)", flush=True)
+        write(args.out, None)
+    if "moe" in sections:
+        t = time.time()
+        try:
+            if DRY:
+                bench_moe(args.budget_s, dev, configs=((4, 2, 64, 32),), ts=(3,))
+            else:
+                bench_moe(args.budget_s, dev)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        print(f"--- moe: {time.time() - t:.0f} s (total {time.time() - T0:.0f} s)", flush=True)
         write(args.out, None)
     write(args.out, summary())
     print(f"total {time.time() - T0:.0f} s; wrote {args.out}/bench_humming.json, .csv")
