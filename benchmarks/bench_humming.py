@@ -24,8 +24,11 @@ One run, same process, for each linear shape (K, N) of the issue and each M:
    (M rows), plain W4A4, each under the three humming modes (``default``: Stream-K heuristics;
    ``no_stream_k``; ``batch_invariant``), the stacked GEMM alone (operands pre-built), and humming's
    own FP8-activation W4A8 mode. Activation quantization is included in every quads/humming W4A4
-   row. Also: the JIT compile time of each layer/mode (first call), the in-place sync time
-   (humming refresh vs the Hopper layout kernel) and the layout bytes.
+   row. Also: the JIT compile time of each layer/mode (first call; the tables are pruned to the row
+   counts run here, same kernel per M; one full table is timed on 4096^2 for the production
+   cost), the in-place sync time (humming refresh vs the Hopper layout kernel) and the layout
+   bytes. humming's FP8-activation mode is probed once per shape (expected to fail on sm_90 with
+   NVFP4's 16-wide scale groups; the error is recorded).
 
 Cut to stay under 4 minutes on the H200: MoE blocks (humming's MoE GEMMs are not wired yet), the
 k = 50% top-k variant, humming's FP8 mode under non-default modes; ``--budget-s`` (default 210 s)
@@ -151,7 +154,8 @@ def variants(mode_weights: dict, modes) -> dict:
         out[f"humming W4A16 [{mode}]"] = ("w4a16", lambda x, i, hw=hw: hw[i].layer(torch.bfloat16)(x))
         for lay in ("stacked", "summed"):
             out[f"humming W4A4+res {lay} [{mode}]"] = (
-                lay, lambda x, i, hw=hw, lay=lay: BACKENDS[lay].linear(x, hw[i].parts, None, QUADS_DEFAULT, None, hw[i]))
+                lay,
+                lambda x, i, hw=hw, lay=lay: BACKENDS[lay].linear(x, hw[i].parts, None, QUADS_DEFAULT, None, hw[i]))
         out[f"humming W4A4 plain [{mode}]"] = (
             "plain", lambda x, i, hw=hw: BACKENDS["stacked"].linear(x, hw[i].parts, None, PLAIN, None, hw[i]))
     return out
@@ -200,7 +204,8 @@ def check(name, kind, fn, x_big, parts, tag):
         inv = max(float((outs[m] - outs[1]).abs().max()) for m in CHECK_MS)
         res = dict(rel=worst_rel, bound=None if kind == "fp8" else worst_bound, det_maxdiff=det, inv_maxdiff=inv)
         ok = "" if kind == "fp8" else ("PASS" if worst_bound <= 1 else "FAIL")
-        print(f"check {tag} {name:40s} rel {worst_rel:.2e} bound {res['bound'] if res['bound'] is None else round(worst_bound, 3)}"
+        shown = None if res["bound"] is None else round(worst_bound, 3)
+        print(f"check {tag} {name:40s} rel {worst_rel:.2e} bound {shown}"
               f" {ok} | rerun maxdiff {det:.2e} | batch-inv maxdiff {inv:.2e}", flush=True)
     except Exception as e:  # noqa: BLE001
         res = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -227,7 +232,7 @@ def fp8_humming_layer(parts: NVFP4Parts):
     return layer
 
 
-def bench_shape(k, n, ms, modes, budget, dev):
+def bench_shape(k, n, ms, modes, budget, dev, shapes_first=((4096, 4096),)):
     tag = f"K={k} N={n}"
     if time.time() - T0 > budget:
         print(f"CUT {tag}: over the {budget} s budget", flush=True)
@@ -244,15 +249,30 @@ def bench_shape(k, n, ms, modes, budget, dev):
 
         fp8w = [fp8_weight(w) for w in ws]
     t = time.time()
-    base = [HummingWeight(p, "default") for p in parts]
+    # compile only the kernels humming picks for the row counts run here (stacked: 2M rows): the
+    # same kernel per M as its full table (quads.kernels.humming_gemm.prune_table), ~8 instead of ~33
+    hint = sorted({1, 2, *ms, *(2 * m for m in ms), *CHECK_MS, *(2 * m for m in CHECK_MS)})
+    base = [HummingWeight(p, "default", rows_hint=hint) for p in parts]
     for hw in base:
         hw.layer(torch.float16), hw.layer(torch.bfloat16)
     sync()
     record("build", shape=tag, seconds=round(time.time() - t, 3), sets=s_sets,
            layout_bytes_fp16=base[0].layers[torch.float16].nbytes if not DRY else None, nvfp4_bytes=per)
     mode_weights = {m: [hw.with_mode(m) for hw in base] for m in modes}
-    # JIT: the first call of each (layout dtype, mode) compiles its M-interval table
     x1 = torch.randn(1, k, device=dev, generator=g)
+    if not DRY and (k, n) == shapes_first[0]:  # the production cost: humming's full table, one layer
+        try:
+            t = time.time()
+            full = hg.HummingNVFP4(*parts[0], dtype=torch.float16, mode="default")
+            full(x1.half())
+            sync()
+            record("jit", shape=tag, mode="default", dtype="float16", full_table=True,
+                   seconds=round(time.time() - t, 2))
+            print(f"jit {tag} default fp16, humming's full M table: {time.time() - t:.2f} s", flush=True)
+            del full
+        except Exception as e:  # noqa: BLE001
+            print(f"jit full table FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    # JIT: the first call of each (layout dtype, mode) compiles its (pruned) M-interval table
     for mode in modes:
         for dtype in (torch.float16, torch.bfloat16):
             t = time.time()
@@ -264,14 +284,16 @@ def bench_shape(k, n, ms, modes, budget, dev):
             except Exception as e:  # noqa: BLE001
                 print(f"jit {tag} {mode} {dtype} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
     fp8_layers = None
-    if not DRY:
+    if not DRY:  # expected to fail on sm_90: FP8 MMA has K=32 > NVFP4's 16-wide weight scale groups
         try:
             t = time.time()
-            fp8_layers = [fp8_humming_layer(p) for p in parts]
-            fp8_layers[0](x1.bfloat16())
+            probe = fp8_humming_layer(parts[0])
+            probe(x1.bfloat16())
+            fp8_layers = [probe] + [fp8_humming_layer(p) for p in parts[1:]]
             sync()
             print(f"jit {tag} humming FP8-activation layer: {time.time() - t:.2f} s", flush=True)
         except Exception as e:  # noqa: BLE001
+            record("fp8_mode", shape=tag, error=f"{type(e).__name__}: {str(e)[:300]}")
             print(f"humming FP8-activation mode unavailable: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
     var = variants(mode_weights, modes)
@@ -386,7 +408,8 @@ def bench_moe(budget, dev, configs=MOE_CONFIGS, ts=MOE_TS):
         qgu, qdn = NVFP4Tensor.from_float(gu), NVFP4Tensor.from_float(dn)
         del gu, dn
         prep_h = (HOPPER.prepare_weight(qgu.parts), HOPPER.prepare_weight(qdn.parts))
-        prep_m = (humming.prepare_weight(qgu.parts), humming.prepare_weight(qdn.parts))
+        prep_m = (HummingWeight(qgu.parts, "default", rows_hint=[T * TOPK for T in ts]),
+                  HummingWeight(qdn.parts, "default", rows_hint=[T * TOPK for T in ts]))
         t = time.time()
         for p in prep_m:
             p.layer(torch.float16), p.layer(torch.bfloat16)

@@ -332,13 +332,14 @@ def test_configuration_modes(fake_humming, monkeypatch):
              [8, 1 << 30, {"block_shape": (64, 128, 64), "use_stream_k": False}]]
     seen = []
     fake_tune = types.ModuleType("humming.tune")
-    fake_tune.get_heuristics_config = lambda config, shape_m=None, device=None: seen.append(shape_m) or table
+    fake_tune.get_heuristics_config = (
+        lambda config, shape_m=None, device=None, **kw: seen.append((shape_m, kw)) or table)
     monkeypatch.setitem(sys.modules, "humming.tune", fake_tune)
     layer = hb.HummingWeight(_weight(), "default").layer(torch.float16)
     assert _ORIG_CONFIGS(layer) == (None, None)
     nsk = layer.with_mode("no_stream_k")
     compute, tuning = _ORIG_CONFIGS(nsk)
-    assert compute is None and seen == [None]  # the whole table (every M interval), not one M
+    assert compute is None and seen == [(None, {"use_batch_invariant": False})]  # the whole table, not one M
     parsed = json.loads(tuning)
     assert [e[:2] for e in parsed] == [[0, 8], [8, 1 << 30]]
     assert all(e[2]["use_stream_k"] is False for e in parsed) and parsed[0][2]["mma_type"] == "wgmma"
@@ -348,3 +349,22 @@ def test_configuration_modes(fake_humming, monkeypatch):
     assert bi.ws2 is layer.ws2 and bi.layer is layer.layer  # a view: one layout, refreshed together
     with pytest.raises(ValueError, match="humming mode"):
         layer.with_mode("fast")
+    # a benchmark's row hint: humming's table (batch-invariant one under that mode), pruned
+    hinted = hb.HummingWeight(_weight(), "batch_invariant", rows_hint=(2, 4)).layer(torch.float16)
+    compute, tuning = _ORIG_CONFIGS(hinted)
+    assert json.loads(compute) == {"use_batch_invariant": True} and seen[-1] == (None, {"use_batch_invariant": True})
+    assert json.loads(tuning) == [[0, 1 << 30, json.loads(json.dumps(table[0][2], default=hg._json_value))]]
+
+
+def test_pruned_table_picks_humming_kernel_for_every_hinted_row_count():
+    table = [[0, 1, "a"], [1, 8, "b"], [8, 64, "c"], [64, 512, "d"], [512, 1 << 30, "e"]]
+
+    def pick(t, m):
+        return next(cfg for lo, hi, cfg in t if lo < m <= hi)
+
+    rows = (1, 2, 128, 4096)
+    pruned = hg.prune_table(table, rows)
+    assert [cfg for _, _, cfg in pruned] == ["a", "b", "d", "e"]
+    assert all(pick(pruned, m) == pick(table, m) for m in rows)
+    assert pruned[0][0] == 0 and pruned[-1][1] == 1 << 30  # every M still has a kernel
+    assert all(a[1] == b[0] for a, b in zip(pruned, pruned[1:]))

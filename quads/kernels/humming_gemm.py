@@ -173,6 +173,21 @@ def _no_stream_k(table):
     return table
 
 
+def prune_table(table: list, rows) -> list:
+    """Only the entries of humming's M-interval table that serve one of ``rows`` (humming picks
+    entry ``[lo, hi, cfg]`` for ``lo < M <= hi``), stretched to cover every M: the same kernel for
+    each of ``rows``, fewer kernels to compile (a benchmark over a few M; the backend keeps all)."""
+    kept = [entry for entry in table if any(entry[0] < m <= entry[1] for m in rows)]
+    if not kept:
+        raise ValueError(f"no entry of the tuning table serves rows {sorted(rows)}")
+    out, lo = [], 0
+    for entry in kept:
+        out.append([lo, entry[1], copy.deepcopy(entry[2])])
+        lo = entry[1]
+    out[-1][1] = 1 << 30
+    return out
+
+
 class HummingNVFP4:
     """One NVFP4 weight (N, K), or experts (E, N, K), as a transformed humming layer, its GEMM configuration and the
     fp32 tensors the kernel reads at run time (``weight_scale_2`` per operand range, the
@@ -183,7 +198,7 @@ class HummingNVFP4:
     scaling (``{"unit": None}`` = no shift: weight_scale_2 = 1/S_w, for inputs whose outputs fit)."""
 
     def __init__(self, qdata, scale, global_encode_scale, *, dtype=torch.float16, mode: str = "default",
-                 operand_max: dict[str, float | None] | None = None):
+                 operand_max: dict[str, float | None] | None = None, rows_hint=None):
         if mode not in HUMMING_MODES:
             raise ValueError(f"humming mode must be one of {HUMMING_MODES}, got {mode!r}")
         if dtype not in (torch.float16, torch.bfloat16):
@@ -192,6 +207,7 @@ class HummingNVFP4:
         self.device = check_humming_device(qdata.device)
         self.humming = import_humming()
         self.dtype, self.mode = dtype, mode
+        self.rows_hint = tuple(sorted(set(rows_hint))) if rows_hint else None
         self.shape_n, self.shape_k = qdata.shape[-2], qdata.shape[-1] * 2
         self.operand_max = dict(operand_max or {"unit": None})
         self.layer = self._build(qdata, scale, global_encode_scale)
@@ -217,7 +233,10 @@ class HummingNVFP4:
         one = torch.ones(1, dtype=torch.float32, device=self.device)
         for name, amax in self.operand_max.items():
             # one shift for all experts (the epilogue's 2^c does not depend on the row's expert)
-            c = output_shift(scale, gs, amax).amax().reshape(1) if amax is not None else torch.zeros(1, device=self.device)
+            if amax is None:
+                c = torch.zeros(1, device=self.device)
+            else:
+                c = output_shift(scale, gs, amax).amax().reshape(1)
             ws2 = one / gs.reshape(-1).to(torch.float32) * torch.exp2(-c)
             unshift = torch.exp2(c)
             if name in self.ws2:  # in place: captured graphs read these addresses
@@ -252,13 +271,18 @@ class HummingNVFP4:
         if self.mode == "batch_invariant":
             compute["use_batch_invariant"] = True
         compute_str = json.dumps(compute) if compute else None
-        if self.mode != "no_stream_k":
-            return compute_str, None
+        if self.mode != "no_stream_k" and self.rows_hint is None:
+            return compute_str, None  # humming resolves its own table (the same call as below)
         from humming.tune import get_heuristics_config
 
         table = get_heuristics_config(self.layer.humming_config, shape_m=None, device=self.device,
+                                      use_batch_invariant=self.mode == "batch_invariant",
                                       **({"gemm_type": GROUPED} if self.num_experts else {}))
-        return compute_str, json.dumps(_no_stream_k(table), default=_json_value)
+        if self.mode == "no_stream_k":
+            table = _no_stream_k(table)
+        if self.rows_hint is not None:
+            table = prune_table(table, self.rows_hint)
+        return compute_str, json.dumps(table, default=_json_value)
 
     def with_mode(self, mode: str) -> "HummingNVFP4":
         """A view running this layout (same tensors, refreshed together) under another ``mode``."""

@@ -92,9 +92,10 @@ class HummingWeight:
     refreshed in place by weight syncs. Build (and JIT-compile) before graph capture: a first
     forward or :meth:`warmup` does it."""
 
-    def __init__(self, weight: NVFP4Parts, mode: str):
+    def __init__(self, weight: NVFP4Parts, mode: str, rows_hint=None):
         self.parts = weight
         self.mode = mode
+        self.rows_hint = rows_hint  # benchmarks: compile only the kernels of these row counts
         self.layers: dict[torch.dtype, object] = {}
 
     def fits(self, weight: NVFP4Parts) -> bool:
@@ -111,7 +112,8 @@ class HummingWeight:
             if dtype == torch.float16:
                 operand_max.update(_OPERAND_MAX)
             held = self.layers[dtype] = HummingNVFP4(p.qdata, p.scale, p.global_encode_scale, dtype=dtype,
-                                                     mode=self.mode, operand_max=operand_max)
+                                                     mode=self.mode, operand_max=operand_max,
+                                                     rows_hint=self.rows_hint)
         return held
 
     def refresh_(self, weight: NVFP4Parts) -> "HummingWeight":
@@ -122,7 +124,7 @@ class HummingWeight:
 
     def with_mode(self, mode: str) -> "HummingWeight":
         """The layers built so far, run under another humming ``mode`` (views: one layout)."""
-        view = HummingWeight(self.parts, mode)
+        view = HummingWeight(self.parts, mode, self.rows_hint)
         view.layers = {dtype: layer.with_mode(mode) for dtype, layer in self.layers.items()}
         return view
 
