@@ -486,8 +486,32 @@ def _geomean(vals):
     return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
 
 
+def _derived(times):
+    """Per (shape, M): the faster residual layout of each mode, and the faster of the exact path and
+    humming's (issue: keep the Triton kernel at the M where it wins)."""
+    by = {(r["shape"], r["m"], r["name"]): r for r in times}
+    out = []
+    for shape, m in sorted({(r["shape"], r["m"]) for r in times}):
+        def pick(names, label):
+            rows = [by[(shape, m, nm)] for nm in names if (shape, m, nm) in by]
+            if rows:
+                best = min(rows, key=lambda r: r["us"])
+                out.append({**best, "name": label, "picked": best["name"]})
+        for mode in hg.HUMMING_MODES:
+            pick([f"humming W4A4+res {lay} [{mode}]" for lay in ("stacked", "summed")],
+                 f"humming W4A4+res best layout [{mode}]")
+        pick(["quads exact k=100% (default)", "humming W4A4+res stacked [default]",
+              "humming W4A4+res summed [default]"], "hybrid W4A4+res: exact or humming [default], faster")
+        pick(["quads exact W4A16", "humming W4A16 [default]"], "hybrid W4A16: exact or humming [default], faster")
+    return out
+
+
 def summary():
     times = [r for r in ROWS if r["section"] == "time" and r["name"] != "bf16"]
+    times += _derived(times)
+    for r in times:
+        if r["name"].startswith("hybrid"):
+            print(f"  {r['name']} {r['shape']} M={r['m']}: {r['picked']}")
     names = sorted({r["name"] for r in times})
     print("\n=== geomean x BF16 per M bucket (targets: " + ", ".join(f"{b} >= {t}" for b, t in TARGETS.items())
           + "; W4A16: M<=16 >= 1.4, M=64 >= 1.1) ===")
@@ -502,7 +526,7 @@ def summary():
             cells.append(f"{bucket} {gm:.2f} (min {worst:.2f})" if gm else f"{bucket} -")
         w64 = _geomean([r["x_vs_bf16"] for r in times if r["name"] == name and r["m"] == 64])
         out[name]["M=64"] = w64
-        print(f"{name:42s} " + " | ".join(cells) + (f" | M=64 {w64:.2f}" if w64 else ""))
+        print(f"{name:52s} " + " | ".join(cells) + (f" | M=64 {w64:.2f}" if w64 else ""))
     # stacked vs summed per M (sets SUMMED_FROM_ROWS), humming modes vs default (the 10% rule)
     print("\n=== per M: faster residual layout (default mode), and each mode's time / default's ===")
     for m in sorted({r["m"] for r in times}):

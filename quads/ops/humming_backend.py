@@ -24,8 +24,11 @@ the packed weight and 16-bit activation operands:
   (``QUADS_HUMMING_RESIDUAL`` overrides).
 
 ``mode`` (``QUADS_HUMMING_MODE`` overrides): humming's kernel configuration, see
-:data:`~quads.kernels.humming_gemm.HUMMING_MODES`; the default ``"no_stream_k"`` has no split
-reduction (deterministic run to run) pending the measurement of its speed against ``"default"``.
+:data:`~quads.kernels.humming_gemm.HUMMING_MODES`. Default ``"default"`` (humming's fastest
+heuristics, Stream-K: not deterministic run to run): its sm_90 tables give the no-split modes as
+few as N/128 CTAs at small M (32 of 132 SMs at N = 4096), so no deterministic mode is expected
+within 10% there; the H200 run of ``benchmarks/bench_humming.py`` decides (issue 24's rule: a
+deterministic mode within 10% of the fastest becomes the default).
 
 **MoE experts** (3-D weights, :meth:`HummingBackend.grouped_linear`): humming's grouped-contiguous
 MoE GEMM over quads' routing (rows sorted by expert, ``offsets`` = humming's ``expert_layout``);
@@ -135,14 +138,14 @@ class HummingWeight:
 
 class HummingBackend(HopperBackend):
     """See the module doc. ``mode``/``residual_layout`` default to the env overrides, then
-    ``"no_stream_k"``/``"auto"``."""
+    ``"default"``/``"auto"``."""
 
     name = "humming"
 
     def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
         from quads.kernels.humming_gemm import HUMMING_MODES
 
-        self.mode = mode or os.environ.get("QUADS_HUMMING_MODE", "no_stream_k")
+        self.mode = mode or os.environ.get("QUADS_HUMMING_MODE", "default")
         if self.mode not in HUMMING_MODES:
             raise ValueError(f"QUADS_HUMMING_MODE must be one of {HUMMING_MODES}, got {self.mode!r}")
         if residual_layout not in RESIDUAL_LAYOUTS:
