@@ -8,11 +8,14 @@ module to another device picks again.
 
 * ``torch``: the references (any device; the spec the kernels are tested against);
 * ``hopper``: the exact-emulation Triton kernels (sm_90; any device under ``TRITON_INTERPRET=1``);
+* ``humming``: rollout linears through vLLM's humming GEMMs (sm_90, :mod:`quads.ops.humming_backend`;
+  humming imported lazily, ``pip install humming-kernels==0.1.19``): the fast, non-exact path;
 * ``blackwell``: the native FP4 linear of :mod:`quads.kernels.blackwell` on sm_100+, the Hopper
   kernels for everything else. **Never run** (no Blackwell GPU here): selectable, never ``auto``.
 
 ``auto`` (default) = ``hopper`` on CUDA sm_90 with Triton installed, ``torch`` anywhere else
-(the emulation kernels are only measured on sm_90). Force a backend for new modules and for
+(the emulation kernels are only measured on sm_90); with the kernel preference ``"fast"``
+(``QuadsPolicy.kernel``) ``auto`` picks ``humming`` where ``hopper`` would be picked. Force a backend for new modules and for
 tests with ``QUADS_BACKEND=torch|hopper|blackwell|auto`` or ``with quads.use_backend(name):``.
 A forced kernel backend on a device that cannot run it raises instead of falling back.
 """
@@ -44,7 +47,8 @@ from quads.tensor.nvfp4_math import NVFP4Parts
 
 __all__ = ["BACKEND_NAMES", "Backend", "get_backend", "select_backend", "use_backend"]
 
-BACKEND_NAMES = ("auto", "torch", "hopper", "blackwell")
+BACKEND_NAMES = ("auto", "torch", "hopper", "humming", "blackwell")
+KERNEL_PREFERENCES = ("exact", "fast")
 
 
 class Backend:
@@ -133,11 +137,15 @@ _forced: list[str] = []
 
 
 def get_backend(name: str) -> Backend:
-    """The backend object of a name (``torch``, ``hopper``, ``blackwell``)."""
+    """The backend object of a name (``torch``, ``hopper``, ``humming``, ``blackwell``)."""
+    if name == "humming" and name not in _BACKENDS:  # created on first use: its module imports this one
+        from quads.ops.humming_backend import HummingBackend
+
+        _BACKENDS[name] = HummingBackend()
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown quads backend {name!r}; use one of {tuple(_BACKENDS)}") from None
+        raise ValueError(f"unknown quads backend {name!r}; use one of {BACKEND_NAMES[1:]}") from None
 
 
 def _requested() -> str:
@@ -182,16 +190,31 @@ def _kernel_backend_for(device: torch.device) -> str | None:
     return "hopper" if torch.cuda.get_device_capability(device)[0] == 9 else None
 
 
-def select_backend(device: torch.device | str) -> Backend:
-    """The backend for tensors on ``device`` (see the module doc)."""
+def select_backend(device: torch.device | str, kernel: str = "exact") -> Backend:
+    """The backend for tensors on ``device`` (see the module doc); ``kernel``: ``"exact"`` or
+    ``"fast"`` (the policy's preference: only ``auto`` reads it)."""
+    if kernel not in KERNEL_PREFERENCES:
+        raise ValueError(f"kernel preference must be one of {KERNEL_PREFERENCES}, got {kernel!r}")
     device = torch.device(device)
     requested = _requested()
     if requested == "torch" or device.type == "meta":
         return _BACKENDS["torch"]
     if requested == "auto":
-        return _BACKENDS[_kernel_backend_for(device) or "torch"]
+        name = _kernel_backend_for(device) or "torch"
+        if name == "hopper" and kernel == "fast":
+            from quads.kernels.humming_gemm import import_humming
+
+            import_humming()  # missing: the error names the pip requirement
+            name = "humming"
+        return get_backend(name)
+    if requested == "humming" and not _interpreting():
+        from quads.kernels.humming_gemm import check_humming_device, import_humming
+
+        check_humming_device(device)
+        import_humming()
+        return get_backend(requested)
     if _interpreting():
-        return _BACKENDS[requested]  # the interpreter runs kernels on CPU tensors (tests)
+        return get_backend(requested)  # the interpreter runs kernels on CPU tensors (tests)
     if device.type != "cuda" or not _triton_available():
         raise RuntimeError(f"QUADS backend {requested!r} was forced but {device} cannot run Triton kernels")
     major = torch.cuda.get_device_capability(device)[0]

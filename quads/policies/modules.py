@@ -89,7 +89,7 @@ class RolloutModule(QuadsModule):
     def quads_select_backend(self) -> None:
         """(Re)pick the backend for the device the packed weights are on."""
         device = getattr(self, self.quads_packed_names[0]).device
-        self.quads_backend = select_backend(device)
+        self.quads_backend = select_backend(device, getattr(self.quads_policy, "kernel", "exact"))
         self.quads_weights_changed()
 
     def _quads_versions(self) -> tuple:

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from quads.ops.activation_quant import ActivationQuant
+from quads.ops.backend import KERNEL_PREFERENCES
 
 __all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES"]
 
@@ -48,6 +49,10 @@ class QuadsPolicy:
         NVFP4 global scale, batch invariant) or ``"tensor"``.
     skip_patterns: regexes of module names left in high precision (see DEFAULT_SKIP_PATTERNS).
     extra_skip_patterns: regexes added to ``skip_patterns`` (the usual override).
+    kernel: rollout kernel preference (in the spirit of torchao's KernelPreference):
+        ``"exact"`` (default: the Triton kernels, bit-exact with the torch reference,
+        deterministic, batch invariant) or ``"fast"`` (vLLM's humming GEMMs on Hopper, the
+        ``humming`` backend: not bit-exact). ``QUADS_BACKEND`` still overrides both.
 
     Defaults of the three activation fields are :class:`~quads.ops.ActivationQuant`'s.
     """
@@ -59,8 +64,11 @@ class QuadsPolicy:
     activation_granularity: str = _ACT_DEFAULTS["granularity"]
     skip_patterns: tuple[str, ...] = DEFAULT_SKIP_PATTERNS
     extra_skip_patterns: tuple[str, ...] = field(default_factory=tuple)
+    kernel: str = "exact"
 
     def __post_init__(self):
+        if self.kernel not in KERNEL_PREFERENCES:
+            raise ValueError(f"QuadsPolicy.kernel must be one of {KERNEL_PREFERENCES}, got {self.kernel!r}")
         if not isinstance(self.side, str) or self.side not in SIDES:
             raise ValueError(f"QuadsPolicy.side must be one of {SIDES}, got {self.side!r}")
         if self.activations is None:

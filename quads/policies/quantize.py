@@ -146,11 +146,11 @@ def _check_ties(model: nn.Module, targets: list[_Target]) -> None:
                 )
 
 
-def _stage_packed(targets: list[_Target]) -> None:
+def _stage_packed(targets: list[_Target], kernel: str = "exact") -> None:
     """Rollout side: quantize every weight into a new NVFP4Tensor; shared weights are packed once."""
     done: dict[int, NVFP4Tensor] = {}
     for t in targets:
-        t.backend = select_backend(getattr(t.module, t.weight_names[0]).device)
+        t.backend = select_backend(getattr(t.module, t.weight_names[0]).device, kernel)
         for pname in t.weight_names:
             weight = getattr(t.module, pname)
             if id(weight) not in done:
@@ -268,7 +268,7 @@ def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy, model:
     check_all_finite(weights.values(), "quantize_")
     with torch.no_grad():
         if policy.side == "rollout":
-            _stage_packed(staged)
+            _stage_packed(staged, policy.kernel)
             check_dequantized_range(
                 {id(p): (f"{t.name}.{n}" if t.name else n, p.parts, p.orig_dtype)
                  for t in staged for n, p in t.packed.items()}.values(), "quantize_")

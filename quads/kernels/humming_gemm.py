@@ -1,0 +1,331 @@
+"""quads' NVFP4 weights as vLLM's humming GEMMs (humming-kernels 0.1.19): the Hopper fast path.
+
+humming (github.com/vllm-project/humming) JIT-compiles (NVRTC) mixed-precision GEMMs; its
+ModelOpt NVFP4 weight schema takes quads' packed parts as they are::
+
+    HummingLayer(shape_n=N, shape_k=K, torch_dtype=fp16|bf16,
+                 weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"})
+    .load_from_tensors({"weight": qdata (uint8 N x K/2), "weight_scale": scale (e4m3 N x K/16),
+                        "weight_scale_2": 1/S_w (fp32 (1,))}); .transform()
+
+On sm_90 the weight is decoded in registers to the activation dtype: ``e2m1 * f32(s)`` has at most
+6 significant bits and lies in [2^-10, 2688], so it is exact in fp16 and bf16; products are summed
+in fp32 and ``weight_scale_2`` (a fp32 tensor scale, read by the kernel at run time) multiplies
+the sum before the fp16/bf16 store. Activations are 16-bit (sm_90 has no 4-bit activation MMA:
+humming's sm_90 heuristics allow no 4-bit ``a_dtype``), so quads hands over its exact fp16
+operand rows ``e2m1 * f32(block scale)`` (see :mod:`quads.ops.humming_backend`).
+
+**Output range.** A 16-bit activation needs an output of the same dtype (humming's rule). With
+the unscaled quads operands (|a| <= A) an fp16 output can overflow: ``|o_n| <= A * L_n / S_w`` with
+``L_n = sum_k |e2m1 * s|`` of output row n, bounded without decoding by ``96 * sum_b s_b`` (16
+values of at most 6 per block). :func:`output_shift` picks, on the device (no host sync), the
+power of two ``2^c`` that keeps that bound under ``2^15``; the GEMM then reads
+``weight_scale_2 = 2^-c / S_w`` and the epilogue multiplies by ``2^c`` (exact). Outputs below
+fp16's normal range (2^-14 after the shift) keep an absolute error below ``2^(c-25)`` before the
+per-row unscaling.
+
+**Configurations** (``mode``): ``"default"`` (humming's heuristics: an M-interval table of
+kernels, Stream-K split reductions with atomic fix-ups on many shapes: NOT deterministic run to
+run nor batch invariant, measured max diff 0.0078 at 4096^2), ``"no_stream_k"`` (the same table
+with ``use_stream_k=False`` forced in every entry: deterministic; batch invariance is measured,
+not promised: the table switches tiles with M) and ``"batch_invariant"`` (humming's
+``compute_config={"use_batch_invariant": True}``: no Stream-K and one K-warp per block).
+
+**JIT**: the first call of a layer (per mode) compiles every kernel of its M-interval table (~1.5
+s per shape measured); :meth:`HummingNVFP4.warmup` pays it before CUDA-graph capture. The kernel
+cache lives under quads' cache directory (``HUMMING_CACHE_DIR``/``HUMMING_TMP_DIR`` set to
+``<cache>/humming/...`` unless the user set them).
+
+**Refresh**: ``HummingLayer.transform()`` allocates new parameters, so a weight sync builds a
+scratch layer from the new parts and copies its transformed tensors **into** the held ones (same
+shapes and dtypes, checked): captured graphs stay valid; the scratch costs one more layout of
+the weight for the duration of the copy.
+
+This module needs CUDA sm_90 and humming; nothing here imports humming at quads import time.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "HUMMING_REQUIREMENT",
+    "HUMMING_MODES",
+    "HummingNVFP4",
+    "check_humming_device",
+    "humming_cache_root",
+    "import_humming",
+    "modelopt_tensors",
+    "output_shift",
+]
+
+HUMMING_REQUIREMENT = "humming-kernels==0.1.19"
+HUMMING_MODES = ("default", "no_stream_k", "batch_invariant")
+GROUPED = "grouped_contiguous"  # humming's MoE GEMM over rows sorted by expert (quads' Routing)
+E2M1_BLOCK_L1_MAX = 96.0  # 16 values of |e2m1| <= 6 per block
+FP16_OUTPUT_LIMIT = 2.0**15  # keep the bound of |o| below this (fp16 max 65504)
+
+
+def humming_cache_root() -> Path:
+    """``$QUADS_CACHE/humming``, else ``$XDG_CACHE_HOME/quads/humming``, else ``~/.cache/quads/humming``
+    (the rule of :func:`quads.models.cache.cache_root`, restated: this layer imports only tensor)."""
+    env = os.environ.get("QUADS_CACHE")
+    if env:
+        return Path(env).expanduser() / "humming"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "quads" / "humming"
+
+
+def import_humming():
+    """Import humming (lazily: only the humming backend needs it), its JIT cache under
+    :func:`humming_cache_root` unless ``HUMMING_CACHE_DIR``/``HUMMING_TMP_DIR`` are set."""
+    root = humming_cache_root()
+    os.environ.setdefault("HUMMING_CACHE_DIR", str(root / "cache"))
+    os.environ.setdefault("HUMMING_TMP_DIR", str(root / "tmp"))
+    try:
+        import humming
+        import humming.layer  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            f"the quads 'humming' backend needs humming: pip install {HUMMING_REQUIREMENT} "
+            f"(or the extra: pip install 'quads[humming]'); import failed: {err}"
+        ) from err
+    return humming
+
+
+def check_humming_device(device: torch.device | str) -> torch.device:
+    """``device`` if humming's GEMMs are measured there (CUDA sm_90), else a RuntimeError naming it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise RuntimeError(f"the quads 'humming' backend runs on CUDA sm_90 (Hopper) only, got device {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        raise RuntimeError(
+            f"the quads 'humming' backend is built and measured for sm_90 (H100/H200); {device} is "
+            f"sm_{major}{minor}: use the 'hopper' (exact) or 'torch' backend there"
+        )
+    return device
+
+
+def _check_parts(qdata: torch.Tensor, scale: torch.Tensor, global_encode_scale: torch.Tensor) -> tuple:
+    if qdata.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"NVFP4 parts must be uint8 qdata and float8_e4m3fn scales, got {qdata.dtype}, {scale.dtype}")
+    if qdata.dim() not in (2, 3) or scale.shape[:-1] != qdata.shape[:-1] or scale.shape[-1] * 8 != qdata.shape[-1]:
+        raise ValueError(
+            f"NVFP4 parts shapes do not match: qdata {tuple(qdata.shape)} (.., N, K/2), "
+            f"scale {tuple(scale.shape)} (.., N, K/16)"
+        )
+    experts = qdata.shape[0] if qdata.dim() == 3 else None
+    want = (experts,) if experts is not None else (1,)
+    gs = global_encode_scale.reshape(-1)
+    if gs.numel() != want[0]:
+        raise ValueError(
+            f"humming takes one global weight scale per {'expert' if experts else 'tensor'} "
+            f"({want[0]} values); got {global_encode_scale.numel()} (row-granular global weight "
+            "scales have no humming layout: quantize weights with granularity 'tensor'/'expert')"
+        )
+    return experts, gs
+
+
+def output_shift(scale: torch.Tensor, global_encode_scale: torch.Tensor, operand_max: float) -> torch.Tensor:
+    """``c`` (fp32, per expert or (1,)): the power of two of the module doc's output-range rule
+    for operands with ``|a| <= operand_max``: the smallest ``c >= 0`` with
+    ``operand_max * 96 * max_n sum_b s_nb / S_w / 2^c <= 2^15``. Computed on the device."""
+    s = scale.to(torch.float32)
+    row_l1 = E2M1_BLOCK_L1_MAX * s.sum(dim=-1)  # (.., N)
+    bound = operand_max * row_l1.amax(dim=-1).reshape(-1) / global_encode_scale.reshape(-1).to(torch.float32)
+    c = torch.ceil(torch.log2(torch.clamp(bound / FP16_OUTPUT_LIMIT, min=1.0)))
+    return torch.nan_to_num(c, nan=0.0, posinf=0.0)  # inf/NaN weights: the output is inf/NaN anyway
+
+
+def modelopt_tensors(qdata: torch.Tensor, scale: torch.Tensor, global_encode_scale: torch.Tensor,
+                     shift: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of humming's ModelOpt NVFP4 schema for quads' parts: ``weight`` = qdata,
+    ``weight_scale`` = scale (as they are), ``weight_scale_2`` = ``2^-shift / S_w`` (fp32, (1,) or
+    (E,)); ``shift`` None = 0."""
+    _, gs = _check_parts(qdata, scale, global_encode_scale)
+    one = torch.ones((), dtype=torch.float32, device=gs.device)
+    ws2 = one / gs.to(torch.float32)
+    if shift is not None:
+        ws2 = ws2 * torch.exp2(-shift.to(device=ws2.device, dtype=torch.float32).reshape(-1))
+    return {"weight": qdata.contiguous(), "weight_scale": scale.contiguous(), "weight_scale_2": ws2.contiguous()}
+
+
+def _json_value(v):
+    """Enums and numpy scalars of humming's tuning tables as JSON values."""
+    if hasattr(v, "value"):
+        return v.value
+    if hasattr(v, "item"):
+        return v.item()
+    raise TypeError(f"humming tuning value {v!r} is not JSON-serializable")
+
+
+def _no_stream_k(table):
+    table = copy.deepcopy(table)
+    entries = [table] if isinstance(table, dict) else [entry[2] for entry in table]
+    for cfg in entries:
+        cfg["use_stream_k"] = False
+    return table
+
+
+def prune_table(table: list, rows) -> list:
+    """Only the entries of humming's M-interval table that serve one of ``rows`` (humming picks
+    entry ``[lo, hi, cfg]`` for ``lo < M <= hi``), stretched to cover every M: the same kernel for
+    each of ``rows``, fewer kernels to compile (a benchmark over a few M; the backend keeps all)."""
+    kept = [entry for entry in table if any(entry[0] < m <= entry[1] for m in rows)]
+    if not kept:
+        raise ValueError(f"no entry of the tuning table serves rows {sorted(rows)}")
+    out, lo = [], 0
+    for entry in kept:
+        out.append([lo, entry[1], copy.deepcopy(entry[2])])
+        lo = entry[1]
+    out[-1][1] = 1 << 30
+    return out
+
+
+class HummingNVFP4:
+    """One NVFP4 weight (N, K), or experts (E, N, K), as a transformed humming layer, its GEMM configuration and the
+    fp32 tensors the kernel reads at run time (``weight_scale_2`` per operand range, the
+    epilogue's ``2^c``), all refreshable in place.
+
+    ``dtype``: the activation dtype the layer multiplies (fp16 for quads' operands; bf16/fp16
+    for direct W4A16). ``operand_max``: the operand bound of the output-range rule for each named
+    scaling (``{"unit": None}`` = no shift: weight_scale_2 = 1/S_w, for inputs whose outputs fit)."""
+
+    def __init__(self, qdata, scale, global_encode_scale, *, dtype=torch.float16, mode: str = "default",
+                 operand_max: dict[str, float | None] | None = None, rows_hint=None):
+        if mode not in HUMMING_MODES:
+            raise ValueError(f"humming mode must be one of {HUMMING_MODES}, got {mode!r}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"humming layers multiply fp16 or bf16 activations, got {dtype}")
+        self.num_experts, _ = _check_parts(qdata, scale, global_encode_scale)
+        self.device = check_humming_device(qdata.device)
+        self.humming = import_humming()
+        self.dtype, self.mode = dtype, mode
+        self.rows_hint = tuple(sorted(set(rows_hint))) if rows_hint else None
+        self.shape_n, self.shape_k = qdata.shape[-2], qdata.shape[-1] * 2
+        self.operand_max = dict(operand_max or {"unit": None})
+        self.layer = self._build(qdata, scale, global_encode_scale)
+        self.shift: dict[str, torch.Tensor] = {}
+        self.ws2: dict[str, torch.Tensor] = {}
+        self.unshift: dict[str, torch.Tensor] = {}
+        self._write_scales(scale, global_encode_scale)
+        self.compute_config, self.tuning_config = self._configs()
+
+    # -- building and refreshing ------------------------------------------------------------------
+    def _build(self, qdata, scale, gs):
+        from humming.layer import HummingLayer
+
+        with torch.cuda.device(self.device):
+            layer = HummingLayer(shape_n=self.shape_n, shape_k=self.shape_k, torch_dtype=self.dtype,
+                                 num_experts=self.num_experts,
+                                 weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"}).to(self.device)
+            layer.load_from_tensors(modelopt_tensors(qdata, scale, gs))
+            layer.transform()
+        return layer
+
+    def _write_scales(self, scale, gs):
+        one = torch.ones(1, dtype=torch.float32, device=self.device)
+        for name, amax in self.operand_max.items():
+            # one shift for all experts (the epilogue's 2^c does not depend on the row's expert)
+            if amax is None:
+                c = torch.zeros(1, device=self.device)
+            else:
+                c = output_shift(scale, gs, amax).amax().reshape(1)
+            ws2 = one / gs.reshape(-1).to(torch.float32) * torch.exp2(-c)
+            unshift = torch.exp2(c)
+            if name in self.ws2:  # in place: captured graphs read these addresses
+                self.shift[name].copy_(c)
+                self.ws2[name].copy_(ws2)
+                self.unshift[name].copy_(unshift)
+            else:
+                self.shift[name], self.ws2[name], self.unshift[name] = c, ws2.contiguous(), unshift
+
+    def refresh_(self, qdata, scale, global_encode_scale) -> None:
+        """Rewrite the held layout from new parts of the same shapes, in place (see the module doc)."""
+        _check_parts(qdata, scale, global_encode_scale)
+        experts = qdata.shape[0] if qdata.dim() == 3 else None
+        if (experts, qdata.shape[-2], qdata.shape[-1] * 2) != (self.num_experts, self.shape_n, self.shape_k):
+            raise ValueError(f"refresh_ got a {tuple(qdata.shape[:-1])} x {qdata.shape[-1] * 2} weight for a "
+                             f"({self.num_experts or ''}, {self.shape_n}, {self.shape_k}) humming layer")
+        scratch = self._build(qdata, scale, global_encode_scale)
+        held = dict(self.layer.named_parameters())
+        new = dict(scratch.named_parameters())
+        if held.keys() != new.keys() or self.layer.humming_config.to_str() != scratch.humming_config.to_str():
+            raise RuntimeError("humming's transformed layout changed kind on refresh; rebuild the backend state")
+        for name, p in new.items():
+            if held[name].shape != p.shape or held[name].dtype != p.dtype:
+                raise RuntimeError(f"humming parameter {name!r} changed shape/dtype on refresh")
+        for name, p in new.items():  # checked first: all or nothing
+            held[name].data.copy_(p.data)
+        self._write_scales(scale, global_encode_scale)
+
+    # -- configuration ----------------------------------------------------------------------------
+    def _configs(self) -> tuple[str | None, str | None]:
+        compute = {"gemm_type": GROUPED} if self.num_experts else {}
+        if self.mode == "batch_invariant":
+            compute["use_batch_invariant"] = True
+        compute_str = json.dumps(compute) if compute else None
+        if self.mode != "no_stream_k" and self.rows_hint is None:
+            return compute_str, None  # humming resolves its own table (the same call as below)
+        from humming.tune import get_heuristics_config
+
+        table = get_heuristics_config(self.layer.humming_config, shape_m=None, device=self.device,
+                                      use_batch_invariant=self.mode == "batch_invariant",
+                                      **({"gemm_type": GROUPED} if self.num_experts else {}))
+        if self.mode == "no_stream_k":
+            table = _no_stream_k(table)
+        if self.rows_hint is not None:
+            table = prune_table(table, self.rows_hint)
+        return compute_str, json.dumps(table, default=_json_value)
+
+    def with_mode(self, mode: str) -> "HummingNVFP4":
+        """A view running this layout (same tensors, refreshed together) under another ``mode``."""
+        if mode not in HUMMING_MODES:
+            raise ValueError(f"humming mode must be one of {HUMMING_MODES}, got {mode!r}")
+        view = copy.copy(self)
+        view.mode = mode
+        view.compute_config, view.tuning_config = view._configs()
+        return view
+
+    # -- running ----------------------------------------------------------------------------------
+    def __call__(self, a: torch.Tensor, scaling: str = "unit", out: torch.Tensor | None = None,
+                 expert_layout: torch.Tensor | None = None) -> torch.Tensor:
+        """``a @ DQ(W)^T * 2^-c`` (M, N) in ``self.dtype`` (c of ``scaling``; 0 for ``"unit"``).
+
+        Experts: ``expert_layout`` (E+1,) int32/int64 row offsets, rows ``[off[e], off[e+1])`` of
+        ``a`` multiplied by expert ``e`` (humming's grouped-contiguous MoE GEMM; quads'
+        :class:`~quads.ops.experts.Routing` offsets); rows from ``off[E]`` on are not written."""
+        from humming.forward import humming_forward
+
+        layer = self.layer
+        if a.dtype != self.dtype:
+            raise TypeError(f"this humming layer multiplies {self.dtype} rows, got {a.dtype}")
+        if (expert_layout is None) != (self.num_experts is None):
+            raise ValueError("expert_layout goes with (and only with) a 3-D experts layer")
+        return humming_forward(layer.humming_config, inputs=a, weight=layer.weight,
+                               weight_scale=layer.weight_scale, weight_scale_2=self.ws2[scaling],
+                               outputs=out, locks=layer.locks, expert_layout=expert_layout,
+                               compute_config=self.compute_config, tuning_config=self.tuning_config)
+
+    def warmup(self, ms=(1,)) -> None:
+        """Compile (first call: every kernel of the M-interval table) and run once per M in ``ms``:
+        call before CUDA-graph capture."""
+        for m in ms:
+            layout = None
+            if self.num_experts:  # all rows to expert 0
+                layout = torch.full((self.num_experts + 1,), m, dtype=torch.int64, device=self.device)
+                layout[0] = 0
+            self(torch.zeros(m, self.shape_k, dtype=self.dtype, device=self.device), expert_layout=layout)
+        torch.cuda.synchronize(self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the transformed layout (the weight memory this layer adds)."""
+        return sum(p.numel() * p.element_size() for p in self.layer.parameters()) + sum(
+            b.numel() * b.element_size() for b in self.layer.buffers())

@@ -1,0 +1,224 @@
+"""The ``humming`` backend: rollout linears through vLLM's humming GEMMs on Hopper (the fast path).
+
+Same entries as :class:`~quads.ops.backend.HopperBackend`; quads keeps its NVFP4 parts, its one
+quantizer and its Triton activation quantization, and hands humming (:mod:`quads.kernels.humming_gemm`)
+the packed weight and 16-bit activation operands:
+
+* **W4A16** (``act=None``): the bf16/fp16 activations go in directly (a layer of ``x.dtype``);
+  output = ``fp32 sum of exact products * (1/S_w)``, rounded once to ``x.dtype``.
+* **W4A4 (+ residual)**: quads' fused quantization writes the exact fp16 operand rows
+  ``e2m1 * f32(block scale)`` of the main term and of the residual (both under the row's global
+  scale ``S_x``: quads quantizes the residual with the main term's ``S_x``, so nothing needs
+  folding); the GEMM's fp16 output rows are unscaled by ``2^c / S_x`` (:func:`unscale_rows`).
+
+  - ``stacked`` (2M operand rows, main then residual; the two output rows are summed in fp32 in
+    the epilogue): every product exact, fp32 sums; error vs the exact path = the fp16 rounding
+    of each of the two GEMM output rows (relative 2^-11 of each, plus an absolute ``2^(c-25)/S_x``
+    below fp16's normal range) and the final rounding to ``x.dtype``.
+  - ``summed`` (M rows of ``fp16(main + residual)``): one more rounding per *operand element*
+    (relative 2^-11 of ``|x_hat + r_hat|`` scaled by ``S_x``), i.e. ``|Δy_n| <= 2^-11 * sum_k
+    |x̂+r̂|_k |w_nk|`` before the output roundings; half the GEMM rows, one more small kernel.
+
+  ``residual_layout``: ``"auto"`` = stacked below :data:`SUMMED_FROM_ROWS` rows, summed from
+  there (provisional until the H200 numbers of ``benchmarks/bench_humming.py``), or either forced
+  (``QUADS_HUMMING_RESIDUAL`` overrides).
+
+``mode`` (``QUADS_HUMMING_MODE`` overrides): humming's kernel configuration, see
+:data:`~quads.kernels.humming_gemm.HUMMING_MODES`. Default ``"default"`` (humming's fastest
+heuristics, Stream-K: not deterministic run to run): its sm_90 tables give the no-split modes as
+few as N/128 CTAs at small M (32 of 132 SMs at N = 4096), so no deterministic mode is expected
+within 10% there; the H200 run of ``benchmarks/bench_humming.py`` decides (issue 24's rule: a
+deterministic mode within 10% of the fastest becomes the default).
+
+**MoE experts** (3-D weights, :meth:`HummingBackend.grouped_linear`): humming's grouped-contiguous
+MoE GEMM over quads' routing (rows sorted by expert, ``offsets`` = humming's ``expert_layout``);
+the token operands are built once and their rows gathered (quantization is row-local, so a
+gathered row has the bits of the token's); W4A4 + residual uses the *summed* operand there (the
+stacked one would need per-expert interleaving: next stage). Rows past ``offsets[E]`` (no expert)
+are zeroed as the exact path does.
+
+Not on humming (the exact Hopper kernels serve them): weights with per-row global scales, experts
+with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
+experts. The prepared object of such a weight is the Hopper layout.
+
+Weight memory: one humming layout per (weight, activation dtype) actually used: a W4A4 model
+builds the fp16 one, a W4A16 bf16 model the bf16 one; the packed parts stay (quads' checkpoint
+form): about 2x the NVFP4 bytes, as the Hopper backend's layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from quads.ops.activation_memo import shared_operands
+from quads.ops.activation_quant import activation_operands_triton
+from quads.ops.backend import HopperBackend
+from quads.ops.linear import prepare_weight_hopper
+from quads.tensor.nvfp4_math import NVFP4Parts
+
+__all__ = ["HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "humming_residual_layout"]
+
+RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
+#: from this many tokens on, ``auto`` uses the summed operand (provisional: the H200 run decides)
+SUMMED_FROM_ROWS = 128
+#: operand bounds of the output-range rule: one exact operand row, and the sum of two
+_OPERAND_MAX = {"w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
+
+
+def humming_residual_layout(rows: int, layout: str = "auto", mode: str = "default") -> str:
+    """``"stacked"`` or ``"summed"`` for ``rows`` tokens (``QUADS_HUMMING_RESIDUAL`` overrides ``layout``).
+
+    ``auto`` switches layout with the token count, which changes a row's bits with the batch: under
+    the ``batch_invariant`` humming mode it keeps ``stacked`` at every M instead."""
+    layout = os.environ.get("QUADS_HUMMING_RESIDUAL", layout)
+    if layout not in RESIDUAL_LAYOUTS:
+        raise ValueError(f"QUADS_HUMMING_RESIDUAL / residual_layout must be one of {RESIDUAL_LAYOUTS}, got {layout!r}")
+    if layout == "auto" and mode == "batch_invariant":
+        return "stacked"
+    if layout == "auto":
+        return "summed" if rows >= SUMMED_FROM_ROWS else "stacked"
+    return layout
+
+
+def humming_supports(weight: NVFP4Parts) -> bool:
+    """Whether humming serves this weight: 2-D with one global scale, or 3-D experts with one per
+    expert (else the Hopper kernels)."""
+    dim = weight.qdata.dim()
+    return dim in (2, 3) and weight.global_encode_scale.numel() == (1 if dim == 2 else weight.qdata.shape[0])
+
+
+class HummingWeight:
+    """What the humming backend prepares for one 2-D weight: its humming layers, built on first
+    use per activation dtype (fp16 for quads' W4A4 operands, ``x.dtype`` for W4A16) and
+    refreshed in place by weight syncs. Build (and JIT-compile) before graph capture: a first
+    forward or :meth:`warmup` does it."""
+
+    def __init__(self, weight: NVFP4Parts, mode: str, rows_hint=None):
+        self.parts = weight
+        self.mode = mode
+        self.rows_hint = rows_hint  # benchmarks: compile only the kernels of these row counts
+        self.layers: dict[torch.dtype, object] = {}
+
+    def fits(self, weight: NVFP4Parts) -> bool:
+        return (humming_supports(weight) and weight.qdata.shape == self.parts.qdata.shape
+                and weight.qdata.device == self.parts.qdata.device)
+
+    def layer(self, dtype: torch.dtype):
+        held = self.layers.get(dtype)
+        if held is None:
+            from quads.kernels.humming_gemm import HummingNVFP4
+
+            p = self.parts
+            operand_max = {"unit": None}
+            if dtype == torch.float16:
+                operand_max.update(_OPERAND_MAX)
+            held = self.layers[dtype] = HummingNVFP4(p.qdata, p.scale, p.global_encode_scale, dtype=dtype,
+                                                     mode=self.mode, operand_max=operand_max,
+                                                     rows_hint=self.rows_hint)
+        return held
+
+    def refresh_(self, weight: NVFP4Parts) -> "HummingWeight":
+        self.parts = weight
+        for layer in self.layers.values():
+            layer.refresh_(weight.qdata, weight.scale, weight.global_encode_scale)
+        return self
+
+    def with_mode(self, mode: str) -> "HummingWeight":
+        """The layers built so far, run under another humming ``mode`` (views: one layout)."""
+        view = HummingWeight(self.parts, mode, self.rows_hint)
+        view.layers = {dtype: layer.with_mode(mode) for dtype, layer in self.layers.items()}
+        return view
+
+    def warmup(self, dtypes=(torch.float16,), ms=(1,)) -> None:
+        for dtype in dtypes:
+            self.layer(dtype).warmup(ms)
+
+
+class HummingBackend(HopperBackend):
+    """See the module doc. ``mode``/``residual_layout`` default to the env overrides, then
+    ``"default"``/``"auto"``."""
+
+    name = "humming"
+
+    def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
+        from quads.kernels.humming_gemm import HUMMING_MODES
+
+        self.mode = mode or os.environ.get("QUADS_HUMMING_MODE", "default")
+        if self.mode not in HUMMING_MODES:
+            raise ValueError(f"QUADS_HUMMING_MODE must be one of {HUMMING_MODES}, got {self.mode!r}")
+        if residual_layout not in RESIDUAL_LAYOUTS:
+            raise ValueError(f"residual_layout must be one of {RESIDUAL_LAYOUTS}, got {residual_layout!r}")
+        self.residual_layout = residual_layout
+
+    def prepare_weight(self, weight: NVFP4Parts, out=None):
+        if not humming_supports(weight):
+            return prepare_weight_hopper(weight, out if not isinstance(out, HummingWeight) else None)
+        if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode:
+            return out.refresh_(weight)
+        return HummingWeight(weight, self.mode)
+
+    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
+        if (not isinstance(prepared, HummingWeight) and prepared is not None) or not humming_supports(weight) \
+                or bias is not None or x.dtype not in (torch.float16, torch.bfloat16) \
+                or (act is not None and act.granularity != "row"):
+            hopper = prepared if not isinstance(prepared, HummingWeight) else None
+            return super().grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, hopper)
+        prepared = prepared if prepared is not None else self.prepare_weight(weight)
+        return humming_grouped(x, rows, offsets, prepared, act, static_mask, num_rows)
+
+    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None):
+        if not humming_supports(weight) or x2d.dtype not in (torch.float16, torch.bfloat16):
+            hopper = prepared if prepared is not None and not isinstance(prepared, HummingWeight) else None
+            return super().linear(x2d, weight, bias, act, static_mask, hopper)
+        prepared = prepared if isinstance(prepared, HummingWeight) else self.prepare_weight(weight)
+        if act is None:
+            y = prepared.layer(x2d.dtype)(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
+            return y if bias is None else y + bias.to(y.dtype)
+        return humming_w4a4(x2d, prepared.layer(torch.float16), bias, act, static_mask, self.residual_layout)
+
+
+def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str = "auto") -> torch.Tensor:
+    """W4A4 (+ residual) through one fp16 humming layer (see the module doc): quads' fused
+    quantization (shared by sibling linears, as on the Hopper backend), the GEMM, the epilogue."""
+    from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
+
+    x2 = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+    if static_mask is None:
+        ops = shared_operands(x2, ("w4a4_operands", act), lambda: activation_operands_triton(x2, act))
+    else:
+        ops = activation_operands_triton(x2, act, static_mask)
+    m = x2.shape[0]
+    if ops.residual is None:
+        o = layer(ops.main, "w4a4")
+        return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=False)
+    if humming_residual_layout(m, residual_layout, layer.mode) == "stacked":
+        o = layer(ops.stacked, "w4a4")
+        return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=True)
+    o = layer(sum_stacked_rows(ops.stacked, m), "summed")
+    return unscale_rows(o, m, layer.unshift["summed"], ops.main_scale, bias, x2.dtype, stacked=False)
+
+
+def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask, num_rows: int) -> torch.Tensor:
+    """(num_rows, N) in ``x.dtype``: row ``p`` = ``linear(x[rows[p]], W[e(p)])`` through humming's
+    grouped MoE GEMM (see the module doc); ``rows`` None = identity."""
+    from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    valid = torch.arange(num_rows, device=x.device) < offsets[-1]  # rows of no expert give 0
+    if act is None:
+        a = x if rows is None else x.index_select(0, rows)
+        y = prepared.layer(x.dtype)(a, expert_layout=offsets)
+        return y.masked_fill_(~valid[:, None], 0)
+    ops = activation_operands_triton(x, act, static_mask)
+    m = x.shape[0]
+    op = sum_stacked_rows(ops.stacked, m) if ops.residual is not None else ops.main
+    scale = ops.main_scale
+    if rows is not None:
+        op, scale = op.index_select(0, rows), scale.index_select(0, rows)
+    layer = prepared.layer(torch.float16)
+    scaling = "summed" if ops.residual is not None else "w4a4"
+    o = layer(op, scaling, expert_layout=offsets)
+    y = unscale_rows(o, num_rows, layer.unshift[scaling], scale, None, x.dtype, stacked=False)
+    return y.masked_fill_(~valid[:, None], 0)

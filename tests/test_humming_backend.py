@@ -1,0 +1,370 @@
+"""The humming backend's CPU-testable parts (humming itself runs only on CUDA sm_90: NVRTC JIT).
+
+Tested here: the humming inputs built from quads' NVFP4 parts, the output-range shift, the two
+Triton kernels around the GEMM (interpreter), the backend glue end to end against the exact
+reference with a stand-in for humming's GEMM that follows its documented arithmetic (exact
+e2m1 x e4m3 weight decode, fp32 sums, ``* weight_scale_2``, one rounding to the activation
+dtype), in-place refresh, selection (policy field, env overrides) and the error paths. The
+GPU run (``benchmarks/bench_humming.py``) checks the real kernels against the same references.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import quads
+from quads.kernels import humming_gemm as hg
+from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
+from quads.ops import backend as backend_mod
+from quads.ops import humming_backend as hb
+from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
+from quads.ops.linear import unscaled_values, w4a4_linear_reference, w4a16_linear
+from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
+
+_ORIG_CONFIGS = hg.HummingNVFP4._configs  # the fixture stands in for it; one test checks the real one
+
+
+def _weight(n=64, k=128, seed=0, scale=0.05):
+    g = torch.Generator().manual_seed(seed)
+    return nvfp4_quantize(torch.randn(n, k, generator=g) * scale)
+
+
+def _x(m=5, k=128, seed=1, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, 3] *= 30.0  # an outlier channel, as in LLM activations
+    return x.to(dtype)
+
+
+# -- humming inputs from quads' parts --------------------------------------------------------------
+
+def test_modelopt_tensors_take_the_parts_as_they_are():
+    w = _weight()
+    t = hg.modelopt_tensors(*w)
+    assert t["weight"].dtype == torch.uint8 and torch.equal(t["weight"], w.qdata)
+    assert t["weight_scale"].dtype == torch.float8_e4m3fn and torch.equal(t["weight_scale"].view(torch.uint8),
+                                                                          w.scale.view(torch.uint8))
+    assert t["weight_scale_2"].shape == (1,) and t["weight_scale_2"].dtype == torch.float32
+    # the ModelOpt meaning: DQ(W) = e2m1 * f32(scale) * weight_scale_2
+    dq = unscaled_values(w) * t["weight_scale_2"]
+    torch.testing.assert_close(dq, nvfp4_dequantize(*w), rtol=2**-23, atol=0)
+    shifted = hg.modelopt_tensors(*w, shift=torch.tensor([3.0]))
+    assert torch.equal(shifted["weight_scale_2"], t["weight_scale_2"] / 8)
+
+
+def test_modelopt_tensors_reject_what_humming_cannot_hold():
+    w = _weight()
+    rowwise = nvfp4_quantize(torch.randn(64, 128), "row")
+    with pytest.raises(ValueError, match="row-granular"):
+        hg.modelopt_tensors(*rowwise)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        hg.modelopt_tensors(w.qdata, w.scale.view(torch.uint8), w.global_encode_scale)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        hg.modelopt_tensors(w.qdata[:, :32], w.scale, w.global_encode_scale)
+    experts = nvfp4_quantize(torch.randn(3, 32, 64), "expert")
+    assert hg.modelopt_tensors(*experts)["weight_scale_2"].shape == (3,)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.05, 3.0, 200.0])
+def test_output_shift_is_the_smallest_power_of_two_that_bounds_the_fp16_output(scale):
+    w = _weight(n=32, k=256, scale=scale)
+    amax = 6.0 * 448.0
+    c = hg.output_shift(w.scale, w.global_encode_scale, amax)
+    assert c.shape == (1,) and float(c) == int(float(c)) and float(c) >= 0
+    # the true worst case over operands with |a| <= amax: amax * max_n sum_k |DQ(W)_nk|
+    worst = amax * nvfp4_dequantize(*w).abs().sum(-1).max()
+    assert worst / 2.0 ** float(c) <= hg.FP16_OUTPUT_LIMIT
+    bound = amax * 96 * w.scale.float().sum(-1).max() / w.global_encode_scale
+    if float(c) > 0:  # minimal: one power less would break the (cheap) bound
+        assert bound / 2.0 ** (float(c) - 1) > hg.FP16_OUTPUT_LIMIT
+
+
+# -- the kernels around the GEMM (interpreter) -------------------------------------------------------
+
+def test_sum_stacked_rows_is_one_rounding_of_the_fp32_sum():
+    ops = activation_operands_triton(_x(m=4).float(), ActivationQuant())
+    s = sum_stacked_rows(ops.stacked, 4)
+    want = (ops.main.float() + ops.residual.float()).half()
+    assert torch.equal(s, want)
+    with pytest.raises(ValueError, match="2\\*4"):
+        sum_stacked_rows(ops.stacked[:6], 4)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_unscale_rows_matches_torch(stacked, out_dtype):
+    m, n = 3, 40
+    g = torch.Generator().manual_seed(0)
+    o = (torch.randn(2 * m if stacked else m, n, generator=g) * 100).half()
+    u = torch.tensor([8.0])
+    s = torch.rand(m, generator=g) * 50 + 1
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    acc = o[:m].float() + (o[m:].float() if stacked else 0)
+    want = (acc * 8.0 / s[:, None] + bias.float()).to(out_dtype)
+    got = unscale_rows(o, m, u, s, bias, out_dtype, stacked)
+    assert got.dtype == out_dtype
+    torch.testing.assert_close(got, want, rtol=2**-22 if out_dtype == torch.float32 else 0, atol=0)
+    with pytest.raises(ValueError, match="GEMM output rows"):
+        unscale_rows(o[:1], m, u, s, None, out_dtype, stacked)
+
+
+# -- the backend glue against the exact reference, humming's GEMM stood in for ------------------------
+
+class _FakeConfig:
+    def __init__(self, key):
+        self.key = key
+
+    def to_str(self):
+        return self.key
+
+
+class _FakeLayer(torch.nn.Module):
+    """A humming layer's arithmetic on CPU: exact decoded weight, fp32 sums, weight_scale_2, one rounding."""
+
+    def __init__(self, qdata, scale, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(qdata.clone(), requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
+        self.humming_config = _FakeConfig(f"{tuple(qdata.shape)}{dtype}")
+
+
+@pytest.fixture
+def fake_humming(monkeypatch):
+    calls = []
+
+    def build(self, qdata, scale, gs):
+        return _FakeLayer(qdata, scale, self.dtype)
+
+    def call(self, a, scaling="unit", out=None, expert_layout=None):
+        assert a.dtype == self.dtype
+        calls.append((tuple(a.shape), scaling))
+        w = unscaled_values(NVFP4Parts(self.layer.weight, self.layer.weight_scale, torch.ones(())))
+        if expert_layout is None:
+            return ((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype)
+        y = torch.full((a.shape[0], w.shape[-2]), float("nan"), dtype=self.dtype)  # unwritten rows: garbage
+        bounds = expert_layout.tolist()
+        for e in range(len(bounds) - 1):
+            lo, hi = bounds[e], bounds[e + 1]
+            y[lo:hi] = ((a[lo:hi].float() @ w[e].T) * self.ws2[scaling][e]).to(self.dtype)
+        return y
+
+    monkeypatch.setattr(hg, "check_humming_device", lambda d: torch.device(d))
+    monkeypatch.setattr(hg, "import_humming", lambda: None)
+    monkeypatch.setattr(hg.HummingNVFP4, "_build", build)
+    monkeypatch.setattr(hg.HummingNVFP4, "_configs", lambda self: (None, None))
+    monkeypatch.setattr(hg.HummingNVFP4, "__call__", call)
+    return calls
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.parametrize("layout", ["stacked", "summed"])
+def test_w4a4_residual_through_humming_matches_the_exact_path(fake_humming, layout):
+    w, x, act = _weight(), _x(), ActivationQuant()
+    bias = torch.randn(64).to(torch.bfloat16)
+    be = hb.HummingBackend(mode="no_stream_k", residual_layout=layout)
+    prepared = be.prepare_weight(w)
+    y = be.linear(x, w, bias, act, prepared=prepared)
+    ref = w4a4_linear_reference(x, w, bias, act)
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    assert fake_humming[-1] == ((10, 128) if layout == "stacked" else (5, 128), "w4a4" if layout == "stacked"
+                                else "summed")
+    # bf16 outputs: at most about one bf16 ulp of the largest output apart
+    assert _rel(y, ref) <= 2**-7
+    exact = w4a4_linear_reference(x.float(), w, None, act)  # fp32: the exact path before its rounding
+    y32 = hb.humming_w4a4(x.float(), prepared.layer(torch.float16), None, act, residual_layout=layout)
+    assert _rel(y32, exact) <= (2**-10 if layout == "stacked" else 2**-9)
+
+
+def test_plain_w4a4_and_w4a16_through_humming(fake_humming):
+    w, x = _weight(), _x()
+    be = hb.HummingBackend()
+    naive = ActivationQuant(residual_fraction=0.0)
+    y = be.linear(x, w, None, naive)
+    assert fake_humming[-1] == ((5, 128), "w4a4")
+    assert _rel(y, w4a4_linear_reference(x, w, None, naive)) <= 2**-7
+    y32 = hb.humming_w4a4(x.float(), be.prepare_weight(w).layer(torch.float16), None, naive)
+    assert _rel(y32, w4a4_linear_reference(x.float(), w, None, naive)) <= 2**-11
+    y16 = be.linear(x, w, None, None)  # W4A16: the bf16 activations go in directly
+    assert fake_humming[-1] == ((5, 128), "unit") and y16.dtype == torch.bfloat16
+    assert _rel(y16, w4a16_linear(x, w, None)) <= 2**-7
+
+
+def test_refresh_rewrites_the_held_tensors_in_place(fake_humming):
+    be = hb.HummingBackend()
+    w1, w2 = _weight(seed=0), _weight(seed=5, scale=2.0)
+    held = be.prepare_weight(w1)
+    layer = held.layer(torch.float16)
+    ptrs = [p.data_ptr() for p in layer.layer.parameters()] + [layer.ws2["w4a4"].data_ptr(),
+                                                                layer.unshift["w4a4"].data_ptr()]
+    shift1 = float(layer.shift["w4a4"])
+    (again,) = be.refresh_prepared((held,), [w2])
+    assert again is held
+    assert ptrs == [p.data_ptr() for p in layer.layer.parameters()] + [layer.ws2["w4a4"].data_ptr(),
+                                                                       layer.unshift["w4a4"].data_ptr()]
+    assert torch.equal(layer.layer.weight, w2.qdata)
+    assert float(layer.shift["w4a4"]) != shift1  # a 40x larger weight needs a larger shift
+    x, act = _x(), ActivationQuant()
+    y = hb.humming_w4a4(x.float(), layer, None, act)
+    assert _rel(y, w4a4_linear_reference(x.float(), w2, None, act)) <= 2**-10
+    with pytest.raises(ValueError, match="humming layer"):
+        layer.refresh_(*_weight(n=32))
+
+
+def test_weights_humming_cannot_hold_go_to_the_hopper_layout(fake_humming, monkeypatch):
+    rowwise = nvfp4_quantize(torch.randn(64, 128), "row")
+    assert not hb.humming_supports(rowwise) and hb.humming_supports(_weight())
+    assert hb.humming_supports(nvfp4_quantize(torch.randn(2, 32, 64), "expert"))
+    assert not hb.humming_supports(nvfp4_quantize(torch.randn(2, 32, 64), "tensor"))  # one S_w for all experts
+    monkeypatch.setattr(hb, "prepare_weight_hopper", lambda w, out=None: ("hopper", w))
+    assert hb.HummingBackend().prepare_weight(rowwise)[0] == "hopper"
+
+
+@pytest.mark.parametrize("act", [None, ActivationQuant(), ActivationQuant(residual_fraction=0.0)])
+def test_grouped_experts_through_humming_match_the_exact_path(fake_humming, act):
+    from quads.ops.experts import Routing
+    from quads.ops.grouped_linear import grouped_linear_reference
+
+    g = torch.Generator().manual_seed(3)
+    w = nvfp4_quantize(torch.randn(4, 48, 64, generator=g) * torch.tensor([0.01, 0.1, 1.0, 5.0])[:, None, None],
+                       "expert")
+    x = _x(m=6, k=64)
+    idx = torch.tensor([[0, 2], [1, 3], [3, 0], [2, 2], [1, 0], [9, 3]])  # 9: an expert-parallel sentinel
+    route = Routing(idx, 4)
+    be = hb.HummingBackend()
+    prepared = be.prepare_weight(w)
+    assert isinstance(prepared, hb.HummingWeight)
+    y = be.grouped_linear(x, route.token_of_row, route.offsets, w, None, act, None, route.num_rows, prepared)
+    ref = grouped_linear_reference(x, route.token_of_row, route.offsets, w, None, act, None, route.num_rows)
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    assert torch.all(y[int(route.offsets[-1]):] == 0)  # the sentinel's row: no expert, zero
+    for e in range(4):  # per expert (their scales differ by 500x): bf16 roundings + the summed operand's
+        lo, hi = int(route.offsets[e]), int(route.offsets[e + 1])
+        if hi > lo:
+            assert _rel(y[lo:hi], ref[lo:hi]) <= 2**-7, e
+    h = _x(m=route.num_rows, k=48, seed=4)  # the down projection's input: already sorted rows
+    wd = nvfp4_quantize(torch.randn(4, 64, 48, generator=g) * 0.05, "expert")
+    yd = be.grouped_linear(h, None, route.offsets, wd, None, act, None, route.num_rows, be.prepare_weight(wd))
+    refd = grouped_linear_reference(h, None, route.offsets, wd, None, act, None, route.num_rows)
+    assert _rel(yd, refd) <= 2**-7
+
+
+# -- selection and errors ------------------------------------------------------------------------------
+
+def test_residual_layout_selection(monkeypatch):
+    assert hb.humming_residual_layout(1) == "stacked"
+    assert hb.humming_residual_layout(hb.SUMMED_FROM_ROWS) == "summed"
+    assert hb.humming_residual_layout(512, "stacked") == "stacked"
+    assert hb.humming_residual_layout(512, "auto", "batch_invariant") == "stacked"  # one layout at every M
+    monkeypatch.setenv("QUADS_HUMMING_RESIDUAL", "summed")
+    assert hb.humming_residual_layout(1) == "summed"
+    monkeypatch.setenv("QUADS_HUMMING_RESIDUAL", "both")
+    with pytest.raises(ValueError, match="QUADS_HUMMING_RESIDUAL"):
+        hb.humming_residual_layout(1)
+    with pytest.raises(ValueError, match="QUADS_HUMMING_MODE"):
+        hb.HummingBackend(mode="fastest")
+
+
+def test_missing_humming_names_the_requirement(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "humming", None)  # import fails as if not installed
+    monkeypatch.delenv("HUMMING_CACHE_DIR", raising=False)
+    monkeypatch.setenv("QUADS_CACHE", str(tmp_path))
+    with pytest.raises(ImportError, match="pip install humming-kernels==0.1.19"):
+        hg.import_humming()
+    assert hg.humming_cache_root() == tmp_path / "humming"
+    import os
+
+    assert os.environ["HUMMING_CACHE_DIR"] == str(tmp_path / "humming" / "cache")
+
+
+def test_humming_needs_cuda_sm90(monkeypatch):
+    with pytest.raises(RuntimeError, match="CUDA sm_90"):
+        hg.check_humming_device("cpu")
+    monkeypatch.setattr(hg.torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    with pytest.raises(RuntimeError, match="sm_80"):
+        hg.check_humming_device(torch.device("cuda", 0))
+    monkeypatch.setattr(hg.torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    with pytest.raises(RuntimeError, match="sm_100"):
+        hg.check_humming_device(torch.device("cuda", 0))
+
+
+def test_kernel_preference_selects_humming_only_where_hopper_would_run(monkeypatch):
+    assert quads.select_backend("cpu", "fast").name == "torch"  # no Hopper here: the reference
+    with pytest.raises(ValueError, match="kernel preference"):
+        quads.select_backend("cpu", "fastest")
+    with pytest.raises(ValueError, match="QuadsPolicy.kernel"):
+        quads.QuadsPolicy(side="rollout", kernel="fastest")
+    assert quads.QuadsPolicy(side="rollout").kernel == "exact"
+    monkeypatch.setattr(backend_mod, "_kernel_backend_for", lambda d: "hopper")  # as on an H200
+    assert quads.select_backend(torch.device("cuda", 0)).name == "hopper"  # the default stays exact
+    monkeypatch.setitem(sys.modules, "humming", None)
+    with pytest.raises(ImportError, match="humming-kernels==0.1.19"):  # fast without humming: say so
+        quads.select_backend(torch.device("cuda", 0), "fast")
+    monkeypatch.setattr(hg, "import_humming", lambda: None)
+    assert quads.select_backend(torch.device("cuda", 0), "fast").name == "humming"
+    monkeypatch.setenv("QUADS_BACKEND", "hopper")  # the env var still overrides the preference
+    assert quads.select_backend(torch.device("cuda", 0), "fast").name == "hopper"
+
+
+def test_forced_humming_on_a_device_without_it_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with quads.use_backend("humming"), pytest.raises(RuntimeError, match="sm_90"):
+        quads.select_backend("cpu")
+    assert quads.ops.get_backend("humming").name == "humming"
+
+
+def test_configuration_modes(fake_humming, monkeypatch):
+    """no_stream_k: humming's own M-interval table with Stream-K off in every entry (JSON, as
+    humming parses a user tuning config); batch_invariant: humming's compute flag."""
+    import enum
+    import json
+    import types
+
+    class Mma(enum.Enum):
+        WGMMA = "wgmma"
+
+    table = [[0, 8, {"block_shape": (16, 128, 64), "use_stream_k": True, "mma_type": Mma.WGMMA}],
+             [8, 1 << 30, {"block_shape": (64, 128, 64), "use_stream_k": False}]]
+    seen = []
+    fake_tune = types.ModuleType("humming.tune")
+    fake_tune.get_heuristics_config = (
+        lambda config, shape_m=None, device=None, **kw: seen.append((shape_m, kw)) or table)
+    monkeypatch.setitem(sys.modules, "humming.tune", fake_tune)
+    layer = hb.HummingWeight(_weight(), "default").layer(torch.float16)
+    assert _ORIG_CONFIGS(layer) == (None, None)
+    nsk = layer.with_mode("no_stream_k")
+    compute, tuning = _ORIG_CONFIGS(nsk)
+    assert compute is None and seen == [(None, {"use_batch_invariant": False})]  # the whole table, not one M
+    parsed = json.loads(tuning)
+    assert [e[:2] for e in parsed] == [[0, 8], [8, 1 << 30]]
+    assert all(e[2]["use_stream_k"] is False for e in parsed) and parsed[0][2]["mma_type"] == "wgmma"
+    assert table[0][2]["use_stream_k"] is True  # humming's cached table is not modified
+    bi = layer.with_mode("batch_invariant")
+    assert _ORIG_CONFIGS(bi) == (json.dumps({"use_batch_invariant": True}), None)
+    assert bi.ws2 is layer.ws2 and bi.layer is layer.layer  # a view: one layout, refreshed together
+    with pytest.raises(ValueError, match="humming mode"):
+        layer.with_mode("fast")
+    # a benchmark's row hint: humming's table (batch-invariant one under that mode), pruned
+    hinted = hb.HummingWeight(_weight(), "batch_invariant", rows_hint=(2, 4)).layer(torch.float16)
+    compute, tuning = _ORIG_CONFIGS(hinted)
+    assert json.loads(compute) == {"use_batch_invariant": True} and seen[-1] == (None, {"use_batch_invariant": True})
+    assert json.loads(tuning) == [[0, 1 << 30, json.loads(json.dumps(table[0][2], default=hg._json_value))]]
+
+
+def test_pruned_table_picks_humming_kernel_for_every_hinted_row_count():
+    table = [[0, 1, "a"], [1, 8, "b"], [8, 64, "c"], [64, 512, "d"], [512, 1 << 30, "e"]]
+
+    def pick(t, m):
+        return next(cfg for lo, hi, cfg in t if lo < m <= hi)
+
+    rows = (1, 2, 128, 4096)
+    pruned = hg.prune_table(table, rows)
+    assert [cfg for _, _, cfg in pruned] == ["a", "b", "d", "e"]
+    assert all(pick(pruned, m) == pick(table, m) for m in rows)
+    assert pruned[0][0] == 0 and pruned[-1][1] == 1 << 30  # every M still has a kernel
+    assert all(a[1] == b[0] for a, b in zip(pruned, pruned[1:]))
