@@ -45,6 +45,51 @@ def test_layers_import_one_way():
     assert not bad, "upward imports:\n" + "\n".join(bad)
 
 
+def _runtime_imports(tree: ast.AST):
+    """The import statements that run (those under ``if TYPE_CHECKING:`` left out)."""
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """file module -> the quads file modules it imports at run time (package ``__init__`` files
+    left out: they only re-export)."""
+    files = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts): p for p in ROOT.rglob("*.py")
+             if p.name != "__init__.py"}
+    graph = {}
+    for name, path in files.items():
+        package, deps = tuple(name.split(".")[:-1]), set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            for _, module in _imports(node, package):
+                deps.add(module)
+                if isinstance(node, ast.ImportFrom):  # from quads.x import module
+                    deps.update(f"{module}.{a.name}" for a in node.names)
+        graph[name] = (deps & files.keys()) - {name}
+    return graph
+
+
+def test_no_file_import_cycles():
+    """No two files import each other, directly or around a loop (function-level imports included)."""
+    graph, cycles, state = _module_graph(), [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
 def test_rollout_modules_store_their_backend_and_forward_never_reselects(monkeypatch):
     model = build("qwen3_moe")
     quads.quantize_(model, quads.QuadsPolicy(side="rollout"))

@@ -35,6 +35,7 @@ __all__ = [
     "RolloutExperts",
     "is_fused_experts",
     "apply_gate",
+    "rollout_owners",
 ]
 
 
@@ -116,6 +117,17 @@ class RolloutModule(QuadsModule):
         out = super()._apply(fn, *args, **kwargs)
         self.quads_select_backend()  # .to(device) / .cuda(): the backend follows the weights
         return out
+
+
+def rollout_owners(model: nn.Module) -> dict[int, list[RolloutModule]]:
+    """id(packed parameter) -> the rollout module(s) of ``model`` holding it (tied weights: several);
+    how both syncs (``sync.py``, ``sharded_sync.py``) find what to refresh after a write."""
+    out: dict[int, list[RolloutModule]] = {}
+    for module in model.modules():
+        if isinstance(module, RolloutModule):
+            for pname in module.quads_packed_names:
+                out.setdefault(id(getattr(module, pname)), []).append(module)
+    return out
 
 
 class TrainerLinear(QuadsModule):

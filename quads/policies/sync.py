@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from quads.ops.backend import Backend, select_backend
-from quads.policies.modules import RolloutModule
+from quads.policies.modules import rollout_owners
 from quads.policies.shards import has_sharded_parameters
 from quads.tensor.finite import check_all_finite
 from quads.tensor.nvfp4_math import NVFP4Parts
@@ -55,16 +55,6 @@ class _Write:
     @property
     def packed(self) -> bool:
         return isinstance(self.param, NVFP4Tensor)
-
-
-def _owners(model: nn.Module) -> dict[int, list[RolloutModule]]:
-    """id(packed parameter) -> the rollout module(s) holding it."""
-    out: dict[int, list[RolloutModule]] = {}
-    for module in model.modules():
-        if isinstance(module, RolloutModule):
-            for pname in module.quads_packed_names:
-                out.setdefault(id(getattr(module, pname)), []).append(module)
-    return out
 
 
 def _grouped(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
@@ -98,7 +88,7 @@ def _problem(param: torch.Tensor, source: torch.Tensor) -> str | None:
 def _plan(rollout_model: nn.Module, trainer_model: nn.Module, strict: bool) -> list[_Write]:
     """Match parameters and check names, ties, shapes and dtypes; no device work."""
     masters = dict(trainer_model.named_parameters(remove_duplicate=False))
-    owners = _owners(rollout_model)
+    owners = rollout_owners(rollout_model)
     writes, missing, problems = [], [], []
     rollout_names: set[str] = set()
     for param, names in _grouped(rollout_model).values():
@@ -169,7 +159,7 @@ def _write(writes: list[_Write], rollout_model: nn.Module) -> None:
                 dst.copy_(src)
         else:
             w.param.copy_(w.staged)
-    owners = _owners(rollout_model)
+    owners = rollout_owners(rollout_model)
     notified = set()
     for w in writes:
         for module in owners.get(id(w.param), []) if w.packed else []:
