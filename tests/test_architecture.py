@@ -100,10 +100,13 @@ def test_rollout_modules_store_their_backend_and_forward_never_reselects(monkeyp
     def boom(*a, **k):
         raise AssertionError("select_backend called in a forward")
 
-    monkeypatch.setattr(backend_mod, "select_backend", boom)
-    import quads.ops.functional as functional
+    import quads.ops.activation_quant as activation_quant
+    import quads.ops.experts as experts
+    import quads.ops.linear as linear
+    import quads.ops.weight_quant as weight_quant
 
-    monkeypatch.setattr(functional, "select_backend", boom)
+    for mod in (backend_mod, activation_quant, experts, linear, weight_quant):  # every front that may pick
+        monkeypatch.setattr(mod, "select_backend", boom)
     ids = torch.randint(0, 96, (2, 7))
     with torch.no_grad():
         model(ids)

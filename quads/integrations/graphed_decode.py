@@ -31,7 +31,9 @@ by default, each switchable for before/after measurements: grouped-query attenti
 ``repeat_kv`` copies of the static cache (``gqa_attention``, :mod:`.gqa_attention`; sdpa models
 only, the model's configuration restored after every forward) and one activation quantization
 shared by the rollout linears that read the same input (``share_quantization``: q/k/v and
-gate/up on the kernel path, :mod:`quads.ops.activation_memo`; bit-identical outputs).
+gate/up, through the model's :class:`~quads.ops.sibling_linear.SiblingGroup` objects, dormant ones
+made by :func:`quads.policies.fused_projections.sibling_groups_`, switched on for the decoder's
+forwards only; bit-identical outputs).
 
 Without CUDA (or with ``use_cuda_graph=False``) the same step runs eagerly: that is how the CPU
 tests check it against ``generate`` and against the teacher-forced scorer.
@@ -48,7 +50,8 @@ import torch
 import torch.nn as nn
 
 from quads.integrations.gqa_attention import model_configs, use_gqa_attention
-from quads.ops.activation_memo import share_activation_quantization
+from quads.ops.sibling_linear import enabled_groups
+from quads.policies.fused_projections import sibling_groups_
 
 __all__ = ["GraphedDecoder", "SamplingSpec", "SlotCache", "unsupported_reason"]
 
@@ -273,8 +276,10 @@ class GraphedDecoder:
     :func:`~quads.integrations.gqa_attention.gqa_sdpa_attention` inside the decoder's forwards
     (no ``repeat_kv`` copy of the cache; equal to sdpa's result up to the kernel's blocking;
     eager-attention models are left on eager). ``share_quantization`` (default True): rollout
-    linears reading the same input quantize it once on the kernel path (bit-identical). False
-    for either gives the glue as it was (the benchmarks' before/after switch).
+    linears reading the same input quantize it once (bit-identical): the model's sibling
+    groups (``quads.fuse_projections_``) serve as they always do, and sibling sets without one get
+    a dormant group (attached to the modules, off outside this decoder's forwards). False for
+    either gives the glue as it was (the benchmarks' before/after switch).
     """
 
     def __init__(self, model: nn.Module, *, use_cuda_graph: bool | None = None, check_every: int = 16,
@@ -298,6 +303,7 @@ class GraphedDecoder:
         self._pass_logits_to_keep = "logits_to_keep" in params
         self.gqa_attention = gqa_attention
         self.share_quantization = share_quantization
+        self._groups: list | None = None
         self._configs = model_configs(model)
 
     def _glue(self):
@@ -306,7 +312,10 @@ class GraphedDecoder:
         stack = contextlib.ExitStack()
         if self.gqa_attention:
             stack.enter_context(use_gqa_attention(self.model, self._configs))
-        stack.enter_context(share_activation_quantization(self.share_quantization))
+        if self.share_quantization:
+            if self._groups is None or any(not g.members for g in self._groups):  # dissolved (a move): again
+                self._groups = sibling_groups_(self.model)
+            stack.enter_context(enabled_groups(self._groups))
         return stack
 
     # -- one forward -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from quads.ops.activation_quant import ActivationQuant, dequantize_activation
-from quads.ops.functional import quantize_activation
+from quads.ops.activation_quant import quantize_activation
 from quads.ops.weight_cache import cached_derived
 from quads.policies.shards import is_dtensor
 from quads.tensor.nvfp4_math import nvfp4_fake_quantize

@@ -64,8 +64,9 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import Backend, select_backend
-from quads.ops.functional import quantize_activation, rollout_experts, rollout_linear
-from quads.ops.linear import w4a4_matmul_reference
+from quads.ops.experts import rollout_experts
+from quads.ops.linear import rollout_linear
+from quads.ops.sibling_linear import SiblingGroup
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
 from quads.tensor.nvfp4_math import BLOCK_SIZE
@@ -298,6 +299,9 @@ class QuadsLinearMethod(LinearMethodBase):
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
+        # the shards read one input: one activation quantization for all of them
+        layer.quads_siblings = SiblingGroup(layer.quads_backend, self.config.activation_quant,
+                                            layer.quads_output_partition_sizes)
 
     def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         """The packed logical weights of ``layer`` (views of its parameters)."""
@@ -318,7 +322,7 @@ class QuadsLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend,
-                            getattr(layer, "quads_prepared", None))
+                            getattr(layer, "quads_prepared", None), getattr(layer, "quads_siblings", None))
 
 
 def shard_linear(
@@ -328,13 +332,16 @@ def shard_linear(
     act: ActivationQuant | None,
     backend: Backend | None = None,
     prepared: tuple | None = None,
+    group: SiblingGroup | None = None,
 ) -> torch.Tensor:
     """``cat_i rollout_linear(x, shard_i, bias_i, act)`` along the output dim.
 
-    On the torch backend the activation is quantized once and shared by the shards (same
-    result: the quantization depends on ``x`` only); kernels get one call per shard.
+    The shards read one input: a :class:`~quads.ops.sibling_linear.SiblingGroup` quantizes it
+    once and runs each shard's GEMM on the shared operands (same bits as one call per shard: the
+    quantization depends on ``x`` only).
     ``backend``: the layer's (stored at weight loading); None picks one for ``x``'s device.
     ``prepared``: one ``backend.prepare_weight`` result per shard (None: built per call).
+    ``group``: the layer's group (made at weight loading); None makes one for this call.
     """
     backend = backend or select_backend(x.device)
     prepared = prepared or (None,) * len(shards)
@@ -342,17 +349,12 @@ def shard_linear(
         return rollout_linear(x, shards[0], bias, act, backend=backend, prepared=prepared[0])
     sizes = [s.shape[0] for s in shards]
     biases = [None] * len(shards) if bias is None else list(bias.split(sizes))
-    if act is None or backend.name != "torch":
+    if torch.compiler.is_compiling():  # each shard through the quads::linear custom op
         return torch.cat([rollout_linear(x, s, b, act, backend=backend, prepared=p)
                           for s, b, p in zip(shards, biases, prepared)], dim=-1)
+    group = group if group is not None and group.backend is backend else SiblingGroup(backend, act, sizes)
     x2 = x.reshape(-1, x.shape[-1])
-    qa = quantize_activation(x2, act, backend=backend)
-    outs = []
-    for s, b in zip(shards, biases):
-        y = w4a4_matmul_reference(qa, s.parts)
-        if b is not None:
-            y = y + b.to(torch.float32)
-        outs.append(y.to(x.dtype))
+    outs = group.outputs(x2, [s.parts for s in shards], biases, prepared)
     return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], sum(sizes))
 
 
