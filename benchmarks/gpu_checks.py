@@ -413,7 +413,7 @@ def check_fused_projections():
             ids = torch.randint(0, 1000, rows, device="cuda")
             record(f"fused projections == unfused logits {rows}", bits_equal(fused(ids).logits, plain(ids).logits))
     # the RL loop: a decoder's captured graphs replayed after a sync see the new weights
-    from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec
+    from quads.engine import GraphedDecoder, SamplingSpec
 
     spec = SamplingSpec(max_new_tokens=12, eos_token_ids=(), pad_token_id=0, do_sample=False)
     prompts = torch.randint(0, 1000, (4, 16), device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import quads  # noqa: E402
-from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec  # noqa: E402
+from quads.engine import GraphedDecoder, SamplingSpec  # noqa: E402
 from quads.policies import build_rollout_model  # noqa: E402
 from rollout_throughput import DEVICE, GLUE, build_model  # noqa: E402
 

@@ -13,7 +13,7 @@ import quads
 import quads.kernels.quantize_nvfp4 as quantize_nvfp4
 import quads.kernels.fp16_operand as fp16_operand
 import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper
-from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec
+from quads.engine import GraphedDecoder, SamplingSpec
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import Backend
 from quads.ops.sibling_linear import SiblingGroup, enabled_groups
