@@ -46,6 +46,17 @@ def test_layers_import_one_way():
     assert not bad, "upward imports:\n" + "\n".join(bad)
 
 
+def test_nothing_cites_what_a_clone_does_not_hold():
+    """Code, docs, tests and scripts cite docs/ (background.md), never a design file outside the repository."""
+    repo = ROOT.parent
+    outside = ("QUADS" + ".md", "../" + "shared")
+    bad = [str(p.relative_to(repo)) for p in repo.rglob("*")
+           if p.is_file() and p.suffix in (".py", ".md", ".sh", ".toml", ".txt")
+           and not ({".git", ".venv", "results"} & set(p.relative_to(repo).parts))
+           and any(o in p.read_text(errors="ignore") for o in outside)]
+    assert not bad, f"files citing {outside}: {bad}"
+
+
 def _runtime_imports(tree: ast.AST):
     """The import statements that run (those under ``if TYPE_CHECKING:`` left out)."""
     typing_only = set()

@@ -15,7 +15,7 @@ word into its four fp16x2 registers (:data:`DECODE_PTX`):
 
 An fp16 with the E2M1 magnitude bits at 9-11 is ``e2m1 * 2^-14`` (0.5 lands on the subnormal
 2^-15); times the block scale (E4M3 -> fp16 by ``cvt.rn.f16x2.e4m3x2``, exact) it is the MMA
-operand ``e2m1 * s * 2^-14``: a multiple of 2^-24 below 0.17, exact in fp16 (QUADS.md section 3).
+operand ``e2m1 * s * 2^-14``: a multiple of 2^-24 below 0.17, exact in fp16 (docs/background.md section 2).
 Every GEMM in this package multiplies that operand and scales the fp32 sum by 2^14 in its epilogue.
 
 Storage (both uint8, sizes equal to the plain parts' after padding N to 64 and K to 64):

@@ -1,7 +1,7 @@
 """Decode GEMM on Hopper: few tokens (M <= 64) times a packed NVFP4 weight in the Hopper layout.
 
 ``y (M, N) = (x̂ Ŵᵀ [+ r̂ Ŵᵀ]) / (S_x S_w) [+ bias]``, exact W4A4 emulation
-(QUADS.md section 3), or the weight-only product with an fp16 activation operand.
+(docs/background.md section 2), or the weight-only product with an fp16 activation operand.
 
 * The weight streams from HBM once, 16 bytes per thread per load, in the layout of
   :mod:`quads.kernels.hopper_weight_layout`, and is decoded in registers straight into the wgmma

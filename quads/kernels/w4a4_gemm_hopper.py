@@ -1,6 +1,6 @@
 """Prefill GEMM on Hopper (many tokens): exact W4A4 (+ residual), bits independent of M.
 
-QUADS.md section 3: an E2M1 value times an E4M3 scale is exact in fp16, so
+docs/background.md section 2: an E2M1 value times an E4M3 scale is exact in fp16, so
 ``y = x̂ Ŵᵀ + r̂ Ŵᵀ`` is reproduced by multiplying the *unscaled* operands on fp16 tensor cores
 with fp32 accumulation and dividing the sum by ``S_x[row] * S_w`` (the residual shares the row's
 global scale) in the epilogue, exactly as :func:`quads.ops.linear.w4a4_matmul_reference` does; only the fp32
