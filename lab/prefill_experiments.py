@@ -36,11 +36,11 @@ from benchmarks.timing import graph_time  # noqa: E402
 from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
 from quads.kernels.w4a4_gemm_hopper import (  # noqa: E402
     GemmConfig,
-    cublas_prefill,
     dequant_weight_fp16,
     pick_config,
     w4a4_gemm,
 )
+from lab.cublas_prefill import cublas_prefill  # noqa: E402
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
 
