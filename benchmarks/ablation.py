@@ -5,8 +5,8 @@ in parallel subprocesses, then aggregates their ``metrics.jsonl`` / ``summary.js
 paper-style table (max per-step log-prob gap, gap / BF16 floor, final held-out accuracy) and
 plots of the gap and the reward per step.
 
-    python benchmarks/ablation.py --steps 200 --out runs/ablation --parallel 5 [--device cuda]
-    python benchmarks/ablation.py --aggregate-only --out runs/ablation   # re-make table/plots
+    python -m benchmarks.ablation --steps 200 --out runs/ablation --parallel 5 [--device cuda]
+    python -m benchmarks.ablation --aggregate-only --out runs/ablation   # re-make table/plots
 
 Extra arguments after ``--`` go to every example run.
 """

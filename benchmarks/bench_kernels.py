@@ -1,6 +1,6 @@
 """Benchmark of the quads rollout kernels on one GPU, against cuBLAS BF16 and FP8 W8A8 (H200).
 
-    PYTHONPATH=. python benchmarks/bench_kernels.py [--out DIR] [--sections linear,decode,quant,moe,sync]
+    python -m benchmarks.bench_kernels [--out DIR] [--sections linear,decode,quant,moe,sync]
 
 Every time is the median over replays of a CUDA graph that runs the op on ``S`` different input
 sets in turn (rotating weights: more than the 60 MB L2 is touched between two uses of one set),
@@ -18,18 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight  # noqa: E402
-from timing import graph_time  # noqa: E402
+from benchmarks.fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight  # noqa: E402
+from benchmarks.timing import RESULTS_CSV, append_results, graph_time  # noqa: E402
 
 from quads.kernels.hopper_weight_layout import to_hopper_layout, to_hopper_layout_reference  # noqa: E402
 from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
@@ -254,6 +251,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="linear,decode,quant,moe,sync")
+    ap.add_argument("--csv", default=str(RESULTS_CSV), help="the results table the rows are appended to ('' : none)")
     args = ap.parse_args()
     import triton
 
@@ -274,6 +272,11 @@ def main():
         print(f"--- {name}: {time.time() - t:.0f}s", flush=True)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump({"meta": meta, "rows": ROWS}, f, indent=1)
+    if args.csv:
+        import pathlib
+
+        append_results([{"kernel": r["section"], "shape": r.get("shape", ""), "variant": r["name"], "us": r["us"]}
+                        for r in ROWS], raw=os.path.join(args.out, "bench.json"), csv_path=pathlib.Path(args.csv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark of ``quads.sync_weights_`` (trainer -> rollout), with and without its validation.
 
-    PYTHONPATH=. python benchmarks/bench_sync.py [--model qwen3_moe|llama] [--size small|1b]
+    python -m benchmarks.bench_sync [--model qwen3_moe|llama] [--size small|1b]
                                                  [--repeats N] [--out DIR]
 
 Models are random, built from config (nothing is downloaded): ``small`` (~25M parameters, the
@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import quads  # noqa: E402
 from quads.policies import sync as sync_mod  # noqa: E402

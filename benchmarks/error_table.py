@@ -5,8 +5,8 @@ ablation, rollout naive W4A4, and rollout W4A4 + residual compensation at k = 25
 (per-token selection) and 50% static (calibrated). Errors are relative Frobenius norms
 against the unquantized model run in float32.
 
-    python benchmarks/error_table.py                 # embedded trained MoE (quads.tasks)
-    python benchmarks/error_table.py --random-model  # tiny random Qwen3-MoE instead
+    python -m benchmarks.error_table                 # embedded trained MoE (quads.tasks)
+    python -m benchmarks.error_table --random-model  # tiny random Qwen3-MoE instead
 
 Prints a markdown table (paste into docs/results.md with the command, machine and date).
 """

@@ -1,6 +1,6 @@
 """Bytes autograd keeps alive between forward and backward under FSDP2: plain vs quads QAT.
 
-    torchrun --nproc-per-node 2 benchmarks/fsdp_saved_bytes.py [--device cpu|cuda] [--out DIR]
+    torchrun --nproc-per-node 2 -m benchmarks.fsdp_saved_bytes [--device cpu|cuda] [--out DIR]
 
 A tiny Llama (tests/tiny_models.py), ``fully_shard`` on each layer and the root, in the two
 precision set-ups of docs/distributed.md: fp32 masters under bf16 autocast (TRL's), and FSDP's
@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 
 os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 
@@ -23,7 +22,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import quads  # noqa: E402
 from tests.tiny_models import build  # noqa: E402

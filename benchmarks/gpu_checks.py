@@ -1,6 +1,7 @@
 """GPU correctness checks of the quads kernels at real shapes (H200; run before bench_kernels.py).
 
-    PYTHONPATH=. python benchmarks/gpu_checks.py [--out DIR]
+    python -m benchmarks.gpu_checks [--out DIR] [--only act_quant,weights,...]
+    python -m pytest -m gpu tests/gpu        # the same checks as pytest tests (skipped without CUDA)
 
 Each check prints PASS/FAIL and goes into DIR/checks.json:
 * activation quantization bit-exact vs the torch reference on the GPU (M=4096, K=4096 bf16 with
@@ -23,14 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -408,12 +407,14 @@ def check_fused_projections():
     plain = build_rollout_model(base, policy, fuse_projections=False)
     groups = sum(1 for m in fused.modules() if getattr(m, "quads_group", None) is not None)
     record("fuse_projections_ grouped every q/k/v and gate/up", groups == 10, f"{groups} of 2 x 5 members")
+    stacked = sum(1 for m in fused.modules() if getattr(getattr(m, "quads_group", None), "stacked", None) is not None)
+    record("every group has the stacked layout (one GEMM)", stacked == 10, f"{stacked} of 10 members")
     with torch.no_grad():
         for rows in ((8, 1), (2, 3), (1, 64)):
             ids = torch.randint(0, 1000, rows, device="cuda")
             record(f"fused projections == unfused logits {rows}", bits_equal(fused(ids).logits, plain(ids).logits))
     # the RL loop: a decoder's captured graphs replayed after a sync see the new weights
-    from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec
+    from quads.engine import GraphedDecoder, SamplingSpec
 
     spec = SamplingSpec(max_new_tokens=12, eos_token_ids=(), pad_token_id=0, do_sample=False)
     prompts = torch.randint(0, 1000, (4, 16), device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
@@ -431,16 +432,19 @@ def check_fused_projections():
            f"changed by the sync: {int((before != after).sum())} of {after.numel()} tokens")
 
 
+#: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
+CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
+          "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="act_quant,weights,layout,gemm,w4a16,moe,fused")
+    ap.add_argument("--only", default=",".join(CHECKS))
     args = ap.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
-    checks = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
-              "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections}
     for name in args.only.split(","):
-        checks[name]()
+        CHECKS[name]()
     with open(os.path.join(args.out, "checks.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
     nfail = sum(not r["ok"] for r in RESULTS.values())

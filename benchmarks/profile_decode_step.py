@@ -1,6 +1,6 @@
 """Where one rollout decode step spends its GPU time: kernel-level profile, BF16 vs quads.
 
-    PYTHONPATH=. python benchmarks/profile_decode_step.py --out DIR [--cases dense:1,moe:8] [--layers 4]
+    python -m benchmarks.profile_decode_step --out DIR [--cases dense:1,moe:8] [--layers 4]
         [--glue new,old] [--new-tokens 256]
 
 Same models as ``rollout_throughput.py``. For each case (model kind : batch size) and variant
@@ -30,13 +30,11 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import quads  # noqa: E402
-from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec  # noqa: E402
+from quads.engine import GraphedDecoder, SamplingSpec  # noqa: E402
 from quads.policies import build_rollout_model  # noqa: E402
-from rollout_throughput import DEVICE, GLUE, build_model  # noqa: E402
+from benchmarks.rollout_throughput import DEVICE, GLUE, build_model  # noqa: E402
 
 FAMILIES = [
     ("quads quant", r"^_(act_quant|quantize|amax|scaled_fp16)"),  # quads' Triton kernels are named _...

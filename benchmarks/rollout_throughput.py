@@ -1,6 +1,6 @@
 """End-to-end rollout throughput: BF16 vs quads rollout models, sampling with the graphed decoder.
 
-    PYTHONPATH=. python benchmarks/rollout_throughput.py --out DIR [--models moe,dense]
+    python -m benchmarks.rollout_throughput --out DIR [--models moe,dense]
         [--batches 1,8,64,256] [--prompt 64] [--new-tokens 128] [--layers 4] [--budget-s 300]
 
 Models are built from config with random weights (no hub): ``moe`` has Qwen3-30B-A3B's layer
@@ -27,7 +27,7 @@ batches, rows tagged ``glue``: ``new`` = :class:`GraphedDecoder`'s defaults (GQA
 without ``repeat_kv``, sibling linears sharing one activation quantization), ``old`` = both
 off (the engine as measured before), ``no-gqa`` / ``no-share`` = one of them off. With two or
 more, a ``glue_greedy_agreement`` row compares the first two's greedy tokens (the attention
-kernel's blocking may move BF16 roundings; informational). ``python benchmarks/make_tables.py
+kernel's blocking may move BF16 roundings; informational). ``python -m benchmarks.make_tables
 rollout <json>`` prints one table per glue and the new/old step ratio.
 """
 
@@ -43,11 +43,9 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import quads  # noqa: E402
-from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec  # noqa: E402
+from quads.engine import GraphedDecoder, SamplingSpec  # noqa: E402
 from quads.policies import build_rollout_model, copy_model  # noqa: E402
 
 VOCAB = 32000
@@ -237,7 +235,7 @@ def main():
                 if VARIANTS[name] is None:
                     model = base
                 elif VARIANTS[name] == "fp8":
-                    from fp8_rollout import to_fp8_rollout
+                    from benchmarks.fp8_rollout import to_fp8_rollout
 
                     model = to_fp8_rollout(copy_model(base))
                 else:

@@ -11,6 +11,6 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 QUADS_DIST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_fsdp.py 2>&1 | tee "$OUT/fsdp_checks.log" | tail -n 30
-timeout 60 torchrun --nproc-per-node 2 benchmarks/fsdp_saved_bytes.py --device cuda --out "$OUT" 2>&1 | tail -n 20
-timeout 240 torchrun --nproc-per-node 2 benchmarks/sharded_sync.py --device cuda --model llama-1b --model qwen3-moe-1b \
+timeout 60 torchrun --nproc-per-node 2 -m benchmarks.fsdp_saved_bytes --device cuda --out "$OUT" 2>&1 | tail -n 20
+timeout 240 torchrun --nproc-per-node 2 -m benchmarks.sharded_sync --device cuda --model llama-1b --model qwen3-moe-1b \
     --repeats 10 --train-step --out "$OUT" 2>&1 | tee "$OUT/sharded_sync.log" | grep -v '^{'

@@ -7,11 +7,11 @@ export PYTHONPATH=.
 OUT=${OUT:-benchmarks/results/engine_h200}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-timeout ${RT_TIMEOUT:-320} python benchmarks/rollout_throughput.py --out "$OUT" --budget-s ${RT_BUDGET:-260} --glue ${RT_GLUE:-new} > "$OUT/rollout_throughput.log" 2>&1; echo "rollout rc=$?" >> "$OUT/rc.txt"
+timeout ${RT_TIMEOUT:-320} python -m benchmarks.rollout_throughput --out "$OUT" --budget-s ${RT_BUDGET:-260} --glue ${RT_GLUE:-new} > "$OUT/rollout_throughput.log" 2>&1; echo "rollout rc=$?" >> "$OUT/rc.txt"
 for m in qwen3_moe llama; do
-  timeout 60 python benchmarks/bench_sync.py --model $m --out "$OUT/sync_$m" > "$OUT/sync_$m.log" 2>&1; echo "sync $m rc=$?" >> "$OUT/rc.txt"
+  timeout 60 python -m benchmarks.bench_sync --model $m --out "$OUT/sync_$m" > "$OUT/sync_$m.log" 2>&1; echo "sync $m rc=$?" >> "$OUT/rc.txt"
 done
-timeout 100 python benchmarks/gpu_checks.py --out "$OUT" > "$OUT/checks.log" 2>&1; echo "gpu_checks rc=$?" >> "$OUT/rc.txt"
+timeout 100 python -m benchmarks.gpu_checks --out "$OUT" > "$OUT/checks.log" 2>&1; echo "gpu_checks rc=$?" >> "$OUT/rc.txt"
 grep -c PASS "$OUT/checks.log"; grep FAIL "$OUT/checks.log" | head
 cat "$OUT/rc.txt"
 grep -v '"trace"' "$OUT/rollout_throughput.log" | tail -60

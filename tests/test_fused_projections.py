@@ -47,6 +47,7 @@ def test_fused_model_has_the_unfused_bits():
     assert quads.fuse_projections_(fused) == 2  # q/k/v and gate/up of the one layer
     attn = fused.model.layers[0].self_attn
     assert attn.q_proj.quads_group is attn.k_proj.quads_group is attn.v_proj.quads_group
+    assert attn.q_proj.quads_group.stacked is not None  # Hopper, W4A4, rows of 64: one stacked GEMM
     ids = torch.randint(0, 64, (2, 3), generator=torch.Generator().manual_seed(1)).to(DEV)
     assert torch.equal(_logits(fused, ids), _logits(plain, ids))
 
@@ -75,12 +76,12 @@ def test_sync_writes_the_stacked_layout_in_place():
         rollout = build_rollout_model(trainer, quads.QuadsPolicy(side="rollout"), device=DEV)
     group = rollout.model.layers[0].self_attn.q_proj.quads_group
     assert group is not None
-    ptr, scales_ptr = group.prepared.values.data_ptr(), group.row_scales.data_ptr()
+    ptr, scales_ptr = group.stacked.values.data_ptr(), group.row_scales.data_ptr()
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     quads.sync_weights_(rollout, trainer)
-    assert group.prepared.values.data_ptr() == ptr and group.row_scales.data_ptr() == scales_ptr
+    assert group.stacked.values.data_ptr() == ptr and group.row_scales.data_ptr() == scales_ptr
     with quads.use_backend("hopper"):
         reference = build_rollout_model(trainer, quads.QuadsPolicy(side="rollout"), device=DEV,
                                         fuse_projections=False)
@@ -98,8 +99,15 @@ def test_unfuse_and_what_does_not_fuse():
     assert all(m.quads_group is None for m in model.modules() if isinstance(m, RolloutLinear))
     ref = quads.quantize_(_llama(), quads.QuadsPolicy(side="rollout"))  # the torch backend: no kernels
     if next(m for m in ref.modules() if isinstance(m, RolloutLinear)).quads_backend.name == "torch":
-        assert quads.fuse_projections_(ref) == 0
+        assert quads.fuse_projections_(ref) == 2  # grouped: one quantization per input ...
+        assert ref.model.layers[0].self_attn.q_proj.quads_group.stacked is None  # ... but no stacked GEMM
     w16 = _llama()
     with quads.use_backend("hopper"):
         quads.quantize_(w16, quads.QuadsPolicy(side="rollout", activations="bf16"))
-    assert quads.fuse_projections_(w16) == 0  # weight-only: not fused (W4A4 only)
+    assert quads.fuse_projections_(w16) == 2
+    assert w16.model.layers[0].self_attn.q_proj.quads_group.stacked is None  # weight-only: not stacked (W4A4 only)
+    ids = torch.randint(0, 64, (1, 3), generator=torch.Generator().manual_seed(7)).to(DEV)
+    plain16 = _llama()
+    with quads.use_backend("hopper"):
+        quads.quantize_(plain16, quads.QuadsPolicy(side="rollout", activations="bf16"))
+    assert torch.equal(_logits(w16, ids), _logits(plain16, ids))  # the shared fp16 operand: the same bits

@@ -1,4 +1,4 @@
-"""GQA attention without ``repeat_kv`` (quads.integrations.gqa_attention): equal to transformers'
+"""GQA attention without ``repeat_kv`` (quads.engine.gqa_attention): equal to transformers'
 own sdpa and eager attention, switched in only inside the decoder's forwards."""
 
 import pytest
@@ -7,8 +7,8 @@ import transformers.integrations.sdpa_attention as hf_sdpa
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import quads
-from quads.integrations.gqa_attention import ATTENTION_NAME, gqa_sdpa_attention, use_gqa_attention
-from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec
+from quads.engine.gqa_attention import ATTENTION_NAME, gqa_sdpa_attention, use_gqa_attention
+from quads.engine import GraphedDecoder, SamplingSpec
 from tests.tiny_models import build
 
 
@@ -85,7 +85,7 @@ def test_bf16_error_is_the_sdpa_paths(q_len):
 
 def test_decode_mask_and_query_are_views():
     """At decode (q = 1) the grouped query and the broadcast mask are views: no copy of either."""
-    from quads.integrations.gqa_attention import _group_mask
+    from quads.engine.gqa_attention import _group_mask
 
     mask = torch.ones(4, 1, 1, 64, dtype=torch.bool)
     grouped = _group_mask(mask, 2, 8, 1)

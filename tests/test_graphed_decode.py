@@ -6,7 +6,7 @@ from transformers import GenerationConfig
 
 import quads
 from quads.diagnostics.scoring import build_scoring_batch, score_incremental
-from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec, process_logits, unsupported_reason
+from quads.engine import GraphedDecoder, SamplingSpec, process_logits, unsupported_reason
 from tests.tiny_models import build
 
 EOS = 7

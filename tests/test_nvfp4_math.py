@@ -17,7 +17,7 @@ from quads.tensor.nvfp4_math import (
 )
 from tests import nvfp4_oracle as oracle
 
-# value -> expected E2M1 magnitude after RNE (QUADS.md section 2)
+# value -> expected E2M1 magnitude after RNE (docs/nvfp4_spec.md)
 TIE_TABLE = [
     (0.0, 0.0), (0.25, 0.0), (0.26, 0.5), (0.5, 0.5), (0.75, 1.0), (1.0, 1.0), (1.25, 1.0),
     (1.26, 1.5), (1.75, 2.0), (2.5, 2.0), (2.6, 3.0), (3.5, 4.0), (4.9, 4.0), (5.0, 4.0),

@@ -9,8 +9,8 @@ launch lives in that op's file under :mod:`quads.ops`.
 * :mod:`.w4a4_gemm_hopper` -- exact W4A4 (+ residual) GEMM for Hopper (split-K decode, fp16-weight
   prefill), deterministic and batch-invariant;
 * :mod:`.moe_grouped_gemm` -- the grouped twin over packed 3-D experts, driven by top-k routing;
-* :mod:`.hopper_weight_layout` -- the weight layout those GEMMs read and its in-register decode;
-  :mod:`.hopper_layout_pack` -- the kernel that builds it from the packed parts (weight sync);
+* :mod:`.hopper_weight_layout` -- the weight layout those GEMMs read: its torch reference, the
+  kernel that builds it from the packed parts (weight sync), its in-register decode;
 * :mod:`.blackwell` -- native FP4 through ``torch._scaled_mm`` (written, NOT RUN);
 * :mod:`._interpreter` -- the ``TRITON_INTERPRET=1`` (CPU test) helpers.
 

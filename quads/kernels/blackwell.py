@@ -7,7 +7,7 @@ until it has run on such hardware. Its first run must pass
 ``tests/kernels/test_kernel_blackwell.py::test_fp4_unscaled_mm_matches_emulation`` (skipped here).
 
 Math: the FP4 tensor-core MMA computes ``sum_k e2m1 * s_x * e2m1 * s_w`` (block scales E4M3,
-block 16) in fp32, exactly the unscaled product of QUADS.md section 3; the caller applies the
+block 16) in fp32, exactly the unscaled product of docs/background.md section 2; the caller applies the
 per-row activation and per-tensor weight global scales in the epilogue. cuBLASLt wants the block
 scales in the 128x4 "swizzled" layout (:func:`to_blocked`), a kernel-time transform of the plain
 ``(rows, K/16)`` storage.

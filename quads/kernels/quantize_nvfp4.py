@@ -7,7 +7,7 @@ Two kernels:
   ``r = x - DQ(Q(x))``, the per-token top-k selection of ``|r|`` (exact, ties included) and the
   residual's quantization (with the same global scale) are one pass over ``x``. Outputs: the packed NVFP4 parts (bit-exact
   with the reference) and/or the *unscaled* dequantized values ``e2m1 * f32(scale)`` in fp16
-  (exact, see QUADS.md section 3), which is what the GEMM kernels consume.
+  (exact, see docs/background.md section 2), which is what the GEMM kernels consume.
 * ``_quant_given_scale_kernel``: tiles of a 2-D tensor quantized with a given per-row-group global
   scale (weights: ``"tensor"``/``"expert"`` granularity). The global amax comes from ``_amax_rows_kernel`` (max of |x| bit patterns, which
   is exact, order-independent and NaN-propagating), and ``S_enc`` from the reference function.
@@ -408,7 +408,7 @@ class QuantizedRows(NamedTuple):
 
     ``qdata``/``scale``/``global_encode_scale`` are the NVFP4 parts (bit-exact with
     ``nvfp4_quantize``); ``operand`` is the fp16 GEMM operand ``e2m1 * f32(scale)`` (unscaled:
-    exact, QUADS.md section 3).
+    exact, docs/background.md section 2).
     """
 
     qdata: torch.Tensor | None

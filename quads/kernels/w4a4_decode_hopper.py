@@ -1,7 +1,7 @@
 """Decode GEMM on Hopper: few tokens (M <= 64) times a packed NVFP4 weight in the Hopper layout.
 
 ``y (M, N) = (x̂ Ŵᵀ [+ r̂ Ŵᵀ]) / (S_x S_w) [+ bias]``, exact W4A4 emulation
-(QUADS.md section 3), or the weight-only product with an fp16 activation operand.
+(docs/background.md section 2), or the weight-only product with an fp16 activation operand.
 
 * The weight streams from HBM once, 16 bytes per thread per load, in the layout of
   :mod:`quads.kernels.hopper_weight_layout`, and is decoded in registers straight into the wgmma
@@ -194,16 +194,19 @@ class DecodeConfig:
 
 
 def pick_decode_config(columns: int, n: int, k: int) -> DecodeConfig:
-    """Default tiles (see docs/kernels.md for the measurements behind them)."""
-    if interpreting():
-        return DecodeConfig(bn=64, kbi=1, num_warps=4, num_stages=1, use_asm=False)
+    """Default tiles (see docs/kernels.md for the measurements behind them). Under the Triton
+    interpreter the same branch runs (prefetch, second-launch reduction) with the portable decode
+    instead of the inline PTX (and no programmatic dependent launch): the CPU suite runs the code
+    the GPU runs."""
+    native = not interpreting()
     # measured on the H200, 2026-12-01 (benchmarks/results/h200_2026-12-01b/run2, docs/kernels.md)
     if columns <= 16:  # prefetch: 5-17% faster than the per-step loads at every shape measured
-        return DecodeConfig(bn=64, kbi=4, num_warps=4, num_stages=1, prefetch=True)
+        return DecodeConfig(bn=64, kbi=4, num_warps=4, num_stages=1, prefetch=True, use_asm=native)
     if columns <= 32 or n > 8192:
-        return DecodeConfig(bn=128, kbi=4, num_warps=8, num_stages=1)
+        return DecodeConfig(bn=128, kbi=4, num_warps=8, num_stages=1, use_asm=native)
     # up to 64 tokens with the residual: 64-row tiles, the reduction as its own launch: 1.1-1.5x
-    return DecodeConfig(bn=64, kbi=4, num_warps=4, num_stages=1, prefetch=True, pdl=True, reduce_kernel=True)
+    return DecodeConfig(bn=64, kbi=4, num_warps=4, num_stages=1, prefetch=True, pdl=native, reduce_kernel=True,
+                        use_asm=native)
 
 
 def decode_gemm(

@@ -1,6 +1,6 @@
 """Prefill GEMM on Hopper (many tokens): exact W4A4 (+ residual), bits independent of M.
 
-QUADS.md section 3: an E2M1 value times an E4M3 scale is exact in fp16, so
+docs/background.md section 2: an E2M1 value times an E4M3 scale is exact in fp16, so
 ``y = x̂ Ŵᵀ + r̂ Ŵᵀ`` is reproduced by multiplying the *unscaled* operands on fp16 tensor cores
 with fp32 accumulation and dividing the sum by ``S_x[row] * S_w`` (the residual shares the row's
 global scale) in the epilogue, exactly as :func:`quads.ops.linear.w4a4_matmul_reference` does; only the fp32
@@ -20,7 +20,7 @@ instruction's arithmetic does not depend on the tile shape, but ``mma.sync`` dif
 wgmma, so every config uses wgmma: >= 4 warps, >= 64 weight rows per warpgroup). Two walks of
 that order (:class:`GemmConfig`):
 
-* ``loop="segment"`` (the measured default): a software-pipelined loop per segment (the
+* ``loop="segment"``: a software-pipelined loop per segment (the
   pipeline drains and refills every 512 channels), two MMAs per k-step with the residual;
   optional split-K (segments over programs, the last program adds them in order) for mid-size M;
 * ``loop="flat"``: one pipelined loop over all of K; the k16 chain restarts at segment starts
@@ -29,8 +29,11 @@ that order (:class:`GemmConfig`):
   two accumulators instead of four); grouped program order for L2 reuse; pointer (cp.async)
   or TMA loads.
 
-:func:`cublas_prefill` is an opt-in path through cuBLAS on the same operands: exact products,
-another summation order, **not batch invariant**; nothing in the library calls it.
+The default (:func:`pick_config`) is the flat walk with TMA loads, on the GPU and (on small
+tiles) under the Triton interpreter. The segment walk is selected by nothing in the library: it
+stays as the bit reference the flat variants are tested against (tests/kernels) and as the GPU
+checks' split-K case. A cuBLAS path on the same operands (not batch invariant) was archived to
+``lab/cublas_prefill.py``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from quads.kernels.arrival_counters import arrival_counters
 from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight, load_weight_tile, to_hopper_layout
 from quads.kernels.w4a4_decode_hopper import SEG_K
 
-__all__ = ["w4a4_gemm", "GemmConfig", "pick_config", "dequant_weight_fp16", "cublas_prefill"]
+__all__ = ["w4a4_gemm", "GemmConfig", "pick_config", "dequant_weight_fp16"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,28 +346,6 @@ def _dequant_weight_kernel(WQ, WS, W16, N, K, KH, KS, BR: tl.constexpr, BK: tl.c
     tl.store(W16 + r64[:, None] * K + (k0 + kk)[None, :], w, mask=rmask[:, None] & ((k0 + kk) < K)[None, :])
 
 
-@triton.jit
-def _cublas_epilogue_kernel(ACC, SX, SW, BIAS, Y, M, N, stride_ym,
-                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """Row ``m`` of :func:`cublas_prefill`: ``(acc[m] [+ acc[M + m]]) * 2^14 / (Sx[m] Sw) [+ bias]``,
-    the kernels' epilogue formula on the stacked fp32 product (main rows, then residual rows)."""
-    m = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.load(ACC + m * N + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        acc = acc + tl.load(ACC + (M + m) * N + offs, mask=mask, other=0.0)
-    den = tl.load(SX + m) * tl.load(SW)
-    y = tl.math.div_rn(acc * 16384.0, den + tl.zeros_like(acc))
-    if HAS_BIAS:
-        y = y + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + m * stride_ym + offs, y.to(Y.dtype.element_ty), mask=mask)
-
-
-# ---------------------------------------------------------------------------------------------
-# Host side
-# ---------------------------------------------------------------------------------------------
-
 _LOOPS = ("segment", "flat")
 _LOADS = ("pointer", "tma")
 _WEIGHTS = ("fp16", "packed")
@@ -418,9 +399,11 @@ def pick_config(m: int, n: int, k: int, residual: bool = False) -> GemmConfig:
     """Tile choice by token count: the flat walk with TMA loads, 128 weight rows x 64 tokens with
     the residual (128 MMA columns) or for M <= 256, else 128 tokens. Measured on the H200
     (2026-12-01, benchmarks/results/h200_2026-12-01b/run3/prefill.log): the best bit-exact
-    variant at every shape, 1.1-3.2x faster than the segment walk."""
+    variant at every shape, 1.1-3.2x faster than the segment walk. Under the Triton interpreter:
+    the same walk and loads on 16 x 16 tiles, one warp, one stage (the CPU suite runs the branch
+    the GPU runs, on shapes it can afford)."""
     if interpreting():
-        return GemmConfig(bn=16, bm=16, bk=32, split=m <= 32, num_warps=1, num_stages=1)
+        return GemmConfig(bn=16, bm=16, bk=64, split=False, num_warps=1, num_stages=1, loop="flat", loads="tma")
     return GemmConfig(bn=128, bm=64 if residual or m <= 256 else 128, bk=64, split=False, num_warps=8, num_stages=4,
                       loop="flat", loads="tma")
 
@@ -572,71 +555,4 @@ def w4a4_gemm(
         _launch_flat(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16, hopper_weight)
     else:
         _launch_segment(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16)
-    return y
-
-
-# ---------------------------------------------------------------------------------------------
-# Opt-in: cuBLAS on the same exact operands (NOT batch invariant)
-# ---------------------------------------------------------------------------------------------
-
-
-def _stacked_rows(x16: torch.Tensor, r16: torch.Tensor | None) -> torch.Tensor:
-    """(M or 2M, K): the main rows, then the residual rows; a view of the stacked operand when
-    the residual rows directly follow the main ones, else a copy."""
-    if r16 is None:
-        return x16
-    m = x16.shape[0]
-    if _residual_row_offset(x16, r16) == m:
-        return x16.as_strided((2 * m, x16.shape[1]), x16.stride())
-    return torch.cat([x16, r16])
-
-
-def _fp16_mm_fp32(a: torch.Tensor, w16: torch.Tensor) -> torch.Tensor:
-    """``a @ w16ᵀ`` of fp16 operands with fp32 accumulation and an fp32 result (every product
-    of two fp16 values is exact in fp32). CUDA: cuBLAS fp16 GEMM with fp32 output
-    (``torch.mm(..., out_dtype=torch.float32)``, torch >= 2.8: tensor-core speed, no rounding of
-    the sums to fp16); CPU (no such kernel): an fp32 matmul of the exact fp32 copies."""
-    if a.is_cuda:
-        return torch.mm(a, w16.t(), out_dtype=torch.float32)
-    return torch.mm(a.float(), w16.float().t())
-
-
-def cublas_prefill(
-    x16: torch.Tensor,
-    sx: torch.Tensor,
-    wq: torch.Tensor,
-    ws: torch.Tensor,
-    sw: torch.Tensor,
-    r16: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float32,
-    w16: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """OPT-IN fast prefill, **not batch invariant**: :func:`w4a4_gemm`'s product through cuBLAS.
-
-    The same exact fp16 operands (activations ``e2m1 * s``, weight ``e2m1 * s * 2^-14`` from
-    :func:`dequant_weight_fp16` or the caller's cached ``w16``), the residual rows stacked under
-    the main rows (one GEMM of 2M rows, fp32 output), then the kernels' epilogue
-    ``(acc_main + acc_res) * 2^14 / (S_x S_w) [+ bias]`` in fp32 (:func:`_cublas_epilogue_kernel`).
-
-    Exactness: every product is exact in fp32 (fp16 x fp16 has 22 significant bits; the
-    products lie in [2^-34, 2^9]), so only the fp32 summation order differs from the reference:
-    ``|y - ref| <= 2 K 2^-24 (|x̂| + |r̂|) |Ŵ|ᵀ / (S_x S_w)`` elementwise, the bound the kernels
-    meet. But cuBLAS picks its kernel (tile shape, split-K) by M, so a row's bits depend on the
-    batch it is in, and differ from the decode / grouped kernels' bits: use it only where batch
-    invariance is not needed. Arguments as :func:`w4a4_gemm`.
-    """
-    m, k = x16.shape
-    n = wq.shape[0]
-    if interpreting() and out_dtype == torch.bfloat16:
-        # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even
-        return cublas_prefill(x16, sx, wq, ws, sw, r16, bias, torch.float32, w16).to(out_dtype)
-    y = torch.empty((m, n), dtype=out_dtype, device=x16.device)
-    if m == 0:
-        return y
-    acc = _fp16_mm_fp32(_stacked_rows(x16, r16), w16 if w16 is not None else dequant_weight_fp16(wq, ws))
-    block = min(1024, triton.next_power_of_2(n))
-    _cublas_epilogue_kernel[(m, triton.cdiv(n, block))](
-        acc, sx, sw.reshape(1), bias if bias is not None else sx, y, m, n, y.stride(0),
-        HAS_RES=r16 is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y

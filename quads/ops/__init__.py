@@ -1,24 +1,33 @@
-"""Rollout-side ops: weight and activation quantization, the W4A4/W4A16 linear, MoE experts.
+"""Rollout-side ops: weight and activation quantization, the W4A4/W4A16 linear, sibling linears,
+MoE experts. Imports only ``tensor`` and ``kernels``.
 
-One op per file, each with its torch reference and the glue to its Triton kernels
-(:mod:`.weight_quant`, :mod:`.activation_quant`, :mod:`.linear`, :mod:`.grouped_linear`,
-:mod:`.experts`); :mod:`.backend` gathers the implementations into backend objects chosen once
-per module; :mod:`.functional` is the tensor-level front. Imports only ``tensor`` and ``kernels``.
+One op per file, each with its torch reference, its kernel glue, its ``torch.library`` custom op
+(with a fake implementation, for ``torch.compile``) and its front function:
+:mod:`.weight_quant` (``quantize_weight``), :mod:`.activation_quant` (``quantize_activation``),
+:mod:`.linear` (``rollout_linear``), :mod:`.sibling_linear` (``SiblingGroup``: one quantization and
+one stacked GEMM for q/k/v, gate/up), :mod:`.grouped_linear` and :mod:`.experts`
+(``rollout_experts``). :mod:`.backend` is the backend interface, registry and choice;
+:mod:`.backends` binds the built-in backends' entries to those files.
 """
 
-from quads.ops.activation_quant import ActivationQuant, QuantizedActivation, dequantize_activation
-from quads.ops.backend import Backend, get_backend, select_backend, use_backend
-from quads.ops.functional import quantize_activation, quantize_weight, rollout_experts, rollout_linear
-from quads.ops.linear import w4a4_matmul_reference
+from quads.ops.activation_quant import ActivationQuant, QuantizedActivation, dequantize_activation, quantize_activation
+from quads.ops.backend import Backend, get_backend, register_backend, select_backend, use_backend
+from quads.ops import backends  # noqa: F401  (registers torch, hopper, blackwell)
+from quads.ops.experts import rollout_experts
+from quads.ops.linear import rollout_linear, w4a4_matmul_reference
+from quads.ops.sibling_linear import SiblingGroup
+from quads.ops.weight_quant import quantize_weight
 
 __all__ = [
     "ActivationQuant",
     "Backend",
     "QuantizedActivation",
+    "SiblingGroup",
     "dequantize_activation",
     "get_backend",
     "quantize_activation",
     "quantize_weight",
+    "register_backend",
     "rollout_experts",
     "rollout_linear",
     "select_backend",

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from quads.ops.backend import Backend, select_backend
 from quads.tensor.nvfp4_math import NVFP4Parts, check_quantizable, nvfp4_dequantize, nvfp4_quantize
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "RESIDUAL_SELECTIONS",
     "ACTIVATION_GRANULARITIES",
     "num_residual_channels",
+    "quantize_activation",
     "per_token_residual_mask",
     "quantize_activation_reference",
     "quantize_activation_triton",
@@ -211,3 +213,11 @@ def activation_operands_triton(
         return ActivationOperands(main, main_scale, None, main)
     # the kernel wrote both halves of one buffer; the residual rows share the rows' scales
     return ActivationOperands(main, main_scale, q.residual.operand, q.stacked_operand)
+
+
+def quantize_activation(
+    x2d: torch.Tensor, config: ActivationQuant, static_mask: torch.Tensor | None = None, backend: Backend | None = None
+) -> QuantizedActivation:
+    """Quantize a 2-D activation (+ residual) per ``config``; identical bits whichever backend runs
+    (None: picked for ``x2d``'s device)."""
+    return (backend or select_backend(x2d.device)).quantize_activation(x2d, config, static_mask)

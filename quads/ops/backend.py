@@ -1,97 +1,110 @@
-"""Backends: which implementation of every rollout op runs, chosen once and stored.
+"""The backend interface, the registry of backends and the choice of one (made once, stored).
 
-A :class:`Backend` has one method per op (weight quantization, activation quantization, the
-W4A4/W4A16 linear, the grouped expert linear). ``quantize_`` (and the vLLM method's
+A :class:`Backend` is the implementation of every rollout op for one kind of hardware: weight
+quantization, activation quantization, the W4A4/W4A16 linear, the stacked linear of sibling
+projections and the grouped expert linear. ``quantize_`` (and the vLLM method's
 ``process_weights_after_loading``) picks one with :func:`select_backend` for the device the
-weights live on and stores it on the module, so a forward never re-resolves it; moving a
-module to another device picks again.
+weights live on and stores it on the module (``quads_backend``), so a forward never re-resolves
+it; moving a module to another device picks again.
 
-* ``torch``: the references (any device; the spec the kernels are tested against);
-* ``hopper``: the exact-emulation Triton kernels (sm_90; any device under ``TRITON_INTERPRET=1``);
-* ``humming``: rollout linears through vLLM's humming GEMMs (sm_90, :mod:`quads.ops.humming_backend`;
-  humming imported lazily, ``pip install humming-kernels==0.1.19``): the fast, non-exact path;
-* ``blackwell``: the native FP4 linear of :mod:`quads.kernels.blackwell` on sm_100+, the Hopper
-  kernels for everything else. **Never run** (no Blackwell GPU here): selectable, never ``auto``.
+The concrete backends live in :mod:`quads.ops.backends` (registered when :mod:`quads.ops` is
+imported): ``torch`` (the references: any device, the spec), ``hopper`` (the exact-emulation
+Triton kernels: sm_90; any device under ``TRITON_INTERPRET=1``), ``blackwell`` (native FP4 on
+sm_100+, NOT RUN: selectable, never ``auto``), and ``humming`` (:mod:`quads.ops.humming_backend`:
+the rollout GEMMs through vLLM's humming library on sm_90, the fast non-exact path; registered on
+first use, humming imported lazily, ``pip install humming-kernels==0.1.19``).
 
-``auto`` (default) = ``hopper`` on CUDA sm_90 with Triton installed, ``torch`` anywhere else
-(the emulation kernels are only measured on sm_90); with the kernel preference ``"fast"``
-(``QuadsPolicy.kernel``) ``auto`` picks ``humming`` where ``hopper`` would be picked. Force a backend for new modules and for
-tests with ``QUADS_BACKEND=torch|hopper|blackwell|auto`` or ``with quads.use_backend(name):``.
-A forced kernel backend on a device that cannot run it raises instead of falling back.
+``auto`` (default) = ``hopper`` on CUDA sm_90 with Triton installed, ``torch`` anywhere else;
+with the kernel preference ``"fast"`` (``QuadsPolicy.kernel``) ``auto`` picks ``humming`` where
+it would pick ``hopper``.
+Force a backend for new modules and for tests with ``QUADS_BACKEND=<name>|auto`` or
+``with quads.use_backend(name):``. A forced kernel backend on a device that cannot run it raises
+instead of falling back.
+
+Adding a backend: subclass :class:`Backend` (or an existing backend, overriding only what it
+accelerates), give it a ``name``, implement the entries below with the same bits as the
+references (or document where it differs), and :func:`register_backend` an instance; add its
+device rule to :func:`select_backend` only once it is measured (``auto`` never guesses).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+from typing import Sequence
 
 import torch
 
-from quads.ops.activation_quant import (
-    ActivationQuant,
-    QuantizedActivation,
-    quantize_activation_reference,
-    quantize_activation_triton,
-)
-from quads.ops.grouped_linear import grouped_linear_hopper, grouped_linear_reference
-from quads.ops.linear import (
-    prepare_weight_hopper,
-    w4a4_linear_blackwell,
-    w4a4_linear_hopper,
-    w4a4_linear_reference,
-    w4a16_linear,
-    w4a16_linear_hopper,
-)
-from quads.ops.weight_quant import quantize_weight_reference, quantize_weight_triton
-from quads.tensor.nvfp4_math import NVFP4Parts
+__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "backend_names", "get_backend", "register_backend",
+           "select_backend", "use_backend"]
 
-__all__ = ["BACKEND_NAMES", "Backend", "get_backend", "select_backend", "use_backend"]
-
-BACKEND_NAMES = ("auto", "torch", "hopper", "humming", "blackwell")
+#: ``QuadsPolicy.kernel``: the exact Triton kernels (bit-exact, deterministic, batch invariant) or
+#: the fast path (humming: within a stated bound of the exact path, see docs/humming.md)
 KERNEL_PREFERENCES = ("exact", "fast")
+#: backends registered on first use (their modules import this one)
+_LAZY = {"humming": "quads.ops.humming_backend"}
 
 
 class Backend:
-    """The torch reference backend; kernel backends override the methods they accelerate.
+    """What a backend implements (one entry per rollout op). Arguments are plain tensors and
+    :class:`~quads.tensor.nvfp4_math.NVFP4Parts`; activations are 2-D ``(M, K)``.
 
-    ``prepare_weight(parts)`` derives what the backend's GEMMs read from a packed weight (the
-    Hopper kernel layout; nothing for the reference); the rollout modules call it whenever their
-    weights are written and pass the result back as ``prepared`` (optional for direct callers).
+    * ``prepare_weight(parts, out=None)``: what the backend's GEMMs read from a packed weight
+      (e.g. the Hopper kernel layout; None when they read the parts). Called whenever a weight is
+      written, never per forward; ``out``, an earlier result, is rewritten in place when it fits.
+    * ``quantize_weight(x, granularity, global_encode_scale)`` -> ``NVFP4Parts`` (the sync's op).
+    * ``quantize_activation(x2d, act, static_mask)`` -> ``QuantizedActivation`` (packed parts).
+    * ``activation_operands(x2d, act, static_mask)``: the input in the form this backend's GEMMs
+      read (computed once and passed to several ``linear`` calls by a
+      :class:`~quads.ops.sibling_linear.SiblingGroup`); ``act=None``: the weight-only operand.
+    * ``linear(x2d, weight, bias, act, static_mask, prepared, operands)`` -> ``(M, N)``: W4A4
+      (+ residual) with an ``ActivationQuant``, weight-only W4A16 with ``act=None``.
+    * ``stack_prepared(prepared)`` -> the stacked layout of sibling weights and one view of it per
+      member (written through the views from then on), or None when the backend has no stacked GEMM;
+      ``stacked_linear(x2d, stacked, row_scales, act, operands)``: one GEMM over that layout.
+    * ``grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared)``:
+      the experts' grouped linear (:mod:`quads.ops.grouped_linear`).
     """
 
-    name = "torch"
+    name = "abstract"
 
-    def prepare_weight(self, weight: NVFP4Parts, out=None):
-        """What this backend's GEMMs read from ``weight`` (None here). ``out``: an earlier result,
-        rewritten in place and returned when it fits ``weight`` (same shapes, dtypes, device)."""
-        return None
+    def prepare_weight(self, weight, out=None):
+        raise NotImplementedError
 
-    def refresh_prepared(self, held: tuple, weights) -> tuple:
+    def refresh_prepared(self, held: tuple, weights: Sequence) -> tuple:
         """``prepare_weight`` of each of ``weights``, written **into** its predecessor in ``held``
         where that fits, else new. In place matters: CUDA graphs (ours, vLLM's) and compiled graphs
         captured over a rollout hold the prepared tensors' addresses, so a weight sync must update
-        them, not replace them (on CUDA the Hopper layout kernel writes them directly)."""
+        them, not replace them."""
         if len(held) != len(weights):
             held = (None,) * len(weights)
         return tuple(self.prepare_weight(w, out) for w, out in zip(weights, held))
 
-    def quantize_weight(
-        self, x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None
-    ) -> NVFP4Parts:
-        return quantize_weight_reference(x, granularity, global_encode_scale)
+    def quantize_weight(self, x, granularity=None, global_encode_scale=None):
+        raise NotImplementedError
 
-    def quantize_activation(self, x2d: torch.Tensor, act: ActivationQuant, static_mask=None) -> QuantizedActivation:
-        return quantize_activation_reference(x2d, act, static_mask)
+    def quantize_activation(self, x2d, act, static_mask=None):
+        raise NotImplementedError
 
-    def linear(self, x2d, weight: NVFP4Parts, bias, act: ActivationQuant | None, static_mask=None,
-               prepared=None) -> torch.Tensor:
-        if act is None:
-            return w4a16_linear(x2d, weight, bias)
-        return w4a4_linear_reference(x2d, weight, bias, act, static_mask)
+    def activation_operands(self, x2d, act, static_mask=None):
+        raise NotImplementedError
 
-    def grouped_linear(self, x, rows, offsets, weight: NVFP4Parts, bias, act, static_mask, num_rows,
-                       prepared=None) -> torch.Tensor:
-        return grouped_linear_reference(x, rows, offsets, weight, bias, act, static_mask, num_rows)
+    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
+        raise NotImplementedError
+
+    def stack_prepared(self, prepared: Sequence):
+        return None
+
+    def stacked_fits(self, rows: int, act) -> bool:
+        """Whether ``rows`` tokens go through :meth:`stacked_linear` (else member by member)."""
+        return False
+
+    def stacked_linear(self, x2d, stacked, row_scales, act, operands=None):
+        raise NotImplementedError
+
+    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"quads.Backend({self.name!r})"
@@ -100,58 +113,40 @@ class Backend:
         return get_backend, (self.name,)
 
 
-class HopperBackend(Backend):
-    name = "hopper"
-
-    def prepare_weight(self, weight, out=None):
-        return prepare_weight_hopper(weight, out)
-
-    def quantize_weight(self, x, granularity=None, global_encode_scale=None):
-        return quantize_weight_triton(x, granularity, global_encode_scale)
-
-    def quantize_activation(self, x2d, act, static_mask=None):
-        return quantize_activation_triton(x2d, act, static_mask)
-
-    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None):
-        if act is None:
-            return w4a16_linear_hopper(x2d, weight, bias, prepared)
-        return w4a4_linear_hopper(x2d, weight, bias, act, static_mask, prepared)
-
-    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
-        return grouped_linear_hopper(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared)
-
-
-class BlackwellBackend(HopperBackend):
-    """NOT RUN (see the module doc)."""
-
-    name = "blackwell"
-
-    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None):
-        if act is None or not x2d.is_cuda:  # CPU tensors under the interpreter: the emulation
-            return super().linear(x2d, weight, bias, act, static_mask, prepared)
-        return w4a4_linear_blackwell(x2d, weight, bias, act, static_mask)
-
-
-_BACKENDS = {b.name: b for b in (Backend(), HopperBackend(), BlackwellBackend())}
+_BACKENDS: dict[str, Backend] = {}
 _forced: list[str] = []
 
 
-def get_backend(name: str) -> Backend:
-    """The backend object of a name (``torch``, ``hopper``, ``humming``, ``blackwell``)."""
-    if name == "humming" and name not in _BACKENDS:  # created on first use: its module imports this one
-        from quads.ops.humming_backend import HummingBackend
+def register_backend(backend: Backend) -> Backend:
+    """Make ``backend`` selectable by its name (``QUADS_BACKEND``, :func:`use_backend`)."""
+    if not backend.name or backend.name == "auto":
+        raise ValueError(f"a backend needs a name other than 'auto', got {backend.name!r}")
+    _BACKENDS[backend.name] = backend
+    return backend
 
-        _BACKENDS[name] = HummingBackend()
+
+def backend_names() -> tuple[str, ...]:
+    """``auto``, the registered backends' names and those registered on first use."""
+    return ("auto", *_BACKENDS, *(n for n in _LAZY if n not in _BACKENDS))
+
+
+BACKEND_NAMES = ("auto", "torch", "hopper", "humming", "blackwell")  # the built-in ones (see backend_names())
+
+
+def get_backend(name: str) -> Backend:
+    """The backend object of a name (``torch``, ``hopper``, ``humming``, ``blackwell``, or a registered one)."""
+    if name in _LAZY and name not in _BACKENDS:
+        importlib.import_module(_LAZY[name])  # registers it
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown quads backend {name!r}; use one of {BACKEND_NAMES[1:]}") from None
+        raise ValueError(f"unknown quads backend {name!r}; use one of {tuple(_BACKENDS)}") from None
 
 
 def _requested() -> str:
     name = _forced[-1] if _forced else os.environ.get("QUADS_BACKEND", "auto")
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"QUADS_BACKEND must be one of {BACKEND_NAMES}, got {name!r}")
+    if name not in backend_names():
+        raise ValueError(f"QUADS_BACKEND must be one of {backend_names()}, got {name!r}")
     return name
 
 
@@ -160,10 +155,10 @@ def use_backend(name: str):
     """Force the backend that :func:`select_backend` returns inside a ``with`` block.
 
     Modules store their backend when they are converted (or moved): use this around
-    ``quantize_`` (or around calls of the functional ops in :mod:`quads.ops.functional`).
+    ``quantize_`` (or around direct calls of the ops' front functions, e.g. ``rollout_linear``).
     """
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name not in backend_names():
+        raise ValueError(f"backend must be one of {backend_names()}, got {name!r}")
     _forced.append(name)
     try:
         yield
@@ -220,4 +215,4 @@ def select_backend(device: torch.device | str, kernel: str = "exact") -> Backend
     major = torch.cuda.get_device_capability(device)[0]
     if requested == "blackwell" and major < 10:
         raise RuntimeError(f"QUADS backend 'blackwell' was forced but {device} is sm_{major}0, not sm_100+")
-    return _BACKENDS[requested]
+    return get_backend(requested)

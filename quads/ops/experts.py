@@ -15,16 +15,15 @@ transformers 5 MoE blocks (Qwen3-MoE, Mixtral, OLMoE, ...) call their experts mo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from quads.ops import library
 from quads.ops.activation_quant import ActivationQuant
+from quads.ops.backend import Backend, select_backend
+from quads.ops.grouped_linear import grouped_linear
 from quads.tensor.nvfp4_math import NVFP4Parts
-
-if TYPE_CHECKING:  # type only: ops.backend imports this layer's op files
-    from quads.ops.backend import Backend
+from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["Routing", "route_by_expert", "experts_loop", "rollout_experts"]
 
@@ -90,28 +89,34 @@ def rollout_experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    gate_up: NVFP4Parts,
-    down: NVFP4Parts,
+    gate_up: NVFP4Tensor | NVFP4Parts,
+    down: NVFP4Tensor | NVFP4Parts,
     apply_gate: Callable[[torch.Tensor], torch.Tensor],
     act: ActivationQuant | None,
-    backend: "Backend",
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     static_masks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    backend: Backend | None = None,
     prepared: tuple = (None, None),
 ) -> torch.Tensor:
-    """Experts forward with packed NVFP4 ``gate_up (E, 2I, H)`` and ``down (E, H, I)`` parts
-    (``prepared``: what ``backend.prepare_weight`` derived from each, if the caller has it).
+    """Experts forward with packed NVFP4 ``gate_up (E, 2I, H)`` and ``down (E, H, I)`` weights
+    (``NVFP4Tensor`` or their parts). ``backend``: the module's (stored at conversion); None picks
+    one for ``hidden``'s device. ``prepared``: what ``backend.prepare_weight`` derived from each,
+    if the caller has it. The forward: module -> this -> ``grouped_linear`` (custom op while
+    compiling) -> ``backend.grouped_linear`` -> the grouped kernel launcher.
 
     ``apply_gate`` maps the gate_up output (rows, 2I) to (rows, I) (the module's
     ``_apply_gate``, e.g. ``silu(gate) * up``).
     """
+    gate_up = gate_up.parts if isinstance(gate_up, NVFP4Tensor) else gate_up
+    down = down.parts if isinstance(down, NVFP4Tensor) else down
+    backend = backend or select_backend(hidden.device)
     num_tokens, hidden_dim = hidden.shape
     route = Routing(top_k_index, gate_up.qdata.shape[0])
-    h = library.grouped_linear(backend, hidden, route.token_of_row, route.offsets, gate_up, gate_up_bias, act,
+    h = grouped_linear(backend, hidden, route.token_of_row, route.offsets, gate_up, gate_up_bias, act,
                                static_masks[0], route.num_rows, prepared=prepared[0])
     h = apply_gate(h)
-    y = library.grouped_linear(backend, h, None, route.offsets, down, down_bias, act, static_masks[1],
+    y = grouped_linear(backend, h, None, route.offsets, down, down_bias, act, static_masks[1],
                                route.num_rows, prepared=prepared[1])
     out = torch.zeros(route.num_rows, hidden_dim, dtype=hidden.dtype, device=hidden.device)
     out.index_copy_(0, route.order, y.to(hidden.dtype))

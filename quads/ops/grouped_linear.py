@@ -6,6 +6,10 @@ Rows arrive sorted by expert (:func:`quads.ops.experts.route_by_expert`): rows
 ``gate_up`` projection; None = identity, for ``down``), so token activations are quantized once.
 Row ``p`` of the result is ``linear(x[rows[p]], W[e(p)])`` with the semantics of
 :mod:`quads.ops.linear` (W4A4 + residual with an :class:`ActivationQuant`, W4A16 without).
+
+Here: the reference (a loop over experts), the Hopper glue (one grouped launch), the
+``quads::grouped_linear`` custom op with its fake, and the front :func:`grouped_linear` that
+:func:`quads.ops.experts.rollout_experts` calls.
 """
 
 from __future__ import annotations
@@ -13,10 +17,20 @@ from __future__ import annotations
 import torch
 
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
-from quads.ops.linear import prepare_weight_hopper, w4a4_linear_hopper, w4a4_linear_reference, w4a16_linear
+from quads.ops.backend import Backend, get_backend
+from quads.ops.linear import (
+    act_fields,
+    act_from_fields,
+    prepare_weight_hopper,
+    prepared_fields,
+    prepared_from_fields,
+    w4a4_linear_hopper,
+    w4a4_linear_reference,
+    w4a16_linear,
+)
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["grouped_linear_reference", "grouped_linear_hopper"]
+__all__ = ["grouped_linear", "grouped_linear_op", "grouped_linear_reference", "grouped_linear_hopper"]
 
 
 def _expert(parts: NVFP4Parts, e: int) -> NVFP4Parts:
@@ -98,3 +112,47 @@ def grouped_linear_hopper(
     return moe_w4a4_gemm(stacked, row_scale, rows32, offsets.to(torch.int32), prepared,
                          weight.global_encode_scale.float(), num_rows, x.shape[0], has_residual,
                          out_dtype=x.dtype)
+
+
+@torch.library.custom_op("quads::grouped_linear", mutates_args=())
+def grouped_linear_op(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    offsets: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    global_encode_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    prepared_values: torch.Tensor | None,
+    prepared_scales: torch.Tensor | None,
+    quantize_activations: bool,
+    residual_fraction: float,
+    selection: str,
+    granularity: str,
+    static_mask: torch.Tensor | None,
+    num_rows: int,
+    backend: str,
+) -> torch.Tensor:
+    """(num_rows, N): ``backend.grouped_linear`` as an op opaque to ``torch.compile`` (the
+    reference's host loop, which synchronizes with the device, runs inside it)."""
+    n, k = qdata.shape[1], qdata.shape[2] * 2
+    return get_backend(backend).grouped_linear(
+        x, rows, offsets, NVFP4Parts(qdata, scale, global_encode_scale), bias,
+        act_from_fields(quantize_activations, residual_fraction, selection, granularity), static_mask, num_rows,
+        prepared=prepared_from_fields(prepared_values, prepared_scales, n, k))
+
+
+@grouped_linear_op.register_fake
+def _(x, rows, offsets, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scales,
+      quantize_activations, residual_fraction, selection, granularity, static_mask, num_rows, backend):
+    return x.new_empty(num_rows, qdata.shape[1])
+
+
+def grouped_linear(backend: Backend, x, rows, offsets, weight: NVFP4Parts, bias, act, static_mask, num_rows,
+                   prepared=None) -> torch.Tensor:
+    """``backend.grouped_linear``, through the custom op inside compiled graphs (same bits either way)."""
+    if not torch.compiler.is_compiling():
+        return backend.grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=prepared)
+    return torch.ops.quads.grouped_linear(x, rows, offsets, weight.qdata, weight.scale, weight.global_encode_scale,
+                                          bias, *prepared_fields(prepared), *act_fields(act), static_mask, num_rows,
+                                          backend.name)

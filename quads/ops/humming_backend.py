@@ -1,6 +1,6 @@
 """The ``humming`` backend: rollout linears through vLLM's humming GEMMs on Hopper (the fast path).
 
-Same entries as :class:`~quads.ops.backend.HopperBackend`; quads keeps its NVFP4 parts, its one
+Same entries as :class:`~quads.ops.backends.HopperBackend`; quads keeps its NVFP4 parts, its one
 quantizer and its Triton activation quantization, and hands humming (:mod:`quads.kernels.humming_gemm`)
 the packed weight and 16-bit activation operands:
 
@@ -52,17 +52,18 @@ import os
 
 import torch
 
-from quads.ops.activation_memo import shared_operands
 from quads.ops.activation_quant import activation_operands_triton
-from quads.ops.backend import HopperBackend
+from quads.ops.backend import register_backend
+from quads.ops.backends import HopperBackend
 from quads.ops.linear import prepare_weight_hopper
 from quads.tensor.nvfp4_math import NVFP4Parts
 
 __all__ = ["HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "humming_residual_layout"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
-#: from this many tokens on, ``auto`` uses the summed operand (provisional: the H200 run decides)
-SUMMED_FROM_ROWS = 128
+#: from this many tokens on, ``auto`` uses the summed operand (H200, 2026-12-01: stacked faster at
+#: M = 1 on all shapes and at M = 16 on the N, K <= 4096 ones; summed faster at M = 64, 256, 2048)
+SUMMED_FROM_ROWS = 64
 #: operand bounds of the output-range rule: one exact operand row, and the sum of two
 _OPERAND_MAX = {"w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
 
@@ -168,27 +169,32 @@ class HummingBackend(HopperBackend):
         prepared = prepared if prepared is not None else self.prepare_weight(weight)
         return humming_grouped(x, rows, offsets, prepared, act, static_mask, num_rows)
 
-    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None):
+    def stack_prepared(self, prepared):
+        return None  # no stacked humming GEMM yet: sibling groups share the quantization only
+
+    def stacked_fits(self, rows, act):
+        return False
+
+    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
         if not humming_supports(weight) or x2d.dtype not in (torch.float16, torch.bfloat16):
             hopper = prepared if prepared is not None and not isinstance(prepared, HummingWeight) else None
-            return super().linear(x2d, weight, bias, act, static_mask, hopper)
+            return super().linear(x2d, weight, bias, act, static_mask, hopper, operands)
         prepared = prepared if isinstance(prepared, HummingWeight) else self.prepare_weight(weight)
         if act is None:
             y = prepared.layer(x2d.dtype)(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
             return y if bias is None else y + bias.to(y.dtype)
-        return humming_w4a4(x2d, prepared.layer(torch.float16), bias, act, static_mask, self.residual_layout)
+        return humming_w4a4(x2d, prepared.layer(torch.float16), bias, act, static_mask, self.residual_layout,
+                            operands)
 
 
-def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str = "auto") -> torch.Tensor:
+def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str = "auto", operands=None) -> torch.Tensor:
     """W4A4 (+ residual) through one fp16 humming layer (see the module doc): quads' fused
-    quantization (shared by sibling linears, as on the Hopper backend), the GEMM, the epilogue."""
+    quantization (``operands``: computed once by a sibling group, as on the Hopper backend; else
+    here), the GEMM, the epilogue."""
     from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
 
     x2 = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    if static_mask is None:
-        ops = shared_operands(x2, ("w4a4_operands", act), lambda: activation_operands_triton(x2, act))
-    else:
-        ops = activation_operands_triton(x2, act, static_mask)
+    ops = operands if operands is not None else activation_operands_triton(x2, act, static_mask)
     m = x2.shape[0]
     if ops.residual is None:
         o = layer(ops.main, "w4a4")
@@ -222,3 +228,6 @@ def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask,
     o = layer(op, scaling, expert_layout=offsets)
     y = unscale_rows(o, num_rows, layer.unshift[scaling], scale, None, x.dtype, stacked=False)
     return y.masked_fill_(~valid[:, None], 0)
+
+
+register_backend(HummingBackend())

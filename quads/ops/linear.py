@@ -1,20 +1,35 @@
-"""The rollout linear layer: W4A4 (+ residual compensation) or W4A16, reference and kernel glue.
+"""The rollout linear: its reference, its backend glue, its custom op and its front, in one file.
 
 ``y = x Wᵀ`` with W packed NVFP4 parts (N, K). With an :class:`ActivationQuant` config the
 activations are quantized online and the product is W4A4 with residual compensation:
 ``y = x̂ Ŵᵀ + r̂ Ŵᵀ``. The reference (:func:`w4a4_linear_reference`) mirrors the exact Hopper
-emulation (QUADS.md section 3): E2M1 x E4M3 products are exact, sums are float32, the global
+emulation (docs/background.md): E2M1 x E4M3 products are exact, sums are float32, the global
 scales are divided out in the epilogue. Kernels agree with it up to float32 summation order.
 Without a config the layer is weight-only (W4A16): ``F.linear(x, DQ(W))``, bit-identical to the
 trainer's QAT forward.
 
-Every function here takes 2-D activations ``(M, K)``; :mod:`quads.ops.functional` reshapes.
+A rollout linear's forward takes four hops:
+
+1. the module's forward (``RolloutLinear.forward``, or a vLLM layer's ``apply``) calls
+2. :func:`rollout_linear` here (checks, reshape; inside ``torch.compile`` the ``quads::linear``
+   custom op, whose body is step 3), which calls
+3. ``backend.linear``: :func:`linear_reference` (torch), :func:`linear_hopper` (hopper),
+   :func:`w4a4_linear_blackwell` (blackwell), which call
+4. the kernel launchers (:func:`quads.kernels.quantize_nvfp4.quantize_rows`,
+   :func:`quads.kernels.w4a4_decode_hopper.decode_gemm`, :func:`quads.kernels.w4a4_gemm_hopper.w4a4_gemm`).
+
+Sibling linears reading one input (q/k/v, gate/up) go through one
+:class:`~quads.ops.sibling_linear.SiblingGroup` instead, which computes the backend's
+``activation_operands`` once and passes them to each member's ``backend.linear`` (``operands``).
+Every function below step 2 takes 2-D activations ``(M, K)``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from typing import NamedTuple
 
 from quads.ops.activation_quant import (
     ActivationQuant,
@@ -23,14 +38,24 @@ from quads.ops.activation_quant import (
     quantize_activation_reference,
     quantize_activation_triton,
 )
-from quads.ops.activation_memo import memo_last, shared_operands
+from quads.ops.backend import Backend, get_backend, select_backend
 from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
+from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = [
+    "ReferenceOperands",
+    "rollout_linear",
+    "linear_op",
+    "act_fields",
+    "prepared_fields",
+    "reference_operands",
+    "hopper_operands",
     "prepare_weight_hopper",
     "unscaled_values",
     "w4a4_matmul_reference",
+    "linear_reference",
+    "linear_hopper",
     "w4a4_linear_reference",
     "w4a4_linear_hopper",
     "w4a4_linear_blackwell",
@@ -50,36 +75,75 @@ def _row_scale(gs: torch.Tensor, rows: int) -> torch.Tensor:
     return gs.reshape(-1, 1).expand(rows, 1) if gs.dim() else gs.reshape(1, 1)
 
 
+class ReferenceOperands(NamedTuple):
+    """The reference backend's activation operands: the quantized activation and its exact float32
+    expansions without global scales (computed once for sibling linears)."""
+
+    qa: QuantizedActivation
+    main: torch.Tensor  # float32 (M, K) = unscaled_values(qa.main)
+    residual: torch.Tensor | None
+
+
+def reference_operands(x2: torch.Tensor, act: ActivationQuant | None, static_mask=None):
+    """``Backend("torch").activation_operands``: :class:`ReferenceOperands` (None without ``act``:
+    the weight-only reference multiplies ``x`` itself)."""
+    if act is None:
+        return None
+    qa = quantize_activation_reference(x2, act, static_mask)
+    return ReferenceOperands(qa, unscaled_values(qa.main), None if qa.residual is None else unscaled_values(qa.residual))
+
+
+def _matmul_operands(ops: ReferenceOperands, weight: NVFP4Parts) -> torch.Tensor:
+    w = dequantized_weight(weight, torch.float32, unscaled=True)  # = unscaled_values(weight), cached
+    acc = ops.main @ w.T
+    if ops.residual is not None:
+        acc = acc + ops.residual @ w.T
+    return acc / (_row_scale(ops.qa.main.global_encode_scale, ops.main.shape[0]) * weight.global_encode_scale)
+
+
 def w4a4_matmul_reference(qa: QuantizedActivation, weight: NVFP4Parts) -> torch.Tensor:
     """float32 (M, N) = (x̂ Ŵᵀ [+ r̂ Ŵᵀ]) / (S_x S_w): fp32 sums of exact products, the global
     scales (the residual shares S_x) divided out once in the epilogue."""
-    w = dequantized_weight(weight, torch.float32, unscaled=True)  # = unscaled_values(weight), cached
-    m = qa.main.qdata.shape[0]
-    acc = memo_last("unscaled_main", qa.main.qdata, None, lambda: unscaled_values(qa.main)) @ w.T
-    if qa.residual is not None:
-        r = qa.residual
-        acc = acc + memo_last("unscaled_residual", r.qdata, None, lambda: unscaled_values(r)) @ w.T
-    return acc / (_row_scale(qa.main.global_encode_scale, m) * weight.global_encode_scale)
+    res = None if qa.residual is None else unscaled_values(qa.residual)
+    return _matmul_operands(ReferenceOperands(qa, unscaled_values(qa.main), res), weight)
 
 
-def w4a4_linear_reference(
+def linear_reference(
     x2: torch.Tensor,
     weight: NVFP4Parts,
     bias: torch.Tensor | None,
-    act: ActivationQuant,
+    act: ActivationQuant | None,
     static_mask: torch.Tensor | None = None,
+    prepared=None,
+    operands: ReferenceOperands | None = None,
 ) -> torch.Tensor:
-    """(M, K) -> (M, N) in ``x2.dtype``: quantize (+ residual), exact-emulation product, bias.
-
-    Linears reading the same input (q/k/v, gate/up) reuse its quantization (:mod:`.activation_memo`)."""
-    if static_mask is None:
-        qa = memo_last("quantized", x2, act, lambda: quantize_activation_reference(x2, act))
-    else:
-        qa = quantize_activation_reference(x2, act, static_mask)
-    y = w4a4_matmul_reference(qa, weight)
+    """``Backend("torch").linear``: (M, K) -> (M, N) in ``x2.dtype``. With ``act``: quantize
+    (+ residual), exact-emulation product, bias (``operands``: :func:`reference_operands` of ``x2``
+    computed by the caller, shared by siblings); without: :func:`w4a16_linear`."""
+    if act is None:
+        return w4a16_linear(x2, weight, bias)
+    ops = operands if operands is not None else reference_operands(x2, act, static_mask)
+    y = _matmul_operands(ops, weight)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x2.dtype)
+
+
+def w4a4_linear_reference(x2, weight: NVFP4Parts, bias, act: ActivationQuant, static_mask=None) -> torch.Tensor:
+    """The W4A4 (+ residual) reference (:func:`linear_reference` with an ``act``)."""
+    return linear_reference(x2, weight, bias, act, static_mask)
+
+
+def hopper_operands(x2: torch.Tensor, act: ActivationQuant | None, static_mask=None):
+    """``Backend("hopper").activation_operands``: the fused quantization's GEMM operands
+    (:class:`~quads.ops.activation_quant.ActivationOperands`), or without ``act`` (W4A16) the
+    fp16 rows and their per-row powers of two (:mod:`quads.kernels.fp16_operand`)."""
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if act is None:
+        from quads.kernels.fp16_operand import scaled_fp16_rows
+
+        return scaled_fp16_rows(x2)
+    return activation_operands_triton(x2, act, static_mask)
 
 
 def prepare_weight_hopper(weight: NVFP4Parts, out=None):
@@ -93,36 +157,53 @@ def prepare_weight_hopper(weight: NVFP4Parts, out=None):
     return to_hopper_layout(weight.qdata, weight.scale, out)
 
 
-def w4a4_linear_hopper(
+def linear_hopper(
     x2: torch.Tensor,
     weight: NVFP4Parts,
     bias: torch.Tensor | None,
-    act: ActivationQuant,
+    act: ActivationQuant | None,
     static_mask: torch.Tensor | None = None,
     prepared=None,
+    operands=None,
 ) -> torch.Tensor:
-    """Triton twin of :func:`w4a4_linear_reference`: fused quantization, then the exact W4A4
-    decode GEMM (few tokens: weight streamed once in the layout ``prepared`` by
-    :func:`prepare_weight_hopper`, built here if not given) or the prefill GEMM (many tokens).
-    Inside :func:`~quads.ops.activation_memo.share_activation_quantization`, consecutive calls
-    on the same input tensor and configuration quantize it once (q/k/v, gate/up)."""
+    """``Backend("hopper").linear``, the Triton twin of :func:`linear_reference`: the input's GEMM
+    operands (``operands``, :func:`hopper_operands` of ``x2`` computed by the caller, else here:
+    the fused quantization, or W4A16's fp16 rows), then the exact decode GEMM (few tokens: the
+    weight streamed once in the layout ``prepared`` by :func:`prepare_weight_hopper`, built here if
+    not given) or the prefill GEMM (many tokens).
+
+    Weight-only (``act=None``): ``x`` goes in as fp16 with a per-row power of two
+    (:mod:`quads.kernels.fp16_operand`), the weight as the exact ``e2m1 * s * 2^-14`` operand, the
+    global scale divided out in fp32 at the end. Compared with :func:`w4a16_linear` (bf16
+    ``DQ(W)``, a cuBLAS product) the weight is not rounded to bf16 and the fp32 sums run in
+    another order: differences of that size."""
     from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
     from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
 
-    if static_mask is None:  # siblings reading this input share one quantization (activation_memo)
-        ops = shared_operands(x2, ("w4a4_operands", act),
-                              lambda: activation_operands_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), act))
-    else:  # a calibrated channel set of this layer's own
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        ops = activation_operands_triton(x2, act, static_mask)
+    ops = operands if operands is not None else hopper_operands(x2, act, static_mask)
+    if act is None:
+        main = stacked = ops[0]
+        row_scale, residual = ops[1], None
+    else:
+        main, stacked, row_scale, residual = ops.main, ops.stacked, ops.main_scale, ops.residual
     sw = weight.global_encode_scale.to(torch.float32)
     m = x2.shape[0]
-    has_res = ops.residual is not None
+    has_res = residual is not None
     if (2 * m if has_res else m) <= max_decode_columns():
         prepared = prepared if prepared is not None else prepare_weight_hopper(weight)
-        return decode_gemm(ops.stacked, ops.main_scale, prepared, sw, m, has_res, bias, x2.dtype)
-    return w4a4_gemm(ops.main, ops.main_scale, weight.qdata, weight.scale, sw,
-                     r16=ops.residual, bias=bias, out_dtype=x2.dtype)
+        return decode_gemm(stacked, row_scale, prepared, sw, m, has_res, bias, x2.dtype)
+    return w4a4_gemm(main, row_scale, weight.qdata, weight.scale, sw, r16=residual, bias=bias, out_dtype=x2.dtype)
+
+
+def w4a4_linear_hopper(x2, weight: NVFP4Parts, bias, act: ActivationQuant, static_mask=None, prepared=None):
+    """W4A4 (+ residual) on the Hopper kernels (:func:`linear_hopper` with an ``act``)."""
+    return linear_hopper(x2, weight, bias, act, static_mask, prepared)
+
+
+def w4a16_linear_hopper(x2, weight: NVFP4Parts, bias, prepared=None) -> torch.Tensor:
+    """Weight-only on the Hopper kernels, reading the packed weight (no dequantized copy;
+    :func:`linear_hopper` without ``act``)."""
+    return linear_hopper(x2, weight, bias, None, None, prepared)
 
 
 def w4a4_linear_blackwell(
@@ -132,6 +213,7 @@ def w4a4_linear_blackwell(
     act: ActivationQuant,
     static_mask: torch.Tensor | None = None,
     prepared=None,
+    operands=None,
 ) -> torch.Tensor:
     """W4A4 (+ residual) through native FP4 GEMMs on sm_100+ (NOT RUN here, see kernels.blackwell)."""
     from quads.kernels.blackwell import fp4_unscaled_mm
@@ -154,20 +236,97 @@ def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None
     return F.linear(x2, w, bias)
 
 
-def w4a16_linear_hopper(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None, prepared=None) -> torch.Tensor:
-    """Weight-only on the Hopper GEMMs, reading the packed weight (no dequantized copy).
+# ---------------------------------------------------------------------------------------------
+# The custom op (torch.compile) and the front
+# ---------------------------------------------------------------------------------------------
 
-    ``x`` goes in as fp16 with a per-row power of two (:mod:`quads.kernels.fp16_operand`); the
-    weight as the exact ``e2m1 * s * 2^-14`` operand, the global scale divided out in fp32 at
-    the end. Compared with :func:`w4a16_linear` (bf16 ``DQ(W)``, a cuBLAS product) the weight is
-    not rounded to bf16 and the fp32 sums run in another order: differences of that size."""
-    from quads.kernels.fp16_operand import scaled_fp16_rows
-    from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
-    from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
 
-    x16, sx = shared_operands(x2, "fp16_rows", lambda: scaled_fp16_rows(x2))  # shared by siblings, as W4A4
-    sw = weight.global_encode_scale.to(torch.float32)
-    if x2.shape[0] <= max_decode_columns():
-        prepared = prepared if prepared is not None else prepare_weight_hopper(weight)
-        return decode_gemm(x16, sx, prepared, sw, x2.shape[0], False, bias, x2.dtype)
-    return w4a4_gemm(x16, sx, weight.qdata, weight.scale, sw, bias=bias, out_dtype=x2.dtype)
+def act_fields(act: ActivationQuant | None) -> tuple[bool, float, str, str]:
+    """``ActivationQuant`` (or None: weight-only) as a custom op's four plain arguments."""
+    if act is None:
+        return False, 0.0, "per_token", "row"
+    return True, float(act.residual_fraction), act.selection, act.granularity
+
+
+def act_from_fields(quantize_activations: bool, residual_fraction: float, selection: str, granularity: str):
+    return ActivationQuant(residual_fraction, selection, granularity) if quantize_activations else None
+
+
+def prepared_fields(prepared) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A prepared weight as two optional tensors (the Hopper layout's values and scales)."""
+    return (None, None) if prepared is None else (prepared.values, prepared.scales)
+
+
+def prepared_from_fields(values, scales, n: int, k: int):
+    if values is None:
+        return None
+    from quads.kernels.hopper_weight_layout import HopperWeight  # a kernel backend is in use: Triton is there
+
+    return HopperWeight(values, scales, n, k)
+
+
+@torch.library.custom_op("quads::linear", mutates_args=())
+def linear_op(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    global_encode_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    prepared_values: torch.Tensor | None,
+    prepared_scales: torch.Tensor | None,
+    quantize_activations: bool,
+    residual_fraction: float,
+    selection: str,
+    granularity: str,
+    static_mask: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """(M, K) -> (M, N): ``backend.linear`` as an op opaque to ``torch.compile`` (same bits as
+    eager). Arguments are tensors and plain values: the backend by name, the activation
+    quantizer as its fields, the Hopper layout as its two tensors. Its body never shares an
+    activation quantization with another call (compiled code reuses buffers without version
+    bumps, so tensor identity says nothing about values there)."""
+    n, k = qdata.shape[0], qdata.shape[1] * 2
+    return get_backend(backend).linear(
+        x, NVFP4Parts(qdata, scale, global_encode_scale), bias,
+        act_from_fields(quantize_activations, residual_fraction, selection, granularity), static_mask,
+        prepared_from_fields(prepared_values, prepared_scales, n, k))
+
+
+@linear_op.register_fake
+def _(x, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scales, quantize_activations,
+      residual_fraction, selection, granularity, static_mask, backend):
+    return x.new_empty(x.shape[0], qdata.shape[0])
+
+
+def _check_linear_weight(x: torch.Tensor, weight: NVFP4Tensor) -> None:
+    if not isinstance(weight, NVFP4Tensor) or weight.dim() != 2 or weight.transposed:
+        raise TypeError("rollout_linear expects a 2-D, untransposed NVFP4Tensor weight (N, K)")
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"rollout_linear: x has K={x.shape[-1]}, weight has K={weight.shape[-1]}")
+
+
+def rollout_linear(
+    x: torch.Tensor,
+    weight: NVFP4Tensor,
+    bias: torch.Tensor | None = None,
+    act: ActivationQuant | None = None,
+    static_mask: torch.Tensor | None = None,
+    backend: Backend | None = None,
+    prepared=None,
+) -> torch.Tensor:
+    """``x (..., K) -> (..., N)`` through a packed NVFP4 weight (N, K): step 2 of the forward.
+
+    With ``act``: W4A4 (+ residual compensation); without: weight-only W4A16. ``backend``: the
+    module's (stored at conversion); None picks one for ``x``'s device (``QUADS_BACKEND``,
+    ``use_backend``). ``prepared``: ``backend.prepare_weight(weight.parts)``, if the caller keeps it.
+    Inside ``torch.compile`` the ``quads::linear`` custom op runs the same ``backend.linear``."""
+    _check_linear_weight(x, weight)
+    backend = backend or select_backend(x.device)
+    x2, parts = x.reshape(-1, x.shape[-1]), weight.parts
+    if torch.compiler.is_compiling():
+        y = torch.ops.quads.linear(x2, parts.qdata, parts.scale, parts.global_encode_scale, bias,
+                                   *prepared_fields(prepared), *act_fields(act), static_mask, backend.name)
+    else:
+        y = backend.linear(x2, parts, bias, act, static_mask, prepared)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -23,8 +23,10 @@ from quads.tensor.nvfp4_math import (
     nvfp4_quantize,
 )
 
-__all__ = ["quantize_weight_reference", "quantize_weight_triton", "fake_quantize_weight_reference",
-           "fake_quantize_weight_triton"]
+from quads.ops.backend import Backend, get_backend, select_backend
+
+__all__ = ["quantize_weight", "quantize_weight_op", "quantize_weight_reference", "quantize_weight_triton",
+           "fake_quantize_weight_reference", "fake_quantize_weight_triton"]
 
 
 def quantize_weight_reference(
@@ -113,3 +115,22 @@ def fake_quantize_weight_triton(
         return torch.empty(x.shape, dtype=dtype, device=x.device), gs
     out, gs = fake_quantize_rows(x2, per_group, dtype, global_encode_scale)
     return out.view(x.shape), gs.reshape(groups)
+
+
+@torch.library.custom_op("quads::quantize_weight", mutates_args=())
+def quantize_weight_op(x: torch.Tensor, granularity: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight's NVFP4 parts (the sync op) through the backend, as an op opaque to ``torch.compile``."""
+    return tuple(get_backend(backend).quantize_weight(x, granularity))
+
+
+@quantize_weight_op.register_fake
+def _(x, granularity, backend):
+    lead, k = x.shape[:-1], x.shape[-1]
+    gs_shape = {"tensor": (), "expert": x.shape[:1], "row": lead}[granularity]
+    return (x.new_empty(*lead, k // 2, dtype=torch.uint8), x.new_empty(*lead, k // 16, dtype=torch.float8_e4m3fn),
+            x.new_empty(gs_shape, dtype=torch.float32))
+
+
+def quantize_weight(x: torch.Tensor, granularity: str | None = None, backend: Backend | None = None) -> NVFP4Parts:
+    """NVFP4 parts of a weight; identical bits whichever backend runs (None: picked for ``x``'s device)."""
+    return (backend or select_backend(x.device)).quantize_weight(x, granularity)

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import Backend, select_backend
-from quads.ops.experts import experts_loop
-from quads.ops.functional import rollout_experts, rollout_linear
+from quads.ops.experts import experts_loop, rollout_experts
+from quads.ops.linear import rollout_linear
 from quads.policies.policy import QuadsPolicy
 from quads.policies.ste import fake_quant_linear, fake_quantize_activation, fake_quantize_weight
 from quads.policies.trainer_experts import grouped_experts_forward, grouped_mm_available
@@ -40,6 +40,7 @@ __all__ = [
     "RolloutExperts",
     "is_fused_experts",
     "apply_gate",
+    "rollout_owners",
 ]
 
 
@@ -104,10 +105,11 @@ class RolloutModule(QuadsModule):
             self.quads_prepared, [getattr(self, n).parts for n in self.quads_packed_names])
         self._quads_prepared_versions = self._quads_versions()
         group = getattr(self, "quads_group", None)
-        if group is not None:  # a fused projection (quads.policies.fused_projections)
-            if group.holds(self.quads_group_index, self.quads_prepared[0]):
-                group.write_scales(self.quads_group_index)
-            else:  # the layout could not be written in place (a device move): compute alone again
+        if group is not None:  # sibling projections (quads.ops.sibling_linear)
+            i = self.quads_group_index
+            if group.backend is self.quads_backend and group.holds(i, self.quads_prepared[0]):
+                group.write_scale(i, self.weight.parts.global_encode_scale)
+            else:  # another backend, or a layout not written in place (a device move): alone again
                 group.dissolve()
 
     def quads_prepared_weights(self) -> tuple:
@@ -122,6 +124,19 @@ class RolloutModule(QuadsModule):
         out = super()._apply(fn, *args, **kwargs)
         self.quads_select_backend()  # .to(device) / .cuda(): the backend follows the weights
         return out
+
+
+def rollout_owners(model: nn.Module) -> dict[int, list[RolloutModule]]:
+    """id(packed parameter) -> the rollout module(s) of ``model`` holding it (tied weights: several);
+    how both syncs (``sync.py``, ``sharded_sync.py``) find what to refresh after a write."""
+    out: dict[int, list[RolloutModule]] = {}
+    for module in model.modules():
+        if isinstance(module, RolloutModule):
+            for pname in module.quads_packed_names:
+                out.setdefault(id(getattr(module, pname)), []).append(module)
+    return out
+
+
 
 
 class TrainerModule(QuadsModule):
@@ -157,11 +172,13 @@ class RolloutLinear(RolloutModule):
     quads_packed_names = ("weight",)
     #: calibrated channel mask (K,) for residual_selection="static", else None
     quads_static_mask: torch.Tensor | None = None
-    #: the fused sibling projections this linear belongs to (``quads.fuse_projections_``), if any
+    #: the sibling group (:class:`~quads.ops.sibling_linear.SiblingGroup`) this linear belongs to, if any
     quads_group = None
     quads_group_index = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Hop 1 of 4: the sibling group (one quantization for q/k/v, gate/up) or
+        :func:`~quads.ops.linear.rollout_linear`, then the backend's entry, then the launchers."""
         if self.quads_group is not None:
             y = self.quads_group.forward(self.quads_group_index, x)
             if y is not None:
@@ -169,6 +186,15 @@ class RolloutLinear(RolloutModule):
         (prepared,) = self.quads_prepared_weights()
         return rollout_linear(x, self.weight, self.bias, self.quads_act, self.quads_static_mask, self.quads_backend,
                               prepared)
+
+    def quads_sibling_inputs(self) -> tuple:
+        """(packed parts, bias, prepared weight) as the sibling group computes with them."""
+        (prepared,) = self.quads_prepared_weights()
+        return self.weight.parts, self.bias, prepared
+
+    def quads_unstack(self, view) -> None:
+        """Leave a stacked layout: this linear's prepared weight becomes its own copy of ``view``."""
+        self.quads_prepared = (type(view)(view.values.clone(), view.scales.clone(), view.n, view.k),)
 
 
 def apply_gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:

@@ -37,9 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from quads.ops.weight_quant import quantize_weight_reference
-from quads.policies.modules import RolloutModule
+from quads.policies.modules import RolloutModule, rollout_owners
 from quads.policies.shards import Master, is_dtensor, shard_rows, trainer_masters
-from quads.policies.sync import _owners
 from quads.tensor.nvfp4_math import BLOCK_SIZE, default_granularity, global_amax, global_encode_scale_from_amax
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -96,7 +95,7 @@ class _Entry:
 def plan_sharded_sync(rollout_model: nn.Module, trainer_model: nn.Module) -> tuple[list[_Entry], object]:
     """Match rollout parameters to trainer masters; returns (entries, device mesh). Local only."""
     masters = trainer_masters(trainer_model)
-    owners = _owners(rollout_model)
+    owners = rollout_owners(rollout_model)
     entries, mesh = [], None
     for name, param in rollout_model.named_parameters():
         if is_dtensor(param):

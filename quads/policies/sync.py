@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from quads.ops.backend import Backend, select_backend
-from quads.policies.modules import RolloutModule
+from quads.policies.modules import rollout_owners
 from quads.policies.shards import has_sharded_parameters
 from quads.tensor.finite import check_all_finite, check_dequantized_range
 from quads.tensor.nvfp4_math import NVFP4Parts
@@ -59,16 +59,6 @@ class _Write:
     @property
     def packed(self) -> bool:
         return isinstance(self.param, NVFP4Tensor)
-
-
-def _owners(model: nn.Module) -> dict[int, list[RolloutModule]]:
-    """id(packed parameter) -> the rollout module(s) holding it."""
-    out: dict[int, list[RolloutModule]] = {}
-    for module in model.modules():
-        if isinstance(module, RolloutModule):
-            for pname in module.quads_packed_names:
-                out.setdefault(id(getattr(module, pname)), []).append(module)
-    return out
 
 
 def _grouped(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
@@ -104,7 +94,7 @@ def _problem(param: torch.Tensor, source: torch.Tensor) -> str | None:
 def _plan(rollout_model: nn.Module, trainer_model: nn.Module, strict: bool) -> list[_Write]:
     """Match parameters and check names, ties, shapes and dtypes; no device work."""
     masters = dict(trainer_model.named_parameters(remove_duplicate=False))
-    owners = _owners(rollout_model)
+    owners = rollout_owners(rollout_model)
     writes, missing, problems = [], [], []
     rollout_names: set[str] = set()
     for param, names in _grouped(rollout_model).values():
@@ -175,9 +165,10 @@ def _tensors(w: _Write) -> tuple[torch.Tensor, ...]:
     return tuple(w.param.parts) if w.packed else (w.param,)
 
 
-def _written_modules(writes: list[_Write], rollout_model: nn.Module) -> list[RolloutModule]:
-    owners = _owners(rollout_model)
-    modules: dict[int, RolloutModule] = {}
+def _written_modules(writes: list[_Write], rollout_model: nn.Module) -> list:
+    """The rollout modules holding a written packed weight (each once), to be notified."""
+    owners = rollout_owners(rollout_model)
+    modules: dict[int, object] = {}
     for w in writes:
         for module in owners.get(id(w.param), []) if w.packed else []:
             modules.setdefault(id(module), module)

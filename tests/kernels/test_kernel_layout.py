@@ -11,7 +11,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 import triton.language as tl  # noqa: E402
 
-from quads.kernels.hopper_layout_pack import to_hopper_layout_triton  # noqa: E402
+from quads.kernels.hopper_weight_layout import to_hopper_layout_triton  # noqa: E402
 from quads.kernels.hopper_weight_layout import (  # noqa: E402
     HopperWeight,
     from_hopper_layout,

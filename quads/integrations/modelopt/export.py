@@ -81,13 +81,14 @@ from quads.tensor.nvfp4_math import (
     nvfp4_quantize,
 )
 from quads.tensor.nvfp4_tensor import NVFP4Tensor, check_finite
+from quads.policies.fused_projections import SIBLING_PROJECTIONS
 
 __all__ = ["DTYPES", "FORMATS", "FUSED_SIBLINGS", "ExportReport", "check_out_dir", "export_modelopt"]
 
 #: ``--format`` -> ModelOpt ``quant_algo``
 FORMATS = {"nvfp4": "NVFP4", "w4a16": "W4A16_NVFP4"}
-#: sibling linears vLLM merges into one layer with one global weight scale
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: sibling linears vLLM merges into one layer with one global weight scale (the one list of them)
+FUSED_SIBLINGS = SIBLING_PROJECTIONS
 FUSED_SCALES = ("shared", "separate")
 #: ``dtype`` choices for the tensors that are not quantized ("auto": the masters' dtype)
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec, unsupported_reason
+from quads.engine import GraphedDecoder, SamplingSpec, unsupported_reason
 from quads.policies import sync_weights_
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class QuadsRolloutEngine:
     sampled token (TRL keeps ``lp[0]``). Completions stop at the first EOS (kept), as TRL's own
     ``generate`` path does.
 
-    Sampling runs through :class:`quads.integrations.graphed_decode.GraphedDecoder` (decode
+    Sampling runs through :class:`quads.engine.GraphedDecoder` (decode
     step captured as a CUDA graph; it stays valid across syncs, which write weights in place)
     when ``graphed`` is True, or when it is None (default) and the rollout model is on CUDA;
     otherwise, or when the generation config asks for something the decoder does not do

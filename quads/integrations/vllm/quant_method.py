@@ -32,7 +32,7 @@ How it works
   experts are already fused in transformers 5 (``gate_up_proj (E, 2I, H)``, one global scale per
   expert), which is vLLM's ``w13_weight`` layout, gate rows first.
 * **Forward**: W4A4 + residual compensation via :func:`quads.ops.rollout_linear` and
-  :func:`quads.ops.moe_experts.rollout_experts` (Triton kernels on Hopper/Blackwell GPUs, the
+  :func:`quads.ops.experts.rollout_experts` (Triton kernels on Hopper/Blackwell GPUs, the
   torch reference elsewhere, e.g. vLLM's CPU build). ``activations="bf16"`` gives W4A16.
 * **Not quantized** (as on the trainer side, :data:`quads.policies.policy.DEFAULT_SKIP_PATTERNS`):
   embeddings, ``lm_head``, MoE routers (``GateLinear``, ``...gate``), and anything matched by
@@ -64,10 +64,9 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import Backend, select_backend
-from quads.ops import library
-from quads.ops.experts import rollout_experts as experts_on_parts
-from quads.ops.functional import quantize_activation, rollout_linear
-from quads.ops.linear import w4a4_matmul_reference
+from quads.ops.experts import rollout_experts
+from quads.ops.linear import act_fields, prepared_fields, rollout_linear
+from quads.ops.sibling_linear import SiblingGroup
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
 from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts
@@ -300,6 +299,9 @@ class QuadsLinearMethod(LinearMethodBase):
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
+        # the shards read one input: one activation quantization for all of them
+        layer.quads_siblings = SiblingGroup(layer.quads_backend, self.config.activation_quant,
+                                            layer.quads_output_partition_sizes)
 
     def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         """The packed logical weights of ``layer`` (views of its parameters)."""
@@ -322,7 +324,7 @@ class QuadsLinearMethod(LinearMethodBase):
         if torch.compiler.is_compiling():  # vLLM's default engine: torch.compile + CUDA graphs
             return compiled_shard_linear(layer, x, bias, self.config.activation_quant)
         return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend,
-                            getattr(layer, "quads_prepared", None))
+                            getattr(layer, "quads_prepared", None), getattr(layer, "quads_siblings", None))
 
 
 def shard_linear(
@@ -332,13 +334,16 @@ def shard_linear(
     act: ActivationQuant | None,
     backend: Backend | None = None,
     prepared: tuple | None = None,
+    group: SiblingGroup | None = None,
 ) -> torch.Tensor:
     """``cat_i rollout_linear(x, shard_i, bias_i, act)`` along the output dim.
 
-    On the torch backend the activation is quantized once and shared by the shards (same
-    result: the quantization depends on ``x`` only); kernels get one call per shard.
+    The shards read one input: a :class:`~quads.ops.sibling_linear.SiblingGroup` quantizes it
+    once and runs each shard's GEMM on the shared operands (same bits as one call per shard: the
+    quantization depends on ``x`` only).
     ``backend``: the layer's (stored at weight loading); None picks one for ``x``'s device.
     ``prepared``: one ``backend.prepare_weight`` result per shard (None: built per call).
+    ``group``: the layer's group (made at weight loading); None makes one for this call.
     """
     backend = backend or select_backend(x.device)
     prepared = prepared or (None,) * len(shards)
@@ -346,17 +351,9 @@ def shard_linear(
         return rollout_linear(x, shards[0], bias, act, backend=backend, prepared=prepared[0])
     sizes = [s.shape[0] for s in shards]
     biases = [None] * len(shards) if bias is None else list(bias.split(sizes))
-    if act is None or backend.name != "torch":
-        return torch.cat([rollout_linear(x, s, b, act, backend=backend, prepared=p)
-                          for s, b, p in zip(shards, biases, prepared)], dim=-1)
+    group = group if group is not None and group.backend is backend else SiblingGroup(backend, act, sizes)
     x2 = x.reshape(-1, x.shape[-1])
-    qa = quantize_activation(x2, act, backend=backend)
-    outs = []
-    for s, b in zip(shards, biases):
-        y = w4a4_matmul_reference(qa, s.parts)
-        if b is not None:
-            y = y + b.to(torch.float32)
-        outs.append(y.to(x.dtype))
+    outs = group.outputs(x2, [s.parts for s in shards], biases, prepared)
     return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], sum(sizes))
 
 
@@ -380,7 +377,9 @@ def compiled_shard_linear(
     for i, n in enumerate(sizes):
         parts = NVFP4Parts(layer.weight[start:start + n], layer.weight_scale[start:start + n],
                            layer.weight_global_scale[i])
-        outs.append(library.linear(layer.quads_backend, x2, parts, biases[i], act, None, prepared[i]))
+        outs.append(torch.ops.quads.linear(x2, parts.qdata, parts.scale, parts.global_encode_scale, biases[i],
+                                           *prepared_fields(prepared[i]), *act_fields(act), None,
+                                           layer.quads_backend.name))
         start += n
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -487,7 +486,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         # Plain parts, no NVFP4Tensor: this runs inside vLLM's torch.compile (see compiled_shard_linear)
         gate_up = NVFP4Parts(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_global_scale)
         down = NVFP4Parts(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_global_scale)
-        return experts_on_parts(
+        return rollout_experts(
             x,
             topk_ids.long(),
             topk_weights.to(x.dtype),  # as transformers' routers hand them to the experts
@@ -495,9 +494,9 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             down,
             self._apply_gate,
             self.config.activation_quant,
-            layer.quads_backend,
             getattr(layer, "w13_bias", None),
             getattr(layer, "w2_bias", None),
+            backend=layer.quads_backend,
             prepared=getattr(layer, "quads_prepared", (None, None)),
         )
 

@@ -3,7 +3,7 @@
     from quads.integrations.vllm.weight_push import push_weights
     push_weights(llm, trainer_model)      # after each optimizer step, before generating
 
-What it does, and why (QUADS.md section 5 lists the traps):
+What it does, and why (docs/background.md section 3 lists the traps):
 
 * **Names.** A transformers-5 model holds fused MoE experts (``experts.gate_up_proj (E, 2I, H)``,
   ``experts.down_proj (E, H, I)``); vLLM's ``load_weights`` takes checkpoint names

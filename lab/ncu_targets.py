@@ -1,17 +1,14 @@
 """Kernel launches for an ncu profile (no timing): the default decode GEMM at 4096 x 4096, M = 1
 (W4A4 + residual), and the grouped MoE gate_up of a Qwen3-30B-A3B-shaped layer at T = 1.
 
-    ncu --set full -k regex:"_decode_gemm|_moe_" python benchmarks/ncu_targets.py
+    ncu --set full -k regex:"_decode_gemm|_moe_" python -m lab.ncu_targets
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
 from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm  # noqa: E402

@@ -1,6 +1,6 @@
 """Prefill GEMM variants on one GPU (H200): bits against the default kernel, times against cuBLAS BF16.
 
-    PYTHONPATH=. python benchmarks/prefill_experiments.py [--out DIR] [--variants a,b]
+    python -m lab.prefill_experiments [--out DIR] [--variants a,b]
         [--shapes 4096x4096,...] [--ms 256,2048]
 
 For each weight shape (K x N), token count M and mode (plain W4A4; QUADS default = residual
@@ -25,25 +25,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import graph_time  # noqa: E402
+from benchmarks.timing import graph_time  # noqa: E402
 
 from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
 from quads.kernels.w4a4_gemm_hopper import (  # noqa: E402
     GemmConfig,
-    cublas_prefill,
     dequant_weight_fp16,
     pick_config,
     w4a4_gemm,
 )
+from lab.cublas_prefill import cublas_prefill  # noqa: E402
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
 

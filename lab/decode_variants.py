@@ -1,6 +1,6 @@
 """Decode-GEMM and grouped-MoE kernel variants: bit checks against the default, then timings (H200).
 
-    PYTHONPATH=. python benchmarks/decode_variants.py [--out DIR] [--quick]
+    python -m lab.decode_variants [--out DIR] [--quick]
 
 For each (K x N) weight and M tokens (W4A4 + residual, k = 100%; and plain W4A4 at M = 1):
 every variant's output must equal the default's bit for bit (a variant that does not is
@@ -17,20 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
 from quads.kernels.moe_grouped_gemm import MoeConfig, moe_w4a4_gemm, pick_moe_config  # noqa: E402
 from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
-from timing import graph_time  # noqa: E402
+from benchmarks.timing import graph_time  # noqa: E402
 
 QUADS = ActivationQuant(residual_fraction=1.0)
 PLAIN = ActivationQuant(residual_fraction=0.0)

@@ -1,6 +1,6 @@
 """Where the decode GEMM's time goes (benchmark-only experiment kernels; H200).
 
-    PYTHONPATH=. python benchmarks/decode_experiments.py [--out DIR] [--ncu]
+    python -m lab.decode_experiments [--out DIR] [--ncu]
 
 Times (CUDA graphs, rotating weight sets > L2, as bench_kernels.py), for K x N weights at M = 1:
 
@@ -19,20 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from quads.kernels.hopper_weight_layout import load_weight_tile, to_hopper_layout  # noqa: E402
 from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
-from timing import graph_time  # noqa: E402
+from benchmarks.timing import graph_time  # noqa: E402
 
 
 @triton.jit

@@ -1,0 +1,85 @@
+"""The built-in backends: each entry of the :class:`~quads.ops.backend.Backend` interface bound
+to one op file's implementation (the reference, or that op's kernel glue).
+
+Registered when :mod:`quads.ops` is imported. A new backend (for instance one on other
+kernels) is a class like these, in its own module, registered with
+:func:`~quads.ops.backend.register_backend` (see :mod:`quads.ops.backend`).
+"""
+
+from __future__ import annotations
+
+from quads.ops.activation_quant import quantize_activation_reference, quantize_activation_triton
+from quads.ops.backend import Backend, register_backend
+from quads.ops.grouped_linear import grouped_linear_hopper, grouped_linear_reference
+from quads.ops.linear import (
+    hopper_operands,
+    linear_hopper,
+    linear_reference,
+    prepare_weight_hopper,
+    reference_operands,
+    w4a4_linear_blackwell,
+)
+from quads.ops.sibling_linear import stack_prepared_hopper, stacked_fits_hopper, stacked_linear_hopper
+from quads.ops.weight_quant import quantize_weight_reference, quantize_weight_triton
+
+__all__ = ["TorchBackend", "HopperBackend", "BlackwellBackend"]
+
+class TorchBackend(Backend):
+    """The references (any device): the spec every kernel backend is tested against."""
+
+    name = "torch"
+
+    def prepare_weight(self, weight, out=None):
+        return None  # the reference reads the packed parts
+
+    def quantize_weight(self, x, granularity=None, global_encode_scale=None):
+        return quantize_weight_reference(x, granularity, global_encode_scale)
+
+    def quantize_activation(self, x2d, act, static_mask=None):
+        return quantize_activation_reference(x2d, act, static_mask)
+
+    activation_operands = staticmethod(reference_operands)
+    linear = staticmethod(linear_reference)
+    grouped_linear = staticmethod(grouped_linear_reference)
+
+
+class HopperBackend(Backend):
+    """The exact-emulation Triton kernels (sm_90; any device under ``TRITON_INTERPRET=1``)."""
+
+    name = "hopper"
+
+    def prepare_weight(self, weight, out=None):
+        return prepare_weight_hopper(weight, out)
+
+    def quantize_weight(self, x, granularity=None, global_encode_scale=None):
+        return quantize_weight_triton(x, granularity, global_encode_scale)
+
+    def quantize_activation(self, x2d, act, static_mask=None):
+        return quantize_activation_triton(x2d, act, static_mask)
+
+    activation_operands = staticmethod(hopper_operands)
+    linear = staticmethod(linear_hopper)
+    stack_prepared = staticmethod(stack_prepared_hopper)
+    stacked_fits = staticmethod(stacked_fits_hopper)
+    stacked_linear = staticmethod(stacked_linear_hopper)
+    grouped_linear = staticmethod(grouped_linear_hopper)
+
+
+class BlackwellBackend(HopperBackend):
+    """Native FP4 W4A4 on sm_100+ through ``torch._scaled_mm``, the Hopper kernels for the rest.
+    NOT RUN (no Blackwell GPU here): selectable, never ``auto``; no stacked GEMM."""
+
+    name = "blackwell"
+
+    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
+        if act is None or not x2d.is_cuda:  # CPU tensors under the interpreter: the emulation
+            return linear_hopper(x2d, weight, bias, act, static_mask, prepared, operands)
+        return w4a4_linear_blackwell(x2d, weight, bias, act, static_mask)  # quantizes its own packed operands
+
+    def stack_prepared(self, prepared):
+        return None
+
+
+for _backend in (TorchBackend(), HopperBackend(), BlackwellBackend()):
+    register_backend(_backend)
+del _backend

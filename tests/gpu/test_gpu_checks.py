@@ -1,0 +1,25 @@
+"""The H200 correctness checks (:mod:`benchmarks.gpu_checks`) as pytest tests, one per check.
+
+Marked ``gpu`` and skipped without CUDA (the CPU suite runs the kernels at small shapes under the
+Triton interpreter instead): ``python -m pytest -m gpu tests/gpu``. The runner
+``python -m benchmarks.gpu_checks --out DIR`` runs the same functions and writes checks.json.
+"""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU checks need a CUDA GPU (sm_90)")]
+
+NAMES = ("act_quant", "weights", "layout", "gemm", "w4a16", "moe", "fused")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_check(name):
+    from benchmarks import gpu_checks
+
+    assert set(gpu_checks.CHECKS) == set(NAMES)  # a new check gets its test
+    gpu_checks.RESULTS.clear()
+    gpu_checks.CHECKS[name]()
+    failed = {k: r["detail"] for k, r in gpu_checks.RESULTS.items() if not r["ok"]}
+    assert gpu_checks.RESULTS and not failed, failed
