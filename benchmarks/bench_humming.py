@@ -1,8 +1,8 @@
 """The humming fast path (issue 24, stage 1) on one H200: correctness, determinism, batch invariance, speed.
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_humming.py --out $OUT
-    PYTHONPATH=$PWD python benchmarks/bench_humming.py --dry-run --out /tmp/x   # CPU: the code, no numbers
+    PYTHONPATH=/tmp/site:$PWD python -m benchmarks.bench_humming --out $OUT
+    PYTHONPATH=$PWD python -m benchmarks.bench_humming --dry-run --out /tmp/x   # CPU: the code, no numbers
 
 One run, same process, for each linear shape (K, N) of the issue and each M:
 
@@ -52,18 +52,16 @@ DRY = "--dry-run" in sys.argv
 if DRY:  # before any Triton kernel is decorated: the interpreter runs them on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from quads.kernels import humming_gemm as hg  # noqa: E402
-from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
-from quads.ops import ActivationQuant, get_backend  # noqa: E402
-from quads.ops.activation_quant import activation_operands_triton, quantize_activation_reference  # noqa: E402
-from quads.ops.humming_backend import HummingBackend, HummingWeight  # noqa: E402
-from quads.ops.linear import unscaled_values, w4a4_linear_reference  # noqa: E402
-from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
+from quads.kernels import humming_gemm as hg
+from quads.kernels.hopper_weight_layout import to_hopper_layout
+from quads.ops import ActivationQuant, get_backend
+from quads.ops.activation_quant import activation_operands_triton, quantize_activation_reference
+from quads.ops.humming_backend import HummingBackend, HummingWeight
+from quads.ops.linear import unscaled_values, w4a4_linear_reference
+from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 
 HOPPER = get_backend("hopper")
 QUADS_DEFAULT = ActivationQuant(residual_fraction=1.0)
@@ -92,7 +90,7 @@ def timed(calls, budget) -> float | None:
                 c()
             ts.append((time.perf_counter() - t) * 1e6 / len(calls))
         return statistics.median(ts)
-    from timing import graph_time
+    from benchmarks.timing import graph_time
 
     return graph_time(calls)
 

@@ -1,8 +1,8 @@
 """Trainer step time and peak memory: BF16 vs the QUADS W4A16 QAT trainer (issue 23).
 
-    PYTHONPATH=. python benchmarks/bench_trainer.py --out results/trainer.json [--models moe,dense]
+    python -m benchmarks.bench_trainer --out results/trainer.json [--models moe,dense]
         [--layers 6] [--batch 8] [--seq 512] [--accum 1,4] [--iters 5] [--warmup 2]
-    PYTHONPATH=. python benchmarks/bench_trainer.py --device cpu --tiny --out /tmp/trainer.json   # smoke run
+    python -m benchmarks.bench_trainer --device cpu --tiny --out /tmp/trainer.json   # smoke run
 
 One training step = ``accum`` x (forward + backward of ``batch x seq`` random tokens, cross
 entropy on random labels) + ``torch.optim.AdamW(fused=True).step()`` + ``zero_grad``, with FP32
@@ -41,10 +41,8 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VOCAB = 32000
 ROWS: list[dict] = []
@@ -74,15 +72,15 @@ ARGS = parse_args()
 if ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel check runs under the interpreter
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-import quads  # noqa: E402
-from quads.ops import use_backend  # noqa: E402
-from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize_weight_triton  # noqa: E402
-from quads.policies.modules import TrainerExperts, TrainerLinear, apply_gate  # noqa: E402
-from quads.ops.experts import experts_loop  # noqa: E402
-from quads.policies.ste import fake_quantize_weight  # noqa: E402
+import quads
+from quads.ops import use_backend
+from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize_weight_triton
+from quads.policies.modules import TrainerExperts, TrainerLinear, apply_gate
+from quads.ops.experts import experts_loop
+from quads.policies.ste import fake_quantize_weight
 
 DEVICE = torch.device(ARGS.device)
 

@@ -31,8 +31,8 @@ before and after, with the configuration's rollout engine and with the BF16 mast
 ``summary.json``. ``--resume`` continues from ``state.pt`` (masters + optimizer + RNG), so a long
 run can be cut into pieces that each fit a 10-minute command.
 
-    python benchmarks/real_grpo.py --config quads --seed 0 --steps 200 --out runs/real_grpo --device cuda
-    python benchmarks/real_grpo.py --config naive --seed 0 --steps 3 --prompts 2 --group 2 --max-new-tokens 64 \\
+    python -m benchmarks.real_grpo --config quads --seed 0 --steps 200 --out runs/real_grpo --device cuda
+    python -m benchmarks.real_grpo --config naive --seed 0 --steps 3 --prompts 2 --group 2 --max-new-tokens 64 \\
         --eval-problems 4 --out runs/real_grpo_smoke           # CPU smoke run
 """
 
@@ -47,18 +47,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import quads  # noqa: E402
-from quads.diagnostics.fp8_reference import fp8_w8a8_  # noqa: E402
-from quads.diagnostics.mismatch import mismatch_metrics  # noqa: E402
-from quads.diagnostics.scoring import positions_from_mask  # noqa: E402
-from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec  # noqa: E402
-from quads.models import find_smollm2, load_smollm2  # noqa: E402
-from quads.policies import POLICY_PRESETS, build_rollout_model, copy_model  # noqa: E402
-from quads.policies.presets import with_residual_fraction  # noqa: E402
-from quads.tasks.chain_sum import MAX_NEW_TOKENS, chat_prompt, make_problems, score_completion  # noqa: E402
+import quads
+from quads.diagnostics.fp8_reference import fp8_w8a8_
+from quads.diagnostics.mismatch import mismatch_metrics
+from quads.diagnostics.scoring import positions_from_mask
+from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec
+from quads.models import find_smollm2, load_smollm2
+from quads.policies import POLICY_PRESETS, build_rollout_model, copy_model
+from quads.policies.presets import with_residual_fraction
+from quads.tasks.chain_sum import MAX_NEW_TOKENS, chat_prompt, make_problems, score_completion
 
 FP8 = "fp8"
 #: configuration -> (trainer policy or None, rollout policy / FP8 / None)

@@ -38,7 +38,7 @@ fi
 pids=()
 for seed in $SEEDS; do
   for config in $CONFIGS; do
-    $PY benchmarks/real_grpo.py --config "$config" --seed "$seed" --steps "$TOTAL" --total-steps "$TOTAL" \
+    $PY -m benchmarks.real_grpo --config "$config" --seed "$seed" --steps "$TOTAL" --total-steps "$TOTAL" \
       --resume --time-budget-s "$BUDGET" --threads 1 --out "$OUTDIR" > "$OUTDIR/$config-s$seed.log" 2>&1 &
     pids+=($!)
   done
