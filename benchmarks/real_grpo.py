@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -179,6 +181,26 @@ def evaluate(trainer, sampler: RolloutSampler, tok, problems, device, max_new_to
             "master_bf16": held_out_accuracy(master_sampler, tok, problems, device, max_new_tokens)}
 
 
+def _write_atomically(path: Path, write) -> None:
+    """``write(file)`` into a new temporary file beside ``path`` (O_EXCL), then rename it over
+    ``path``: an interrupted run leaves the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # the mode an ordinary open() would give, not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _write_json(path: Path, obj) -> None:
+    _write_atomically(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
+
+
 def _now(device) -> float:
     """Wall clock after the device's queued work (phase timings must not leak into the next phase)."""
     if device.type == "cuda":
@@ -272,7 +294,7 @@ def run(args) -> dict:
         summary = {"config": args.config, "seed": args.seed, "args": vars(args),
                    "engine": sampler.engine,
                    "heldout_before": evaluate(trainer, sampler, tok, heldout, device, args.max_new_tokens)}
-        summary_path.write_text(json.dumps(summary, indent=1))
+        _write_json(summary_path, summary)
         print(f"[{args.config} s{args.seed}] held-out before: {summary['heldout_before']}", flush=True)
     rng = random.Random(f"{args.seed}/{start}")
     target = args.total_steps or start + args.steps  # the run's last step
@@ -297,12 +319,12 @@ def run(args) -> dict:
         summary["heldout_after"] = evaluate(trainer, sampler, tok, heldout, device, args.max_new_tokens)
         summary["steps"] = end
         print(f"[{args.config} s{args.seed}] held-out after {end} steps: {summary['heldout_after']}", flush=True)
-    summary_path.write_text(json.dumps(summary, indent=1))
+    _write_json(summary_path, summary)
     if not done or args.keep_state:
         state = {"trainer": trainer.state_dict(), "optimizer": opt.state_dict(), "step": end,
                  "rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None}
-        torch.save(state, state_path)
+        _write_atomically(state_path, lambda f: torch.save(state, f))
     elif state_path.exists():
         state_path.unlink()
     return summary

@@ -93,3 +93,25 @@ def test_micro_batched_backward_gives_the_batch_gradient():
         assert len(other) == len(grads[0])
         for a, b in zip(grads[0], other):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_state_and_summary_writes_are_atomic(tmp_path, monkeypatch):
+    """An interrupted write leaves the old file, and no temporary file behind."""
+    import json
+
+    from benchmarks import real_grpo
+
+    path = tmp_path / "summary.json"
+    real_grpo._write_json(path, {"steps": 1})
+
+    def interrupted(f):
+        f.write(b'{"steps": ')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        real_grpo._write_atomically(path, interrupted)
+    assert json.loads(path.read_text()) == {"steps": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    state = tmp_path / "state.pt"
+    real_grpo._write_atomically(state, lambda f: torch.save({"step": 3, "rng": torch.get_rng_state()}, f))
+    assert torch.load(state, weights_only=True)["step"] == 3
