@@ -1,9 +1,10 @@
 """A cache of tensors derived from weights, kept until the weight changes.
 
-Between two weight syncs (or two optimizer steps) every forward recomputes the same things from
-the same weights: the rollout reference dequantizes each packed weight (``e2m1 * scale``), the
-W4A16 path dequantizes it to the activation dtype, the trainer fake-quantizes each BF16 master,
-the FP8 reference rounds each weight to E4M3. :func:`cached_derived` computes such a tensor once
+Between two weight syncs every forward recomputes the same things from the same weights: the
+rollout reference dequantizes each packed weight (``e2m1 * scale``), the W4A16 path dequantizes
+it to the activation dtype, the FP8 reference rounds each weight to E4M3. (The QAT trainer does
+not use this cache: it recomputes its forward weight in every forward and backward, see
+:mod:`quads.policies.ste`.) :func:`cached_derived` computes such a tensor once
 and returns the stored result while the weight is unchanged.
 
 **When an entry is stale.** An entry records, for each source tensor, its data pointer and its
