@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 import quads
-from quads.diagnostics.fp8_reference import fp8_w8a8_
+from quads.diagnostics.fp8_reference import fp8_w8a8_, round_fp8_weights_
 from quads.diagnostics.mismatch import mismatch_metrics
 from quads.diagnostics.scoring import positions_from_mask
 from quads.integrations.graphed_decode import GraphedDecoder, SamplingSpec
@@ -81,7 +81,7 @@ def build_models(base, config: str, device):
     if trainer_policy is not None:
         quads.quantize_(trainer, trainer_policy)
     if rollout_policy == FP8:
-        rollout = fp8_w8a8_(copy_model(trainer, torch.bfloat16, device))
+        rollout = fp8_w8a8_(copy_model(trainer, torch.bfloat16, device), weights="stored")
     else:
         rollout = build_rollout_model(trainer, rollout_policy, dtype=torch.bfloat16, device=device)
     # A different attention kernel from the trainer's (SDPA), as a separate engine has (and as
@@ -89,6 +89,12 @@ def build_models(base, config: str, device):
     rollout.set_attn_implementation("eager")
     rollout.eval()
     return trainer, rollout
+
+
+def sync_rollout(rollout, trainer) -> None:
+    """``sync_weights_``, then (FP8 rollout) the copied weights rounded to E4M3 in place."""
+    quads.sync_weights_(rollout, trainer)
+    round_fp8_weights_(rollout)
 
 
 def encode_prompts(tok, problems, device):
@@ -247,7 +253,7 @@ def grpo_step(trainer, rollout, sampler, tok, opt, problems, args, device) -> di
     grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), args.max_grad_norm).item()
     opt.step()
     t_train = _now(device)
-    quads.sync_weights_(rollout, trainer)
+    sync_rollout(rollout, trainer)
     t_sync = _now(device)
     metrics.update({
         "reward": rewards.mean().item(),
@@ -287,7 +293,7 @@ def run(args) -> dict:
         if device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"].cpu())
         start = state["step"]
-        quads.sync_weights_(rollout, trainer)
+        sync_rollout(rollout, trainer)
         summary = json.loads(summary_path.read_text())
     else:
         (run_dir / "metrics.jsonl").write_text("")
