@@ -1,7 +1,7 @@
 """Benchmark of ``quads.sync_weights_`` (trainer -> rollout), with and without its validation.
 
     python -m benchmarks.bench_sync [--model qwen3_moe|llama] [--size small|1b]
-                                                 [--repeats N] [--out DIR]
+                                                 [--repeats N] [--out DIR] [--csv PATH]
 
 Models are random, built from config (nothing is downloaded): ``small`` (~25M parameters, the
 CPU default) or ``1b`` (~1.0B parameters, the default on a GPU). The trainer holds float32
@@ -14,6 +14,9 @@ warm-up, the variants run round-robin, the device synchronised around each call:
 * ``sync_unchecked``: the same steps without the finiteness check (what validation costs);
 * ``check_fused``: the finiteness check alone, one reduction per tensor, one host sync per device;
 * ``check_per_tensor``: for comparison, one ``check_finite`` (one host sync) per tensor.
+
+Output: a table on stdout, ``--out`` (JSON), and one row per variant (median µs) appended to
+``benchmarks/results/kernels.csv`` (``--csv``, :func:`benchmarks.timing.append_results`).
 
 Before timing, a self-check on the benchmark's device: a NaN in one master and an Inf in
 another must each make ``sync_weights_`` raise with the rollout left bit for bit unchanged
@@ -31,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-
-import quads  # noqa: E402
-from quads.policies import sync as sync_mod  # noqa: E402
-from quads.tensor.finite import check_finite  # noqa: E402
-from quads.tensor.nvfp4_tensor import NVFP4Tensor  # noqa: E402
+import quads
+from benchmarks.timing import add_csv_argument, append_results
+from quads.policies import sync as sync_mod
+from quads.tensor.finite import check_finite
+from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 SIZES = {  # (llama kwargs, qwen3-moe kwargs)
     "small": (dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
@@ -124,6 +127,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--out", default=None, help="write results.json here")
+    add_csv_argument(ap)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     size = args.size or ("1b" if device.type == "cuda" else "small")
@@ -182,11 +186,14 @@ def main(argv=None) -> dict:
         print(f"  {key:<17} {value['min']:10.2f} {value['median']:10.2f}")
     print(f"  validation (minima): check_fused = {ms['check_fused'] / ms['sync_unchecked'] * 100:.1f}% of the unchecked "
           f"sync; sync - sync_unchecked = {ms['sync'] - ms['sync_unchecked']:+.2f} ms")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        path = Path(args.out) / f"sync_{args.model}_{size}_{device.type}.json"
+    path = Path(args.out) / f"sync_{args.model}_{size}_{device.type}.json" if args.out else None
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {path}")
+    shape = f"{args.model} {size}: {n_params / 1e6:.0f}M parameters, {n_tensors} tensors, {backend} backend"
+    append_results([{"kernel": "sync_weights_", "shape": shape, "variant": key, "us": value["median"] * 1e3}
+                    for key, value in result["ms"].items()], raw=str(path or ""), csv_path=args.csv)
     return result
 
 

@@ -31,7 +31,9 @@ model, its gradients and the AdamW states included). Also measured, once per QUA
 fake-quantization pass over every quantized weight by the kernel and by the reference (the cost a
 forward-weight cache could save; docs/trainer.md), and the kernel's forward weights against the
 reference's, bit for bit, on every quantized weight, in the autocast dtype and the master dtype.
-Output: a table on stdout, every row as JSON lines while running, and ``--out`` (JSON).
+Output: a table on stdout, every row as JSON lines while running, ``--out`` (JSON), and the step
+times and fake-quantization passes (µs) appended to ``benchmarks/results/kernels.csv`` (``--csv``,
+:func:`benchmarks.timing.append_results`).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ import os
 import statistics
 import time
 
+from benchmarks.timing import add_csv_argument, append_results
 
 VOCAB = 32000
 ROWS: list[dict] = []
+CSV_ROWS: list[dict] = []  # the timings for the results table (kernel, shape, variant, us)
 START = time.time()
 
 
@@ -62,6 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="bf16,quads,quads-old")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="toy widths (a CPU smoke run of this script)")
+    add_csv_argument(p)
     args = p.parse_args(argv)
     if args.device == "cpu" and not args.tiny:
         p.error("--device cpu needs --tiny (the full models take minutes per step on a CPU)")
@@ -266,6 +271,9 @@ def kernel_checks(kind: str, model) -> None:
            elements_checked=checked, quantized_params=numel,
            fake_quant_pass_ms_kernel=round(passes["kernel"], 2), fake_quant_pass_ms_reference=round(passes["reference"], 2),
            kernel_effective_gbps=round(gbps, 1))
+    for label, ms in passes.items():
+        CSV_ROWS.append({"kernel": "fake_quant_pass", "shape": f"{kind} L{ARGS.layers}: {len(weights)} weights, "
+                         f"{numel} elements, bf16 out", "variant": label, "us": ms * 1e3})
 
 
 def _free():
@@ -296,6 +304,8 @@ def main():
                 r = time_steps(model, accum, warmup, iters)
                 results[(kind, variant, accum)] = r
                 record(kind=kind, variant=variant, accum=accum, params=n_params, **r)
+                CSV_ROWS.append({"kernel": "trainer_step", "shape": f"{kind} L{ARGS.layers} {ARGS.batch}x{ARGS.seq} "
+                                 f"accum {accum}", "variant": variant, "us": r["step_ms"] * 1e3})
                 _free()
             del model
             _free()
@@ -319,6 +329,7 @@ def main():
     with open(tmp, "w") as f:
         json.dump({"rows": ROWS, "table": table}, f, indent=1)
     os.replace(tmp, ARGS.out)  # never a half-written file
+    append_results(CSV_ROWS, raw=ARGS.out, csv_path=ARGS.csv)
     print(f"wrote {ARGS.out} ({time.time() - START:.0f} s)")
 
 

@@ -44,3 +44,11 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Ten
     """``y = x Wᵀ`` in W8A8: quantize x (one kernel), cuBLASLt FP8 GEMM with row-wise scales."""
     xq, xs = fp8_quantize_rows(x)
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__ + "\nA helper module, nothing to run: imported by bench_kernels.py (its FP8 rows) and fp8_rollout.py, "
+                            "which time it and append the rows to benchmarks/results/kernels.csv.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()

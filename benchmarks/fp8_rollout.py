@@ -95,3 +95,11 @@ def to_fp8_rollout(model: nn.Module) -> nn.Module:
             elif isinstance(getattr(child, "gate_up_proj", None), torch.Tensor) and child.gate_up_proj.dim() == 3:
                 setattr(module, child_name, FP8Experts(child))
     return model
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__ + "\nA helper module, nothing to run: imported by rollout_throughput.py (its fp8 variant), "
+                            "which time it and append the rows to benchmarks/results/kernels.csv.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()

@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 
 
 def kernels(path: str) -> None:
@@ -101,5 +101,17 @@ def _rollout_tables(data: dict, steps: dict, show_hf: bool) -> None:
                 print(f"- `generate` (eager, dynamic cache) {v} B={b}: {r['decode_step_us']:.0f} us/step{extra}")
 
 
+TABLES = {"kernels": kernels, "rollout": rollout}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("table", choices=sorted(TABLES), help="kernels: bench_kernels.py's bench.json; "
+                    "rollout: rollout_throughput.py's rollout_throughput.json")
+    ap.add_argument("path", help="the raw JSON")
+    args = ap.parse_args(argv)
+    TABLES[args.table](args.path)
+
+
 if __name__ == "__main__":
-    {"kernels": kernels, "rollout": rollout}[sys.argv[1]](sys.argv[2])
+    main()

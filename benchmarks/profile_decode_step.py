@@ -15,6 +15,10 @@ setting (``rollout_throughput.GLUE``: ``new`` = GQA attention without ``repeat_k
 activation quantization per sibling group, ``old`` = both off). ``--new-tokens`` sets the cache
 length as the end-to-end run has it (prompt + new tokens, rounded up to 64: 320 for 64 + 256),
 since the ``repeat_kv`` copies scale with it.
+
+Output: ``--out``/profile_decode_step.json, and per case the replayed step and its kernel
+families' sums (µs per step) appended to ``benchmarks/results/kernels.csv`` (``--csv``,
+:func:`benchmarks.timing.append_results`).
 """
 
 from __future__ import annotations
@@ -30,15 +34,15 @@ from collections import defaultdict
 
 import torch
 
-
-import quads  # noqa: E402
-from quads.engine import GraphedDecoder, SamplingSpec  # noqa: E402
-from quads.policies import build_rollout_model  # noqa: E402
-from benchmarks.rollout_throughput import DEVICE, GLUE, build_model  # noqa: E402
+import quads
+from benchmarks.rollout_throughput import DEVICE, GLUE, build_model
+from benchmarks.timing import add_csv_argument, append_results
+from quads.engine import GraphedDecoder, SamplingSpec
+from quads.policies import build_rollout_model
 
 FAMILIES = [
     ("quads quant", r"^_(act_quant|quantize|amax|scaled_fp16)"),  # quads' Triton kernels are named _...
-    ("quads gemm", r"^_(decode_gemm|decode_reduce|moe_w4a4|moe_segment|moe_reduce|w4a4|gemm|flat|dequant|cublas_epilogue)"),
+    ("quads gemm", r"^_(decode_gemm|decode_reduce|moe_w4a4|moe_segment|moe_reduce|w4a4|dequant)"),
     ("cublas gemm", r"gemm|sm90_xmma|cutlass|nvjet|cublas|gemv"),
     ("attention", r"flash|attention|fmha|sdpa|softmax_warp|efficient"),
     ("sampling", r"topk|sort|exponential|argmax|log_softmax|isin|radix"),
@@ -101,7 +105,7 @@ def kernel_profile(decoder: GraphedDecoder, ids, am, new_tokens: int, steps: int
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="dense:1,moe:8")
     ap.add_argument("--variants", default="bf16,quads")
@@ -109,6 +113,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=256, help="sets the cache length (prompt + new tokens)")
     ap.add_argument("--glue", default="new,old", help=f"comma list of {tuple(GLUE)}")
+    add_csv_argument(ap)
     args = ap.parse_args()
     if args.new_tokens < 51:
         raise SystemExit("--new-tokens must be >= 51 (50 timed replays run inside the cache)")
@@ -159,6 +164,21 @@ def main():
         torch.cuda.empty_cache()
         with open(os.path.join(args.out, "profile_decode_step.json"), "w") as f:
             json.dump(results, f, indent=1)
+    append_results(_csv_rows(results["cases"], args), raw=os.path.join(args.out, "profile_decode_step.json"),
+                   csv_path=args.csv)
+
+
+def _csv_rows(cases: list[dict], args) -> list[dict]:
+    """The results table's rows: per case the replayed step, then its kernel families (profiled
+    eagerly: their sum against the step is what the graph leaves as gaps)."""
+    rows = []
+    for c in cases:
+        shape = f"{c['kind']} L{args.layers} batch {c['batch']}, cache {args.prompt}+{args.new_tokens}"
+        variant = f"{c['variant']}, glue {c['glue']}"
+        rows.append({"kernel": "decode_step", "shape": shape, "variant": variant, "us": c["graph_step_us"]})
+        rows += [{"kernel": f"decode_step/{fam}", "shape": shape, "variant": f"{variant}, profiled eagerly", "us": us}
+                 for fam, us in c["families"].items()]
+    return rows
 
 
 if __name__ == "__main__":

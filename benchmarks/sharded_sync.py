@@ -16,6 +16,8 @@ every rank holds a full rollout replica (quads rollout policy). Methods, per syn
 Both must give the same bits (checked). Reported per method: median / min wall time of a sync
 (the slowest rank), bytes each rank sends, peak extra GPU memory. ``--train-step`` also times
 one FSDP training step (forward + backward + AdamW) for scale. NVLink multicast stays off.
+Rank 0 appends the median times (µs) to ``benchmarks/results/kernels.csv`` (``--csv``,
+:func:`benchmarks.timing.append_results`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
-
 import quads  # noqa: E402
+from benchmarks.timing import add_csv_argument, append_results  # noqa: E402
 from quads.policies.shards import trainer_masters  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
 
@@ -188,6 +190,19 @@ def bench_model(name: str, device, repeats: int, train_step: bool) -> dict:
     return out
 
 
+def _csv_rows(results: list[dict]) -> list[dict]:
+    """The results table's rows: per model, each method's median sync and the training step."""
+    rows = []
+    for r in results:
+        shape = f"{r['model']}: {r['params'] / 1e6:.0f}M parameters, FSDP2 x {r['world']}"
+        rows += [{"kernel": "sharded_sync", "shape": shape, "variant": method, "us": 1e3 * m["median_ms"]}
+                 for method, m in r["methods"].items()]
+        if "train_step_median_ms" in r:
+            rows.append({"kernel": "fsdp_train_step", "shape": shape, "variant": "4 x 512 tokens",
+                         "us": 1e3 * r["train_step_median_ms"]})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -195,6 +210,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--train-step", action="store_true", help="also time one FSDP training step per model")
     ap.add_argument("--out", default=None, help="write results.json here (rank 0)")
+    add_csv_argument(ap)
     args = ap.parse_args()
     if args.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -211,10 +227,13 @@ def main():
     for name in args.model or ["small"]:
         results.append(bench_model(name, device, args.repeats, args.train_step))
         log(json.dumps(results[-1]))
+    raw = os.path.join(args.out, "results.json") if args.out else ""
     if dist.get_rank() == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
+        with open(raw, "w") as f:
             json.dump(results, f, indent=1)
+    if dist.get_rank() == 0:
+        append_results(_csv_rows(results), raw=raw, csv_path=args.csv)
     ok = all(r["packed_equals_gather"] for r in results)
     log("ALL PACKED == GATHER (bitwise):", ok)
     dist.destroy_process_group()

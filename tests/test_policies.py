@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import quads
-from quads.policies.modules import RolloutExperts, RolloutLinear, TrainerExperts, TrainerLinear
+from quads.policies.modules import RolloutExperts, RolloutLinear, TrainerExperts
 from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize
 from tests.tiny_models import build, twin
 

@@ -27,7 +27,9 @@ does not cover (repetition penalty, min-p, beams, ...) are reported by
 :func:`unsupported_reason` so callers fall back to ``generate``.
 
 Two pieces of transformers glue are cut inside the decoder's forwards (prefill and decode), on
-by default, each switchable for before/after measurements: grouped-query attention without
+by default, each a public option (off: the model's own attention / one quantization per linear,
+e.g. for a model whose attention the grouped view does not cover, or to compare): grouped-query
+attention without
 ``repeat_kv`` copies of the static cache (``gqa_attention``, :mod:`quads.engine.gqa_attention`; sdpa models
 only, the model's configuration restored after every forward) and one activation quantization
 shared by the rollout linears that read the same input (``share_quantization``: q/k/v and
@@ -106,7 +108,9 @@ class GraphedDecoder:
     linears reading the same input quantize it once (bit-identical): the model's sibling
     groups (``quads.fuse_projections_``) serve as they always do, and sibling sets without one get
     a dormant group (attached to the modules, off outside this decoder's forwards). False for
-    either gives the glue as it was (the benchmarks' before/after switch).
+    either runs the model's own glue there: its attention implementation (e.g. for an attention
+    module the grouped view does not cover), one activation quantization per linear (same bits,
+    one launch per linear); the benchmarks' ``--glue old`` passes both False.
     """
 
     def __init__(self, model: nn.Module, *, use_cuda_graph: bool | None = None, check_every: int = 16,

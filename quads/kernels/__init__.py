@@ -6,13 +6,18 @@ launch lives in that op's file under :mod:`quads.ops`.
 
 * :mod:`.quantize_nvfp4` -- fused activation quantization + residual compensation (one program
   per row), weight quantization (amax pass + tile quantizer); bit-exact with ``nvfp4_math``;
-* :mod:`.w4a4_gemm_hopper` -- exact W4A4 (+ residual) GEMM for Hopper (split-K decode, fp16-weight
-  prefill), deterministic and batch-invariant;
+* :mod:`.w4a4_decode_hopper` -- exact W4A4 (+ residual) decode GEMM for Hopper (few tokens:
+  split-K over canonical segments, the weight decoded in registers); deterministic, batch-invariant;
+* :mod:`.w4a4_gemm_hopper` -- its prefill twin (many tokens: one walk over K of the decoded fp16
+  weight, the same segment order and bits);
 * :mod:`.moe_grouped_gemm` -- the grouped twin over packed 3-D experts, driven by top-k routing;
 * :mod:`.hopper_weight_layout` -- the weight layout those GEMMs read: its torch reference, the
   kernel that builds it from the packed parts (weight sync), its in-register decode;
 * :mod:`.blackwell` -- native FP4 through ``torch._scaled_mm`` (written, NOT RUN);
-* :mod:`._interpreter` -- the ``TRITON_INTERPRET=1`` (CPU test) helpers.
+* :mod:`.fp16_operand`, :mod:`.arrival_counters` -- W4A16's fp16 activation operand; the split-K
+  kernels' arrival counters;
+* :mod:`._interpreter` -- the ``TRITON_INTERPRET=1`` (CPU test) helpers; under the interpreter the
+  ``pick_*`` configs are the GPU's on smaller tiles (tests/kernels/test_kernel_configs.py).
 
 See ``docs/kernels.md`` for the design and the H200 measurements.
 """

@@ -30,6 +30,17 @@ __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]
 
 
 @triton.jit
+def _source_rows(ROWS, p, pmask, HAS_ROWS: tl.constexpr):
+    """Activation rows (int64) of sorted positions ``p``: gathered through ``ROWS``, or ``p``
+    itself (identity: ``rows`` None)."""
+    if HAS_ROWS:
+        src = tl.load(ROWS + p, mask=pmask, other=0).to(tl.int64)
+    else:
+        src = p.to(tl.int64)
+    return src
+
+
+@triton.jit
 def _expert_segment_sums(vals, scales, X, src, pmask, rows_x, stride_xm, rb0, kb_lo, num_kb, K,
                          SEG_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
                          HAS_RES: tl.constexpr, USE_ASM: tl.constexpr):
@@ -71,10 +82,7 @@ def _moe_w4a4_kernel(
         for m0 in range(start, end, BM):
             p = m0 + tl.arange(0, BM)
             pmask = p < end
-            if HAS_ROWS:
-                src = tl.load(ROWS + p, mask=pmask, other=0).to(tl.int64)
-            else:
-                src = p.to(tl.int64)
+            src = _source_rows(ROWS, p, pmask, HAS_ROWS)
             tot = tl.zeros((BN, BM), dtype=tl.float32)
             totr = tl.zeros((BN, BM), dtype=tl.float32)
             for s in range(0, num_seg):
@@ -116,10 +124,7 @@ def _moe_segment_kernel(
         for m0 in range(start, end, BM):
             p = m0 + tl.arange(0, BM)
             pmask = p < end
-            if HAS_ROWS:
-                src = tl.load(ROWS + p, mask=pmask, other=0).to(tl.int64)
-            else:
-                src = p.to(tl.int64)
+            src = _source_rows(ROWS, p, pmask, HAS_ROWS)
             acc, accr = _expert_segment_sums(vals, scales, X, src, pmask, rows_x, stride_xm, rb0, kb_lo, num_kb, K,
                                              SEG_KB, BN, BM, KBI, HAS_RES, USE_ASM)
             base = PART + (seg * (2 if HAS_RES else 1)).to(tl.int64) * num_rows * N
@@ -144,10 +149,7 @@ def _moe_reduce_kernel(PART, SX, SW, ROWS, OFFS, Y, N, num_rows, num_seg, num_ex
     bounds = tl.load(OFFS + 1 + ev, mask=ev < num_experts, other=2147483647)  # offsets[1..E]
     expert = tl.sum((bounds[None, :] <= p[:, None]).to(tl.int32), axis=1)  # the expert of row p
     pmask = (p < num_rows) & (expert < num_experts)
-    if HAS_ROWS:
-        src = tl.load(ROWS + p, mask=pmask, other=0).to(tl.int64)
-    else:
-        src = p.to(tl.int64)
+    src = _source_rows(ROWS, p, pmask, HAS_ROWS)
     lmask = nmask[:, None] & pmask[None, :]
     ofs = p[None, :].to(tl.int64) * N + offs_n[:, None]
     tot = tl.zeros((BN, BM), dtype=tl.float32)

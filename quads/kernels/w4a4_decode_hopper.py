@@ -94,12 +94,12 @@ def _decode_gemm_kernel(
     VALS, SCALES, X, SX, SW, BIAS, Y, PART, LOCKS,
     M, N, K, num_kb, num_rb, stride_xm, stride_ym,
     SEG_KB: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, BM: tl.constexpr, KBI: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr,
-    STAGES: tl.constexpr, RED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+    RED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
     REDUCE_KERNEL: tl.constexpr, GDC: tl.constexpr, SW_PER_ROW: tl.constexpr,
 ):
-    """``PDL``: launched as a programmatic dependent of the activation quantization: the
-    weight loads are issued before waiting for that kernel's output (PREFETCH path).
+    """``PDL`` (with ``PREFETCH``): launched as a programmatic dependent of the activation
+    quantization: the weight loads are issued before waiting for that kernel's output.
     ``REDUCE_KERNEL``: only write the segment sums; :func:`_decode_reduce_kernel` (launched
     as this kernel's programmatic dependent) adds them, instead of the last-arriving program.
     ``GDC``: grid dependency control instructions available (a GPU, not the interpreter)."""
@@ -126,24 +126,14 @@ def _decode_gemm_kernel(
         x1 = tl.load(xrow + kk1[None, :], mask=tmask[:, None] & (kk1 < K)[None, :], other=0.0)
         acc = tl.dot(decode_weight_raw(raw0, sc0, BN, KBI, USE_ASM), tl.trans(x0), acc)
         acc = tl.dot(decode_weight_raw(raw1, sc1, BN, KBI, USE_ASM), tl.trans(x1), acc)
-    else:
-        if PDL:
-            gdc_wait()
-        if UNROLL:  # a fixed trip count, unrolled; blocks past K (the last segment) load as zeros
-            for it in tl.static_range(SEG_KB // KBI):
-                kb = kb_lo + it * KBI
-                w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM, num_rb)
-                kk = kb * 64 + tl.arange(0, KBI * 64)
-                x = tl.load(X + tok[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                            mask=tmask[:, None] & (kk < K)[None, :], other=0.0)
-                acc = tl.dot(w, tl.trans(x), acc)
-        else:  # a software-pipelined loop (STAGES deep)
-            for kb in tl.range(kb_lo, tl.minimum(kb_lo + SEG_KB, num_kb), KBI, num_stages=STAGES):
-                w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM, num_rb)
-                kk = kb * 64 + tl.arange(0, KBI * 64)
-                x = tl.load(X + tok[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                            mask=tmask[:, None] & (kk < K)[None, :], other=0.0)
-                acc = tl.dot(w, tl.trans(x), acc)
+    else:  # a fixed trip count, unrolled; blocks past K (the last segment) load as zeros
+        for it in tl.static_range(SEG_KB // KBI):
+            kb = kb_lo + it * KBI
+            w = load_weight_tile(VALS, SCALES, pid_n * (BN // 16), kb, num_kb, BN, KBI, USE_ASM, num_rb)
+            kk = kb * 64 + tl.arange(0, KBI * 64)
+            x = tl.load(X + tok[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                        mask=tmask[:, None] & (kk < K)[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc)
 
     # this segment's sums -> workspace PART (num_seg, cols, N) fp32
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -173,23 +163,26 @@ def _decode_reduce_kernel(PART, SX, SW, BIAS, Y, M, N, cols, num_seg, stride_ym,
 
 class DecodeConfig:
     """Tile choice: ``bn`` weight rows per program (64 per warpgroup), ``kbi`` 64-channel blocks
-    per load step, warps, pipeline stages; ``prefetch``: a segment's loads all issued before its
-    first decode (needs ``kbi`` = half a segment); ``pdl``: launched as a programmatic dependent
-    of the previous kernel (the activation quantization), weights loaded before waiting for it;
-    ``reduce_kernel``: the cross-segment sums in a second launch instead of by the last-arriving
-    program. Every choice gives the same bits."""
+    per load step (the segment's steps unrolled), warps, stages (of the launch); ``prefetch``: a
+    segment's loads all issued before its first decode (needs ``kbi`` = half a segment); ``pdl``
+    (with ``prefetch``): launched as a programmatic dependent of the previous kernel (the
+    activation quantization), weights loaded before waiting for it; ``reduce_kernel``: the
+    cross-segment sums in a second launch instead of by the last-arriving program. Every choice
+    gives the same bits."""
 
-    __slots__ = ("bn", "kbi", "num_warps", "num_stages", "use_asm", "unroll", "prefetch", "pdl", "reduce_kernel")
+    __slots__ = ("bn", "kbi", "num_warps", "num_stages", "use_asm", "prefetch", "pdl", "reduce_kernel")
 
     def __init__(self, bn: int = 64, kbi: int = 2, num_warps: int = 4, num_stages: int = 1, use_asm: bool = True,
-                 unroll: bool = True, prefetch: bool = False, pdl: bool = False, reduce_kernel: bool = False):
+                 prefetch: bool = False, pdl: bool = False, reduce_kernel: bool = False):
+        if pdl and not prefetch:
+            raise ValueError("pdl overlaps the weight loads with the previous kernel: it needs prefetch=True")
         self.bn, self.kbi, self.num_warps, self.num_stages = bn, kbi, num_warps, num_stages
-        self.use_asm, self.unroll, self.prefetch = use_asm, unroll, prefetch
+        self.use_asm, self.prefetch = use_asm, prefetch
         self.pdl, self.reduce_kernel = pdl, reduce_kernel
 
     def __repr__(self):
         return (f"DecodeConfig(bn={self.bn}, kbi={self.kbi}, warps={self.num_warps}, stages={self.num_stages}, "
-                f"asm={self.use_asm}, unroll={self.unroll}, prefetch={self.prefetch}, pdl={self.pdl}, "
+                f"asm={self.use_asm}, prefetch={self.prefetch}, pdl={self.pdl}, "
                 f"reduce_kernel={self.reduce_kernel})")
 
 
@@ -219,7 +212,6 @@ def decode_gemm(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     config: DecodeConfig | None = None,
-    seg_k: int = SEG_K,
 ) -> torch.Tensor:
     """``y (m, N)`` from the stacked fp16 operand ``x16`` (``2m`` rows with the residual rows
     after the main ones, else ``m``; unscaled ``e2m1 * s`` values, width >= K) and the rows'
@@ -233,12 +225,12 @@ def decode_gemm(
     dev = x16.device
     if interpreting() and out_dtype == torch.bfloat16:
         # the interpreter's fp32 -> bf16 store truncates instead of rounding to nearest even
-        return decode_gemm(x16, sx, weight, sw, m, has_residual, bias, torch.float32, config, seg_k).to(out_dtype)
+        return decode_gemm(x16, sx, weight, sw, m, has_residual, bias, torch.float32, config).to(out_dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     if m == 0:
         return y
     num_kb = weight.values.shape[-3]
-    seg_kb = seg_k // K_BLOCK
+    seg_kb = SEG_K // K_BLOCK
     num_seg = triton.cdiv(triton.cdiv(k, K_BLOCK), seg_kb)
     if cfg.prefetch and seg_kb != 2 * cfg.kbi:
         raise ValueError(f"prefetch splits a segment in two: needs kbi = {seg_kb // 2}, got {cfg.kbi}")
@@ -257,7 +249,7 @@ def decode_gemm(
         arrival_counters(dev, grid[0], 4096),
         m, n, k, num_kb, weight.values.shape[-4], x16.stride(0), y.stride(0),
         SEG_KB=seg_kb, BN=cfg.bn, NT=nt, BM=bm, KBI=cfg.kbi, HAS_RES=has_residual, HAS_BIAS=bias is not None,
-        USE_ASM=cfg.use_asm and native, UNROLL=cfg.unroll, STAGES=cfg.num_stages, RED=8, PREFETCH=cfg.prefetch,
+        USE_ASM=cfg.use_asm and native, RED=8, PREFETCH=cfg.prefetch,
         PDL=pdl, REDUCE_KERNEL=cfg.reduce_kernel, GDC=native, SW_PER_ROW=sw_per_row,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )

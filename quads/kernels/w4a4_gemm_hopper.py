@@ -8,32 +8,25 @@ summation order differs from the reference.
 
 The weight operand is ``e2m1 * s * 2^-14`` (the values the decode kernel builds in registers,
 see :mod:`quads.kernels.hopper_weight_layout`): dequantized once per call by
-:func:`dequant_weight_fp16` and read from shared memory, or (``GemmConfig(weight="packed")``)
-decoded per tile in registers from the Hopper layout. Swap-AB (weight rows are the MMA's M) as
-in the decode kernel.
+:func:`dequant_weight_fp16` and read from shared memory. Swap-AB (weight rows are the MMA's M)
+as in the decode kernel.
 
 Batch invariance: K is cut into the canonical segments of :data:`quads.kernels.w4a4_decode_hopper.SEG_K`;
-each segment is summed from zero by a chain of k16 MMA steps and the segment sums are added in
-order (main and residual sums apart, added in the epilogue), with the decode kernel's epilogue
-formula, so a row's bits are those of the decode kernel (checked on the H200: the MMA
-instruction's arithmetic does not depend on the tile shape, but ``mma.sync`` differs from
-wgmma, so every config uses wgmma: >= 4 warps, >= 64 weight rows per warpgroup). Two walks of
-that order (:class:`GemmConfig`):
+one software-pipelined loop walks all of K, the chain of k16 MMA steps restarts from zero at
+every segment start and each segment sum is added in segment order at the segment's end, with
+the decode kernel's epilogue formula, so a row's bits are those of the decode kernel (checked on
+the H200: the MMA instruction's arithmetic does not depend on the tile shape, but ``mma.sync``
+differs from wgmma, so every config uses wgmma: >= 4 warps, >= 64 weight rows per warpgroup).
+With the residual the main and residual rows of the same tokens are the two halves of one MMA's
+columns (one weight-tile read, two accumulators); grouped program order for L2 reuse; TMA loads
+where the operands allow them, else pointer (cp.async) loads of the same tiles.
 
-* ``loop="segment"``: a software-pipelined loop per segment (the
-  pipeline drains and refills every 512 channels), two MMAs per k-step with the residual;
-  optional split-K (segments over programs, the last program adds them in order) for mid-size M;
-* ``loop="flat"``: one pipelined loop over all of K; the k16 chain restarts at segment starts
-  and the segment sum is added at segment ends inside the loop; with the residual the main and
-  residual rows of the same tokens are the two halves of one MMA's columns (one weight-tile read,
-  two accumulators instead of four); grouped program order for L2 reuse; pointer (cp.async)
-  or TMA loads.
-
-The default (:func:`pick_config`) is the flat walk with TMA loads, on the GPU and (on small
-tiles) under the Triton interpreter. The segment walk is selected by nothing in the library: it
-stays as the bit reference the flat variants are tested against (tests/kernels) and as the GPU
-checks' split-K case. A cuBLAS path on the same operands (not batch invariant) was archived to
-``lab/cublas_prefill.py``.
+Only the walk :func:`pick_config` selects ships here; the variants it was measured against (the
+per-segment walk with optional split-K, a persistent grid, the weight decoded per tile from the
+Hopper layout, cuBLAS on the decoded weight) are recorded in ``docs/kernel_log.md`` and live at
+commit ``38cbda1`` (``lab/prefill_experiments.py`` runs them there; the cuBLAS path is
+``lab/cublas_prefill.py``). Under the Triton interpreter :func:`pick_config` returns the GPU
+config on smaller tiles, so the CPU suite runs the kernel the GPU runs.
 """
 
 from __future__ import annotations
@@ -44,8 +37,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quads.kernels._interpreter import interpreting
-from quads.kernels.arrival_counters import arrival_counters
-from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight, load_weight_tile, to_hopper_layout
 from quads.kernels.w4a4_decode_hopper import SEG_K
 
 __all__ = ["w4a4_gemm", "GemmConfig", "pick_config", "dequant_weight_fp16"]
@@ -100,33 +91,11 @@ def _dequant_w(b, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr)
 
 
 @triton.jit
-def _segment_partial(
-    X, R, W16, row_x, row_r, mmask, offs_n, nmask, k_lo, k_hi, K,
-    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_RES: tl.constexpr,
-):
-    """fp32 sums over channels [k_lo, k_hi) (a canonical segment), accumulated from zero, with
-    the materialized fp16 weight ``e2m1 * s * 2^-14``."""
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    accr = tl.zeros((BN, BM), dtype=tl.float32)
-    kk = tl.arange(0, BK)
-    for k0 in range(k_lo, k_hi, BK):
-        kmask = (k0 + kk) < K
-        w = tl.load(W16 + offs_n[:, None].to(tl.int64) * K + (k0 + kk)[None, :],
-                    mask=nmask[:, None] & kmask[None, :], other=0.0)
-        x = tl.load(X + row_x[:, None] + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
-        if HAS_RES:
-            r = tl.load(R + row_r[:, None] + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            accr = tl.dot(w, tl.trans(r), accr)
-    return acc, accr
-
-
-@triton.jit
-def _epilogue(acc, accr, SX, s_idx, sw, BIAS, Y, y_rows, mmask, offs_n, nmask, stride_ym,
+def _epilogue(acc, accr, SX, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym,
               HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr):
     """y[m, n] = (acc [+ accr]) * 2^14 / (Sx[m] Sw) (+ bias[n]), as the reference (the residual
-    shares the row's global scale). ``s_idx``: rows of SX (the activation rows); ``y_rows``: rows of Y."""
-    sx = tl.load(SX + s_idx, mask=mmask, other=1.0)
+    shares the row's global scale)."""
+    sx = tl.load(SX + offs_m, mask=mmask, other=1.0)
     den = sx * sw
     if HAS_RES:
         acc = acc + accr
@@ -134,69 +103,12 @@ def _epilogue(acc, accr, SX, s_idx, sw, BIAS, Y, y_rows, mmask, offs_n, nmask, s
     if HAS_BIAS:
         bias = tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)
         y = y + bias[:, None]
-    ptrs = Y + y_rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    ptrs = Y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
     tl.store(ptrs, y.to(Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
 
 
-@triton.jit
-def _w4a4_gemm_kernel(
-    X, R, SX, W16, SW,
-    BIAS, Y, PART, LOCKS,
-    M, N, K, stride_xm, stride_rm, stride_ym,
-    SEG: tl.constexpr,
-    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    SPLIT: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nmask = offs_n < N
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mmask = offs_m < M
-    row_x = offs_m.to(tl.int64) * stride_xm
-    row_r = offs_m.to(tl.int64) * stride_rm
-    sw = tl.load(SW)
-    num_seg = tl.cdiv(K, SEG)
-    if SPLIT:
-        k_lo = pid_s * SEG
-        acc, accr = _segment_partial(X, R, W16, row_x, row_r, mmask, offs_n, nmask,
-                                     k_lo, tl.minimum(k_lo + SEG, K), K, BN, BM, BK, HAS_RES)
-        # workspace PART: (num_seg, 2, M_pad, N) fp32; this program's partials
-        m_pad = tl.num_programs(2) * BM
-        pofs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        pmask = nmask[:, None] & mmask[None, :]
-        base = PART + pid_s.to(tl.int64) * 2 * m_pad * N
-        tl.store(base + pofs, acc, mask=pmask)
-        if HAS_RES:
-            tl.store(base + m_pad * N + pofs, accr, mask=pmask)
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(LOCKS + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_seg - 1:
-            tot = tl.zeros((BN, BM), dtype=tl.float32)
-            totr = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(0, num_seg):
-                sbase = PART + s * 2 * m_pad * N
-                tot += tl.load(sbase + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
-                if HAS_RES:
-                    totr += tl.load(sbase + m_pad * N + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(LOCKS + tile, 0)
-            _epilogue(tot, totr, SX, offs_m, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym, HAS_RES, HAS_BIAS)
-    else:
-        tot = tl.zeros((BN, BM), dtype=tl.float32)
-        totr = tl.zeros((BN, BM), dtype=tl.float32)
-        for s in range(0, num_seg):
-            acc, accr = _segment_partial(X, R, W16, row_x, row_r, mmask, offs_n, nmask,
-                                         s * SEG, tl.minimum(s * SEG + SEG, K), K, BN, BM, BK, HAS_RES)
-            tot += acc
-            totr += accr
-        _epilogue(tot, totr, SX, offs_m, sw, BIAS, Y, offs_m, mmask, offs_n, nmask, stride_ym, HAS_RES, HAS_BIAS)
-
-
 # ---------------------------------------------------------------------------------------------
-# Flat K walk (GemmConfig(loop="flat")): one pipelined loop over every k-step of the tile
+# The GEMM: one pipelined loop over every k-step of an output tile
 # ---------------------------------------------------------------------------------------------
 
 
@@ -241,15 +153,10 @@ def _act_tile(rows, cmask, x_desc, m0, k0, K, BM: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
-def _weight_tile(W16, w_desc, VALS, SCALES, n0, k0, N, K, num_kb, num_rb,
-                 BN: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr, TMA: tl.constexpr,
-                 USE_ASM: tl.constexpr):
-    """(BN, BK) fp16 weight operand ``e2m1 * s * 2^-14`` of rows ``n0 ..`` at channel ``k0``:
-    decoded in registers from the Hopper layout (``PACKED``), else read from the materialized
-    fp16 weight."""
-    if PACKED:
-        w = load_weight_tile(VALS, SCALES, n0 // 16, k0 // 64, num_kb, BN, BK // 64, USE_ASM, num_rb)  # 64: K_BLOCK
-    elif TMA:
+def _weight_tile(W16, w_desc, n0, k0, N, K, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """(BN, BK) fp16 weight operand ``e2m1 * s * 2^-14`` of rows ``n0 ..`` at channel ``k0``, read
+    from the materialized fp16 weight (:func:`dequant_weight_fp16`)."""
+    if TMA:
         w = w_desc.load([n0, k0])
     else:
         rows = n0 + tl.arange(0, BN)
@@ -266,21 +173,21 @@ def _column_halves(t, BN: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _flat_tile(
-    tile, X, R, x_desc, SX, W16, w_desc, VALS, SCALES, sw, BIAS, Y,
-    M, N, K, num_kb, num_rb, stride_xm, stride_rm, stride_ym,
+def _w4a4_gemm_kernel(
+    X, R, x_desc, SX, W16, w_desc, SW, BIAS, Y,
+    M, N, K, stride_xm, stride_rm, stride_ym,
     SEG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, TMA: tl.constexpr,
-    USE_ASM: tl.constexpr, STAGES: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Output tile ``tile`` (BN weight rows x BM tokens), K walked by one software-pipelined
-    loop: the k16 chain restarts from zero at every canonical segment and each segment sum is
-    added to ``tot`` in segment order (the segment walk's order, so the same bits) with no
-    pipeline drain between segments. With the residual the MMA has ``2 * BM`` columns (main
-    rows, then residual rows): one MMA per k-step, two accumulators; ``tot``'s column halves
-    are the main and residual sums."""
+    """One program per output tile (BN weight rows x BM tokens), K walked by one
+    software-pipelined loop: the k16 chain restarts from zero at every canonical segment and each
+    segment sum is added to ``tot`` in segment order (the decode kernel's order, so its bits) with
+    no pipeline drain between segments. With the residual the MMA has ``2 * BM`` columns (main
+    rows, then residual rows): one MMA per k-step, two accumulators; ``tot``'s column halves are
+    the main and residual sums."""
     COLS: tl.constexpr = 2 * BM if HAS_RES else BM
-    pid_n, pid_m = _tile_coords(tile, tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP)
+    sw = tl.load(SW)
+    pid_n, pid_m = _tile_coords(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP)
     n0 = pid_n * BN
     m0 = pid_m * BM
     rows, cmask = _column_rows(X, R, m0, M, stride_xm, stride_rm, BM, HAS_RES)
@@ -289,7 +196,7 @@ def _flat_tile(
     acc = tl.zeros((BN, COLS), dtype=tl.float32)
     tot = tl.zeros((BN, COLS), dtype=tl.float32)
     for i in tl.range(0, n_steps, num_stages=STAGES):
-        w = _weight_tile(W16, w_desc, VALS, SCALES, n0, i * BK, N, K, num_kb, num_rb, BN, BK, PACKED, TMA, USE_ASM)
+        w = _weight_tile(W16, w_desc, n0, i * BK, N, K, BN, BK, TMA)
         x = _act_tile(rows, cmask, x_desc, m0, i * BK, K, BM, BK, HAS_RES, TMA)
         acc = tl.dot(w, tl.trans(x), acc)
         if ((i + 1) % steps_per_seg == 0) | (i == n_steps - 1):  # a canonical segment ends
@@ -301,30 +208,7 @@ def _flat_tile(
         main, res = _column_halves(tot, BN, BM)
     else:
         main, res = tot, tot
-    _epilogue(main, res, SX, offs_m, sw, BIAS, Y, offs_m, offs_m < M, offs_n, offs_n < N, stride_ym, HAS_RES, HAS_BIAS)
-
-
-@triton.jit
-def _w4a4_gemm_flat_kernel(
-    X, R, x_desc, SX, W16, w_desc, VALS, SCALES, SW, BIAS, Y,
-    M, N, K, num_kb, num_rb, stride_xm, stride_rm, stride_ym,
-    SEG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, TMA: tl.constexpr,
-    USE_ASM: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-):
-    """One program per output tile, or (``PERSISTENT``) a grid of about one program per SM, each
-    walking tiles ``pid, pid + grid, ...`` in one loop flattened with the K walk (the next tile's
-    loads are in flight during this tile's epilogue)."""
-    sw = tl.load(SW)
-    if PERSISTENT:
-        for tile in tl.range(tl.program_id(0), tl.cdiv(N, BN) * tl.cdiv(M, BM), tl.num_programs(0), flatten=True):
-            _flat_tile(tile, X, R, x_desc, SX, W16, w_desc, VALS, SCALES, sw, BIAS, Y, M, N, K, num_kb, num_rb,
-                       stride_xm, stride_rm, stride_ym, SEG, BN, BM, BK, GROUP, HAS_RES, HAS_BIAS, PACKED, TMA,
-                       USE_ASM, STAGES)
-    else:
-        _flat_tile(tl.program_id(0), X, R, x_desc, SX, W16, w_desc, VALS, SCALES, sw, BIAS, Y, M, N, K, num_kb, num_rb,
-                   stride_xm, stride_rm, stride_ym, SEG, BN, BM, BK, GROUP, HAS_RES, HAS_BIAS, PACKED, TMA,
-                   USE_ASM, STAGES)
+    _epilogue(main, res, SX, sw, BIAS, Y, offs_m, offs_m < M, offs_n, offs_n < N, stride_ym, HAS_RES, HAS_BIAS)
 
 
 @triton.jit
@@ -346,66 +230,46 @@ def _dequant_weight_kernel(WQ, WS, W16, N, K, KH, KS, BR: tl.constexpr, BK: tl.c
     tl.store(W16 + r64[:, None] * K + (k0 + kk)[None, :], w, mask=rmask[:, None] & ((k0 + kk) < K)[None, :])
 
 
-_LOOPS = ("segment", "flat")
 _LOADS = ("pointer", "tma")
-_WEIGHTS = ("fp16", "packed")
 
 
 class GemmConfig:
-    """Tile config of the prefill GEMM (see docs/kernels.md for the measurements behind them).
+    """Tile config of the prefill GEMM (docs/kernel_log.md has the measurements behind it).
 
     * ``bn``: weight rows per program (64 per warpgroup: wgmma); ``bm``: tokens per program (with
       the residual: ``2 * bm`` MMA columns); ``bk``: channels per k-step (divides the segment);
-    * ``loop``: ``"segment"`` (a pipelined loop per 512-channel segment, refilled per segment;
-      ``split``: one program per segment, the last to arrive adds them in order) or ``"flat"``
-      (one pipelined loop over all of K, the same order; main and residual rows as one MMA);
-    * ``loads`` (flat): ``"pointer"`` (cp.async) or ``"tma"`` (tensor-memory-accelerator boxes);
-    * ``weight`` (flat): ``"fp16"`` (decoded once per call by :func:`dequant_weight_fp16`) or
-      ``"packed"`` (the Hopper layout, decoded per tile in registers: no fp16 copy);
-    * ``group`` (flat): weight tiles per program group (L2 reuse of their rows);
-    * ``persistent`` (flat): 0 = one program per output tile; p > 0 = ``p`` programs per SM, each
-      walking tiles in one loop flattened with the K walk (the next tile's loads overlap this
-      tile's epilogue).
+    * ``loads``: ``"tma"`` (tensor-memory-accelerator boxes where the operands allow them, else
+      pointer loads) or ``"pointer"`` (cp.async loads always);
+    * ``group``: weight tiles per program group (L2 reuse of their rows).
 
     Every choice keeps the bits: the same k16 chains and segment order.
     """
 
-    __slots__ = ("bn", "bm", "bk", "split", "num_warps", "num_stages", "loop", "loads", "weight", "group",
-                 "persistent")
+    __slots__ = ("bn", "bm", "bk", "num_warps", "num_stages", "loads", "group")
 
-    def __init__(self, bn, bm, bk, split, num_warps=4, num_stages=3, loop="segment", loads="pointer",
-                 weight="fp16", group=8, persistent=0):
-        if loop not in _LOOPS or loads not in _LOADS or weight not in _WEIGHTS:
-            raise ValueError(f"loop in {_LOOPS}, loads in {_LOADS}, weight in {_WEIGHTS}: "
-                             f"got {loop}, {loads}, {weight}")
-        if loop == "segment" and (loads, weight, persistent) != ("pointer", "fp16", 0):
-            raise ValueError("the segment walk takes pointer loads of the fp16 weight, one program per tile")
-        if loop == "flat" and split:
-            raise ValueError("the flat walk does not split K")
-        if weight == "packed" and bk % K_BLOCK:
-            raise ValueError(f"the packed weight is read in blocks of {K_BLOCK} channels, got bk={bk}")
-        self.bn, self.bm, self.bk, self.split = bn, bm, bk, split
-        self.num_warps, self.num_stages = num_warps, num_stages
-        self.loop, self.loads, self.weight, self.group, self.persistent = loop, loads, weight, group, persistent
+    def __init__(self, bn, bm, bk, *, num_warps=8, num_stages=4, loads="tma", group=8):
+        if loads not in _LOADS:
+            raise ValueError(f"loads in {_LOADS}, got {loads}")
+        if SEG_K % bk:
+            raise ValueError(f"BLOCK_K={bk} must divide the K segment {SEG_K}")
+        self.bn, self.bm, self.bk = bn, bm, bk
+        self.num_warps, self.num_stages, self.loads, self.group = num_warps, num_stages, loads, group
 
     def __repr__(self):
-        flat = (f", {self.loads}, {self.weight}, group={self.group}, persistent={self.persistent}"
-                if self.loop == "flat" else "")
-        return (f"GemmConfig(bn={self.bn}, bm={self.bm}, bk={self.bk}, split={self.split}, "
-                f"warps={self.num_warps}, stages={self.num_stages}, {self.loop}{flat})")
+        return (f"GemmConfig(bn={self.bn}, bm={self.bm}, bk={self.bk}, warps={self.num_warps}, "
+                f"stages={self.num_stages}, {self.loads}, group={self.group})")
 
 
 def pick_config(m: int, n: int, k: int, residual: bool = False) -> GemmConfig:
-    """Tile choice by token count: the flat walk with TMA loads, 128 weight rows x 64 tokens with
-    the residual (128 MMA columns) or for M <= 256, else 128 tokens. Measured on the H200
-    (2026-12-01, benchmarks/results/h200_2026-12-01b/run3/prefill.log): the best bit-exact
-    variant at every shape, 1.1-3.2x faster than the segment walk. Under the Triton interpreter:
-    the same walk and loads on 16 x 16 tiles, one warp, one stage (the CPU suite runs the branch
-    the GPU runs, on shapes it can afford)."""
+    """Tile choice by token count: TMA loads, 128 weight rows x 64 tokens with the residual (128
+    MMA columns) or for M <= 256, else 128 tokens. Measured on the H200 (2026-12-01,
+    benchmarks/results/h200_2026-12-01b/run3/prefill.log): the best bit-exact variant at every
+    shape, 1.1-3.2x faster than the per-segment walk it replaced. Under the Triton interpreter:
+    the same config on 16 x 16 tiles, one warp, one stage (the CPU suite runs the branch the GPU
+    runs, on shapes it can afford)."""
     if interpreting():
-        return GemmConfig(bn=16, bm=16, bk=64, split=False, num_warps=1, num_stages=1, loop="flat", loads="tma")
-    return GemmConfig(bn=128, bm=64 if residual or m <= 256 else 128, bk=64, split=False, num_warps=8, num_stages=4,
-                      loop="flat", loads="tma")
+        return GemmConfig(bn=16, bm=16, bk=64, num_warps=1, num_stages=1)
+    return GemmConfig(bn=128, bm=64 if residual or m <= 256 else 128, bk=64, num_warps=8, num_stages=4)
 
 
 def dequant_weight_fp16(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -453,67 +317,21 @@ def _activation_desc(x16, r16, cfg):
     return TensorDescriptor(x16, [2, m, k], [gap * x16.stride(0), x16.stride(0), 1], [2, cfg.bm, cfg.bk])
 
 
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (2 under the interpreter: programs walk several tiles)."""
-    if device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _launch_flat(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16, hopper_weight):
-    """The flat K walk (:func:`_w4a4_gemm_flat_kernel`) on one output."""
+def _launch(x16, r16, sx, sw, bias, y, cfg, w16):
+    """:func:`_w4a4_gemm_kernel` on one output: TMA descriptors when ``cfg.loads == "tma"`` and
+    the operands allow them, else pointer loads (same tiles, same bits)."""
     m, k = x16.shape
     n = y.shape[1]
     has_res = r16 is not None
-    packed = cfg.weight == "packed"
     x_desc = _activation_desc(x16, r16, cfg) if cfg.loads == "tma" else None
-    w_desc = vals = scales = None
-    num_kb = num_rb = 0
-    if packed:
-        hw = hopper_weight if hopper_weight is not None else to_hopper_layout(wq, ws)
-        vals, scales = hw.values, hw.scales
-        num_rb, num_kb = vals.shape[-4], vals.shape[-3]
-    else:
-        w16 = w16 if w16 is not None else dequant_weight_fp16(wq, ws)
-        if x_desc is not None:
-            w_desc = TensorDescriptor.from_tensor(w16, [cfg.bn, cfg.bk])
+    w_desc = TensorDescriptor.from_tensor(w16, [cfg.bn, cfg.bk]) if x_desc is not None else None
     r = r16 if has_res else x16
-    tiles = triton.cdiv(n, cfg.bn) * triton.cdiv(m, cfg.bm)
-    grid = (min(tiles, cfg.persistent * _num_sms(x16.device)) if cfg.persistent else tiles,)
-    _w4a4_gemm_flat_kernel[grid](
-        x16, r, x_desc, sx, w16 if not packed else x16, w_desc, vals, scales, sw.reshape(1),
-        bias if bias is not None else sx, y,
-        m, n, k, num_kb, num_rb, x16.stride(0), r.stride(0), y.stride(0),
-        SEG=seg_k, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, GROUP=cfg.group, HAS_RES=has_res, HAS_BIAS=bias is not None,
-        PACKED=packed, TMA=x_desc is not None, USE_ASM=not interpreting(), STAGES=cfg.num_stages,
-        PERSISTENT=cfg.persistent > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-
-def _launch_segment(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16):
-    """The segment walk (:func:`_w4a4_gemm_kernel`), split over programs or not."""
-    m, k = x16.shape
-    n = y.shape[1]
-    dev = x16.device
-    has_res = r16 is not None
-    num_seg = triton.cdiv(k, seg_k)
-    split = cfg.split and num_seg > 1
-    grid_m = triton.cdiv(m, cfg.bm)
-    grid = (triton.cdiv(n, cfg.bn), num_seg if split else 1, grid_m)
-    if split:
-        # split-K workspace, addressed by the kernel as (num_seg, 2, M_pad, N) fp32
-        part = torch.empty((num_seg, 2, grid_m * cfg.bm, n), dtype=torch.float32, device=dev)
-        locks = arrival_counters(dev, grid[0] * grid[2])
-    else:
-        part = locks = sx  # unused
-    if w16 is None:
-        w16 = dequant_weight_fp16(wq, ws)
+    grid = (triton.cdiv(n, cfg.bn) * triton.cdiv(m, cfg.bm),)
     _w4a4_gemm_kernel[grid](
-        x16, r16 if has_res else x16, sx, w16, sw.reshape(1),
-        bias if bias is not None else sx, y, part, locks,
-        m, n, k, x16.stride(0), (r16 if has_res else x16).stride(0), y.stride(0),
-        SEG=seg_k, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, SPLIT=split,
-        HAS_RES=has_res, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x16, r, x_desc, sx, w16, w_desc, sw.reshape(1), bias if bias is not None else sx, y,
+        m, n, k, x16.stride(0), r.stride(0), y.stride(0),
+        SEG=SEG_K, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, GROUP=cfg.group, HAS_RES=has_res, HAS_BIAS=bias is not None,
+        TMA=x_desc is not None, STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -527,32 +345,23 @@ def w4a4_gemm(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     config: GemmConfig | None = None,
-    seg_k: int = SEG_K,
     w16: torch.Tensor | None = None,
-    hopper_weight: HopperWeight | None = None,
 ) -> torch.Tensor:
     """``y (M, N) = (x16 @ Ŵᵀ [+ r16 @ Ŵᵀ]) / (sx Sw) [+ bias]``, see module doc.
 
     x16/r16: fp16 (M, K) unscaled activations (the residual shares the rows' scales; rows of
     the stacked operand are what TMA loads take as one box); sx fp32 (M,); wq uint8 (N, K/2);
     ws uint8 or float8_e4m3fn (N, K/16); sw fp32 scalar tensor; ``w16``: the materialized weight
-    if the caller has it already (:func:`dequant_weight_fp16`); ``hopper_weight``: the weight in
-    the Hopper layout for ``weight="packed"`` configs (built here if not given: slow).
+    if the caller has it already (:func:`dequant_weight_fp16`, else decoded here).
     """
     m, k = x16.shape
     n = wq.shape[0]
     cfg = config or pick_config(m, n, k, r16 is not None)
-    if seg_k % cfg.bk:
-        raise ValueError(f"BLOCK_K={cfg.bk} must divide the K segment {seg_k}")
     if interpreting() and out_dtype == torch.bfloat16:
         # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even
-        return w4a4_gemm(x16, sx, wq, ws, sw, r16, bias, torch.float32, config, seg_k, w16,
-                         hopper_weight).to(out_dtype)
+        return w4a4_gemm(x16, sx, wq, ws, sw, r16, bias, torch.float32, config, w16).to(out_dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=x16.device)
     if m == 0:
         return y
-    if cfg.loop == "flat":
-        _launch_flat(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16, hopper_weight)
-    else:
-        _launch_segment(x16, r16, sx, sw, bias, y, cfg, seg_k, wq, ws, w16)
+    _launch(x16, r16, sx, sw, bias, y, cfg, w16 if w16 is not None else dequant_weight_fp16(wq, ws))
     return y

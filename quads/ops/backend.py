@@ -172,7 +172,7 @@ def _interpreting() -> bool:
 
 def _triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError:
         return False
     return True

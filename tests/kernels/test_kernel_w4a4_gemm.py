@@ -1,8 +1,8 @@
 """Exact-emulation W4A4 (+ residual) GEMMs vs ``w4a4_matmul_reference``: the decode kernel (Hopper
 weight layout, split-K over canonical segments) and the prefill kernel (materialized fp16 weight);
 determinism and batch invariance (a row's bits do not depend on the other rows, on M, or on which
-kernel ran); the prefill variants (flat K walk, TMA loads, packed weight) against the segment walk's
-bits; the opt-in cuBLAS prefill within the bound.
+kernel ran); the prefill kernel's TMA loads against its pointer loads (bits); the interpreter
+configs are the GPU defaults on smaller tiles; the archived cuBLAS prefill (lab) within the bound.
 
 Tolerance: the kernels and the reference sum the same exact products in different fp32 orders,
 so |y - ref| <= 2 * K * 2^-24 * (|x̂| + |r̂|) |Ŵ|ᵀ / (S_x S_w) elementwise (the residual shares S_x).
@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
-from quads.kernels.w4a4_decode_hopper import SEG_K, DecodeConfig, decode_gemm  # noqa: E402
+from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
 from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
 from lab.cublas_prefill import cublas_prefill  # noqa: E402  (archived: no library caller)
 from quads.ops import ActivationQuant, get_backend, rollout_linear, use_backend, w4a4_matmul_reference  # noqa: E402
@@ -33,12 +33,6 @@ from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def prefill_cfg(split, bm=16):
-    if INTERP:
-        return GemmConfig(bn=16, bm=bm, bk=32, split=split, num_warps=1, num_stages=1)
-    return GemmConfig(bn=64, bm=bm if bm >= 64 else 64, bk=128, split=split, num_warps=4, num_stages=3)
 
 
 def _operands(m, k, n, seed=0, residual=True, fraction=0.5):
@@ -74,13 +68,12 @@ def _decode(q, wp, m, residual, bias=None, config=None):
     return decode_gemm(q.stacked, q.main_scale, hw, wp.global_encode_scale, m, residual, bias, config=config)
 
 
-def _prefill(q, wp, split, bias=None, seg_k=SEG_K):
-    return w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual,
-                     bias=bias, config=prefill_cfg(split), seg_k=seg_k)
+def _prefill(q, wp, bias=None):
+    return w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale, q.residual, bias=bias)
 
 
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("kernel", ["decode", "prefill-split", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_gemm_matches_reference(kernel, residual):
     m, k, n = 5, 1088, 72  # odd M; N not a multiple of the tile; 3 segments, the last one partial
     x, wp, qa, q = _operands(m, k, n, residual=residual)
@@ -88,7 +81,7 @@ def test_gemm_matches_reference(kernel, residual):
     if kernel == "decode":
         y = _decode(q, wp, m, residual)
     else:
-        y = _prefill(q, wp, split=kernel == "prefill-split")
+        y = _prefill(q, wp)
     err = (y.cpu() - ref).abs()
     assert torch.all(err <= _bound(qa, wp, k)), err.max()
 
@@ -108,17 +101,19 @@ def test_decode_k_tail_and_bias(kbi):
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("m,k,n", [(5, 1088, 72), (3, 208, 64), (16, 640, 128)])
 def test_decode_epilogue_variants_have_the_same_bits(m, k, n, residual):
-    """The split-K reduction as a second launch (``reduce_kernel``) and the programmatic
-    dependent launch option give the default's bits (odd M, N not a multiple of the tile, K with
-    a partial last segment and a K tail inside a layout block, bias or not)."""
+    """The split-K reduction as a second launch (``reduce_kernel``), the prefetched segment halves
+    and the programmatic dependent launch option give the default's bits (odd M, N not a
+    multiple of the tile, K with a partial last segment and a K tail inside a layout block, bias
+    or not). ``kbi = 4`` throughout: under the interpreter a dot's rounding depends on its width."""
     x, wp, qa, q = _operands(m, k, n, seed=5, residual=residual)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(DEV)
     asm = not INTERP
-    base = DecodeConfig(bn=64, kbi=1, num_warps=4, num_stages=1, use_asm=asm)
+    base = DecodeConfig(bn=64, kbi=4, num_warps=4, num_stages=1, use_asm=asm)
     for b in (None, bias):
         want = _decode(q, wp, m, residual, b, base)
-        for cfg in (DecodeConfig(bn=64, kbi=1, use_asm=asm, reduce_kernel=True),
-                    DecodeConfig(bn=64, kbi=1, use_asm=asm, reduce_kernel=True, pdl=True)):
+        for cfg in (DecodeConfig(bn=64, kbi=4, use_asm=asm, reduce_kernel=True),
+                    DecodeConfig(bn=64, kbi=4, use_asm=asm, prefetch=True),
+                    DecodeConfig(bn=64, kbi=4, use_asm=asm, prefetch=True, pdl=True, reduce_kernel=True)):
             got = _decode(q, wp, m, residual, b, cfg)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), cfg
     ref = w4a4_matmul_reference(qa, _cpu(wp))
@@ -126,16 +121,16 @@ def test_decode_epilogue_variants_have_the_same_bits(m, k, n, residual):
 
 
 def test_batch_invariance_and_determinism():
-    """A row's output bits: alone == in a batch, split == not split, run to run; and (on a GPU,
+    """A row's output bits: alone == in a batch, run to run; and (on a GPU,
     where every kernel chains the same k16 wgmma steps) decode == prefill. The interpreter's dot
     is numpy's matmul, whose summation order depends on the tile shapes, so across the two
     kernels (different tiles) it is only checked within the fp32 bound there."""
     m, k, n = 7, 1088, 64
     x, wp, qa, q = _operands(m, k, n, seed=2)
     dec = _decode(q, wp, m, True)
-    pre = _prefill(q, wp, split=False)
+    pre = _prefill(q, wp)
     assert torch.equal(dec, _decode(q, wp, m, True))
-    assert torch.equal(pre, _prefill(q, wp, split=True))
+    assert torch.equal(pre, _prefill(q, wp))
     if INTERP:
         assert torch.all((dec.cpu() - pre.cpu()).abs() <= 2 * _bound(qa, wp, k))
     else:
@@ -143,7 +138,7 @@ def test_batch_invariance_and_determinism():
     for row in (0, 3, 6):
         q1 = activation_operands_triton(x[row:row + 1].to(DEV), ActivationQuant(residual_fraction=0.5))
         assert torch.equal(_decode(q1, wp, 1, True)[0], dec[row])
-        assert torch.equal(_prefill(q1, wp, split=False)[0], pre[row])
+        assert torch.equal(_prefill(q1, wp)[0], pre[row])
 
 
 def test_nan_row_stays_in_its_row():
@@ -153,7 +148,7 @@ def test_nan_row_stays_in_its_row():
     x[2, 5] = float("nan")
     wp = nvfp4_quantize((torch.randn(n, k, generator=g) * 0.1).to(DEV))
     q = activation_operands_triton(x.to(DEV), ActivationQuant())
-    for y in (_decode(q, wp, m, True), _prefill(q, wp, split=False)):
+    for y in (_decode(q, wp, m, True), _prefill(q, wp)):
         assert torch.isnan(y[2]).all()
         assert torch.isfinite(y[[0, 1, 3]]).all()
 
@@ -207,53 +202,49 @@ def test_stacked_weights_with_per_row_global_scales(residual):
         decode_gemm(q.stacked, q.main_scale, stacked, sw[:100].float(), m, residual)
 
 
-# Prefill variants vs the segment walk. Under the interpreter a dot is numpy's matmul, whose
-# summation order depends on the tile shape, so the variants run on the base's tile (bn, bk; the
-# packed weight needs bk = 64); on a GPU (k16 wgmma chains) any tile gives the same bits.
+# Prefill load variants vs pointer loads. Under the interpreter a dot is numpy's matmul, whose
+# summation order depends on the tile shape, so the variants run on the base's tile; on a GPU
+# (k16 wgmma chains) any tile gives the same bits.
 _TILE = dict(bn=16, bm=16, bk=64, num_warps=1, num_stages=1) if INTERP else dict(bn=64, bm=64, bk=64, num_warps=4,
                                                                                 num_stages=3)
 _VARIANTS = {
-    "flat": dict(loop="flat"),
-    "flat-tma": dict(loop="flat", loads="tma"),
-    "flat-packed": dict(loop="flat", weight="packed", group=3),
-    "flat-tma-packed": dict(loop="flat", loads="tma", weight="packed", group=1),
-    "flat-tma-persistent": dict(loop="flat", loads="tma", persistent=1),
+    "tma": dict(loads="tma"),
+    "tma-group3": dict(loads="tma", group=3),
+    "pointer-group1": dict(loads="pointer", group=1),
 }
 
 
-def _variant_run(q, wp, cfg, residual, bias=None, out_dtype=torch.float32, hw=None):
+def _variant_run(q, wp, cfg, residual, bias=None, out_dtype=torch.float32):
     return w4a4_gemm(q.main, q.main_scale, wp.qdata, wp.scale, wp.global_encode_scale,
-                     q.residual if residual else None, bias=bias, out_dtype=out_dtype, config=cfg, hopper_weight=hw)
+                     q.residual if residual else None, bias=bias, out_dtype=out_dtype, config=cfg)
 
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("variant", list(_VARIANTS))
-def test_prefill_variants_equal_segment_walk_bits(variant, residual):
+def test_prefill_load_variants_equal_pointer_load_bits(variant, residual):
     """Odd M (a partial token tile), N not a multiple of the tile, K = 1040: two segments and a
-    partial third, K not a multiple of 64 (layout padding, TMA zero fill, masks); group sizes
-    not dividing the grid; persistent programs walking several tiles; fp32 output with a bias
-    (plain: without), and with the residual also a bf16 output."""
+    partial third, K not a multiple of 64 (TMA zero fill, masks); group sizes not dividing the
+    grid; fp32 output with a bias (plain: without), and with the residual also a bf16 output."""
     m, k, n = 37, 1040, 72
     x, wp, qa, q = _operands(m, k, n, seed=6, residual=residual)
-    hw = to_hopper_layout(wp.qdata, wp.scale)
     bias = torch.randn(n).to(DEV) if residual else None
-    base_cfg = GemmConfig(split=False, **_TILE)
-    cfg = GemmConfig(split=False, **_TILE, **_VARIANTS[variant])
+    base_cfg = GemmConfig(**_TILE, loads="pointer")
+    cfg = GemmConfig(**_TILE, **_VARIANTS[variant])
     for out_dtype in (torch.float32, torch.bfloat16) if residual else (torch.float32,):
         base = _variant_run(q, wp, base_cfg, residual, bias, out_dtype)
-        got = _variant_run(q, wp, cfg, residual, bias, out_dtype, hw)
+        got = _variant_run(q, wp, cfg, residual, bias, out_dtype)
         assert got.dtype == out_dtype
         assert torch.equal(got, base)
 
 
-def test_flat_walk_operands_outside_one_buffer():
+def test_prefill_operands_outside_one_buffer():
     """The residual rows a slice of a larger stacked buffer (the gap is not M rows), or a separate
     tensor: TMA takes the first as a 3-D view and falls back to pointer loads for the second."""
     m, k, n = 21, 576, 64
     x, wp, qa, q = _operands(m + 11, k, n, seed=7)
-    cfg = GemmConfig(split=False, **_TILE, loop="flat", loads="tma")
+    cfg = GemmConfig(**_TILE, loads="tma")
     base = w4a4_gemm(q.main[:m], q.main_scale[:m], wp.qdata, wp.scale, wp.global_encode_scale, q.residual[:m],
-                     config=GemmConfig(split=False, **_TILE))
+                     config=GemmConfig(**_TILE, loads="pointer"))
     for r16 in (q.residual[:m], q.residual[:m].clone()):
         y = w4a4_gemm(q.main[:m], q.main_scale[:m], wp.qdata, wp.scale, wp.global_encode_scale, r16, config=cfg)
         assert torch.equal(y, base)
