@@ -65,6 +65,25 @@ def test_grouped_experts_equal_the_loop(kind, masters, activations):
         assert torch.equal(grads[n], grads_loop[n]), n
 
 
+@pytest.mark.parametrize("masters", ["bf16", "fp32-autocast"])
+def test_grouped_experts_keep_forward_weight_option(masters):
+    """``quads_keep_forward_weight`` (the benchmark's quads-keep option): the backward uses the
+    kept forward weight instead of recomputing it: the same logits and gradients, bit for bit."""
+    dtype = torch.bfloat16 if masters == "bf16" else torch.float32
+    model = build("qwen3_moe", seed=4, dtype=dtype)
+    quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
+    keep = copy.deepcopy(model)
+    for m in keep.modules():
+        if isinstance(m, TrainerExperts):
+            m.quads_keep_forward_weight = True
+    ids = _ids(batch=2, seq=13, seed=1)
+    logits, grads = _step(model, ids, masters != "bf16")
+    logits_keep, grads_keep = _step(keep, ids, masters != "bf16")
+    assert torch.equal(logits, logits_keep) and grads.keys() == grads_keep.keys()
+    for n in grads:
+        assert grads_keep[n].dtype == dtype and torch.equal(grads[n], grads_keep[n]), n
+
+
 def test_grouped_experts_handle_idle_experts_and_sentinels():
     """Experts that receive no row, and expert-parallel sentinel ids (routed nowhere), give what
     the loop gives: zero contributions, zero gradients, no uninitialized rows."""
