@@ -3,7 +3,7 @@ call, host time; a tile sweep; and an ``ncu`` mode (issue 23, the dense 0.62 TB/
 
     python -m benchmarks.bench_fake_quant --out results/fq.json            # bandwidth table
         [--shapes dense,moe] [--reps 20] [--tiles 4x16x4,8x16x4] [--amax-tiles 8x512x4]
-    ncu --set full -k regex:fake_quant -c 4 -o fq_dense python -m benchmarks.bench_fake_quant --ncu
+    ncu --clock-control none --set full -k regex:fake_quant -c 4 -o fq_dense python3 -m benchmarks.bench_fake_quant --ncu
     python -m benchmarks.bench_fake_quant --device cpu --out /tmp/fq.json  # smoke (interpreter, tiny)
 
 Shapes: the weights of ``bench_trainer.py``'s models (FP32 masters, BF16 forward weights, as
