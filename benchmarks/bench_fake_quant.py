@@ -19,6 +19,8 @@ Per shape and configuration, three measurements of ``fake_quantize_weight_triton
 * ``wall_us``: back-to-back calls as a training loop issues them (host time included when the
   host is slower than the GPU);
 * ``host_us``: the host's time per call (enqueue only);
+* ``cast-bf16``: ``w.to(bfloat16)``, the BF16 peer's autocast cast (6 B per element): the
+  ceiling of a plain elementwise pass on that shape;
 * per kernel (torch.profiler): device time per call of each kernel and the number of kernels
   per call, and the fused/amax kernels' bandwidth on their own bytes.
 
@@ -175,11 +177,12 @@ def bench_shape(model, name, shape, fused, amax, glues):
              "bwd": lambda: fake_quantize_weight_triton(w, torch.bfloat16, gs)}
     if "old" in glues:
         calls["fwd-old-glue"] = lambda: old_glue(w)
+        calls["cast-bf16"] = lambda: w.to(torch.bfloat16)  # the BF16 peer's autocast cast: the ceiling
     for what, fn in calls.items():
         reps = ARGS.reps if CUDA else 1
         gpu, wall, host = _gpu_and_wall(fn, reps)
         kern, nk = _kernels(fn, reps)
-        nbytes = n * (10 if what != "bwd" else 6)
+        nbytes = n * (6 if what in ("bwd", "cast-bf16") else 10)
         fused_us = sum(v for k, v in kern.items() if k.startswith("_fake_quant_kernel"))
         amax_us = sum(v for k, v in kern.items() if "amax" in k)
         record(model=model, weight=name, shape=list(shape), call=what, fused_tile=fused, amax_tile=amax,
