@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 4 trainer run on one H200 (about 4 min wall), from the repository root:
 #   OUT=$OUT bash benchmarks/h200_trainer_s4.sh
-# 1. the step table (bf16 as shipped, bf16-cast = the BF16 trainer, quads, quads-keep), 8 MoE / 24 dense layers
+# 1. the step table (bf16 as shipped, bf16-cast = the BF16 trainer, quads, quads-keep), 8 MoE / 36 dense layers (Qwen3-4B depth)
 # 2. the fake-quant pass per weight shape (GPU / wall / host time, per-kernel bandwidth, tile sweep)
 # 3. ncu --set full on the dense gate/up and down passes (amax + fused kernels)
 # 4. the fake-quant kernel's bit-exactness tests, natively on the GPU
@@ -11,7 +11,7 @@ PY=${PY:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import quads, torch, triton; print(quads.__file__, torch.__version__, triton.__version__)"
-timeout 120 $PY -m benchmarks.bench_trainer --out "$OUT/bench_trainer.json" --models dense,moe --layers moe=8,dense=24 \
+timeout 120 $PY -m benchmarks.bench_trainer --out "$OUT/bench_trainer.json" --models dense,moe --layers moe=8,dense=36 \
     --iters 3 --warmup 1 --variants bf16,bf16-cast,quads,quads-keep 2>&1 | tee "$OUT/bench_trainer.log"
 timeout 60 $PY -m benchmarks.bench_fake_quant --out "$OUT/bench_fake_quant.json" 2>&1 | tee "$OUT/bench_fake_quant.log"
 timeout 45 ncu --clock-control none --set full -k regex:fake_quant -c 4 -f -o "$OUT/fq_dense" $PY -m benchmarks.bench_fake_quant --ncu \
