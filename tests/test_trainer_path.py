@@ -84,6 +84,25 @@ def test_grouped_experts_keep_forward_weight_option(masters):
         assert grads_keep[n].dtype == dtype and torch.equal(grads[n], grads_keep[n]), n
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_grouped_experts_weight_gradient_in_the_master_layout(keep):
+    """The experts' weight gradients reach AccumulateGrad in the masters' (contiguous) layout, as
+    the BF16 peer's grouped_mm backward hands them: a transposed gradient would be copied again
+    there (a FP32 pass over every expert weight per step, measured as part of the H200 gap)."""
+    model = build("qwen3_moe", seed=6, dtype=torch.float32)
+    quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
+    seen = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("gate_up_proj", "down_proj")):
+            p.register_hook(lambda g, name=name: seen.update({name: (g.is_contiguous(), g.stride())}))
+    for m in model.modules():
+        if isinstance(m, TrainerExperts):
+            m.quads_keep_forward_weight = keep
+    _step(model, _ids(batch=2, seq=7, seed=2), True)
+    assert len(seen) == 2 * model.config.num_hidden_layers
+    assert all(c for c, _ in seen.values()), seen
+
+
 def test_grouped_experts_handle_idle_experts_and_sentinels():
     """Experts that receive no row, and expert-parallel sentinel ids (routed nowhere), give what
     the loop gives: zero contributions, zero gradients, no uninitialized rows."""

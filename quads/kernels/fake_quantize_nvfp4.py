@@ -42,8 +42,12 @@ __all__ = ["fake_quantize_rows", "FAKE_QUANT_OUT_DTYPES", "TILE_ROWS", "TILE_BLO
            "AMAX_ITERS"]
 
 FAKE_QUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: tile of one program: TILE_ROWS rows x TILE_BLOCKS blocks of 16 (the same under the interpreter)
-TILE_ROWS = 4
+#: tile of one program: TILE_ROWS rows x TILE_BLOCKS blocks of 16 (the same under the interpreter).
+#: 8 x 16 x 4 warps: the fastest of the H200 sweep on every benchmark shape (2026-12-02,
+#: benchmarks/bench_fake_quant.py: MoE experts gate_up 1083 vs 1214 us, down 592 vs 664 us,
+#: dense gate/up 89 vs 97 us against 4 x 16 x 4); the tile changes which program writes which
+#: element, never an element's bits
+TILE_ROWS = 8
 TILE_BLOCKS = 16
 _NUM_WARPS = 4
 #: amax pass: a program reduces AMAX_ROWS rows x (AMAX_ITERS x AMAX_COLS) columns, then one
@@ -159,21 +163,34 @@ def fake_quantize_rows(
         if not n_rows:
             gs.fill_(1.0)
     else:
-        gs = global_encode_scale.to(device=dev, dtype=torch.float32).reshape(-1).expand(groups).contiguous()
+        gs = global_encode_scale
+        if gs.dtype != torch.float32 or gs.device != dev or gs.numel() != groups or not gs.is_contiguous():
+            gs = gs.to(device=dev, dtype=torch.float32).reshape(-1).expand(groups).contiguous()
         ga = gs  # unused
     store_dtype = torch.float32 if interpreting() else out_dtype
     out = torch.empty((n_rows, k), dtype=store_dtype, device=dev)
     if n_rows:
+        # plain integer arithmetic for the grids: triton.cdiv / next_power_of_2 are jit functions,
+        # several microseconds of host time per call each (the host time of a small weight's call
+        # is what the GPU waits for when its queue is empty)
+        nblk = k // 16
         if from_amax:
-            ar, ac, ai = AMAX_ROWS, AMAX_COLS, AMAX_ITERS
-            ac = min(ac, triton.next_power_of_2(k))
-            ai = max(1, min(ai, triton.cdiv(k, ac)))
-            agrid = (triton.cdiv(n_rows, ar), triton.cdiv(k, ac * ai))
+            ar, ac, ai = AMAX_ROWS, min(AMAX_COLS, _next_pow2(k)), AMAX_ITERS
+            ai = max(1, min(ai, _cdiv(k, ac)))
+            agrid = (_cdiv(n_rows, ar), _cdiv(k, ac * ai))
             _fake_quant_amax_kernel[agrid](x2d, x2d.stride(0), k, ga, rows_per_group, n_rows,
                                            BR=ar, BC=ac, ITERS=ai, ONE_GROUP=rows_per_group % ar == 0,
                                            num_warps=_AMAX_WARPS)
-        bb = min(TILE_BLOCKS, triton.next_power_of_2(max(k // 16, 1)))
-        grid = (triton.cdiv(n_rows, TILE_ROWS), triton.cdiv(k // 16, bb))
+        bb = min(TILE_BLOCKS, _next_pow2(max(nblk, 1)))
+        grid = (_cdiv(n_rows, TILE_ROWS), _cdiv(nblk, bb))
         _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, ga, rows_per_group, out, n_rows,
                                  BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, num_warps=_NUM_WARPS)
-    return out.to(out_dtype), gs
+    return (out if out.dtype == out_dtype else out.to(out_dtype)), gs
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1

@@ -75,7 +75,11 @@ class _FakeQuantGroupedMM(torch.autograd.Function):
                 w, _ = fake_quantizer(ctx.backend)(saved_w, ctx.dtype, scale)  # the forward's bits again
             grad_x = grouped_mm(grad, w, offs=ends)
         if ctx.needs_input_grad[1]:  # straight through: d/dW of the forward weight, to the master
-            grad_w = grouped_mm(x.t(), grad, offs=ends).transpose(-2, -1).to(ctx.master_dtype)
+            # grad^T @ x per group gives (E, N, K) in the master's layout: a transposed result
+            # ((x^T @ grad)^T) would reach AccumulateGrad non-contiguous and be copied again there
+            # (a FP32 pass over every expert weight), which the BF16 peer's grouped_mm backward
+            # does not pay
+            grad_w = grouped_mm(grad.t(), x, offs=ends).to(ctx.master_dtype)
         return grad_x, grad_w, None, None, None, None
 
 

@@ -100,6 +100,26 @@ def test_fake_quantize_bad_input_names_culprit():
 
 
 
+@pytest.mark.parametrize("tile", [(4, 16, 4), (8, 16, 4), (8, 4, 2)], ids=str)
+def test_fake_quantize_fused_tiles(monkeypatch, tile):
+    """The fused pass's tile (rows x blocks of 16 x warps): the shipped 8 x 16, the earlier
+    4 x 16 and a narrow one; row counts that are and are not multiples of the tile rows, 2-D and
+    3-D with groups straddling tiles, with the adversarial rows: the recipe's bits each time."""
+    rows, blocks, warps = tile
+    monkeypatch.setattr(fq_kernel, "TILE_ROWS", rows)
+    monkeypatch.setattr(fq_kernel, "TILE_BLOCKS", blocks)
+    monkeypatch.setattr(fq_kernel, "_NUM_WARPS", warps)
+    g = torch.Generator().manual_seed(6)
+    k = 208
+    adv = adversarial(m=9, k=k, seed=7).cpu()
+    x = torch.cat([torch.randn(12, k, generator=g), adv])  # 21 rows
+    for out in (torch.bfloat16, torch.float32):
+        assert_same_bits(fake_quantize_weight_triton(x.to(DEV), out), nvfp4_fake_quantize(x, dtype=out))
+    for n in (3, 7):  # rows per expert: groups straddle the tiles' rows
+        e = x.clamp(-1e30, 1e30)[: (21 // n) * n].reshape(-1, n, k)
+        assert_same_bits(fake_quantize_weight_triton(e.to(DEV)), nvfp4_fake_quantize(e))
+
+
 @pytest.mark.parametrize("amax_tile", [(8, 32, 2), (2, 16, 3), (4, 64, 1)], ids=str)
 def test_fake_quantize_amax_tiles(monkeypatch, amax_tile):
     """The amax pass's tiling (rows x columns x column iterations per program, then one atomic
