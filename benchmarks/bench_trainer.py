@@ -43,6 +43,16 @@ fake-quantization pass over every quantized weight by the kernel and by the refe
 forward-weight cache could save; docs/trainer.md), and the kernel's forward weights against the
 reference's, bit for bit, on every quantized weight, in the autocast dtype and the master dtype.
 Output: a table on stdout, every row as JSON lines while running, and ``--out`` (JSON).
+
+``--profile``: one more step per variant (the first ``--accum``) under ``torch.profiler``: the
+device time of every kernel grouped by category (fake quant, grouped GEMM, GEMM, attention,
+casts/copies, index/scatter, optimizer, ...), the top ops by self device time, the union of the
+kernels' busy intervals against the step's wall time (the GPU idle time: host-bound stretches),
+and the host time. Comparing ``bf16-cast`` and ``quads`` rows splits the MoE step's gap by
+category (docs/trainer.md, "where the MoE gap goes"):
+
+    python -m benchmarks.bench_trainer --out $OUT/prof.json --models moe --layers 8 --accum 1 \
+        --iters 2 --warmup 1 --variants bf16-cast,quads --profile
 """
 
 from __future__ import annotations
@@ -73,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="bf16,bf16-cast,quads,quads-keep,quads-old")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="toy widths (a CPU smoke run of this script)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps at the first accum, one more step under torch.profiler: "
+                        "per-op and per-kernel device time, by category, and the GPU's idle time")
     args = p.parse_args(argv)
     if args.device == "cpu" and not args.tiny:
         p.error("--device cpu needs --tiny (the full models take minutes per step on a CPU)")
@@ -309,6 +322,90 @@ def time_steps(model, accum: int, warmup: int, iters: int) -> dict:
             "peak_gib": round(peak, 3), "first_loss": losses[0]}
 
 
+#: kernel / op name -> category (first match wins; lower-case substrings)
+_CATEGORIES = (
+    ("fake_quant", ("_fake_quant", "amax")),
+    ("grouped_gemm", ("grouped", "group_gemm", "groupedgemm")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas", "matmul", "ampere_", "s16816")),
+    ("index_scatter", ("index", "scatter", "gather", "sort", "radix", "histc", "cumsum", "scan")),
+    ("reduce", ("reduce", "softmax", "norm", "cross_entropy", "nll", "logsumexp")),
+    ("cast_copy", ("copy", "cast", "convert", "elementwise_kernel_with_index", "vectorized_elementwise", "unrolled_elementwise", "fill")),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in _CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def _union_us(intervals) -> float:
+    busy, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy
+
+
+def profile_step(kind: str, variant: str, model, accum: int) -> None:
+    """One training step under torch.profiler: device time per kernel category, the top kernels
+    and ops, the GPU's busy time (union of kernel intervals) against the step's wall time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEVICE.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    batches = _batches(model.config.vocab_size, accum)
+    train_step(model, opt, batches)  # the optimizer state exists before the profiled step
+    _sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        with _Timer() as t:
+            train_step(model, opt, batches)
+    del opt
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    by_kernel, by_cat = {}, {}
+    for e in kernels:
+        us = e.time_range.elapsed_us()
+        k = by_kernel.setdefault(e.name, [0, 0.0])
+        k[0] += 1
+        k[1] += us
+        by_cat[_category(e.name)] = by_cat.get(_category(e.name), 0.0) + us
+    busy = _union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3
+    ops = []
+    for a in prof.key_averages():
+        dev = getattr(a, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(a, "self_cuda_time_total", 0.0)
+        if a.device_type == DeviceType.CUDA:
+            continue  # kernels: in top_kernels
+        ops.append((a.key, a.count, dev / 1e3, a.self_cpu_time_total / 1e3))
+    ops.sort(key=lambda o: (-o[2], -o[3]))
+    top_k = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:40]
+    record(kind=kind, variant=variant, accum=accum, profile=True, step_ms=round(t.ms, 2),
+           gpu_busy_ms=round(busy, 2), gpu_idle_ms=round(t.ms - busy, 2) if cuda else None,
+           kernels=len(kernels), kernel_ms_total=round(sum(v[1] for v in by_kernel.values()) / 1e3, 2),
+           by_category_ms={c: round(v / 1e3, 2) for c, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+           top_kernels=[{"name": n[:120], "calls": c, "ms": round(us / 1e3, 3), "category": _category(n)}
+                        for n, (c, us) in top_k],
+           top_ops=[{"op": n[:80], "calls": c, "self_device_ms": round(d, 3), "self_cpu_ms": round(h, 3)}
+                    for n, c, d, h in ops[:40]])
+    try:
+        print(prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                        row_limit=30), flush=True)
+    except Exception as e:  # noqa: BLE001  (a table-format change must not lose the JSON row)
+        print(f"profiler table: {type(e).__name__}: {e}")
+
+
 def _quantized_weights(model):
     out = []
     for name, m in model.named_modules():
@@ -386,6 +483,9 @@ def main():
                     r = time_steps(model, accum, warmup, iters)
                     results[(kind, variant, accum)] = r
                     record(kind=kind, variant=variant, accum=accum, layers=layers_for(kind), params=n_params, **r)
+                    _free()
+                if ARGS.profile:
+                    profile_step(kind, variant, model, accums[0])
                     _free()
             except Exception as e:  # noqa: BLE001
                 record(kind=kind, variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
