@@ -317,9 +317,14 @@ def time_steps(model, accum: int, warmup: int, iters: int) -> dict:
             train_step(model, opt, batches)
         times.append(t.ms)
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0
+    # allocator retries (a cudaMalloc failed, the cache was flushed and the call retried): memory
+    # pressure, e.g. another process's memory on a shared (MPS) GPU; reserved: what the cache holds
+    stats = torch.cuda.memory_stats() if DEVICE.type == "cuda" else {}
     del opt
     return {"step_ms": round(statistics.median(times), 2), "step_ms_all": [round(x, 2) for x in times],
-            "peak_gib": round(peak, 3), "first_loss": losses[0]}
+            "peak_gib": round(peak, 3), "first_loss": losses[0],
+            "alloc_retries": stats.get("num_alloc_retries"),
+            "reserved_peak_gib": round(stats.get("reserved_bytes.all.peak", 0) / 2**30, 3) if stats else None}
 
 
 #: kernel / op name -> category (first match wins; lower-case substrings)
