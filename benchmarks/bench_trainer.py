@@ -46,7 +46,7 @@ Output: a table on stdout, every row as JSON lines while running, and ``--out`` 
 
 ``--profile``: one more step per variant (the first ``--accum``) under ``torch.profiler``: the
 device time of every kernel grouped by category (fake quant, grouped GEMM, GEMM, attention,
-casts/copies, index/scatter, optimizer, ...), the top ops by self device time, the union of the
+elementwise incl. casts and copies, index/scatter, reductions, optimizer, other), the top ops by self device time, the union of the
 kernels' busy intervals against the step's wall time (the GPU idle time: host-bound stretches),
 and the host time. Comparing ``bf16-cast`` and ``quads`` rows splits the MoE step's gap by
 category (docs/trainer.md, "where the MoE gap goes"):
@@ -330,13 +330,14 @@ def time_steps(model, accum: int, warmup: int, iters: int) -> dict:
 #: kernel / op name -> category (first match wins; lower-case substrings)
 _CATEGORIES = (
     ("fake_quant", ("_fake_quant", "amax")),
-    ("grouped_gemm", ("grouped", "group_gemm", "groupedgemm")),
+    ("grouped_gemm", ("grouped", "group_gemm", "groupproblem", "ptrarray")),  # CUTLASS: GroupProblemShape
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas", "matmul", "ampere_", "s16816")),
     ("index_scatter", ("index", "scatter", "gather", "sort", "radix", "histc", "cumsum", "scan")),
     ("reduce", ("reduce", "softmax", "norm", "cross_entropy", "nll", "logsumexp")),
-    ("cast_copy", ("copy", "cast", "convert", "elementwise_kernel_with_index", "vectorized_elementwise", "unrolled_elementwise", "fill")),
+    # casts, copies, fills and the other elementwise kernels (norms, activations, masks, adds)
+    ("elementwise", ("copy", "cast", "convert", "elementwise", "fill")),
 )
 
 
@@ -400,7 +401,7 @@ def profile_step(kind: str, variant: str, model, accum: int) -> None:
            gpu_busy_ms=round(busy, 2), gpu_idle_ms=round(t.ms - busy, 2) if cuda else None,
            kernels=len(kernels), kernel_ms_total=round(sum(v[1] for v in by_kernel.values()) / 1e3, 2),
            by_category_ms={c: round(v / 1e3, 2) for c, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-           top_kernels=[{"name": n[:120], "calls": c, "ms": round(us / 1e3, 3), "category": _category(n)}
+           top_kernels=[{"name": n[:200], "calls": c, "ms": round(us / 1e3, 3), "category": _category(n)}
                         for n, (c, us) in top_k],
            top_ops=[{"op": n[:80], "calls": c, "self_device_ms": round(d, 3), "self_cpu_ms": round(h, 3)}
                     for n, c, d, h in ops[:40]])

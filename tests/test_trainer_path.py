@@ -103,12 +103,20 @@ def test_grouped_experts_weight_gradient_in_the_master_layout(keep):
     assert all(c for c, _ in seen.values()), seen
 
 
-def test_grouped_experts_handle_idle_experts_and_sentinels():
+@pytest.mark.parametrize("flag", ["expert-parallel", "no-flag"])
+def test_grouped_experts_handle_idle_experts_and_sentinels(flag):
     """Experts that receive no row, and expert-parallel sentinel ids (routed nowhere), give what
-    the loop gives: zero contributions, zero gradients, no uninitialized rows."""
+    the loop gives: zero contributions, zero gradients, no uninitialized rows. The grouped path
+    masks sentinel rows on modules transformers flags expert-parallel, and on modules without
+    the flag (unknown: masked to be safe)."""
     model = build("qwen3_moe", seed=5, dtype=torch.float32)
     quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
     experts = model.model.layers[0].mlp.experts
+    assert experts._is_expert_parallel is False  # transformers' flag: sentinels come with expert parallelism
+    if flag == "expert-parallel":
+        experts._is_expert_parallel = True
+    else:
+        del experts._is_expert_parallel
     loop = copy.deepcopy(experts)
     loop.quads_grouped = False
     hidden = torch.randn(6, 64)

@@ -101,18 +101,45 @@ def grouped_experts_forward(
     route = Routing(top_k_index, gate_up.shape[0])
     ends = route.offsets[1:].to(torch.int32)
     # rows routed to no expert (expert-parallel sentinels, sorted last) are skipped by the grouped
-    # GEMMs, which leave them unwritten: zero them on the way in (their gradient too) and out
-    outside = (torch.arange(route.num_rows, device=hidden.device) >= route.offsets[-1]).unsqueeze(-1)
+    # GEMMs, which leave them unwritten: zero them on the way in (their gradient too) and out.
+    # Only an expert-parallel module gets sentinels (transformers sets ``_is_expert_parallel``
+    # when it shards the experts and masks under the same condition); a module without the flag
+    # is masked (safe); the others skip four passes over the (rows, hidden) activations
+    outside = None
+    if getattr(module, "_is_expert_parallel", True):
+        outside = (torch.arange(route.num_rows, device=hidden.device) >= route.offsets[-1]).unsqueeze(-1)
     x = hidden[route.token_of_row]
     if act is not None:
         x = fake_quantize_activation(x, act, backend)
-    x = x.to(dtype).masked_fill(outside, 0)
+    x = x.to(dtype)
+    if outside is not None:
+        x = x.masked_fill(outside, 0)
     h = _FakeQuantGroupedMM.apply(x, gate_up, ends, backend, dtype, keep)
     h = apply_gate(module, h)
     if act is not None:
         h = fake_quantize_activation(h, act, backend)
-    y = _FakeQuantGroupedMM.apply(h.to(dtype), down, ends, backend, dtype, keep).masked_fill(outside, 0)
-    out = torch.zeros(route.num_rows, hidden_dim, dtype=hidden.dtype, device=hidden.device)
-    out = out.index_copy(0, route.order, y.to(hidden.dtype))
+    y = _FakeQuantGroupedMM.apply(h.to(dtype), down, ends, backend, dtype, keep)
+    if outside is not None:
+        y = y.masked_fill(outside, 0)
+    # back to the flat (token, choice) order: one gather each way (not zeros + index_copy)
+    inv = torch.empty_like(route.order).scatter_(
+        0, route.order, torch.arange(route.num_rows, device=hidden.device, dtype=route.order.dtype))
+    out = _PermuteRows.apply(y.to(hidden.dtype), route.order, inv)
     weighted = out.view(num_tokens, route.top_k, hidden_dim) * top_k_weights.unsqueeze(-1).to(out.dtype)
     return weighted.sum(dim=1).to(hidden.dtype)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``out[order[i]] = src[i]`` (``order`` a permutation of the rows, ``inv`` its inverse) as a
+    gather, and its backward as the gather by ``order``: exact, no atomics (``index_copy`` into
+    zeros costs a zero fill and a copy of the result more; ``src[inv]``'s backward accumulates)."""
+
+    @staticmethod
+    def forward(ctx, src, order, inv):
+        ctx.save_for_backward(order)
+        return src.index_select(0, inv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None, None
