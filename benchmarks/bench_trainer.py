@@ -32,6 +32,9 @@ Variants, each a fresh model with the same seed (the same weights):
   (linears: F.linear on the straight-through forward weight, which saves it, as autocast's
   linear saves its BF16 cast; experts: ``quads_keep_forward_weight``): one fused pass less per
   micro-step, the BF16 peer's forward-weight memory;
+* ``quads-tgrad``: ``quads`` with the experts' weight gradient handed to AccumulateGrad
+  transposed, as before 2026-12-02 (``(x^T grad)^T``; AccumulateGrad copies it on the first
+  micro-step and adds it strided on the others): measures what the layout fix saved; MoE only;
 * ``quads-old``: the trainer before issue 23 (torch-reference fake quantization, the FP32
   forward weight cast by autocast, F.linear keeping it for the backward, a Python loop over the
   experts), ``accum`` 1 only and fewer iterations (it is slow): the before/after row.
@@ -193,6 +196,49 @@ def make_keep(model):
             m.__class__ = type("KeepLinear", (_KeepLinear, type(m).__bases__[1]), {})
 
 
+# --- quads-tgrad: the experts' weight gradient in the transposed layout (before 2026-12-02) -------
+
+def _transposed_grad_function():
+    from quads.policies import trainer_experts as te
+
+    class _TransposedGradGroupedMM(te._FakeQuantGroupedMM):
+        @staticmethod
+        def backward(ctx, grad):
+            x, saved_w, scale, ends = ctx.saved_tensors
+            grouped_mm = te._grouped_mm_fn()
+            grad = grad.contiguous()
+            grad_x = grad_w = None
+            if ctx.needs_input_grad[0]:
+                w = saved_w if ctx.keep else te.fake_quantizer(ctx.backend)(saved_w, ctx.dtype, scale)[0]
+                grad_x = grouped_mm(grad, w, offs=ends)
+            if ctx.needs_input_grad[1]:
+                grad_w = grouped_mm(x.t(), grad, offs=ends).transpose(-2, -1).to(ctx.master_dtype)
+            return grad_x, grad_w, None, None, None, None
+
+    return _TransposedGradGroupedMM
+
+
+class _patched_grouped_mm:
+    """Within the block, quads' grouped experts use ``quads-tgrad``'s Function."""
+
+    def __init__(self, variant):
+        self.on = variant == "quads-tgrad"
+
+    def __enter__(self):
+        if self.on:
+            from quads.policies import trainer_experts as te
+
+            self.saved = te._FakeQuantGroupedMM
+            te._FakeQuantGroupedMM = _transposed_grad_function()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            from quads.policies import trainer_experts as te
+
+            te._FakeQuantGroupedMM = self.saved
+
+
 # --- bf16-cast: the BF16 trainer whose experts multiply in the autocast dtype ------------------
 
 class _CastExpertsView:
@@ -241,7 +287,7 @@ def make_variant(kind: str, variant: str):
     if variant == "bf16-cast":
         if not make_cast(model):
             raise ValueError(f"bf16-cast: the {kind} model has no experts")
-    elif variant in ("quads", "quads-keep"):
+    elif variant in ("quads", "quads-keep", "quads-tgrad"):
         quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
         if variant == "quads-keep":
             make_keep(model)
@@ -474,25 +520,26 @@ def main():
     results = {}
     for kind in ARGS.models.split(","):
         for variant in variants:
-            if variant == "bf16-cast" and kind != "moe":
-                continue  # no experts: the bf16 row is this model's BF16 trainer
+            if variant in ("bf16-cast", "quads-tgrad") and kind != "moe":
+                continue  # no experts: the bf16 row is this model's BF16 trainer, quads-tgrad is quads
             model = None
             try:  # one failing variant (an OOM, a transformers API change) must not end the run
-                model = make_variant(kind, variant)
-                n_params = sum(p.numel() for p in model.parameters())
-                if variant == "quads":
-                    kernel_checks(kind, model)
-                for accum in accums:
-                    if variant == "quads-old" and accum != accums[0]:
-                        continue  # slow: the before/after row at the first accumulation only
-                    warmup, iters = (1, min(ARGS.iters, 3)) if variant == "quads-old" else (ARGS.warmup, ARGS.iters)
-                    r = time_steps(model, accum, warmup, iters)
-                    results[(kind, variant, accum)] = r
-                    record(kind=kind, variant=variant, accum=accum, layers=layers_for(kind), params=n_params, **r)
-                    _free()
-                if ARGS.profile:
-                    profile_step(kind, variant, model, accums[0])
-                    _free()
+                with _patched_grouped_mm(variant):
+                    model = make_variant(kind, variant)
+                    n_params = sum(p.numel() for p in model.parameters())
+                    if variant == "quads":
+                        kernel_checks(kind, model)
+                    for accum in accums:
+                        if variant == "quads-old" and accum != accums[0]:
+                            continue  # slow: the before/after row at the first accumulation only
+                        warmup, iters = (1, min(ARGS.iters, 3)) if variant == "quads-old" else (ARGS.warmup, ARGS.iters)
+                        r = time_steps(model, accum, warmup, iters)
+                        results[(kind, variant, accum)] = r
+                        record(kind=kind, variant=variant, accum=accum, layers=layers_for(kind), params=n_params, **r)
+                        _free()
+                    if ARGS.profile:
+                        profile_step(kind, variant, model, accums[0])
+                        _free()
             except Exception as e:  # noqa: BLE001
                 record(kind=kind, variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
             del model

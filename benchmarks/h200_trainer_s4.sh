@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Trainer run on one H200 (about 5 min wall), from the repository root:
+# Trainer run on one H200 (about 6 min wall), from the repository root:
 #   OUT=$OUT bash benchmarks/h200_trainer_s4.sh            # STOP_MPS=1: quit an MPS daemon before ncu
-# 1. the step table (bf16 as shipped, bf16-cast = the BF16 trainer, quads, quads-keep), 8 MoE / 36 dense layers (Qwen3-4B depth)
-# 2. one profiled MoE step per variant (bf16-cast, quads): device time by kernel category, GPU idle time
+# 1. the step table (bf16 as shipped, bf16-cast = the BF16 trainer, quads, quads-keep, quads-tgrad = the old
+#    transposed expert weight gradient), 8 MoE / 36 dense layers (Qwen3-4B depth)
+# 2. one profiled MoE step per variant (bf16-cast, quads, quads-tgrad): device time by kernel category, GPU idle time
 # 3. the fake-quant pass per weight shape (GPU / wall / host / glue-host time, per-kernel bandwidth, tile sweep)
 # 4. ncu --set full on the dense gate/up and down passes (amax + fused kernels)
 # 5. the fake-quant kernel's bit-exactness tests, natively on the GPU
@@ -17,10 +18,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import quads, torch, triton; print(quads.__file__, torch.__version__, triton.__version__)" | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total,compute_mode --format=csv | tee -a "$OUT/versions.txt"
-timeout 150 $PY -m benchmarks.bench_trainer --out "$OUT/bench_trainer.json" --models dense,moe --layers moe=8,dense=36 \
-    --iters 3 --warmup 1 --variants bf16,bf16-cast,quads,quads-keep 2>&1 | tee "$OUT/bench_trainer.log"
-timeout 90 $PY -m benchmarks.bench_trainer --out "$OUT/bench_trainer_profile.json" --models moe --layers moe=8 --accum 1 \
-    --iters 2 --warmup 1 --variants bf16-cast,quads --profile > "$OUT/bench_trainer_profile.log" 2>&1
+timeout 170 $PY -m benchmarks.bench_trainer --out "$OUT/bench_trainer.json" --models dense,moe --layers moe=8,dense=36 \
+    --iters 3 --warmup 1 --variants bf16,bf16-cast,quads,quads-keep,quads-tgrad 2>&1 | tee "$OUT/bench_trainer.log"
+timeout 120 $PY -m benchmarks.bench_trainer --out "$OUT/bench_trainer_profile.json" --models moe --layers moe=8 --accum 1 \
+    --iters 2 --warmup 1 --variants bf16-cast,quads,quads-tgrad --profile > "$OUT/bench_trainer_profile.log" 2>&1
 grep -E '"profile": true' "$OUT/bench_trainer_profile.log" | cut -c1-700
 timeout 75 $PY -m benchmarks.bench_fake_quant --out "$OUT/bench_fake_quant.json" 2>&1 | tee "$OUT/bench_fake_quant.log"
 NCU_MPS=()
