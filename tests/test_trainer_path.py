@@ -65,12 +65,58 @@ def test_grouped_experts_equal_the_loop(kind, masters, activations):
         assert torch.equal(grads[n], grads_loop[n]), n
 
 
-def test_grouped_experts_handle_idle_experts_and_sentinels():
+@pytest.mark.parametrize("masters", ["bf16", "fp32-autocast"])
+def test_grouped_experts_keep_forward_weight_option(masters):
+    """``quads_keep_forward_weight`` (the benchmark's quads-keep option): the backward uses the
+    kept forward weight instead of recomputing it: the same logits and gradients, bit for bit."""
+    dtype = torch.bfloat16 if masters == "bf16" else torch.float32
+    model = build("qwen3_moe", seed=4, dtype=dtype)
+    quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
+    keep = copy.deepcopy(model)
+    for m in keep.modules():
+        if isinstance(m, TrainerExperts):
+            m.quads_keep_forward_weight = True
+    ids = _ids(batch=2, seq=13, seed=1)
+    logits, grads = _step(model, ids, masters != "bf16")
+    logits_keep, grads_keep = _step(keep, ids, masters != "bf16")
+    assert torch.equal(logits, logits_keep) and grads.keys() == grads_keep.keys()
+    for n in grads:
+        assert grads_keep[n].dtype == dtype and torch.equal(grads[n], grads_keep[n]), n
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_grouped_experts_weight_gradient_in_the_master_layout(keep):
+    """The experts' weight gradients reach AccumulateGrad in the masters' (contiguous) layout, as
+    the BF16 peer's grouped_mm backward hands them: a transposed gradient would be copied again
+    there (a FP32 pass over every expert weight per step, measured as part of the H200 gap)."""
+    model = build("qwen3_moe", seed=6, dtype=torch.float32)
+    quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
+    seen = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("gate_up_proj", "down_proj")):
+            p.register_hook(lambda g, name=name: seen.update({name: (g.is_contiguous(), g.stride())}))
+    for m in model.modules():
+        if isinstance(m, TrainerExperts):
+            m.quads_keep_forward_weight = keep
+    _step(model, _ids(batch=2, seq=7, seed=2), True)
+    assert len(seen) == 2 * model.config.num_hidden_layers
+    assert all(c for c, _ in seen.values()), seen
+
+
+@pytest.mark.parametrize("flag", ["expert-parallel", "no-flag"])
+def test_grouped_experts_handle_idle_experts_and_sentinels(flag):
     """Experts that receive no row, and expert-parallel sentinel ids (routed nowhere), give what
-    the loop gives: zero contributions, zero gradients, no uninitialized rows."""
+    the loop gives: zero contributions, zero gradients, no uninitialized rows. The grouped path
+    masks sentinel rows on modules transformers flags expert-parallel, and on modules without
+    the flag (unknown: masked to be safe)."""
     model = build("qwen3_moe", seed=5, dtype=torch.float32)
     quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
     experts = model.model.layers[0].mlp.experts
+    assert experts._is_expert_parallel is False  # transformers' flag: sentinels come with expert parallelism
+    if flag == "expert-parallel":
+        experts._is_expert_parallel = True
+    else:
+        del experts._is_expert_parallel
     loop = copy.deepcopy(experts)
     loop.quads_grouped = False
     hidden = torch.randn(6, 64)

@@ -6,6 +6,16 @@ E4M3 round trip, encode, E2M1 rounding, decode, division), each reading and writ
 weight. This kernel does the same steps per tile in registers: it reads the master once and
 writes the forward weight once (plus the amax pass that the global scale needs first).
 
+Launches per call: three (a zeroed (groups,) amax buffer, the amax pass, the fused pass) and
+one when the global scale is given (the backward's recomputation). The amax pass reduces its
+tile to one max per group and merges it with an integer ``atomic_max`` on the ``|x|`` bit
+patterns (exact and order-independent, NaN-propagating: every NaN pattern sorts above +inf);
+the fused pass turns the group's amax into ``S_enc`` itself (``div_rn(448 * 6, amax)``, clamped
+to FLT_MAX, 1 where amax == 0 or S_enc == 0: :func:`global_encode_scale_from_amax` bit for bit)
+and hands it back. The torch glue this replaces (a per-row amax, a torch reduction and six
+elementwise ops for ``S_enc``) cost about ten launches per weight, which on the 2-D weights of a
+dense model (tens of MB each) is of the order of the passes themselves.
+
 The steps are the ones of :mod:`quads.kernels.quantize_nvfp4` (``_quant_blocks`` for the block
 scale and E2M1 codes, ``_dequant_blocks`` for the exact ``(e2m1 * s) / S_enc``): one in-kernel
 implementation of the recipe, checked bit-exact against :mod:`quads.tensor.nvfp4_math`. The
@@ -25,25 +35,72 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreter_safe_input, interpreting
-from quads.kernels.quantize_nvfp4 import _dequant_blocks, _quant_blocks, amax_rows
-from quads.tensor.nvfp4_math import BLOCK_SIZE, global_encode_scale_from_amax
+from quads.kernels.quantize_nvfp4 import _abs_bits, _dequant_blocks, _quant_blocks
+from quads.tensor.nvfp4_math import BLOCK_SIZE
 
-__all__ = ["fake_quantize_rows", "FAKE_QUANT_OUT_DTYPES", "TILE_ROWS", "TILE_BLOCKS"]
+__all__ = ["fake_quantize_rows", "FAKE_QUANT_OUT_DTYPES", "TILE_ROWS", "TILE_BLOCKS", "AMAX_ROWS", "AMAX_COLS",
+           "AMAX_ITERS"]
 
 FAKE_QUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: tile of one program: TILE_ROWS rows x TILE_BLOCKS blocks of 16 (the same under the interpreter)
-TILE_ROWS = 4
+#: tile of one program: TILE_ROWS rows x TILE_BLOCKS blocks of 16 (the same under the interpreter).
+#: 8 x 16 x 4 warps: the fastest of the H200 sweep on every benchmark shape (2026-12-02,
+#: benchmarks/bench_fake_quant.py: MoE experts gate_up 1083 vs 1214 us, down 592 vs 664 us,
+#: dense gate/up 89 vs 97 us against 4 x 16 x 4); the tile changes which program writes which
+#: element, never an element's bits
+TILE_ROWS = 8
 TILE_BLOCKS = 16
 _NUM_WARPS = 4
+#: amax pass: a program reduces AMAX_ROWS rows x (AMAX_ITERS x AMAX_COLS) columns, then one
+#: atomic per group it touches (module globals, read at each call: the benchmark sweeps them)
+AMAX_ROWS = 8
+AMAX_COLS = 512
+AMAX_ITERS = 4
+_AMAX_WARPS = 4
+
+
+@triton.jit
+def _fake_quant_amax_kernel(
+    X, stride_xm, K, GA, rows_per_group, n_rows,
+    BR: tl.constexpr, BC: tl.constexpr, ITERS: tl.constexpr, ONE_GROUP: tl.constexpr,
+):
+    """GA[g] = max(GA[g], max |X| bits over this program's rows of group g and its column chunk).
+    ONE_GROUP: every tile's rows lie in one group (rows_per_group % BR == 0): one scalar atomic."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = tl.arange(0, BC)
+    rmask = rows < n_rows
+    acc = tl.zeros((BR, BC), dtype=tl.int32)
+    c_start = pid_c * (BC * ITERS)
+    for i in tl.static_range(ITERS):
+        c = c_start + i * BC + cols
+        m = rmask[:, None] & (c < K)[None, :]
+        x = tl.load(X + rows[:, None] * stride_xm + c[None, :], mask=m, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _abs_bits(x))
+    if ONE_GROUP:
+        tl.atomic_max(GA + (pid_r * BR) // rows_per_group, tl.max(tl.max(acc, axis=1), axis=0))
+    else:
+        tl.atomic_max(GA + rows // rows_per_group, tl.max(acc, axis=1), mask=rmask)
+
+
+@triton.jit
+def _s_enc_from_amax_bits(bits):
+    """global_encode_scale_from_amax (nvfp4_math) on float32 amax bit patterns, bit for bit."""
+    amax = bits.to(tl.float32, bitcast=True)
+    s = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
+    s = tl.where(s > 3.4028234663852886e38, 3.4028234663852886e38, s)  # clamp(max=FLT_MAX), NaN kept
+    return tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
 
 
 @triton.jit
 def _fake_quant_kernel(
-    X, stride_xm, K, GS, rows_per_group,
+    X, stride_xm, K, GS, GA, rows_per_group,
     OUT, n_rows,
-    BR: tl.constexpr, BB: tl.constexpr,
+    BR: tl.constexpr, BB: tl.constexpr, FROM_AMAX: tl.constexpr,
 ):
-    """OUT[r, :] = DQ(Q(X[r, :])) with S_enc = GS[r // rows_per_group], for a BR x (BB*16) tile."""
+    """OUT[r, :] = DQ(Q(X[r, :])) with S_enc = GS[r // rows_per_group], for a BR x (BB*16) tile.
+    FROM_AMAX: S_enc from the group amax bits GA instead, written to GS by the programs holding a
+    group's first row in their first column tile."""
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
@@ -54,7 +111,12 @@ def _fake_quant_kernel(
     m3 = rmask[:, None, None] & bmask[None, :, None] & (jj[None, None, :] < 16)
     offs = rows[:, None, None] * stride_xm + blks[None, :, None] * 16 + jj[None, None, :]
     x = tl.load(X + offs, mask=m3, other=0.0).to(tl.float32)
-    s_enc = tl.load(GS + rows // rows_per_group, mask=rmask, other=1.0)
+    if FROM_AMAX:
+        s_enc = _s_enc_from_amax_bits(tl.load(GA + rows // rows_per_group, mask=rmask, other=0))
+        if pid_b == 0:
+            tl.store(GS + rows // rows_per_group, s_enc, mask=rmask & (rows % rows_per_group == 0))
+    else:
+        s_enc = tl.load(GS + rows // rows_per_group, mask=rmask, other=1.0)
     x2 = tl.reshape(x, (BR * BB, 16))
     s2 = tl.reshape(tl.broadcast_to(s_enc[:, None], (BR, BB)), (BR * BB,))
     codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
@@ -93,19 +155,42 @@ def fake_quantize_rows(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     groups = n_rows // rows_per_group
-    if global_encode_scale is None:
-        if n_rows:
-            amax = amax_rows(x2d).reshape(groups, rows_per_group).amax(dim=1)
-        else:
-            amax = torch.zeros(groups, dtype=torch.float32, device=x2d.device)
-        gs = global_encode_scale_from_amax(amax)
+    dev = x2d.device
+    from_amax = global_encode_scale is None
+    if from_amax:
+        gs = torch.empty(groups, dtype=torch.float32, device=dev)
+        ga = torch.zeros(groups, dtype=torch.int32, device=dev)  # |x| bits; 0 = amax 0 (S_enc 1)
+        if not n_rows:
+            gs.fill_(1.0)
     else:
-        gs = global_encode_scale.to(device=x2d.device, dtype=torch.float32).reshape(-1).expand(groups).contiguous()
+        gs = global_encode_scale
+        if gs.dtype != torch.float32 or gs.device != dev or gs.numel() != groups or not gs.is_contiguous():
+            gs = gs.to(device=dev, dtype=torch.float32).reshape(-1).expand(groups).contiguous()
+        ga = gs  # unused
     store_dtype = torch.float32 if interpreting() else out_dtype
-    out = torch.empty((n_rows, k), dtype=store_dtype, device=x2d.device)
+    out = torch.empty((n_rows, k), dtype=store_dtype, device=dev)
     if n_rows:
-        bb = min(TILE_BLOCKS, triton.next_power_of_2(max(k // 16, 1)))
-        grid = (triton.cdiv(n_rows, TILE_ROWS), triton.cdiv(k // 16, bb))
-        _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, rows_per_group, out, n_rows,
-                                 BR=TILE_ROWS, BB=bb, num_warps=_NUM_WARPS)
-    return out.to(out_dtype), gs
+        # plain integer arithmetic for the grids: triton.cdiv / next_power_of_2 are jit functions,
+        # several microseconds of host time per call each (the host time of a small weight's call
+        # is what the GPU waits for when its queue is empty)
+        nblk = k // 16
+        if from_amax:
+            ar, ac, ai = AMAX_ROWS, min(AMAX_COLS, _next_pow2(k)), AMAX_ITERS
+            ai = max(1, min(ai, _cdiv(k, ac)))
+            agrid = (_cdiv(n_rows, ar), _cdiv(k, ac * ai))
+            _fake_quant_amax_kernel[agrid](x2d, x2d.stride(0), k, ga, rows_per_group, n_rows,
+                                           BR=ar, BC=ac, ITERS=ai, ONE_GROUP=rows_per_group % ar == 0,
+                                           num_warps=_AMAX_WARPS)
+        bb = min(TILE_BLOCKS, _next_pow2(max(nblk, 1)))
+        grid = (_cdiv(n_rows, TILE_ROWS), _cdiv(nblk, bb))
+        _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, ga, rows_per_group, out, n_rows,
+                                 BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, num_warps=_NUM_WARPS)
+    return (out if out.dtype == out_dtype else out.to(out_dtype)), gs
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1

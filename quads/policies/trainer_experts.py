@@ -10,6 +10,11 @@ what a BF16 step costs instead of a Python loop over experts:
   backward recomputes ``DQ(Q(W))`` from the master (with the saved global scales: no amax pass)
   instead of keeping the (E, N, K) forward weight alive between forward and backward, and
   passes the weight gradient straight through to the master;
+* ``module.quads_keep_forward_weight = True`` (an option, off by default; measured by
+  ``benchmarks/bench_trainer.py``'s ``quads-keep`` variant) keeps the forward weight for the
+  backward instead of recomputing it: one fused pass less per micro-step, a forward-weight copy
+  of every expert alive from forward to backward (what the BF16 peer with BF16 expert casts
+  keeps too);
 * the combine is :func:`~quads.ops.experts.experts_loop`'s (flat row order, weighted sum over
   the k choices), so per row this computes what the per-expert loop computes (tested).
 
@@ -45,29 +50,37 @@ def grouped_mm_available(device: torch.device) -> bool:
 
 class _FakeQuantGroupedMM(torch.autograd.Function):
     """``y[rows of e] = x[rows of e] @ DQ(Q(master))[e]^T``; ``ends`` (E,) int32 cumulative row
-    counts. Saves ``x``, the master (a parameter: no new memory) and its (E,) global scales."""
+    counts. Saves ``x``, the master (a parameter: no new memory) and its (E,) global scales; with
+    ``keep``, the forward weight instead (no recomputation in the backward)."""
 
     @staticmethod
-    def forward(ctx, x, master, ends, backend: Backend, dtype: torch.dtype):
+    def forward(ctx, x, master, ends, backend: Backend, dtype: torch.dtype, keep: bool = False):
         grouped_mm = _grouped_mm_fn()
         w, scale = fake_quantizer(backend)(master, dtype)
         y = grouped_mm(x, w.transpose(-2, -1), offs=ends)
-        ctx.save_for_backward(x, master, scale, ends)
-        ctx.backend, ctx.dtype = backend, dtype
+        ctx.save_for_backward(x, w if keep else master, scale, ends)
+        ctx.backend, ctx.dtype, ctx.keep, ctx.master_dtype = backend, dtype, keep, master.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        x, master, scale, ends = ctx.saved_tensors
+        x, saved_w, scale, ends = ctx.saved_tensors
         grouped_mm = _grouped_mm_fn()
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w, _ = fake_quantizer(ctx.backend)(master, ctx.dtype, scale)  # the forward's bits again
+            if ctx.keep:
+                w = saved_w
+            else:
+                w, _ = fake_quantizer(ctx.backend)(saved_w, ctx.dtype, scale)  # the forward's bits again
             grad_x = grouped_mm(grad, w, offs=ends)
         if ctx.needs_input_grad[1]:  # straight through: d/dW of the forward weight, to the master
-            grad_w = grouped_mm(x.t(), grad, offs=ends).transpose(-2, -1).to(master.dtype)
-        return grad_x, grad_w, None, None, None
+            # grad^T @ x per group gives (E, N, K) in the master's layout: a transposed result
+            # ((x^T @ grad)^T) would reach AccumulateGrad non-contiguous and be copied again there
+            # (a FP32 pass over every expert weight), which the BF16 peer's grouped_mm backward
+            # does not pay
+            grad_w = grouped_mm(grad.t(), x, offs=ends).to(ctx.master_dtype)
+        return grad_x, grad_w, None, None, None, None
 
 
 def grouped_experts_forward(
@@ -83,22 +96,50 @@ def grouped_experts_forward(
     act = module.quads_policy.activation_quant
     gate_up, down = module.gate_up_proj, module.down_proj
     dtype = forward_weight_dtype(gate_up)
+    keep = bool(getattr(module, "quads_keep_forward_weight", False))
     num_tokens, hidden_dim = hidden.shape
     route = Routing(top_k_index, gate_up.shape[0])
     ends = route.offsets[1:].to(torch.int32)
     # rows routed to no expert (expert-parallel sentinels, sorted last) are skipped by the grouped
-    # GEMMs, which leave them unwritten: zero them on the way in (their gradient too) and out
-    outside = (torch.arange(route.num_rows, device=hidden.device) >= route.offsets[-1]).unsqueeze(-1)
+    # GEMMs, which leave them unwritten: zero them on the way in (their gradient too) and out.
+    # Only an expert-parallel module gets sentinels (transformers sets ``_is_expert_parallel``
+    # when it shards the experts and masks under the same condition); a module without the flag
+    # is masked (safe); the others skip four passes over the (rows, hidden) activations
+    outside = None
+    if getattr(module, "_is_expert_parallel", True):
+        outside = (torch.arange(route.num_rows, device=hidden.device) >= route.offsets[-1]).unsqueeze(-1)
     x = hidden[route.token_of_row]
     if act is not None:
         x = fake_quantize_activation(x, act, backend)
-    x = x.to(dtype).masked_fill(outside, 0)
-    h = _FakeQuantGroupedMM.apply(x, gate_up, ends, backend, dtype)
+    x = x.to(dtype)
+    if outside is not None:
+        x = x.masked_fill(outside, 0)
+    h = _FakeQuantGroupedMM.apply(x, gate_up, ends, backend, dtype, keep)
     h = apply_gate(module, h)
     if act is not None:
         h = fake_quantize_activation(h, act, backend)
-    y = _FakeQuantGroupedMM.apply(h.to(dtype), down, ends, backend, dtype).masked_fill(outside, 0)
-    out = torch.zeros(route.num_rows, hidden_dim, dtype=hidden.dtype, device=hidden.device)
-    out = out.index_copy(0, route.order, y.to(hidden.dtype))
+    y = _FakeQuantGroupedMM.apply(h.to(dtype), down, ends, backend, dtype, keep)
+    if outside is not None:
+        y = y.masked_fill(outside, 0)
+    # back to the flat (token, choice) order: one gather each way (not zeros + index_copy)
+    inv = torch.empty_like(route.order).scatter_(
+        0, route.order, torch.arange(route.num_rows, device=hidden.device, dtype=route.order.dtype))
+    out = _PermuteRows.apply(y.to(hidden.dtype), route.order, inv)
     weighted = out.view(num_tokens, route.top_k, hidden_dim) * top_k_weights.unsqueeze(-1).to(out.dtype)
     return weighted.sum(dim=1).to(hidden.dtype)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``out[order[i]] = src[i]`` (``order`` a permutation of the rows, ``inv`` its inverse) as a
+    gather, and its backward as the gather by ``order``: exact, no atomics (``index_copy`` into
+    zeros costs a zero fill and a copy of the result more; ``src[inv]``'s backward accumulates)."""
+
+    @staticmethod
+    def forward(ctx, src, order, inv):
+        ctx.save_for_backward(order)
+        return src.index_select(0, inv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None, None

@@ -98,3 +98,50 @@ def test_fake_quantize_bad_input_names_culprit():
     with pytest.raises(ValueError, match="groups of"):
         fq_kernel.fake_quantize_rows(torch.randn(5, 32, device=DEV), 2, torch.float32)
 
+
+
+@pytest.mark.parametrize("tile", [(4, 16, 4), (8, 16, 4), (8, 4, 2)], ids=str)
+def test_fake_quantize_fused_tiles(monkeypatch, tile):
+    """The fused pass's tile (rows x blocks of 16 x warps): the shipped 8 x 16, the earlier
+    4 x 16 and a narrow one; row counts that are and are not multiples of the tile rows, 2-D and
+    3-D with groups straddling tiles, with the adversarial rows: the recipe's bits each time."""
+    rows, blocks, warps = tile
+    monkeypatch.setattr(fq_kernel, "TILE_ROWS", rows)
+    monkeypatch.setattr(fq_kernel, "TILE_BLOCKS", blocks)
+    monkeypatch.setattr(fq_kernel, "_NUM_WARPS", warps)
+    g = torch.Generator().manual_seed(6)
+    k = 208
+    adv = adversarial(m=9, k=k, seed=7).cpu()
+    x = torch.cat([torch.randn(12, k, generator=g), adv])  # 21 rows
+    for out in (torch.bfloat16, torch.float32):
+        assert_same_bits(fake_quantize_weight_triton(x.to(DEV), out), nvfp4_fake_quantize(x, dtype=out))
+    for n in (3, 7):  # rows per expert: groups straddle the tiles' rows
+        e = x.clamp(-1e30, 1e30)[: (21 // n) * n].reshape(-1, n, k)
+        assert_same_bits(fake_quantize_weight_triton(e.to(DEV)), nvfp4_fake_quantize(e))
+
+
+@pytest.mark.parametrize("amax_tile", [(8, 32, 2), (2, 16, 3), (4, 64, 1)], ids=str)
+def test_fake_quantize_amax_tiles(monkeypatch, amax_tile):
+    """The amax pass's tiling (rows x columns x column iterations per program, then one atomic
+    max per group): several column chunks, tiles inside one group (one scalar atomic) and tiles
+    straddling groups, with the adversarial rows (inf, NaN, huge) placed so their group's max
+    sits in a late chunk and a late row; global scales and bits as the recipe."""
+    rows, cols, iters = amax_tile
+    monkeypatch.setattr(fq_kernel, "AMAX_ROWS", rows)
+    monkeypatch.setattr(fq_kernel, "AMAX_COLS", cols)
+    monkeypatch.setattr(fq_kernel, "AMAX_ITERS", iters)
+    g = torch.Generator().manual_seed(5)
+    k = 208  # 13 blocks: several column chunks of every tile above, a partial last one
+    base = torch.randn(48, k, generator=g)
+    base[37, 201] = 40.0  # the tensor's amax: last rows, last chunk
+    adv = adversarial(m=9, k=k, seed=4).cpu()
+    for name, x in (("2d", base), ("2d-adv", torch.cat([base, adv])[7:])):
+        x = x.to(DEV)
+        assert_same_bits(fake_quantize_weight_triton(x, torch.bfloat16), nvfp4_fake_quantize(x.cpu(), dtype=torch.bfloat16))
+    for n in (16, 8, 6, 3):  # rows per expert: multiples of the tile rows and not
+        e = torch.cat([base, adv[:9].clamp(-1e30, 1e30)]).reshape(-1, k)[: (57 // n) * n].reshape(-1, n, k).to(DEV)
+        assert_same_bits(fake_quantize_weight_triton(e), nvfp4_fake_quantize(e.cpu()))
+    e = base.reshape(3, 16, k).clone()
+    e[2, 15, 200] = float("nan")  # poisons expert 2 only, found in the last tile's last chunk
+    e[0, 9, 3] = float("inf")  # expert 0: S_enc 1
+    assert_same_bits(fake_quantize_weight_triton(e.to(DEV)), nvfp4_fake_quantize(e))
