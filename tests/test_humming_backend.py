@@ -20,7 +20,9 @@ from quads.kernels import humming_gemm as hg
 from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
 from quads.ops import backend as backend_mod
 from quads.ops import humming_backend as hb
-from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
+from quads.ops.activation_quant import (ActivationQuant, activation_operands_triton, quantize_activation_reference,
+                                       summed_operand_triton)
+from quads.ops.linear import unscaled_values as _unscaled
 from quads.ops.linear import unscaled_values, w4a4_linear_reference, w4a16_linear
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 
@@ -91,6 +93,32 @@ def test_sum_stacked_rows_is_one_rounding_of_the_fp32_sum():
     assert torch.equal(s, want)
     with pytest.raises(ValueError, match="2\\*4"):
         sum_stacked_rows(ops.stacked[:6], 4)
+
+
+@pytest.mark.parametrize("act", [ActivationQuant(), ActivationQuant(0.5), ActivationQuant(0.0),
+                                 ActivationQuant(0.25, selection="static")])
+@pytest.mark.parametrize("m", [3, 70])  # 70 rows: whole-row programs; 3: rows cut into chunks (k = 100%)
+def test_fused_summed_operand_is_bit_exact(act, m):
+    """The quantization kernel's summed operand = fp16(f32(x̂ operand) + f32(r̂ operand)) of the torch
+    reference's parts (one launch instead of quantize + sum), and the 3-kernel path's bits."""
+    k = 1024
+    x = _x(m=m, k=k)
+    mask = (torch.arange(k) % 3 == 0) if act.selection == "static" else None
+    op, scale = summed_operand_triton(x, act, mask)
+    ref = quantize_activation_reference(x, act, mask)
+    want = _unscaled(ref.main).float()
+    if ref.residual is not None:
+        want = want + _unscaled(ref.residual).float()
+    assert op.dtype == torch.float16 and op.shape == (m, k)
+    assert torch.equal(op, want.half())
+    assert torch.equal(scale, ref.main.global_encode_scale.reshape(-1).expand(m))
+    ops = activation_operands_triton(x, act, mask)
+    old = sum_stacked_rows(ops.stacked, m) if ops.residual is not None else ops.main
+    assert torch.equal(op, old)
+    # rows gathered (repeated, out of order) quantize to their token's bits
+    idx = torch.tensor([m - 1, 0, 0, 1, m - 1])
+    op_g, scale_g = summed_operand_triton(x, act, mask, row_idx=idx)
+    assert torch.equal(op_g, op[idx]) and torch.equal(scale_g, scale[idx])
 
 
 @pytest.mark.parametrize("stacked", [False, True])

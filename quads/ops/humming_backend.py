@@ -52,7 +52,7 @@ import os
 
 import torch
 
-from quads.ops.activation_quant import activation_operands_triton
+from quads.ops.activation_quant import activation_operands_triton, summed_operand_triton
 from quads.ops.backend import register_backend
 from quads.ops.backends import HopperBackend
 from quads.ops.linear import prepare_weight_hopper
@@ -194,14 +194,20 @@ def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str =
     from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
 
     x2 = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    ops = operands if operands is not None else activation_operands_triton(x2, act, static_mask)
     m = x2.shape[0]
+    summed = act.has_residual and humming_residual_layout(m, residual_layout, layer.mode) == "summed"
+    if summed and operands is None:  # the quantization kernel writes fp16(main + residual) itself
+        op, scale = summed_operand_triton(x2, act, static_mask)
+        o = layer(op, "summed")
+        return unscale_rows(o, m, layer.unshift["summed"], scale, bias, x2.dtype, stacked=False)
+    ops = operands if operands is not None else activation_operands_triton(x2, act, static_mask)
     if ops.residual is None:
         o = layer(ops.main, "w4a4")
         return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=False)
-    if humming_residual_layout(m, residual_layout, layer.mode) == "stacked":
+    if not summed:
         o = layer(ops.stacked, "w4a4")
         return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=True)
+    # operands shared by a sibling group arrive stacked: sum them here (same bits as the fused kernel)
     o = layer(sum_stacked_rows(ops.stacked, m), "summed")
     return unscale_rows(o, m, layer.unshift["summed"], ops.main_scale, bias, x2.dtype, stacked=False)
 
@@ -209,7 +215,7 @@ def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str =
 def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask, num_rows: int) -> torch.Tensor:
     """(num_rows, N) in ``x.dtype``: row ``p`` = ``linear(x[rows[p]], W[e(p)])`` through humming's
     grouped MoE GEMM (see the module doc); ``rows`` None = identity."""
-    from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
+    from quads.kernels.humming_operands import unscale_rows
 
     x = x if x.stride(-1) == 1 else x.contiguous()
     valid = torch.arange(num_rows, device=x.device) < offsets[-1]  # rows of no expert give 0
@@ -217,14 +223,11 @@ def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask,
         a = x if rows is None else x.index_select(0, rows)
         y = prepared.layer(x.dtype)(a, expert_layout=offsets)
         return y.masked_fill_(~valid[:, None], 0)
-    ops = activation_operands_triton(x, act, static_mask)
-    m = x.shape[0]
-    op = sum_stacked_rows(ops.stacked, m) if ops.residual is not None else ops.main
-    scale = ops.main_scale
-    if rows is not None:
-        op, scale = op.index_select(0, rows), scale.index_select(0, rows)
+    # one kernel: the rows gathered per expert quantized straight into the summed operand (row-local:
+    # a gathered row has its token's bits)
+    op, scale = summed_operand_triton(x, act, static_mask, row_idx=rows)
     layer = prepared.layer(torch.float16)
-    scaling = "summed" if ops.residual is not None else "w4a4"
+    scaling = "summed" if act.has_residual else "w4a4"
     o = layer(op, scaling, expert_layout=offsets)
     y = unscale_rows(o, num_rows, layer.unshift[scaling], scale, None, x.dtype, stacked=False)
     return y.masked_fill_(~valid[:, None], 0)
