@@ -209,6 +209,20 @@ def test_w4a4_residual_through_humming_matches_the_exact_path(fake_humming, layo
     assert _rel(y32, exact) <= (2**-10 if layout == "stacked" else 2**-9)
 
 
+@pytest.mark.parametrize("layout", ["stacked", "summed"])
+def test_dense_prefill_candidate_matches_the_exact_path(layout):
+    """The prefill candidate (fp16 weight dequantized exactly, dense GEMM with fp32 output): stacked =
+    fp32 summation order only; summed = + one fp16 rounding per operand element."""
+    w, x, act = _weight(), _x(), ActivationQuant()
+    w16 = hb.dense_weight_fp16(w)
+    assert torch.equal(w16.float(), _unscaled(w) * 2.0**-14)  # exact
+    exact = w4a4_linear_reference(x.float(), w, None, act)
+    y32 = hb.dense_w4a4(x.float(), w, None, act, w16=w16, layout=layout)
+    assert _rel(y32, exact) <= (2**-20 if layout == "stacked" else 2**-9)
+    y = hb.dense_w4a4(x, w, torch.ones(64).bfloat16(), act, layout=layout)  # weight built per call
+    assert y.dtype == torch.bfloat16 and _rel(y, w4a4_linear_reference(x, w, torch.ones(64).bfloat16(), act)) <= 2**-7
+
+
 def test_plain_w4a4_and_w4a16_through_humming(fake_humming):
     w, x = _weight(), _x()
     be = hb.HummingBackend()
