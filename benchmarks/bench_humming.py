@@ -35,11 +35,14 @@ Sections (``--sections``, default ``linear,moe``):
      candidates ``dense``: the weight dequantized exactly to fp16 (one Triton kernel) per call, or
      held (per sync: 3.6x the NVFP4 bytes, over the memory target: an upper bound), times the
      summed or stacked fp16 operand in cuBLAS with fp32 output, then the per-row unscale.
-  4. *Sync*: one in-place refresh of the humming layouts (fp16 + bf16) vs the Hopper layout kernel
-     vs the dense fp16 weight (ms).
+  4. *Sync*: one in-place refresh of the humming layers (fp16 + bf16, one shared layout: humming's
+     repack launched straight into the held tensor) vs the Hopper layout kernel vs the dense fp16
+     weight (ms); then ``check refresh``: the refreshed tensors vs a layer built from scratch from
+     the same parts (bit for bit), humming's layout vs quads' restatement of its repack kernel
+     (``quads/kernels/humming_layout.py``) and the packed parts derived back from it.
   5. *Memory*: packed NVFP4 bytes (qdata + block scales) and, per backend, the bytes a rollout holds
-     per weight: exact = packed + Hopper layout; humming = packed + its fp16 layout (W4A4) [+ bf16
-     (W4A16)]; target <= 1.1x packed.
+     per weight: exact = packed + Hopper layout; humming = packed + its layout (the fp16 and bf16
+     layers share one when the bits agree: ``shared``); target <= 1.1x packed.
 
 * **moe**: the two blocks of ``bench_kernels.py`` ((E, top-k, H, I) = (128, 8, 2048, 768) and
   (8, 2, 4096, 14336)), T = ``--moe-ts`` (default 1, 4, 16, 64) tokens, captured: BF16
@@ -93,6 +96,7 @@ if DRY:  # before any Triton kernel is decorated: the interpreter runs them on C
 
 import torch
 
+from benchmarks.timing import RESULTS_CSV, append_results
 from quads.kernels import humming_gemm as hg
 from quads.kernels.hopper_weight_layout import to_hopper_layout
 from quads.ops import ActivationQuant, get_backend
@@ -100,6 +104,13 @@ from quads.ops.activation_quant import activation_operands_triton, quantize_acti
 from quads.ops.humming_backend import HummingBackend, HummingWeight, dense_w4a4, dense_weight_fp16
 from quads.ops.linear import unscaled_values, w4a4_linear_reference
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
+
+try:
+    from benchmarks.timing import add_csv_argument
+except ImportError:  # benchmarks/timing.py before main's --csv helper
+    def add_csv_argument(parser) -> None:
+        parser.add_argument("--csv", default=str(RESULTS_CSV),
+                            help="the results table the timing rows are appended to ('' : none)")
 
 HOPPER = get_backend("hopper")
 QUADS_DEFAULT = ActivationQuant(residual_fraction=1.0)
@@ -193,6 +204,12 @@ def install_cpu_emulation():
     hg.HummingNVFP4._build = lambda self, q, s, g: Layer(q, s, self.dtype)
     hg.HummingNVFP4._configs = lambda self: (None, None)
     hg.HummingNVFP4.__call__ = call
+
+    def transform_into(layer, qdata, scale, gs):
+        layer.weight.data.copy_(qdata)
+        layer.weight_scale.data.copy_(scale)
+
+    hg.transform_into_ = transform_into
 
 
 # -- variants ----------------------------------------------------------------------------------------
@@ -306,16 +323,52 @@ def memory_row(tag, parts: NVFP4Parts, hopper, hw: HummingWeight, w16=None, **ex
     hop = nbytes(hopper.values, hopper.scales) if hopper is not None else None
     h16 = hw.layers[torch.float16].nbytes if torch.float16 in hw.layers else None
     hbf = hw.layers[torch.bfloat16].nbytes if torch.bfloat16 in hw.layers else None
-    row = dict(packed_nvfp4=packed, hopper_layout=hop, humming_fp16=h16, humming_bf16=hbf,
+    both = hw.nbytes  # fp16 + bf16 layers, a shared layout counted once
+    row = dict(packed_nvfp4=packed, hopper_layout=hop, humming_fp16=h16, humming_bf16=hbf, humming_both=both,
+               humming_layout_shared=all(lay.shared for dt, lay in hw.layers.items() if dt != torch.float16),
                dense_fp16=nbytes(w16) if w16 is not None else None,
                exact_total_x=(packed + hop) / packed if hop else None,
                humming_w4a4_total_x=(packed + h16) / packed if h16 else None,
-               humming_both_total_x=(packed + h16 + hbf) / packed if h16 and hbf else None,
-               humming_layout_alone_x=h16 / packed if h16 else None, **extra)
+               humming_both_total_x=(packed + both) / packed if both else None,
+               humming_layout_alone_x=both / packed if both else None, **extra)
     record("memory", shape=tag, **row)
     print(f"memory {tag}: packed {packed / 2**20:.2f} MiB | exact packed+Hopper {row['exact_total_x']} x | "
           f"humming packed+fp16 {row['humming_w4a4_total_x']} x, +bf16 {row['humming_both_total_x']} x | "
-          f"humming fp16 layout alone {row['humming_layout_alone_x']} x", flush=True)
+          f"humming layouts alone {row['humming_layout_alone_x']} x (shared {row['humming_layout_shared']})",
+          flush=True)
+
+
+def refresh_check(tag, hws, new_parts):
+    """The in-place refresh (humming's repack launched into the held tensors) against a layer built
+    from scratch from the same parts, bit for bit; humming's real layout against quads' restatement
+    (``quads.kernels.humming_layout``) and the packed parts derived back from it. Run after
+    ``refresh_`` to ``new_parts``; True when every comparison holds."""
+    from quads.kernels.humming_layout import repack_reference
+
+    res = {"refresh_vs_rebuild": True, "layout_reference": None, "derived_parts": None}
+    try:
+        for hw, parts in zip(hws, new_parts):
+            for dtype, layer in hw.layers.items():
+                fresh = layer._build(parts.qdata, parts.scale, parts.global_encode_scale)
+                held = dict(layer.layer.named_parameters())
+                for name, p in fresh.named_parameters():
+                    same = held[name].shape == p.shape and torch.equal(
+                        held[name].data.contiguous().view(torch.uint8), p.data.contiguous().view(torch.uint8))
+                    res["refresh_vs_rebuild"] &= bool(same)
+                del fresh
+                if not DRY:  # the CPU emulation holds the parts as they are, not humming's layout
+                    ok = torch.equal(layer.layer.weight.data, repack_reference(parts.qdata))
+                    res["layout_reference"] = ok if res["layout_reference"] is None else res["layout_reference"] and ok
+                    q, sc = layer.packed_parts()
+                    ok = torch.equal(q, parts.qdata) and torch.equal(sc.view(torch.uint8), parts.scale.view(torch.uint8))
+                    res["derived_parts"] = ok if res["derived_parts"] is None else res["derived_parts"] and ok
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    record("refresh_check", shape=tag, **res)
+    print(f"check refresh {tag}: in place vs rebuilt {res['refresh_vs_rebuild']} | humming layout = quads' "
+          f"restatement {res['layout_reference']} | packed parts derived back {res['derived_parts']}"
+          + (f" | ERROR {res['error']}" if "error" in res else ""), flush=True)
+    return res
 
 
 def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, probe_fp8, full_jit):
@@ -449,8 +502,9 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
                    hopper_layout_ms=wall_ms(lambda: to_hopper_layout(parts[1].qdata, parts[1].scale, out=prep[0])),
                    dense_fp16_ms=wall_ms(lambda: dense_weight_fp16(parts[1])), humming_layouts=len(hw.layers))
         record("sync", shape=tag, **row)
-        print(f"sync {tag}: humming refresh ({len(hw.layers)} layouts) {row['humming_refresh_ms']} ms | "
+        print(f"sync {tag}: humming refresh ({len(hw.layers)} layers) {row['humming_refresh_ms']} ms | "
               f"Hopper layout {row['hopper_layout_ms']} ms | dense fp16 weight {row['dense_fp16_ms']} ms", flush=True)
+        refresh_check(tag, [hw], [parts[1]])
     del ws, parts, prep, fp8w, base, mode_weights, fp8_layers, w16s
     if not DRY:
         torch.cuda.empty_cache()
@@ -576,6 +630,7 @@ def bench_moe(budget, dev, configs=MOE_CONFIGS, ts=MOE_TS):
             record("sync", shape=tag, **row)
             print(f"sync moe {tag}: humming refresh {row['humming_refresh_ms']} ms | Hopper layout "
                   f"{row['hopper_layout_ms']} ms", flush=True)
+            refresh_check(f"moe {tag}", prep_m, (qgu.parts, qdn.parts))
         del qgu, qdn, prep_h, prep_m, gu_t, dn_t
         if not DRY:
             torch.cuda.empty_cache()
@@ -680,7 +735,10 @@ def main():
     ap.add_argument("--linear-budget-s", type=float, default=210.0, help="the linear section stops here")
     ap.add_argument("--full-jit", action="store_true", help="time humming's full M table once (4096^2)")
     ap.add_argument("--probe-fp8", action="store_true", help="try humming's own FP8-activation mode")
+    add_csv_argument(ap)
     args = ap.parse_args()
+    if DRY and args.csv == str(RESULTS_CSV):  # a dry run's rows never go to the results table
+        args.csv = os.path.join(args.out, "kernels.csv")
     os.makedirs(args.out, exist_ok=True)
     modes = tuple(m for m in args.modes.split(",") if m)
     check_modes = tuple(m for m in args.check_modes.split(",") if m)
@@ -729,7 +787,35 @@ def main():
         print(f"--- moe: {time.time() - t:.0f} s (total {time.time() - T0:.0f} s)", flush=True)
         write(args.out, None)
     write(args.out, summary())
-    print(f"total {time.time() - T0:.0f} s; wrote {args.out}/bench_humming.json, .csv")
+    append_table(args.csv, args.out)
+    print(f"total {time.time() - T0:.0f} s; wrote {args.out}/bench_humming.json, .csv"
+          + (f"; appended to {args.csv}" if args.csv else ""))
+
+
+def table_rows() -> list[dict]:
+    """The timing rows of this run as rows of the one results table (kernel, shape, variant, us)."""
+    out = []
+    for r in ROWS:
+        if r["section"] == "time" and r.get("us"):
+            out.append({"kernel": "humming linear", "shape": f"K={r['k']} N={r['n']} M={r['m']}", "variant": r["name"],
+                        "us": r["us"]})
+        elif r["section"] == "moe" and r.get("us"):
+            out.append({"kernel": "humming moe", "shape": f"{r['shape']} T={r['t']}", "variant": r["name"], "us": r["us"]})
+        elif r["section"] == "sync":
+            for key in ("humming_refresh_ms", "hopper_layout_ms", "dense_fp16_ms"):
+                if r.get(key) is not None:
+                    out.append({"kernel": "weight sync", "shape": r["shape"], "variant": key[:-3],
+                                "us": 1e3 * r[key]})
+    return out
+
+
+def append_table(csv_path, out_dir) -> None:
+    """The one call into ``benchmarks.timing.append_results`` (``--csv``; '' : none)."""
+    if not csv_path:
+        return
+    from pathlib import Path
+
+    append_results(table_rows(), raw=os.path.abspath(out_dir), csv_path=Path(csv_path))
 
 
 def write(out_dir, summ):

@@ -184,7 +184,14 @@ def fake_humming(monkeypatch):
     monkeypatch.setattr(hg.HummingNVFP4, "_build", build)
     monkeypatch.setattr(hg.HummingNVFP4, "_configs", lambda self: (None, None))
     monkeypatch.setattr(hg.HummingNVFP4, "__call__", call)
+    monkeypatch.setattr(hg, "transform_into_", _fake_transform_into)
     return calls
+
+
+def _fake_transform_into(layer, qdata, scale, gs):
+    """The stand-in layer's refresh: the new parts copied into its held tensors (in place)."""
+    layer.weight.data.copy_(qdata)
+    layer.weight_scale.data.copy_(scale)
 
 
 def _rel(a, b):
@@ -410,3 +417,36 @@ def test_pruned_table_picks_humming_kernel_for_every_hinted_row_count():
     assert all(pick(pruned, m) == pick(table, m) for m in rows)
     assert pruned[0][0] == 0 and pruned[-1][1] == 1 << 30  # every M still has a kernel
     assert all(a[1] == b[0] for a, b in zip(pruned, pruned[1:]))
+
+
+def test_dense_prefill_is_wired_behind_a_threshold_to_be_measured(fake_humming, monkeypatch):
+    """``DENSE_PREFILL_FROM_ROWS`` (None: off until the H200 run picks it); the env override routes
+    W4A4 linears of that many rows to ``dense_w4a4`` (no humming call), W4A16 and smaller M stay."""
+    assert hb.DENSE_PREFILL_FROM_ROWS is None and hb.dense_prefill_from_rows() is None
+    w, act = _weight(), ActivationQuant()
+    be = hb.HummingBackend()
+    prepared = be.prepare_weight(w)
+    monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "4")
+    assert hb.dense_prefill_from_rows() == 4
+    fake_humming.clear()
+    small = be.linear(_x(m=3), w, None, act, prepared=prepared)
+    assert len(fake_humming) == 1  # below the threshold: humming
+    x = _x(m=6)
+    y = be.linear(x, w, None, act, prepared=prepared)
+    assert len(fake_humming) == 1  # dense: cuBLAS (torch on CPU), not humming
+    assert torch.equal(y, hb.dense_w4a4(x, w, None, act, layout="stacked"))  # auto: stacked below 64 rows
+    assert _rel(y, w4a4_linear_reference(x, w, None, act)) <= 2**-7 and small.shape == (3, 64)
+    ops = activation_operands_triton(x, act)  # operands shared by a sibling group: the same bits
+    assert torch.equal(be.linear(x, w, None, act, prepared=prepared, operands=ops), y)
+    summed = hb.HummingBackend(residual_layout="summed")
+    assert torch.equal(summed.linear(x, w, None, act, prepared=summed.prepare_weight(w)),
+                       hb.dense_w4a4(x, w, None, act, layout="summed"))
+    assert torch.equal(summed.linear(x, w, None, act, prepared=prepared, operands=ops),
+                       hb.dense_w4a4(x, w, None, act, layout="summed"))  # shared operands summed: same bits
+    be.linear(x, w, None, None, prepared=prepared)  # W4A16 stays on humming
+    assert len(fake_humming) == 2
+    monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "off")
+    assert hb.dense_prefill_from_rows() is None
+    monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "many")
+    with pytest.raises(ValueError, match="QUADS_HUMMING_DENSE_FROM"):
+        hb.dense_prefill_from_rows()

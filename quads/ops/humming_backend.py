@@ -41,9 +41,17 @@ Not on humming (the exact Hopper kernels serve them): weights with per-row globa
 with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
 experts. The prepared object of such a weight is the Hopper layout.
 
-Weight memory: one humming layout per (weight, activation dtype) actually used: a W4A4 model
-builds the fp16 one, a W4A16 bf16 model the bf16 one; the packed parts stay (quads' checkpoint
-form): about 2x the NVFP4 bytes, as the Hopper backend's layout.
+**Prefill** (``DENSE_PREFILL_FROM_ROWS``, to be measured: off by default): from that many rows a
+W4A4 linear runs :func:`dense_w4a4` (the weight dequantized exactly to fp16 per call, cuBLAS
+with fp32 output) instead of humming's GEMM; ``QUADS_HUMMING_DENSE_FROM`` overrides.
+
+Weight memory: one humming layout per weight (1.0x the packed NVFP4 bytes): built for the first
+activation dtype used, and shared by the other dtype's layer when its bits agree (checked on the
+tensors: humming's repack depends on the activation width only). The packed parts stay as
+well (quads' checkpoint form, the exact-path fallbacks, the dense prefill path): 2.0x in all, as
+the Hopper backend's layout. :meth:`~quads.kernels.humming_gemm.HummingNVFP4.packed_parts`
+derives them back from the layout (the inverse of the repack, CPU-tested against a transcription
+of humming's kernel; GPU check pending), the step before the module stops holding them.
 """
 
 from __future__ import annotations
@@ -58,13 +66,19 @@ from quads.ops.backends import HopperBackend
 from quads.ops.linear import prepare_weight_hopper
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "dense_w4a4", "dense_weight_fp16",
-           "humming_residual_layout"]
+__all__ = ["DENSE_PREFILL_FROM_ROWS", "HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
+           "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16", "humming_residual_layout"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
 #: from this many tokens on, ``auto`` uses the summed operand (H200, 2026-12-01: stacked faster at
 #: M = 1 on all shapes and at M = 16 on the N, K <= 4096 ones; summed faster at M = 64, 256, 2048)
 SUMMED_FROM_ROWS = 64
+#: from this many tokens on, W4A4 (+ residual) linears run the dense prefill path
+#: (:func:`dense_w4a4`: the weight dequantized exactly to fp16 per call, cuBLAS with fp32 output)
+#: instead of humming's GEMM. **To be measured**: None = off until the H200 run of
+#: ``benchmarks/bench_humming.py`` (linear section, ``dense summed, W dequantized per call`` rows)
+#: picks the crossover; ``QUADS_HUMMING_DENSE_FROM`` (an integer, or ``off``) overrides it.
+DENSE_PREFILL_FROM_ROWS: int | None = None
 #: operand bounds of the output-range rule: one exact operand row, and the sum of two
 _OPERAND_MAX = {"w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
 
@@ -82,6 +96,23 @@ def humming_residual_layout(rows: int, layout: str = "auto", mode: str = "defaul
     if layout == "auto":
         return "summed" if rows >= SUMMED_FROM_ROWS else "stacked"
     return layout
+
+
+def dense_prefill_from_rows() -> int | None:
+    """The row count from which W4A4 linears take :func:`dense_w4a4` (None: never):
+    ``QUADS_HUMMING_DENSE_FROM`` (integer or ``off``), else :data:`DENSE_PREFILL_FROM_ROWS`."""
+    env = os.environ.get("QUADS_HUMMING_DENSE_FROM")
+    if env is None:
+        return DENSE_PREFILL_FROM_ROWS
+    if env.strip().lower() in ("", "off", "none"):
+        return None
+    try:
+        rows = int(env)
+    except ValueError:
+        raise ValueError(f"QUADS_HUMMING_DENSE_FROM must be an integer row count or 'off', got {env!r}") from None
+    if rows < 1:
+        raise ValueError(f"QUADS_HUMMING_DENSE_FROM must be >= 1, got {rows}")
+    return rows
 
 
 def humming_supports(weight: NVFP4Parts) -> bool:
@@ -116,14 +147,26 @@ class HummingWeight:
             operand_max = {"unit": None}
             if dtype == torch.float16:
                 operand_max.update(_OPERAND_MAX)
-            held = self.layers[dtype] = HummingNVFP4(p.qdata, p.scale, p.global_encode_scale, dtype=dtype,
-                                                     mode=self.mode, operand_max=operand_max,
-                                                     rows_hint=self.rows_hint)
+            held = HummingNVFP4(p.qdata, p.scale, p.global_encode_scale, dtype=dtype, mode=self.mode,
+                                operand_max=operand_max, rows_hint=self.rows_hint)
+            owner = next((lay for lay in self.layers.values() if not lay.shared), None)
+            if owner is not None:
+                held.share_layout_(owner)  # one layout for both activation dtypes when the bits agree
+            self.layers[dtype] = held
         return held
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the humming layouts held for this weight (shared tensors counted once), besides
+        the packed parts."""
+        seen: dict[int, int] = {}
+        for layer in self.layers.values():
+            seen.update(layer.storages())
+        return sum(seen.values())
 
     def refresh_(self, weight: NVFP4Parts) -> "HummingWeight":
         self.parts = weight
-        for layer in self.layers.values():
+        for layer in sorted(self.layers.values(), key=lambda lay: lay.shared):  # owners first
             layer.refresh_(weight.qdata, weight.scale, weight.global_encode_scale)
         return self
 
@@ -184,6 +227,12 @@ class HummingBackend(HopperBackend):
         if act is None:
             y = prepared.layer(x2d.dtype)(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
             return y if bias is None else y + bias.to(y.dtype)
+        dense_from = dense_prefill_from_rows()
+        if dense_from is not None and x2d.shape[0] >= dense_from and self.mode != "batch_invariant":
+            # prefill: the operand of the residual layout in force (auto: summed there) times the exact fp16
+            # weight, dequantized per call (no second weight held); not under batch_invariant (cuBLAS)
+            layout = humming_residual_layout(x2d.shape[0], self.residual_layout, self.mode)
+            return dense_w4a4(x2d, weight, bias, act, static_mask, layout=layout, operands=operands)
         return humming_w4a4(x2d, prepared.layer(torch.float16), bias, act, static_mask, self.residual_layout,
                             operands)
 
@@ -252,7 +301,7 @@ def dense_weight_fp16(weight: NVFP4Parts) -> torch.Tensor:
 
 
 def dense_w4a4(x2d: torch.Tensor, weight: NVFP4Parts, bias, act, static_mask=None, w16: torch.Tensor | None = None,
-               layout: str = "summed") -> torch.Tensor:
+               layout: str = "summed", operands=None) -> torch.Tensor:
     """W4A4 (+ residual) as a dense cuBLAS GEMM: fp16 operand rows (``summed``: one fused
     quantization kernel writes ``fp16(x̂ + r̂)``; ``stacked``: the exact 2M rows) times the exact
     fp16 weight ``w16`` (:func:`dense_weight_fp16`; built here when None), fp32 output
@@ -271,7 +320,15 @@ def dense_w4a4(x2d: torch.Tensor, weight: NVFP4Parts, bias, act, static_mask=Non
     m = x2.shape[0]
     w16 = dense_weight_fp16(weight) if w16 is None else w16
     stacked = layout == "stacked" and act.has_residual
-    if stacked:
+    if operands is not None:  # computed once by a sibling group: stacked rows (main, then residual)
+        from quads.kernels.humming_operands import sum_stacked_rows
+
+        scale = operands.main_scale
+        if operands.residual is None:
+            a = operands.main
+        else:
+            a = operands.stacked if stacked else sum_stacked_rows(operands.stacked, m)
+    elif stacked:
         ops = activation_operands_triton(x2, act, static_mask)
         a, scale = ops.stacked, ops.main_scale
     else:
