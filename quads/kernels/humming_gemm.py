@@ -304,12 +304,15 @@ class HummingNVFP4:
     def _build(self, qdata, scale, gs):
         from humming.layer import HummingLayer
 
-        # allocated on the device (torch.device context): HummingLayer creates its parameters with
-        # torch.empty, which would otherwise land in host memory and be copied over by .to()
-        with _cuda_device(self.device), torch.device(self.device):
-            layer = HummingLayer(shape_n=self.shape_n, shape_k=self.shape_k, torch_dtype=self.dtype,
-                                 num_experts=self.num_experts,
-                                 weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"}).to(self.device)
+        with _cuda_device(self.device):
+            # its parameters allocated on the device (torch.device context, around the constructor
+            # only): HummingLayer creates them with torch.empty, which would otherwise land in host
+            # memory and be copied over by .to() (then a no-op)
+            with torch.device(self.device):
+                layer = HummingLayer(shape_n=self.shape_n, shape_k=self.shape_k, torch_dtype=self.dtype,
+                                     num_experts=self.num_experts,
+                                     weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"})
+            layer = layer.to(self.device)
             layer.load_from_tensors(modelopt_tensors(qdata, scale, gs))
             layer.transform()
         return layer
