@@ -139,6 +139,25 @@ def check_act_quant():
     st = torch.cat([unscaled_values(ref.main), unscaled_values(ref.residual)]).to(torch.float16)
     record("stacked operands (main rows, then residual rows)", bits_equal(ops.stacked, st)
            and bits_equal(ops.main_scale, ref.main.global_encode_scale))
+    # the humming backend's summed operand, written by the quantization kernel (write_sum)
+    from quads.ops.activation_quant import summed_operand_triton
+
+    idx = torch.randint(0, 4096, (512,), device="cuda")
+    for cfg in (ActivationQuant(), ActivationQuant(residual_fraction=0.5), ActivationQuant(residual_fraction=0.0),
+                ActivationQuant(selection="static")):
+        sm = mask if cfg.selection == "static" else None
+        for rows in (x[:16], x):  # 16 rows: row programs cut into chunks (k = 100%); 4096: whole rows
+            ref = quantize_activation_reference(rows, cfg, sm)
+            want = unscaled_values(ref.main)
+            if ref.residual is not None:
+                want = want + unscaled_values(ref.residual)
+            got, scale = summed_operand_triton(rows, cfg, sm)
+            ok = bits_equal(got, want.to(torch.float16)) and bits_equal(scale, ref.main.global_encode_scale)
+            if rows.shape[0] == 4096:
+                got_g, scale_g = summed_operand_triton(rows, cfg, sm, row_idx=idx)
+                ok = ok and bits_equal(got_g, got[idx]) and bits_equal(scale_g, scale[idx])
+            record(f"summed operand k={cfg.residual_fraction}/{cfg.selection} rows={rows.shape[0]}"
+                   + (" (+ gathered rows)" if rows.shape[0] == 4096 else ""), ok)
 
 
 @triton.jit

@@ -20,7 +20,9 @@ from quads.kernels import humming_gemm as hg
 from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
 from quads.ops import backend as backend_mod
 from quads.ops import humming_backend as hb
-from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
+from quads.ops.activation_quant import (ActivationQuant, activation_operands_triton, quantize_activation_reference,
+                                       summed_operand_triton)
+from quads.ops.linear import unscaled_values as _unscaled
 from quads.ops.linear import unscaled_values, w4a4_linear_reference, w4a16_linear
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 
@@ -93,6 +95,32 @@ def test_sum_stacked_rows_is_one_rounding_of_the_fp32_sum():
         sum_stacked_rows(ops.stacked[:6], 4)
 
 
+@pytest.mark.parametrize("act", [ActivationQuant(), ActivationQuant(0.5), ActivationQuant(0.0),
+                                 ActivationQuant(0.25, selection="static")])
+@pytest.mark.parametrize("m", [3, 70])  # 70 rows: whole-row programs; 3: rows cut into chunks (k = 100%)
+def test_fused_summed_operand_is_bit_exact(act, m):
+    """The quantization kernel's summed operand = fp16(f32(x̂ operand) + f32(r̂ operand)) of the torch
+    reference's parts (one launch instead of quantize + sum), and the 3-kernel path's bits."""
+    k = 1024
+    x = _x(m=m, k=k)
+    mask = (torch.arange(k) % 3 == 0) if act.selection == "static" else None
+    op, scale = summed_operand_triton(x, act, mask)
+    ref = quantize_activation_reference(x, act, mask)
+    want = _unscaled(ref.main).float()
+    if ref.residual is not None:
+        want = want + _unscaled(ref.residual).float()
+    assert op.dtype == torch.float16 and op.shape == (m, k)
+    assert torch.equal(op, want.half())
+    assert torch.equal(scale, ref.main.global_encode_scale.reshape(-1).expand(m))
+    ops = activation_operands_triton(x, act, mask)
+    old = sum_stacked_rows(ops.stacked, m) if ops.residual is not None else ops.main
+    assert torch.equal(op, old)
+    # rows gathered (repeated, out of order) quantize to their token's bits
+    idx = torch.tensor([m - 1, 0, 0, 1, m - 1])
+    op_g, scale_g = summed_operand_triton(x, act, mask, row_idx=idx)
+    assert torch.equal(op_g, op[idx]) and torch.equal(scale_g, scale[idx])
+
+
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_unscale_rows_matches_torch(stacked, out_dtype):
@@ -156,7 +184,14 @@ def fake_humming(monkeypatch):
     monkeypatch.setattr(hg.HummingNVFP4, "_build", build)
     monkeypatch.setattr(hg.HummingNVFP4, "_configs", lambda self: (None, None))
     monkeypatch.setattr(hg.HummingNVFP4, "__call__", call)
+    monkeypatch.setattr(hg, "transform_into_", _fake_transform_into)
     return calls
+
+
+def _fake_transform_into(layer, qdata, scale, gs):
+    """The stand-in layer's refresh: the new parts copied into its held tensors (in place)."""
+    layer.weight.data.copy_(qdata)
+    layer.weight_scale.data.copy_(scale)
 
 
 def _rel(a, b):
@@ -179,6 +214,20 @@ def test_w4a4_residual_through_humming_matches_the_exact_path(fake_humming, layo
     exact = w4a4_linear_reference(x.float(), w, None, act)  # fp32: the exact path before its rounding
     y32 = hb.humming_w4a4(x.float(), prepared.layer(torch.float16), None, act, residual_layout=layout)
     assert _rel(y32, exact) <= (2**-10 if layout == "stacked" else 2**-9)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "summed"])
+def test_dense_prefill_candidate_matches_the_exact_path(layout):
+    """The prefill candidate (fp16 weight dequantized exactly, dense GEMM with fp32 output): stacked =
+    fp32 summation order only; summed = + one fp16 rounding per operand element."""
+    w, x, act = _weight(), _x(), ActivationQuant()
+    w16 = hb.dense_weight_fp16(w)
+    assert torch.equal(w16.float(), _unscaled(w) * 2.0**-14)  # exact
+    exact = w4a4_linear_reference(x.float(), w, None, act)
+    y32 = hb.dense_w4a4(x.float(), w, None, act, w16=w16, layout=layout)
+    assert _rel(y32, exact) <= (2**-20 if layout == "stacked" else 2**-9)
+    y = hb.dense_w4a4(x, w, torch.ones(64).bfloat16(), act, layout=layout)  # weight built per call
+    assert y.dtype == torch.bfloat16 and _rel(y, w4a4_linear_reference(x, w, torch.ones(64).bfloat16(), act)) <= 2**-7
 
 
 def test_plain_w4a4_and_w4a16_through_humming(fake_humming):
@@ -368,3 +417,36 @@ def test_pruned_table_picks_humming_kernel_for_every_hinted_row_count():
     assert all(pick(pruned, m) == pick(table, m) for m in rows)
     assert pruned[0][0] == 0 and pruned[-1][1] == 1 << 30  # every M still has a kernel
     assert all(a[1] == b[0] for a, b in zip(pruned, pruned[1:]))
+
+
+def test_dense_prefill_is_wired_behind_a_threshold_to_be_measured(fake_humming, monkeypatch):
+    """``DENSE_PREFILL_FROM_ROWS`` (None: off until the H200 run picks it); the env override routes
+    W4A4 linears of that many rows to ``dense_w4a4`` (no humming call), W4A16 and smaller M stay."""
+    assert hb.DENSE_PREFILL_FROM_ROWS is None and hb.dense_prefill_from_rows() is None
+    w, act = _weight(), ActivationQuant()
+    be = hb.HummingBackend()
+    prepared = be.prepare_weight(w)
+    monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "4")
+    assert hb.dense_prefill_from_rows() == 4
+    fake_humming.clear()
+    small = be.linear(_x(m=3), w, None, act, prepared=prepared)
+    assert len(fake_humming) == 1  # below the threshold: humming
+    x = _x(m=6)
+    y = be.linear(x, w, None, act, prepared=prepared)
+    assert len(fake_humming) == 1  # dense: cuBLAS (torch on CPU), not humming
+    assert torch.equal(y, hb.dense_w4a4(x, w, None, act, layout="stacked"))  # auto: stacked below 64 rows
+    assert _rel(y, w4a4_linear_reference(x, w, None, act)) <= 2**-7 and small.shape == (3, 64)
+    ops = activation_operands_triton(x, act)  # operands shared by a sibling group: the same bits
+    assert torch.equal(be.linear(x, w, None, act, prepared=prepared, operands=ops), y)
+    summed = hb.HummingBackend(residual_layout="summed")
+    assert torch.equal(summed.linear(x, w, None, act, prepared=summed.prepare_weight(w)),
+                       hb.dense_w4a4(x, w, None, act, layout="summed"))
+    assert torch.equal(summed.linear(x, w, None, act, prepared=prepared, operands=ops),
+                       hb.dense_w4a4(x, w, None, act, layout="summed"))  # shared operands summed: same bits
+    be.linear(x, w, None, None, prepared=prepared)  # W4A16 stays on humming
+    assert len(fake_humming) == 2
+    monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "off")
+    assert hb.dense_prefill_from_rows() is None
+    monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "many")
+    with pytest.raises(ValueError, match="QUADS_HUMMING_DENSE_FROM"):
+        hb.dense_prefill_from_rows()

@@ -36,16 +36,25 @@ s per shape measured); :meth:`HummingNVFP4.warmup` pays it before CUDA-graph cap
 cache lives under quads' cache directory (``HUMMING_CACHE_DIR``/``HUMMING_TMP_DIR`` set to
 ``<cache>/humming/...`` unless the user set them).
 
-**Refresh**: ``HummingLayer.transform()`` allocates new parameters, so a weight sync builds a
-scratch layer from the new parts and copies its transformed tensors **into** the held ones (same
-shapes and dtypes, checked): captured graphs stay valid; the scratch costs one more layout of
-the weight for the duration of the copy.
+**Refresh** (a weight sync): no new layer. quads' new parts go through humming's own
+transform under the held layer's configuration, on the device: for NVFP4 weights and 16-bit
+activations one ``humming.ops.repack_weight`` launch per tensor (all experts in one grid)
+writes the repacked weight straight into the held tensor, and the small block-scale permutation
+and ``weight_scale_2`` are copied in (shapes checked before anything is written: all or
+nothing). Other configurations take humming's ``transform_humming_tensors`` and a copy.
+Captured graphs stay valid (same addresses). The first build allocates the layer's tensors on
+the device (``torch.device`` context): the stage-1 build allocated them in host memory and
+copied them over, and the stage-1 refresh built a whole scratch layer that way. That is where
+the 224 / 524 ms of the H200 MoE sync rows (2026-12-02) went, by the code and by the numbers (not
+profiled): both blocks ran at the same 3.0 GB/s of scratch-layer bytes (2 weights x 2 dtypes,
+about 1.0x the packed bytes each), a pageable host-to-device copy's rate, not a repack kernel's.
 
 This module needs CUDA sm_90 and humming; nothing here imports humming at quads import time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -58,10 +67,13 @@ __all__ = [
     "HUMMING_MODES",
     "HummingNVFP4",
     "check_humming_device",
+    "direct_repack",
+    "humming_tensors",
     "humming_cache_root",
     "import_humming",
     "modelopt_tensors",
     "output_shift",
+    "transform_into_",
 ]
 
 HUMMING_REQUIREMENT = "humming-kernels==0.1.19"
@@ -188,6 +200,76 @@ def prune_table(table: list, rows) -> list:
     return out
 
 
+def _cuda_device(device: torch.device):
+    """``torch.cuda.device(device)`` on CUDA; nothing on CPU (tests)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def humming_tensors(qdata: torch.Tensor, scale: torch.Tensor, global_encode_scale: torch.Tensor) -> dict:
+    """quads' parts as humming's own NVFP4 tensors (what ``HummingLayer.transform`` converts the
+    ModelOpt schema to: ``weight`` = qdata viewed as int32, ``weight_scale`` = the e4m3 scales,
+    ``weight_scale_2`` = ``1/S_w`` fp32 ((1,) or (E,)))."""
+    t = modelopt_tensors(qdata, scale, global_encode_scale)
+    experts = qdata.shape[0] if qdata.dim() == 3 else 1
+    return {"weight": t["weight"].view(torch.int32), "weight_scale": t["weight_scale"],
+            "weight_scale_2": t["weight_scale_2"].reshape(experts).float()}
+
+
+def direct_repack(cfg) -> bool:
+    """Whether humming's transform of this layer configuration is one ``repack_weight`` launch
+    (float 4-bit weight, 16-bit activations, e4m3 group scales, a tensor ``weight_scale_2``, no
+    padding, zero point, bias, fused/int scales or block-scaled MMA): the case
+    :func:`transform_into_` writes straight into the held tensors, and the one
+    :mod:`quads.kernels.humming_layout` restates."""
+    from humming import dtypes
+    from humming.config import WeightScale2Type, WeightScaleType
+
+    return (cfg.b_dtype == dtypes.float4e2m1 and cfg.a_dtype.num_bits == 16 and cfg.bs_dtype == dtypes.float8e4m3
+            and cfg.weight_scale_type == WeightScaleType.GROUP and cfg.weight_scale_group_size == 16
+            and cfg.weight_scale_2_type == WeightScale2Type.TENSOR
+            and not (cfg.pad_shape_n or cfg.pad_shape_k or cfg.has_zero_point or cfg.has_bias)
+            and not (cfg.use_raw_weight or cfg.use_flat_weight or cfg.use_ldmatrix_dequant or cfg.use_native_dequant
+                     or cfg.use_packed_k_layout or cfg.use_fused_e8m0_scale or cfg.use_int_weight_scale
+                     or cfg.use_block_scaled_mma))
+
+
+def transform_into_(layer, qdata, scale, global_encode_scale) -> None:
+    """Rewrite a transformed ``HummingLayer``'s tensors from new parts, in place, through humming's
+    own transform under the layer's configuration (module doc, **Refresh**). Every shape and dtype
+    is checked before the first write."""
+    from humming import ops
+    from humming.transform import transform_humming_tensors, transform_humming_weight_scale
+
+    cfg = layer.humming_config
+    held = dict(layer.named_parameters())
+    t = humming_tensors(qdata, scale, global_encode_scale)
+    if direct_repack(cfg):
+        new = {"weight_scale": transform_humming_weight_scale(t["weight_scale"],
+                                                              to_apply_on_c=cfg.should_apply_bs_on_c),
+               "weight_scale_2": t["weight_scale_2"]}
+        ws2 = held.get("weight_scale_2")
+        if ws2 is not None and ws2.numel() == new["weight_scale_2"].numel():  # (E,) held as humming shaped it
+            new["weight_scale_2"] = new["weight_scale_2"].reshape(ws2.shape)
+        weight = held.get("weight")
+        n, k = qdata.shape[-2], qdata.shape[-1] * 2
+        want = (*qdata.shape[:-2], k // 16, 2 * n)  # humming's repacked shape for 16-bit activations
+        if weight is None or tuple(weight.shape) != want or weight.dtype != torch.int32 or not weight.is_contiguous():
+            raise RuntimeError(f"humming's held weight is not the {want} int32 layout of this configuration")
+    else:
+        new = transform_humming_tensors(cfg, t)
+        weight = None
+    if set(new) | ({"weight"} if weight is not None else set()) != set(held):
+        raise RuntimeError(f"humming's transformed tensors changed kind on refresh: {sorted(new)} vs {sorted(held)}")
+    for name, v in new.items():
+        if held[name].shape != v.shape or held[name].dtype != v.dtype:
+            raise RuntimeError(f"humming parameter {name!r} changed shape/dtype on refresh")
+    if weight is not None:  # one launch for all experts, straight into the held tensor
+        ops.repack_weight(t["weight"], weight_bits=4, activation_bits=cfg.a_dtype.num_bits, is_weight_packed=True,
+                          interleave_mode=3, outputs=weight.data)
+    for name, v in new.items():
+        held[name].data.copy_(v)
+
+
 class HummingNVFP4:
     """One NVFP4 weight (N, K), or experts (E, N, K), as a transformed humming layer, its GEMM configuration and the
     fp32 tensors the kernel reads at run time (``weight_scale_2`` per operand range, the
@@ -211,6 +293,7 @@ class HummingNVFP4:
         self.shape_n, self.shape_k = qdata.shape[-2], qdata.shape[-1] * 2
         self.operand_max = dict(operand_max or {"unit": None})
         self.layer = self._build(qdata, scale, global_encode_scale)
+        self.shared = False  # True: the transformed tensors are another layer's (share_layout_)
         self.shift: dict[str, torch.Tensor] = {}
         self.ws2: dict[str, torch.Tensor] = {}
         self.unshift: dict[str, torch.Tensor] = {}
@@ -221,10 +304,15 @@ class HummingNVFP4:
     def _build(self, qdata, scale, gs):
         from humming.layer import HummingLayer
 
-        with torch.cuda.device(self.device):
-            layer = HummingLayer(shape_n=self.shape_n, shape_k=self.shape_k, torch_dtype=self.dtype,
-                                 num_experts=self.num_experts,
-                                 weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"}).to(self.device)
+        with _cuda_device(self.device):
+            # its parameters allocated on the device (torch.device context, around the constructor
+            # only): HummingLayer creates them with torch.empty, which would otherwise land in host
+            # memory and be copied over by .to() (then a no-op)
+            with torch.device(self.device):
+                layer = HummingLayer(shape_n=self.shape_n, shape_k=self.shape_k, torch_dtype=self.dtype,
+                                     num_experts=self.num_experts,
+                                     weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"})
+            layer = layer.to(self.device)
             layer.load_from_tensors(modelopt_tensors(qdata, scale, gs))
             layer.transform()
         return layer
@@ -247,23 +335,48 @@ class HummingNVFP4:
                 self.shift[name], self.ws2[name], self.unshift[name] = c, ws2.contiguous(), unshift
 
     def refresh_(self, qdata, scale, global_encode_scale) -> None:
-        """Rewrite the held layout from new parts of the same shapes, in place (see the module doc)."""
+        """Rewrite the held layout from new parts of the same shapes, in place, on the device (module
+        doc): humming's own transform under the held configuration, no new layer."""
         _check_parts(qdata, scale, global_encode_scale)
         experts = qdata.shape[0] if qdata.dim() == 3 else None
         if (experts, qdata.shape[-2], qdata.shape[-1] * 2) != (self.num_experts, self.shape_n, self.shape_k):
             raise ValueError(f"refresh_ got a {tuple(qdata.shape[:-1])} x {qdata.shape[-1] * 2} weight for a "
                              f"({self.num_experts or ''}, {self.shape_n}, {self.shape_k}) humming layer")
-        scratch = self._build(qdata, scale, global_encode_scale)
-        held = dict(self.layer.named_parameters())
-        new = dict(scratch.named_parameters())
-        if held.keys() != new.keys() or self.layer.humming_config.to_str() != scratch.humming_config.to_str():
-            raise RuntimeError("humming's transformed layout changed kind on refresh; rebuild the backend state")
-        for name, p in new.items():
-            if held[name].shape != p.shape or held[name].dtype != p.dtype:
-                raise RuntimeError(f"humming parameter {name!r} changed shape/dtype on refresh")
-        for name, p in new.items():  # checked first: all or nothing
-            held[name].data.copy_(p.data)
+        if not self.shared:  # a layout shared with another dtype's layer is rewritten by its owner
+            with _cuda_device(self.device):
+                transform_into_(self.layer, qdata, scale, global_encode_scale)
         self._write_scales(scale, global_encode_scale)
+
+    def share_layout_(self, owner: "HummingNVFP4") -> bool:
+        """Hold ``owner``'s transformed tensors instead of this layer's own when they are the same
+        bits (fp16 and bf16 activations read the same NVFP4 layout in humming 0.1.19: its repack
+        depends on the activation width only; compared here on the tensors themselves, not assumed).
+        Frees this layer's copy: one layout per weight. True when shared."""
+        mine, theirs = dict(self.layer.named_parameters()), dict(owner.layer.named_parameters())
+        if mine.keys() != theirs.keys() or owner.num_experts != self.num_experts:
+            return False
+        for name, p in mine.items():
+            q = theirs[name]
+            if p.shape != q.shape or p.dtype != q.dtype or not torch.equal(
+                    p.data.contiguous().view(torch.uint8), q.data.contiguous().view(torch.uint8)):
+                return False
+        for name, q in theirs.items():
+            setattr(self.layer, name, q)  # the same Parameter objects: refreshed once, by the owner
+        self.shared = True
+        return True
+
+    def packed_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """quads' packed ``(qdata, scale)`` derived from the held layout (the inverse permutations of
+        :mod:`quads.kernels.humming_layout`): what export or a fallback needs when only humming's
+        layout is kept. The global scale is quads' own (not held here)."""
+        from quads.kernels.humming_layout import scale_unlayout, unrepack_reference
+
+        cfg = self.layer.humming_config
+        if not direct_repack(cfg):
+            raise NotImplementedError(f"packed parts from a humming layout of this configuration: {cfg.to_str()}")
+        qdata = unrepack_reference(self.layer.weight.data)
+        scale = scale_unlayout(self.layer.weight_scale.data, bool(cfg.should_apply_bs_on_c))
+        return qdata, scale
 
     # -- configuration ----------------------------------------------------------------------------
     def _configs(self) -> tuple[str | None, str | None]:
@@ -324,8 +437,13 @@ class HummingNVFP4:
             self(torch.zeros(m, self.shape_k, dtype=self.dtype, device=self.device), expert_layout=layout)
         torch.cuda.synchronize(self.device)
 
+    def storages(self) -> dict[int, int]:
+        """data_ptr -> bytes of each tensor this layer holds (its layout, Stream-K locks; shared ones
+        under the owner's address: count a weight's memory over the union)."""
+        return {t.data_ptr(): t.numel() * t.element_size()
+                for t in (*self.layer.parameters(), *self.layer.buffers())}
+
     @property
     def nbytes(self) -> int:
-        """Bytes of the transformed layout (the weight memory this layer adds)."""
-        return sum(p.numel() * p.element_size() for p in self.layer.parameters()) + sum(
-            b.numel() * b.element_size() for b in self.layer.buffers())
+        """Bytes of the tensors this layer holds (its layout, or the one it shares, and its locks)."""
+        return sum(self.storages().values())

@@ -260,6 +260,7 @@ def _act_quant_row_kernel(
     GS_IN,
     QX, SX, GX, DX,
     QR, SR, DR,
+    DSUM,
     SMASK,
     k_top,
     NB: tl.constexpr,
@@ -268,6 +269,7 @@ def _act_quant_row_kernel(
     RES_MODE: tl.constexpr,  # 0 none, 1 per-token top-k, 2 static mask, 3 every channel
     WRITE_PACKED: tl.constexpr,
     WRITE_DQ: tl.constexpr,
+    WRITE_SUM: tl.constexpr,  # the summed operand fp16(main + residual) (M rows), see quantize_rows
     PACKED_SEARCH: tl.constexpr,
     FULL: tl.constexpr,  # > 0: this program quantizes blocks [c*NB, (c+1)*NB) of a row of <= FULL elements
     LAUNCH_DEPENDENTS: tl.constexpr,  # let a programmatic dependent GEMM start prefetching its weights now
@@ -331,9 +333,15 @@ def _act_quant_row_kernel(
         rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks(rs, s_vec)
         if WRITE_PACKED:
             _pack_store(rcodes, QR, SR, rs_code, q_off, s_off, blk, jj8, bmask, NB)
-        if WRITE_DQ:
+        if WRITE_DQ or WRITE_SUM:
             ru = _with_sign(rqv, rneg) * rs_f32[:, None]
-            tl.store(DR + row * K + offs, ru.to(tl.float16), mask=emask)
+            if WRITE_DQ:
+                tl.store(DR + row * K + offs, ru.to(tl.float16), mask=emask)
+            if WRITE_SUM:
+                # both terms are exact fp16 values (<= 6 significant bits, < 2^12): the fp32 add and
+                # one rounding give the bits of fp16(f32(fp16 main) + f32(fp16 residual))
+                xu = _with_sign(qv, neg) * s_f32[:, None]
+                tl.store(DSUM + row * K + offs, (xu + ru).to(tl.float16), mask=emask)
 
 
 @triton.jit
@@ -428,6 +436,8 @@ class RowQuantization(NamedTuple):
     residual: QuantizedRows | None
     stacked_operand: torch.Tensor | None = None
     stacked_scale: torch.Tensor | None = None
+    #: with ``write_sum``: fp16 (R, K) ``fp16(main + residual)`` operand (the main operand without a residual)
+    summed_operand: torch.Tensor | None = None
 
 
 RESIDUAL_MODES = {"none": 0, "per_token": 1, "static": 2, "all": 3}
@@ -531,6 +541,7 @@ def quantize_rows(
     num_warps: int | None = None,
     stacked: bool = False,
     row_chunk: int | None = None,
+    write_sum: bool = False,
 ) -> RowQuantization:
     """One pass per row: main NVFP4 quantization (+ residual compensation), see module doc.
 
@@ -544,6 +555,10 @@ def quantize_rows(
     or ``ROW_CHUNK`` for fewer than ``SPLIT_ROWS_BELOW`` rows without top-k). ``stacked``: with
     ``write_operand`` and a per-row residual, the main and residual operands (and per-row global
     scales) are views of one buffer of ``2R`` rows, main rows first: the decode GEMM's operand.
+    ``write_sum``: also (or, without ``write_operand``, only) the *summed* operand
+    ``fp16(main + residual)`` (R, K) in the same pass: both terms are exact fp16 values, so it has
+    the bits of an fp32 add of the two fp16 operands and one rounding (relative error <= 2^-11 of
+    the sum). Without a residual it is the main operand itself.
     """
     if x2d.dim() != 2 or x2d.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"quantize_rows expects (M, K) with K % 16 == 0, got {tuple(x2d.shape)}")
@@ -566,7 +581,10 @@ def quantize_rows(
     def f16(*shape):
         return torch.empty(shape, dtype=torch.float16, device=dev)
 
+    if write_sum and res_mode == 0:
+        write_operand = True  # the summed operand of a plain W4A4 row is its main operand
     stack = stacked and write_operand and res_mode != 0
+    dsum = f16(n_rows, k) if write_sum and res_mode != 0 else None
     if granularity == "tensor":
         src = x2d if row_idx is None else x2d[row_idx.long()]
         amax = amax_rows(src).amax() if n_rows else torch.zeros((), **f32)
@@ -605,6 +623,7 @@ def quantize_rows(
             d(s_main),
             d(qx), d(sx), d(gx), d(dx),
             d(qr), d(sr), d(dr),
+            d(dsum),
             d(smask),
             int(k_top),
             NB=nb,
@@ -614,6 +633,7 @@ def quantize_rows(
             RES_MODE=res_mode,
             WRITE_PACKED=write_packed,
             WRITE_DQ=write_operand,
+            WRITE_SUM=dsum is not None,
             PACKED_SEARCH=_packed_search(topk_search, n_rows, k),
             LAUNCH_DEPENDENTS=not interpreting(),
             num_warps=num_warps or (max(4, min(16, triton.next_power_of_2(k) // 1024)) if chunks > 1
@@ -622,8 +642,8 @@ def quantize_rows(
     e4m3 = lambda t: None if t is None else t.view(torch.float8_e4m3fn)  # noqa: E731
     main = QuantizedRows(qx, e4m3(sx), gx, dx)
     if res_mode == 0:
-        return RowQuantization(main, None)
+        return RowQuantization(main, None, summed_operand=dx if write_sum else None)
     residual_rows = QuantizedRows(qr, e4m3(sr), gx, dr)  # the residual shares the global scale
     if stack:
-        return RowQuantization(main, residual_rows, d_all, gx)
-    return RowQuantization(main, residual_rows)
+        return RowQuantization(main, residual_rows, d_all, gx, dsum)
+    return RowQuantization(main, residual_rows, summed_operand=dsum)

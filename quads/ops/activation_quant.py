@@ -37,6 +37,7 @@ __all__ = [
     "quantize_activation_reference",
     "quantize_activation_triton",
     "activation_operands_triton",
+    "summed_operand_triton",
     "dequantize_activation",
 ]
 
@@ -213,6 +214,23 @@ def activation_operands_triton(
         return ActivationOperands(main, main_scale, None, main)
     # the kernel wrote both halves of one buffer; the residual rows share the rows' scales
     return ActivationOperands(main, main_scale, q.residual.operand, q.stacked_operand)
+
+
+def summed_operand_triton(
+    x2d: torch.Tensor, config: ActivationQuant, static_mask: torch.Tensor | None = None,
+    row_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp16 (R, K) ``fp16(main + residual)`` operand, fp32 (R,) per-row global scales) in one
+    kernel launch: the quantization writes the summed operand itself (the main operand alone
+    without a residual). ``row_idx``: quantize ``x2d[row_idx]`` (e.g. rows gathered per expert)
+    without materializing it; quantization is row-local, so a gathered row has its token's bits."""
+    from quads.kernels.quantize_nvfp4 import quantize_rows
+
+    residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
+    q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
+                      write_packed=False, write_sum=True, row_idx=row_idx)
+    rows = x2d.shape[0] if row_idx is None else row_idx.shape[0]
+    return q.summed_operand, _per_row(q.main.global_encode_scale, rows)
 
 
 def quantize_activation(

@@ -41,9 +41,17 @@ Not on humming (the exact Hopper kernels serve them): weights with per-row globa
 with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
 experts. The prepared object of such a weight is the Hopper layout.
 
-Weight memory: one humming layout per (weight, activation dtype) actually used: a W4A4 model
-builds the fp16 one, a W4A16 bf16 model the bf16 one; the packed parts stay (quads' checkpoint
-form): about 2x the NVFP4 bytes, as the Hopper backend's layout.
+**Prefill** (``DENSE_PREFILL_FROM_ROWS``, to be measured: off by default): from that many rows a
+W4A4 linear runs :func:`dense_w4a4` (the weight dequantized exactly to fp16 per call, cuBLAS
+with fp32 output) instead of humming's GEMM; ``QUADS_HUMMING_DENSE_FROM`` overrides.
+
+Weight memory: one humming layout per weight (1.0x the packed NVFP4 bytes): built for the first
+activation dtype used, and shared by the other dtype's layer when its bits agree (checked on the
+tensors: humming's repack depends on the activation width only). The packed parts stay as
+well (quads' checkpoint form, the exact-path fallbacks, the dense prefill path): 2.0x in all, as
+the Hopper backend's layout. :meth:`~quads.kernels.humming_gemm.HummingNVFP4.packed_parts`
+derives them back from the layout (the inverse of the repack, CPU-tested against a transcription
+of humming's kernel; GPU check pending), the step before the module stops holding them.
 """
 
 from __future__ import annotations
@@ -52,18 +60,25 @@ import os
 
 import torch
 
-from quads.ops.activation_quant import activation_operands_triton
+from quads.ops.activation_quant import activation_operands_triton, summed_operand_triton
 from quads.ops.backend import register_backend
 from quads.ops.backends import HopperBackend
 from quads.ops.linear import prepare_weight_hopper
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "humming_residual_layout"]
+__all__ = ["DENSE_PREFILL_FROM_ROWS", "HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
+           "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16", "humming_residual_layout"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
 #: from this many tokens on, ``auto`` uses the summed operand (H200, 2026-12-01: stacked faster at
 #: M = 1 on all shapes and at M = 16 on the N, K <= 4096 ones; summed faster at M = 64, 256, 2048)
 SUMMED_FROM_ROWS = 64
+#: from this many tokens on, W4A4 (+ residual) linears run the dense prefill path
+#: (:func:`dense_w4a4`: the weight dequantized exactly to fp16 per call, cuBLAS with fp32 output)
+#: instead of humming's GEMM. **To be measured**: None = off until the H200 run of
+#: ``benchmarks/bench_humming.py`` (linear section, ``dense summed, W dequantized per call`` rows)
+#: picks the crossover; ``QUADS_HUMMING_DENSE_FROM`` (an integer, or ``off``) overrides it.
+DENSE_PREFILL_FROM_ROWS: int | None = None
 #: operand bounds of the output-range rule: one exact operand row, and the sum of two
 _OPERAND_MAX = {"w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
 
@@ -81,6 +96,23 @@ def humming_residual_layout(rows: int, layout: str = "auto", mode: str = "defaul
     if layout == "auto":
         return "summed" if rows >= SUMMED_FROM_ROWS else "stacked"
     return layout
+
+
+def dense_prefill_from_rows() -> int | None:
+    """The row count from which W4A4 linears take :func:`dense_w4a4` (None: never):
+    ``QUADS_HUMMING_DENSE_FROM`` (integer or ``off``), else :data:`DENSE_PREFILL_FROM_ROWS`."""
+    env = os.environ.get("QUADS_HUMMING_DENSE_FROM")
+    if env is None:
+        return DENSE_PREFILL_FROM_ROWS
+    if env.strip().lower() in ("", "off", "none"):
+        return None
+    try:
+        rows = int(env)
+    except ValueError:
+        raise ValueError(f"QUADS_HUMMING_DENSE_FROM must be an integer row count or 'off', got {env!r}") from None
+    if rows < 1:
+        raise ValueError(f"QUADS_HUMMING_DENSE_FROM must be >= 1, got {rows}")
+    return rows
 
 
 def humming_supports(weight: NVFP4Parts) -> bool:
@@ -115,14 +147,26 @@ class HummingWeight:
             operand_max = {"unit": None}
             if dtype == torch.float16:
                 operand_max.update(_OPERAND_MAX)
-            held = self.layers[dtype] = HummingNVFP4(p.qdata, p.scale, p.global_encode_scale, dtype=dtype,
-                                                     mode=self.mode, operand_max=operand_max,
-                                                     rows_hint=self.rows_hint)
+            held = HummingNVFP4(p.qdata, p.scale, p.global_encode_scale, dtype=dtype, mode=self.mode,
+                                operand_max=operand_max, rows_hint=self.rows_hint)
+            owner = next((lay for lay in self.layers.values() if not lay.shared), None)
+            if owner is not None:
+                held.share_layout_(owner)  # one layout for both activation dtypes when the bits agree
+            self.layers[dtype] = held
         return held
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the humming layouts held for this weight (shared tensors counted once), besides
+        the packed parts."""
+        seen: dict[int, int] = {}
+        for layer in self.layers.values():
+            seen.update(layer.storages())
+        return sum(seen.values())
 
     def refresh_(self, weight: NVFP4Parts) -> "HummingWeight":
         self.parts = weight
-        for layer in self.layers.values():
+        for layer in sorted(self.layers.values(), key=lambda lay: lay.shared):  # owners first
             layer.refresh_(weight.qdata, weight.scale, weight.global_encode_scale)
         return self
 
@@ -183,6 +227,12 @@ class HummingBackend(HopperBackend):
         if act is None:
             y = prepared.layer(x2d.dtype)(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
             return y if bias is None else y + bias.to(y.dtype)
+        dense_from = dense_prefill_from_rows()
+        if dense_from is not None and x2d.shape[0] >= dense_from and self.mode != "batch_invariant":
+            # prefill: the operand of the residual layout in force (auto: summed there) times the exact fp16
+            # weight, dequantized per call (no second weight held); not under batch_invariant (cuBLAS)
+            layout = humming_residual_layout(x2d.shape[0], self.residual_layout, self.mode)
+            return dense_w4a4(x2d, weight, bias, act, static_mask, layout=layout, operands=operands)
         return humming_w4a4(x2d, prepared.layer(torch.float16), bias, act, static_mask, self.residual_layout,
                             operands)
 
@@ -194,14 +244,20 @@ def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str =
     from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
 
     x2 = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    ops = operands if operands is not None else activation_operands_triton(x2, act, static_mask)
     m = x2.shape[0]
+    summed = act.has_residual and humming_residual_layout(m, residual_layout, layer.mode) == "summed"
+    if summed and operands is None:  # the quantization kernel writes fp16(main + residual) itself
+        op, scale = summed_operand_triton(x2, act, static_mask)
+        o = layer(op, "summed")
+        return unscale_rows(o, m, layer.unshift["summed"], scale, bias, x2.dtype, stacked=False)
+    ops = operands if operands is not None else activation_operands_triton(x2, act, static_mask)
     if ops.residual is None:
         o = layer(ops.main, "w4a4")
         return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=False)
-    if humming_residual_layout(m, residual_layout, layer.mode) == "stacked":
+    if not summed:
         o = layer(ops.stacked, "w4a4")
         return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=True)
+    # operands shared by a sibling group arrive stacked: sum them here (same bits as the fused kernel)
     o = layer(sum_stacked_rows(ops.stacked, m), "summed")
     return unscale_rows(o, m, layer.unshift["summed"], ops.main_scale, bias, x2.dtype, stacked=False)
 
@@ -209,7 +265,7 @@ def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str =
 def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask, num_rows: int) -> torch.Tensor:
     """(num_rows, N) in ``x.dtype``: row ``p`` = ``linear(x[rows[p]], W[e(p)])`` through humming's
     grouped MoE GEMM (see the module doc); ``rows`` None = identity."""
-    from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
+    from quads.kernels.humming_operands import unscale_rows
 
     x = x if x.stride(-1) == 1 else x.contiguous()
     valid = torch.arange(num_rows, device=x.device) < offsets[-1]  # rows of no expert give 0
@@ -217,17 +273,69 @@ def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask,
         a = x if rows is None else x.index_select(0, rows)
         y = prepared.layer(x.dtype)(a, expert_layout=offsets)
         return y.masked_fill_(~valid[:, None], 0)
-    ops = activation_operands_triton(x, act, static_mask)
-    m = x.shape[0]
-    op = sum_stacked_rows(ops.stacked, m) if ops.residual is not None else ops.main
-    scale = ops.main_scale
-    if rows is not None:
-        op, scale = op.index_select(0, rows), scale.index_select(0, rows)
+    # one kernel: the rows gathered per expert quantized straight into the summed operand (row-local:
+    # a gathered row has its token's bits)
+    op, scale = summed_operand_triton(x, act, static_mask, row_idx=rows)
     layer = prepared.layer(torch.float16)
-    scaling = "summed" if ops.residual is not None else "w4a4"
+    scaling = "summed" if act.has_residual else "w4a4"
     o = layer(op, scaling, expert_layout=offsets)
     y = unscale_rows(o, num_rows, layer.unshift[scaling], scale, None, x.dtype, stacked=False)
     return y.masked_fill_(~valid[:, None], 0)
 
 
 register_backend(HummingBackend())
+
+
+# -- prefill candidate (issue 24 item 4 / stage 2 item 3): the weight dequantized to fp16, cuBLAS ----------
+
+DENSE_LAYOUTS = ("summed", "stacked")
+
+
+def dense_weight_fp16(weight: NVFP4Parts) -> torch.Tensor:
+    """(N, K) fp16 ``e2m1 * f32(s) * 2^-14`` of a 2-D NVFP4 weight (exact: the values the exact
+    path's GEMMs multiply; one Triton kernel). Per call (prefill) or held per sync (3.6x the
+    packed NVFP4 bytes: over the rollout-memory target, measured as an upper bound)."""
+    from quads.kernels.w4a4_gemm_hopper import dequant_weight_fp16
+
+    return dequant_weight_fp16(weight.qdata, weight.scale)
+
+
+def dense_w4a4(x2d: torch.Tensor, weight: NVFP4Parts, bias, act, static_mask=None, w16: torch.Tensor | None = None,
+               layout: str = "summed", operands=None) -> torch.Tensor:
+    """W4A4 (+ residual) as a dense cuBLAS GEMM: fp16 operand rows (``summed``: one fused
+    quantization kernel writes ``fp16(x̂ + r̂)``; ``stacked``: the exact 2M rows) times the exact
+    fp16 weight ``w16`` (:func:`dense_weight_fp16`; built here when None), fp32 output
+    (``torch.mm(..., out_dtype=float32)``: no fp16 output rounding, no output shift), then
+    ``y = o * 2^14 / (S_w S_x)`` per row (:func:`unscale_rows`).
+
+    Error vs the exact path: ``stacked`` = fp32 summation order only (every product exact);
+    ``summed`` = + one fp16 rounding per operand element, ``|Δy| <= 2^-11 (|x̂+r̂| @ |W|ᵀ)``."""
+    from quads.kernels.humming_operands import unscale_rows
+
+    if layout not in DENSE_LAYOUTS:
+        raise ValueError(f"layout must be one of {DENSE_LAYOUTS}, got {layout!r}")
+    if weight.qdata.dim() != 2 or weight.global_encode_scale.numel() != 1:
+        raise ValueError("dense_w4a4 takes a 2-D weight with one global scale")
+    x2 = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+    m = x2.shape[0]
+    w16 = dense_weight_fp16(weight) if w16 is None else w16
+    stacked = layout == "stacked" and act.has_residual
+    if operands is not None:  # computed once by a sibling group: stacked rows (main, then residual)
+        from quads.kernels.humming_operands import sum_stacked_rows
+
+        scale = operands.main_scale
+        if operands.residual is None:
+            a = operands.main
+        else:
+            a = operands.stacked if stacked else sum_stacked_rows(operands.stacked, m)
+    elif stacked:
+        ops = activation_operands_triton(x2, act, static_mask)
+        a, scale = ops.stacked, ops.main_scale
+    else:
+        a, scale = summed_operand_triton(x2, act, static_mask)
+    if a.is_cuda:
+        o = torch.mm(a, w16.t(), out_dtype=torch.float32)
+    else:  # CPU (tests): the same exact products, fp32 sums
+        o = a.float() @ w16.float().t()
+    unshift = (16384.0 / weight.global_encode_scale.reshape(1).to(torch.float32))
+    return unscale_rows(o, m, unshift, scale, bias, x2.dtype, stacked=stacked)
