@@ -96,7 +96,7 @@ if DRY:  # before any Triton kernel is decorated: the interpreter runs them on C
 
 import torch
 
-from benchmarks.timing import RESULTS_CSV, append_results
+from benchmarks.timing import RESULTS_CSV, add_csv_argument, append_results
 from quads.kernels import humming_gemm as hg
 from quads.kernels.hopper_weight_layout import to_hopper_layout
 from quads.ops import ActivationQuant, get_backend
@@ -104,13 +104,6 @@ from quads.ops.activation_quant import activation_operands_triton, quantize_acti
 from quads.ops.humming_backend import HummingBackend, HummingWeight, dense_w4a4, dense_weight_fp16
 from quads.ops.linear import unscaled_values, w4a4_linear_reference
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
-
-try:
-    from benchmarks.timing import add_csv_argument
-except ImportError:  # benchmarks/timing.py before main's --csv helper
-    def add_csv_argument(parser) -> None:
-        parser.add_argument("--csv", default=str(RESULTS_CSV),
-                            help="the results table the timing rows are appended to ('' : none)")
 
 HOPPER = get_backend("hopper")
 QUADS_DEFAULT = ActivationQuant(residual_fraction=1.0)
