@@ -216,15 +216,15 @@ def humming_variants(mode_weights: dict, modes, full=True) -> dict:
         for lay in ("stacked", "summed"):
             out[f"humming W4A4+res {lay} [{mode}]"] = (
                 lay,
-                lambda x, i, hw=hw, lay=lay: BACKENDS[lay].linear(x, hw[i].parts, None, QUADS_DEFAULT, None, hw[i]))
+                lambda x, i, hw=hw, lay=lay: BACKENDS[lay].linear(x, hw[i].shape_parts, None, QUADS_DEFAULT, None, hw[i]))
         if not full:
             continue
         # stage 1's summed path: stacked operands, a sum kernel, the GEMM, the unscale (4 launches)
         out[f"humming W4A4+res summed 4-kernel (stage 1) [{mode}]"] = (
             "summed", lambda x, i, hw=hw: BACKENDS["summed"].linear(
-                x, hw[i].parts, None, QUADS_DEFAULT, None, hw[i], activation_operands_triton(x, QUADS_DEFAULT)))
+                x, hw[i].shape_parts, None, QUADS_DEFAULT, None, hw[i], activation_operands_triton(x, QUADS_DEFAULT)))
         out[f"humming W4A4 plain [{mode}]"] = (
-            "plain", lambda x, i, hw=hw: BACKENDS["stacked"].linear(x, hw[i].parts, None, PLAIN, None, hw[i]))
+            "plain", lambda x, i, hw=hw: BACKENDS["stacked"].linear(x, hw[i].shape_parts, None, PLAIN, None, hw[i]))
     return out
 
 

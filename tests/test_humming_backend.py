@@ -17,6 +17,7 @@ import torch
 
 import quads
 from quads.kernels import humming_gemm as hg
+from quads.kernels.humming_layout import repack_reference, scale_layout, scale_unlayout, unrepack_reference
 from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
 from quads.ops import backend as backend_mod
 from quads.ops import humming_backend as hb
@@ -142,8 +143,10 @@ def test_unscale_rows_matches_torch(stacked, out_dtype):
 # -- the backend glue against the exact reference, humming's GEMM stood in for ------------------------
 
 class _FakeConfig:
-    def __init__(self, key):
-        self.key = key
+    should_apply_bs_on_c = False
+
+    def __init__(self, key, direct=True):
+        self.key, self.direct = key, direct
 
     def to_str(self):
         return self.key
@@ -154,9 +157,27 @@ class _FakeLayer(torch.nn.Module):
 
     def __init__(self, qdata, scale, dtype):
         super().__init__()
-        self.weight = torch.nn.Parameter(qdata.clone(), requires_grad=False)
-        self.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
-        self.humming_config = _FakeConfig(f"{tuple(qdata.shape)}{dtype}")
+        # humming's layout (the torch restatement of its repack) where it applies (N, K multiples of 64),
+        # else the parts as they are (a layout the parts cannot be read back from)
+        direct = qdata.shape[-2] % 64 == 0 and qdata.shape[-1] % 32 == 0
+        self.weight = torch.nn.Parameter(_lay(qdata, direct), requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(_lay_scale(scale, direct), requires_grad=False)
+        self.humming_config = _FakeConfig(f"{tuple(qdata.shape)}{dtype}", direct)
+
+
+def _lay(qdata, direct):
+    return repack_reference(qdata) if direct else qdata.clone()
+
+
+def _lay_scale(scale, direct):
+    return scale_layout(scale, False) if direct else scale.clone()
+
+
+def _fake_parts(layer):
+    """The packed (qdata, scale) the stand-in layer holds."""
+    if layer.humming_config.direct:
+        return unrepack_reference(layer.weight.data), scale_unlayout(layer.weight_scale.data, False)
+    return layer.weight.data, layer.weight_scale.data
 
 
 @pytest.fixture
@@ -169,7 +190,7 @@ def fake_humming(monkeypatch):
     def call(self, a, scaling="unit", out=None, expert_layout=None):
         assert a.dtype == self.dtype
         calls.append((tuple(a.shape), scaling))
-        w = unscaled_values(NVFP4Parts(self.layer.weight, self.layer.weight_scale, torch.ones(())))
+        w = unscaled_values(NVFP4Parts(*_fake_parts(self.layer), torch.ones(())))
         if expert_layout is None:
             return ((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype)
         y = torch.full((a.shape[0], w.shape[-2]), float("nan"), dtype=self.dtype)  # unwritten rows: garbage
@@ -185,13 +206,15 @@ def fake_humming(monkeypatch):
     monkeypatch.setattr(hg.HummingNVFP4, "_configs", lambda self: (None, None))
     monkeypatch.setattr(hg.HummingNVFP4, "__call__", call)
     monkeypatch.setattr(hg, "transform_into_", _fake_transform_into)
+    monkeypatch.setattr(hg, "direct_repack", lambda cfg: cfg.direct)
     return calls
 
 
 def _fake_transform_into(layer, qdata, scale, gs):
     """The stand-in layer's refresh: the new parts copied into its held tensors (in place)."""
-    layer.weight.data.copy_(qdata)
-    layer.weight_scale.data.copy_(scale)
+    direct = layer.humming_config.direct
+    layer.weight.data.copy_(_lay(qdata, direct))
+    layer.weight_scale.data.copy_(_lay_scale(scale, direct))
 
 
 def _rel(a, b):
@@ -256,7 +279,7 @@ def test_refresh_rewrites_the_held_tensors_in_place(fake_humming):
     assert again is held
     assert ptrs == [p.data_ptr() for p in layer.layer.parameters()] + [layer.ws2["w4a4"].data_ptr(),
                                                                        layer.unshift["w4a4"].data_ptr()]
-    assert torch.equal(layer.layer.weight, w2.qdata)
+    assert torch.equal(_fake_parts(layer.layer)[0], w2.qdata)
     assert float(layer.shift["w4a4"]) != shift1  # a 40x larger weight needs a larger shift
     x, act = _x(), ActivationQuant()
     y = hb.humming_w4a4(x.float(), layer, None, act)

@@ -108,8 +108,8 @@ def rollout_experts(
     ``apply_gate`` maps the gate_up output (rows, 2I) to (rows, I) (the module's
     ``_apply_gate``, e.g. ``silu(gate) * up``).
     """
-    gate_up = gate_up.parts if isinstance(gate_up, NVFP4Tensor) else gate_up
-    down = down.parts if isinstance(down, NVFP4Tensor) else down
+    gate_up = gate_up.stored_parts() if isinstance(gate_up, NVFP4Tensor) else gate_up
+    down = down.stored_parts() if isinstance(down, NVFP4Tensor) else down
     backend = backend or select_backend(hidden.device)
     num_tokens, hidden_dim = hidden.shape
     route = Routing(top_k_index, gate_up.qdata.shape[0])

@@ -56,6 +56,7 @@ of humming's kernel; GPU check pending), the step before the module stops holdin
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -123,56 +124,108 @@ def humming_supports(weight: NVFP4Parts) -> bool:
 
 
 class HummingWeight:
-    """What the humming backend prepares for one 2-D weight: its humming layers, built on first
-    use per activation dtype (fp16 for quads' W4A4 operands, ``x.dtype`` for W4A16) and
-    refreshed in place by weight syncs. Build (and JIT-compile) before graph capture: a first
-    forward or :meth:`warmup` does it."""
+    """What the humming backend prepares for one weight: its humming layers (fp16 for quads' W4A4
+    operands, built here; ``x.dtype`` for W4A16, built on first use and sharing the fp16 layer's
+    layout when the bits agree), refreshed in place by weight syncs. Build (and JIT-compile)
+    before graph capture: a first forward or :meth:`warmup` does it.
+
+    Holds no reference to the packed parts it was built from: :meth:`packed_parts` derives them
+    back from the layout (the module then drops its own copy: ``NVFP4Tensor.hold_parts_in_``,
+    one layout per weight, 1.0x the packed bytes)."""
+
+    backend_name = "humming"
 
     def __init__(self, weight: NVFP4Parts, mode: str, rows_hint=None):
-        self.parts = weight
         self.mode = mode
         self.rows_hint = rows_hint  # benchmarks: compile only the kernels of these row counts
+        self.shape = tuple(weight.qdata.shape)
+        self.device = weight.qdata.device
+        self.global_encode_scale = weight.global_encode_scale  # quads' own (the layout holds 2^-c / S_w)
         self.layers: dict[torch.dtype, object] = {}
+        self._build(torch.float16, weight)  # the owner of the layout, built from the parts given
+        # a layout the parts cannot be read back from (another humming configuration): keep them
+        self._parts = None if self.can_hold_parts else weight
 
     def fits(self, weight: NVFP4Parts) -> bool:
-        return (humming_supports(weight) and weight.qdata.shape == self.parts.qdata.shape
-                and weight.qdata.device == self.parts.qdata.device)
+        return (humming_supports(weight) and tuple(weight.qdata.shape) == self.shape
+                and weight.qdata.device == self.device)
+
+    def _build(self, dtype: torch.dtype, parts: NVFP4Parts):
+        from quads.kernels.humming_gemm import HummingNVFP4
+
+        operand_max = {"unit": None}
+        if dtype == torch.float16:
+            operand_max.update(_OPERAND_MAX)
+        held = HummingNVFP4(parts.qdata, parts.scale, parts.global_encode_scale, dtype=dtype, mode=self.mode,
+                            operand_max=operand_max, rows_hint=self.rows_hint)
+        owner = next((lay for lay in self.layers.values() if not lay.shared), None)
+        if owner is not None:
+            held.share_layout_(owner)  # one layout for both activation dtypes when the bits agree
+        self.layers[dtype] = held
+        return held
 
     def layer(self, dtype: torch.dtype):
         held = self.layers.get(dtype)
         if held is None:
-            from quads.kernels.humming_gemm import HummingNVFP4
-
-            p = self.parts
-            operand_max = {"unit": None}
-            if dtype == torch.float16:
-                operand_max.update(_OPERAND_MAX)
-            held = HummingNVFP4(p.qdata, p.scale, p.global_encode_scale, dtype=dtype, mode=self.mode,
-                                operand_max=operand_max, rows_hint=self.rows_hint)
-            owner = next((lay for lay in self.layers.values() if not lay.shared), None)
-            if owner is not None:
-                held.share_layout_(owner)  # one layout for both activation dtypes when the bits agree
-            self.layers[dtype] = held
+            parts = self._parts
+            if parts is None:
+                q, s = self.packed_parts()  # transient: the new layer's layout is built from them
+                parts = NVFP4Parts(q, s, self.global_encode_scale)
+            held = self._build(dtype, parts)
         return held
+
+    def _owner(self):
+        return next(lay for lay in self.layers.values() if not lay.shared)
+
+    @property
+    def can_hold_parts(self) -> bool:
+        """Whether :meth:`packed_parts` can give the packed parts back (humming's direct repack layout)."""
+        from quads.kernels.humming_gemm import direct_repack
+
+        return direct_repack(self._owner().layer.humming_config)
+
+    def packed_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """quads' packed ``(qdata, scale)``, derived from the held layout (new tensors, bit-exact:
+        the inverse of humming's repack, :mod:`quads.kernels.humming_layout`)."""
+        if getattr(self, "_parts", None) is not None:
+            return self._parts.qdata, self._parts.scale
+        return self._owner().packed_parts()
+
+    @property
+    def shape_parts(self) -> NVFP4Parts:
+        """Meta placeholders of the packed parts' shapes, and quads' global scale: what the
+        backend's entries read of a weight whose parts this layout holds."""
+        q = torch.empty(self.shape, dtype=torch.uint8, device="meta")
+        s = torch.empty((*self.shape[:-1], self.shape[-1] // 8), dtype=torch.float8_e4m3fn, device="meta")
+        return NVFP4Parts(q, s, self.global_encode_scale)
+
+    def real_parts(self, weight: NVFP4Parts) -> NVFP4Parts:
+        """``weight`` with real ``qdata``/``scale`` (derived here when the module holds meta placeholders)."""
+        if weight.qdata.device.type != "meta":
+            return weight
+        q, s = self.packed_parts()
+        return NVFP4Parts(q, s, weight.global_encode_scale)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the humming layouts held for this weight (shared tensors counted once), besides
-        the packed parts."""
+        """Bytes of the humming layouts held for this weight (shared tensors counted once)."""
         seen: dict[int, int] = {}
         for layer in self.layers.values():
             seen.update(layer.storages())
         return sum(seen.values())
 
     def refresh_(self, weight: NVFP4Parts) -> "HummingWeight":
-        self.parts = weight
+        self.global_encode_scale = weight.global_encode_scale
+        if self._parts is not None:
+            self._parts = weight
         for layer in sorted(self.layers.values(), key=lambda lay: lay.shared):  # owners first
             layer.refresh_(weight.qdata, weight.scale, weight.global_encode_scale)
         return self
 
     def with_mode(self, mode: str) -> "HummingWeight":
         """The layers built so far, run under another humming ``mode`` (views: one layout)."""
-        view = HummingWeight(self.parts, mode, self.rows_hint)
+        view = copy.copy(self)
+        view.mode = mode
         view.layers = {dtype: layer.with_mode(mode) for dtype, layer in self.layers.items()}
         return view
 
@@ -209,6 +262,8 @@ class HummingBackend(HopperBackend):
                 or bias is not None or x.dtype not in (torch.float16, torch.bfloat16) \
                 or (act is not None and act.granularity != "row"):
             hopper = prepared if not isinstance(prepared, HummingWeight) else None
+            if isinstance(prepared, HummingWeight):  # the exact path reads the packed parts: derived here
+                weight = prepared.real_parts(weight)
             return super().grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, hopper)
         prepared = prepared if prepared is not None else self.prepare_weight(weight)
         return humming_grouped(x, rows, offsets, prepared, act, static_mask, num_rows)
@@ -222,6 +277,8 @@ class HummingBackend(HopperBackend):
     def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
         if not humming_supports(weight) or x2d.dtype not in (torch.float16, torch.bfloat16):
             hopper = prepared if prepared is not None and not isinstance(prepared, HummingWeight) else None
+            if isinstance(prepared, HummingWeight):  # the exact path reads the packed parts: derived here
+                weight = prepared.real_parts(weight)
             return super().linear(x2d, weight, bias, act, static_mask, hopper, operands)
         prepared = prepared if isinstance(prepared, HummingWeight) else self.prepare_weight(weight)
         if act is None:
@@ -232,7 +289,8 @@ class HummingBackend(HopperBackend):
             # prefill: the operand of the residual layout in force (auto: summed there) times the exact fp16
             # weight, dequantized per call (no second weight held); not under batch_invariant (cuBLAS)
             layout = humming_residual_layout(x2d.shape[0], self.residual_layout, self.mode)
-            return dense_w4a4(x2d, weight, bias, act, static_mask, layout=layout, operands=operands)
+            return dense_w4a4(x2d, prepared.real_parts(weight), bias, act, static_mask, layout=layout,
+                              operands=operands)
         return humming_w4a4(x2d, prepared.layer(torch.float16), bias, act, static_mask, self.residual_layout,
                             operands)
 

@@ -323,7 +323,7 @@ def rollout_linear(
     Inside ``torch.compile`` the ``quads::linear`` custom op runs the same ``backend.linear``."""
     _check_linear_weight(x, weight)
     backend = backend or select_backend(x.device)
-    x2, parts = x.reshape(-1, x.shape[-1]), weight.parts
+    x2, parts = x.reshape(-1, x.shape[-1]), weight.stored_parts()  # meta placeholders where a layout holds them
     if torch.compiler.is_compiling():
         y = torch.ops.quads.linear(x2, parts.qdata, parts.scale, parts.global_encode_scale, bias,
                                    *prepared_fields(prepared), *act_fields(act), static_mask, backend.name)

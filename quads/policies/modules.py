@@ -94,21 +94,47 @@ class RolloutModule(QuadsModule):
         self.quads_weights_changed()
 
     def _quads_versions(self) -> tuple:
-        return tuple((getattr(self, n).qdata._version, getattr(self, n).scale._version) for n in self.quads_packed_names)
+        return tuple(getattr(self, n).parts_version() for n in self.quads_packed_names)
 
     def quads_weights_changed(self) -> None:
         """Called whenever the packed weights were (re)written: by ``quantize_``, ``sync_weights_``
         and device moves. Rebuilds what the backend derives from the packed parts (the Hopper
         kernel layout: as many bytes again as the packed weight), in place into the tensors it
-        holds when their shapes still fit (captured graphs keep their addresses)."""
-        self.quads_prepared = self.quads_backend.refresh_prepared(
-            self.quads_prepared, [getattr(self, n).parts for n in self.quads_packed_names])
+        holds when their shapes still fit (captured graphs keep their addresses).
+
+        Where the backend's layout gives the parts back (``prepared.can_hold_parts``: the humming
+        backend), the module holds only that layout: the parts are dropped
+        (``NVFP4Tensor.hold_parts_in_``) and derived on demand; a write into derived parts (a sync,
+        ``load_state_dict``) is written through into the layout here, then they are dropped again."""
+        weights = [getattr(self, n) for n in self.quads_packed_names]
+        held = self.quads_prepared if len(self.quads_prepared) == len(weights) else (None,) * len(weights)
+        prepared = []
+        for w, out in zip(weights, held):
+            if w.parts_source is not None and w.parts_source is out and out.backend_name == self.quads_backend.name:
+                parts = w.written_parts()
+                if parts is not None:
+                    out = self.quads_backend.prepare_weight(parts, out)  # written through, in place
+                if out is not w.parts_source:  # a new layout (another mode): the parts live here again
+                    w.store_parts_(parts.qdata, parts.scale)
+                    if getattr(out, "can_hold_parts", False):
+                        w.hold_parts_in_(out)
+                w.release_parts_()
+                prepared.append(out)
+                continue
+            parts = w.parts  # (derived from another layout, if one held them)
+            out = self.quads_backend.prepare_weight(parts, out)
+            if getattr(out, "can_hold_parts", False):
+                w.hold_parts_in_(out)
+            elif w.parts_source is not None:
+                w.store_parts_(parts.qdata, parts.scale)
+            prepared.append(out)
+        self.quads_prepared = tuple(prepared)
         self._quads_prepared_versions = self._quads_versions()
         group = getattr(self, "quads_group", None)
         if group is not None:  # sibling projections (quads.ops.sibling_linear)
             i = self.quads_group_index
             if group.backend is self.quads_backend and group.holds(i, self.quads_prepared[0]):
-                group.write_scale(i, self.weight.parts.global_encode_scale)
+                group.write_scale(i, self.weight.global_encode_scale)
             else:  # another backend, or a layout not written in place (a device move): alone again
                 group.dissolve()
 
@@ -190,7 +216,7 @@ class RolloutLinear(RolloutModule):
     def quads_sibling_inputs(self) -> tuple:
         """(packed parts, bias, prepared weight) as the sibling group computes with them."""
         (prepared,) = self.quads_prepared_weights()
-        return self.weight.parts, self.bias, prepared
+        return self.weight.stored_parts(), self.bias, prepared
 
     def quads_unstack(self, view) -> None:
         """Leave a stacked layout: this linear's prepared weight becomes its own copy of ``view``."""

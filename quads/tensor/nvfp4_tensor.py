@@ -27,6 +27,8 @@ keep K last, which is what every kernel wants.
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Callable
 
 import torch
@@ -168,11 +170,134 @@ class NVFP4Tensor(torch.Tensor):
     by :func:`quads.tensor.save_safetensors` carry CRC32 checksums that catch both on load.
     """
 
-    qdata: torch.Tensor
-    scale: torch.Tensor
     global_encode_scale: torch.Tensor
     orig_dtype: torch.dtype
     transposed: bool
+
+    # -- the packed parts, stored here or held in a backend's layout ----------------------
+    #
+    # A rollout module whose backend keeps a layout it can read the parts back from (the humming
+    # backend: ``HummingWeight.packed_parts()``) holds **only** that layout: ``hold_parts_in_``
+    # drops ``qdata``/``scale`` here (the rollout-memory target: 1.0x the packed bytes, not 2.0x).
+    # Reading ``qdata``/``scale`` (state dicts, saving, export, a sync, ``dequantize``) then derives
+    # them from the layout on demand and keeps them ("materialized") until ``release_parts_``, so
+    # a write into them (a sync, ``load_state_dict``) lands in a scratch the owning module writes
+    # through into the layout (``written_parts``) before releasing it. Hot paths read
+    # ``stored_parts()`` instead: meta placeholders of the parts' shapes while they are held.
+
+    @property
+    def qdata(self) -> torch.Tensor:
+        q = self.__dict__.get("_qdata")
+        if q is None:
+            q = self._materialize()[0]
+        return q
+
+    @qdata.setter
+    def qdata(self, value: torch.Tensor) -> None:
+        self.__dict__["_qdata"] = value
+
+    @property
+    def scale(self) -> torch.Tensor:
+        s = self.__dict__.get("_scale")
+        if s is None:
+            s = self._materialize()[1]
+        return s
+
+    @scale.setter
+    def scale(self, value: torch.Tensor) -> None:
+        self.__dict__["_scale"] = value
+
+    @property
+    def parts_source(self):
+        """The layout holding the packed parts (an object with ``packed_parts() -> (qdata, scale)``),
+        or None when they are stored here."""
+        return self.__dict__.get("_parts_source")
+
+    @property
+    def parts_released(self) -> bool:
+        """Whether ``qdata``/``scale`` are not in memory now (held only in :attr:`parts_source`)."""
+        return self.__dict__.get("_qdata") is None
+
+    def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        source = self.parts_source
+        if source is None:
+            raise RuntimeError("NVFP4Tensor: packed parts released without a layout to read them from")
+        q, s = source.packed_parts()
+        self.__dict__["_qdata"], self.__dict__["_scale"] = q, s
+        self.__dict__["_materialized_at"] = (q._version, s._version)
+        self.__dict__["_epoch"] = self.__dict__.get("_epoch", 0) + 1
+        return q, s
+
+    def hold_parts_in_(self, source) -> None:
+        """The packed parts live in ``source`` (its ``packed_parts()`` gives them back bit for bit):
+        drop the stored ``qdata``/``scale`` (module doc above). The caller has just written
+        ``source`` from this tensor's parts."""
+        q = self.__dict__.get("_qdata")
+        if q is not None:
+            self.__dict__["_shapes"] = (tuple(q.shape), tuple(self.__dict__["_scale"].shape))
+        self.__dict__["_parts_source"] = source
+        self.__dict__["_materialized_at"] = None
+        self.release_parts_()
+
+    def store_parts_(self, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold ``qdata``/``scale`` here again (no layout holds them any more)."""
+        for k in ("_parts_source", "_pending", "_materialized_at", "_shapes"):
+            self.__dict__.pop(k, None)
+        self.qdata, self.scale = qdata, scale
+
+    def release_parts_(self) -> None:
+        """Drop materialized parts (held in a layout only). Parts still referenced elsewhere (a
+        sync's per-tensor snapshot list while it may roll back) are remembered weakly: a write into
+        them is still seen by :meth:`written_parts` until they are freed."""
+        if self.parts_source is None or self.__dict__.get("_qdata") is None:
+            return
+        q, s = self.__dict__.pop("_qdata"), self.__dict__.pop("_scale")
+        self.__dict__["_pending"] = (weakref.ref(q), weakref.ref(s), q._version, s._version)
+        self.__dict__["_materialized_at"] = None
+
+    def written_parts(self) -> NVFP4Parts | None:
+        """Parts written since they were materialized (or since their release, while something
+        still holds them): what the owning module must write into the layout; None if none."""
+        gs = self.global_encode_scale
+        q = self.__dict__.get("_qdata")
+        if q is not None:
+            s = self.__dict__["_scale"]
+            at = self.__dict__.get("_materialized_at")
+            return NVFP4Parts(q, s, gs) if at is None or at != (q._version, s._version) else None
+        pending = self.__dict__.get("_pending")
+        if pending is None:
+            return None
+        q, s = pending[0](), pending[1]()
+        if q is None or s is None or (q._version, s._version) == pending[2:]:
+            return None
+        self.__dict__["_pending"] = (pending[0], pending[1], q._version, s._version)
+        return NVFP4Parts(q, s, gs)
+
+    def parts_version(self) -> tuple:
+        """A key that changes whenever the parts may have been written (a module re-lays out its
+        kernel layout when it moves): their version counters, or the materialization count."""
+        q = self.__dict__.get("_qdata")
+        if q is None:
+            return ("held", self.__dict__.get("_epoch", 0))
+        return (self.__dict__.get("_epoch", 0), q._version, self.__dict__["_scale"]._version)
+
+    def stored_parts(self) -> NVFP4Parts:
+        """The parts without deriving them: the stored ones, or meta placeholders of their shapes
+        while they are held in a layout (the backend reads its layout; a fallback that needs the
+        parts asks the layout: ``prepared.packed_parts()``)."""
+        q = self.__dict__.get("_qdata")
+        if q is not None:
+            return NVFP4Parts(q, self.__dict__["_scale"], self.global_encode_scale)
+        qs, ss = self.__dict__["_shapes"]
+        return NVFP4Parts(torch.empty(qs, dtype=torch.uint8, device="meta"),
+                          torch.empty(ss, dtype=torch.float8_e4m3fn, device="meta"), self.global_encode_scale)
+
+    def __getstate__(self):
+        """Pickled (torch.save, deepcopy) with its parts, never with the layout holding them."""
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_qdata", "_scale", "_parts_source", "_pending", "_materialized_at", "_epoch", "_shapes")}
+        state["qdata"], state["scale"] = self.qdata, self.scale
+        return state
 
     @staticmethod
     def __new__(
@@ -220,7 +345,7 @@ class NVFP4Tensor(torch.Tensor):
     def granularity(self) -> str:
         """Global-scale groups: ``"tensor"`` (one S_enc), ``"expert"`` (one per ``w[e]`` of a 3-D
         weight) or ``"row"`` (one per row), read off the global-scale shape."""
-        return _group_shapes(self.qdata)[tuple(self.global_encode_scale.shape)]
+        return _group_shapes(self.stored_parts().qdata)[tuple(self.global_encode_scale.shape)]
 
     @property
     def parts(self) -> NVFP4Parts:
@@ -338,7 +463,20 @@ def _peer_dtype(args) -> torch.dtype:
 @_implements([aten.detach.default, aten.alias.default])
 def _detach(func, args, kwargs):
     t = args[0]
+    if t.parts_released:  # a view of parts held in a layout stays held (state_dict's detach reads nothing)
+        return return_and_correct_aliasing(func, args, kwargs, _held_twin(t, t.transposed))
     return return_and_correct_aliasing(func, args, kwargs, t._with_parts(t.qdata, t.scale, t.global_encode_scale))
+
+
+def _held_twin(t: NVFP4Tensor, transposed: bool) -> NVFP4Tensor:
+    """Another wrapper of parts held in ``t``'s layout (derived on its own reads; read-only use:
+    writes into its materialized parts reach no layout)."""
+    q = t.stored_parts().qdata
+    out = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, _logical_shape(q, transposed), dtype=t.orig_dtype,
+                                              device=t.device, requires_grad=False)
+    out.__dict__.update(global_encode_scale=t.global_encode_scale, orig_dtype=t.orig_dtype, transposed=transposed,
+                        _parts_source=t.parts_source, _shapes=t.__dict__["_shapes"], _materialized_at=None)
+    return out
 
 
 @_implements([aten.clone.default])
@@ -411,6 +549,8 @@ def _transpose(func, args, kwargs):
             )
     elif t.dim() != 2:
         raise NotImplementedError("t() needs a 2-D NVFP4Tensor")
+    if t.parts_released:
+        return _held_twin(t, not t.transposed)
     return t._with_parts(t.qdata, t.scale, t.global_encode_scale, transposed=not t.transposed)
 
 
