@@ -205,3 +205,35 @@ def test_real_shapes_bytes_with_humming_on_cpu(humming_on_cpu, shape):
 
 
 from tests.test_humming_refresh import humming_on_cpu  # noqa: E402,F401  (fixture)
+
+
+# -- torch.compile: the humming backend through quads::linear_held -------------------------------------
+
+@pytest.fixture
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_fast_rollout_traces_to_the_eager_bits_and_follows_syncs(fake_humming, _fresh_dynamo):
+    """fullgraph compile of a humming rollout model: each linear is one opaque ``quads::linear_held``
+    op over the held layout (no packed part is read: the weights stay dropped), eager bits; a sync
+    writes the layout in place and the compiled model follows it without recompiling."""
+    import torch._inductor.config as inductor_config
+
+    model = _fast_rollout().eval()
+    x = _input()
+    counts = torch._dynamo.utils.counters
+    with torch.no_grad(), inductor_config.patch(emulate_precision_casts=True):
+        compiled = torch.compile(model, fullgraph=True)
+        y0 = compiled(x).logits
+        assert torch.equal(y0, model(x).logits)
+        assert all(m.weight.parts_released for m in _linears(model))
+        trainer = _llama(seed=7)
+        quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+        quads.sync_weights_(model, trainer)
+        frames = counts["stats"]["unique_graphs"]
+        y1 = compiled(x).logits
+        assert torch.equal(y1, model(x).logits) and not torch.equal(y1, y0)
+        assert counts["stats"]["unique_graphs"] == frames  # no recompile: the same layout, written in place

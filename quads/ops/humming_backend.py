@@ -64,7 +64,7 @@ import torch
 from quads.ops.activation_quant import activation_operands_triton, summed_operand_triton
 from quads.ops.backend import register_backend
 from quads.ops.backends import HopperBackend
-from quads.ops.linear import prepare_weight_hopper
+from quads.ops.linear import prepare_weight_hopper, register_held
 from quads.tensor.nvfp4_math import NVFP4Parts
 
 __all__ = ["DENSE_PREFILL_FROM_ROWS", "HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
@@ -142,6 +142,7 @@ class HummingWeight:
         self.device = weight.qdata.device
         self.global_encode_scale = weight.global_encode_scale  # quads' own (the layout holds 2^-c / S_w)
         self.layers: dict[torch.dtype, object] = {}
+        self.held_handle = register_held(self)  # compiled code reaches it through quads::linear_held
         self._build(torch.float16, weight)  # the owner of the layout, built from the parts given
         # a layout the parts cannot be read back from (another humming configuration): keep them
         self._parts = None if self.can_hold_parts else weight
@@ -226,6 +227,7 @@ class HummingWeight:
         """The layers built so far, run under another humming ``mode`` (views: one layout)."""
         view = copy.copy(self)
         view.mode = mode
+        view.held_handle = register_held(view)
         view.layers = {dtype: layer.with_mode(mode) for dtype, layer in self.layers.items()}
         return view
 

@@ -26,6 +26,9 @@ Every function below step 2 takes 2-D activations ``(M, K)``.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +52,9 @@ __all__ = [
     "linear_op",
     "act_fields",
     "prepared_fields",
+    "held_linear",
+    "linear_held_op",
+    "register_held",
     "reference_operands",
     "hopper_operands",
     "prepare_weight_hopper",
@@ -254,6 +260,8 @@ def act_from_fields(quantize_activations: bool, residual_fraction: float, select
 
 def prepared_fields(prepared) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A prepared weight as two optional tensors (the Hopper layout's values and scales)."""
+    if held_handle(prepared) is not None:
+        raise TypeError("a prepared weight held as an object (humming) goes through quads::linear_held")
     return (None, None) if prepared is None else (prepared.values, prepared.scales)
 
 
@@ -299,6 +307,77 @@ def _(x, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scal
     return x.new_empty(x.shape[0], qdata.shape[0])
 
 
+# -- weights held in a backend's own layout (the humming backend) under torch.compile ------------------
+#
+# A humming-prepared weight is not a pair of tensors (its layers, their run-time scales, humming's
+# configuration strings) and its module may hold no packed parts at all (they live in the layout:
+# ``NVFP4Tensor.hold_parts_in_``). Compiled code passes it to ``quads::linear_held`` as an integer
+# handle into a registry of live prepared weights (weakly held): the op is opaque to the compiler,
+# its body looks the object up and runs ``backend.linear`` with it (the eager bits); a sync writes
+# the layout in place, so compiled and CUDA-graphed code read the new weights at the same addresses.
+
+_HELD: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_held_ids = itertools.count(1)
+
+
+def register_held(prepared) -> int:
+    """A handle for ``prepared`` (a backend's prepared weight) that ``quads::linear_held`` resolves."""
+    handle = next(_held_ids)
+    _HELD[handle] = prepared
+    return handle
+
+
+def held_prepared(handle: int):
+    try:
+        return _HELD[handle]
+    except KeyError:
+        raise RuntimeError(f"quads::linear_held: prepared weight {handle} is gone (its module was freed)") from None
+
+
+@torch.library.custom_op("quads::linear_held", mutates_args=())
+def linear_held_op(
+    x: torch.Tensor,
+    global_encode_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    handle: int,
+    n: int,
+    quantize_activations: bool,
+    residual_fraction: float,
+    selection: str,
+    granularity: str,
+    static_mask: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """(M, K) -> (M, N): ``backend.linear`` over the prepared weight of ``handle`` (:func:`register_held`),
+    opaque to ``torch.compile`` (same bits as eager). ``global_encode_scale`` is the weight's own
+    (an input, so the compiled graph orders the op after a write of it)."""
+    prepared = held_prepared(handle)
+    parts = prepared.shape_parts
+    weight = NVFP4Parts(parts.qdata, parts.scale, global_encode_scale)
+    return get_backend(backend).linear(
+        x, weight, bias, act_from_fields(quantize_activations, residual_fraction, selection, granularity),
+        static_mask, prepared)
+
+
+@linear_held_op.register_fake
+def _(x, global_encode_scale, bias, handle, n, quantize_activations, residual_fraction, selection, granularity,
+      static_mask, backend):
+    return x.new_empty(x.shape[0], n)
+
+
+def held_handle(prepared) -> int | None:
+    """The compile handle of a prepared weight held as an object (None: a Hopper layout or nothing)."""
+    return getattr(prepared, "held_handle", None)
+
+
+def held_linear(x: torch.Tensor, prepared, bias, act, static_mask, backend: Backend, n: int) -> torch.Tensor:
+    """``x (..., K) -> (..., N)`` through ``quads::linear_held`` (compiled code, a held prepared weight)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.ops.quads.linear_held(x2, prepared.global_encode_scale, bias, held_handle(prepared), n,
+                                    *act_fields(act), static_mask, backend.name)
+    return y.reshape(*x.shape[:-1], n)
+
+
 def _check_linear_weight(x: torch.Tensor, weight: NVFP4Tensor) -> None:
     if not isinstance(weight, NVFP4Tensor) or weight.dim() != 2 or weight.transposed:
         raise TypeError("rollout_linear expects a 2-D, untransposed NVFP4Tensor weight (N, K)")
@@ -321,6 +400,8 @@ def rollout_linear(
     module's (stored at conversion); None picks one for ``x``'s device (``QUADS_BACKEND``,
     ``use_backend``). ``prepared``: ``backend.prepare_weight(weight.parts)``, if the caller keeps it.
     Inside ``torch.compile`` the ``quads::linear`` custom op runs the same ``backend.linear``."""
+    if torch.compiler.is_compiling() and held_handle(prepared) is not None:  # the weight is not touched
+        return held_linear(x, prepared, bias, act, static_mask, backend, prepared.shape[-2])
     _check_linear_weight(x, weight)
     backend = backend or select_backend(x.device)
     x2, parts = x.reshape(-1, x.shape[-1]), weight.stored_parts()  # meta placeholders where a layout holds them
