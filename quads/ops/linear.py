@@ -52,6 +52,7 @@ __all__ = [
     "linear_op",
     "act_fields",
     "prepared_fields",
+    "held_handle",
     "held_linear",
     "linear_held_op",
     "register_held",

@@ -47,6 +47,11 @@ def test_config_parsing():
     assert cfg.activation_quant == quads.ActivationQuant(0.25, "per_token", "row")
     assert QuadsConfig.from_config({"quant_method": "quads", "activations": "bf16"}).activation_quant is None
     assert QuadsConfig.from_config(cfg.to_dict()).to_dict() == cfg.to_dict()
+    assert cfg.policy.kernel == "exact"
+    fast = QuadsConfig.from_config({"quant_method": "quads", "kernel": "fast"})  # humming on sm_90
+    assert fast.policy.kernel == "fast" and fast.to_dict()["kernel"] == "fast"
+    with pytest.raises(ValueError, match="kernel"):
+        QuadsConfig.from_config({"quant_method": "quads", "kernel": "fastest"})
     d = quads_quantization_config(residual_fraction=0.0)
     assert d["quant_method"] == "quads" and d["residual_fraction"] == 0.0
     with pytest.raises(ValueError, match="unknown"):

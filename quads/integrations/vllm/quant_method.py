@@ -65,7 +65,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import Backend, select_backend
 from quads.ops.experts import rollout_experts
-from quads.ops.linear import act_fields, prepared_fields, rollout_linear
+from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields, rollout_linear
 from quads.ops.sibling_linear import SiblingGroup
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
@@ -93,6 +93,7 @@ QUADS_CONFIG_KEYS: dict[str, Any] = {
     "residual_selection": _ROLLOUT_DEFAULTS.residual_selection,
     "activation_granularity": _ROLLOUT_DEFAULTS.activation_granularity,
     "extra_skip_patterns": list(_ROLLOUT_DEFAULTS.extra_skip_patterns),
+    "kernel": _ROLLOUT_DEFAULTS.kernel,  # "exact" | "fast" (humming on sm_90: docs/humming.md)
 }
 
 
@@ -118,6 +119,7 @@ class QuadsConfig(QuantizationConfig):
         residual_selection: str = QUADS_CONFIG_KEYS["residual_selection"],
         activation_granularity: str = QUADS_CONFIG_KEYS["activation_granularity"],
         extra_skip_patterns: tuple[str, ...] | list[str] = (),
+        kernel: str = QUADS_CONFIG_KEYS["kernel"],
     ) -> None:
         super().__init__()
         if residual_selection != "per_token":
@@ -132,6 +134,7 @@ class QuadsConfig(QuantizationConfig):
             residual_selection=residual_selection,
             activation_granularity=activation_granularity,
             extra_skip_patterns=tuple(extra_skip_patterns),
+            kernel=kernel,
         )
 
     # -- QuantizationConfig interface ----------------------------------------------------
@@ -173,6 +176,7 @@ class QuadsConfig(QuantizationConfig):
             "residual_selection": p.residual_selection,
             "activation_granularity": p.activation_granularity,
             "extra_skip_patterns": list(p.extra_skip_patterns),
+            "kernel": p.kernel,
         }
 
     @property
@@ -287,7 +291,7 @@ class QuadsLinearMethod(LinearMethodBase):
         weight = layer.weight.data
         if weight.dtype == torch.uint8:
             return  # already packed
-        layer.quads_backend = select_backend(weight.device)
+        layer.quads_backend = select_backend(weight.device, self.config.policy.kernel)
         prefix = getattr(layer, "prefix", "linear")
         packed = [
             pack_weight(shard, layer.quads_backend, f"{prefix} shard {i}")
@@ -377,9 +381,12 @@ def compiled_shard_linear(
     for i, n in enumerate(sizes):
         parts = NVFP4Parts(layer.weight[start:start + n], layer.weight_scale[start:start + n],
                            layer.weight_global_scale[i])
-        outs.append(torch.ops.quads.linear(x2, parts.qdata, parts.scale, parts.global_encode_scale, biases[i],
-                                           *prepared_fields(prepared[i]), *act_fields(act), None,
-                                           layer.quads_backend.name))
+        if held_handle(prepared[i]) is not None:  # humming (kernel="fast"): its layout, reached by handle
+            outs.append(held_linear(x2, prepared[i], biases[i], act, None, layer.quads_backend, n))
+        else:
+            outs.append(torch.ops.quads.linear(x2, parts.qdata, parts.scale, parts.global_encode_scale, biases[i],
+                                               *prepared_fields(prepared[i]), *act_fields(act), None,
+                                               layer.quads_backend.name))
         start += n
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -450,7 +457,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             weight = getattr(layer, name).data
             if weight.dtype == torch.uint8:
                 continue  # already packed
-            layer.quads_backend = select_backend(weight.device)
+            layer.quads_backend = select_backend(weight.device, self.config.policy.kernel)
             packed = pack_weight(weight, layer.quads_backend, f"MoE {name}")  # 3-D: one global scale per expert
             _replace(layer, name, packed.qdata)
             _replace(layer, f"{name}_scale", packed.scale)
