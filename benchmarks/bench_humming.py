@@ -203,6 +203,7 @@ def install_cpu_emulation():
         layer.weight_scale.data.copy_(scale)
 
     hg.transform_into_ = transform_into
+    hg.direct_repack = lambda cfg: False  # the emulation holds the parts as they are: HummingWeight keeps them
 
 
 # -- variants ----------------------------------------------------------------------------------------

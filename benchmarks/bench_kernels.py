@@ -10,7 +10,10 @@ per-token E4M3 activation quantization kernel + ``torch._scaled_mm`` row-wise). 
 through ``quads.ops`` as a rollout module does (activation quantization included, the weight in
 the Hopper layout built beforehand); "GEMM only" rows take pre-quantized operands. The bytes
 floor is (bytes read once + bytes written once) / the measured device-to-device copy bandwidth.
-Ratios are peer time / quads time (> 1: quads is faster).
+Ratios are peer time / quads time (> 1: quads is faster). Rows marked ``[fast: humming]`` run the
+same ops through ``QuadsPolicy(kernel="fast")``'s backend (humming, docs/humming.md), next to the
+exact rows and with their own BF16 / FP8 peers of the same run; absent, with the reason printed,
+where humming is not installed.
 """
 
 from __future__ import annotations
@@ -59,6 +62,21 @@ def row(section, name, us, floor_bytes=None, peers=None, **extra):
     fl = f" floor {floor_us:.2f} ({100 * floor_us / us:.0f}% bw)" if floor_us else ""
     print(f"{section:8s} {name:64s} {us:9.2f} us{fl} {ratios}", flush=True)
     return r
+
+
+def fast_backend():
+    """The ``kernel="fast"`` backend (humming, docs/humming.md), or None with the reason printed:
+    its rows are then absent (humming not installed, or not sm_90)."""
+    from quads.kernels.humming_gemm import HUMMING_REQUIREMENT, check_humming_device, import_humming
+
+    try:
+        import_humming()
+        check_humming_device(torch.device("cuda"))
+    except (ImportError, RuntimeError) as e:
+        print(f"[fast rows skipped] kernel='fast' (humming) unavailable: {e} (pip install {HUMMING_REQUIREMENT})",
+              flush=True)
+        return None
+    return get_backend("humming")
 
 
 def measure_copy():
@@ -123,6 +141,42 @@ def bench_linear(ms=(1, 8, 16, 64, 256, 2048)):
                 row("linear", f"{tag} activation quantization k=100% alone", t)
         del ws, parts, prep, fp8w
         torch.cuda.empty_cache()
+        bench_linear_fast(k, n, ms)
+
+
+def bench_linear_fast(k, n, ms):
+    """The same rows as :func:`bench_linear` through ``kernel="fast"`` (humming; JIT paid before
+    capture), with their own BF16 and FP8 peers of this run."""
+    fast = fast_backend()
+    if fast is None:
+        return
+    s_sets = _sets(k, n)
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16() for _ in range(s_sets)]
+    parts = [nvfp4_quantize(w) for w in ws]
+    prep = [fast.prepare_weight(p) for p in parts]  # one humming layout per weight (the packed parts derived)
+    fp8w = [fp8_weight(w) for w in ws]
+    for hw in prep:
+        hw.warmup(dtypes=(torch.float16, torch.bfloat16), ms=(1,))  # every kernel of the tables JIT-compiled
+    for m in ms:
+        xs = [torch.randn(m, k, device="cuda", generator=g).bfloat16() for _ in range(s_sets)]
+        S = s_sets if m <= 256 else 4
+        tag = f"K={k} N={n} M={m}"
+        bf16 = graph_time([lambda i=i: torch.matmul(xs[i], ws[i].t()) for i in range(S)])
+        fp8 = graph_time([lambda i=i: fp8_linear(xs[i], *fp8w[i]) for i in range(S)])
+        peers = {"bf16": bf16, "fp8": fp8}
+        fb = nvfp4_bytes(k, n) + 2 * m * k + 2 * m * n
+        for label, act in (("QUADS k=100% (default)", QUADS_DEFAULT), ("W4A4 plain", PLAIN), ("W4A16 weight-only", None)):
+            try:
+                for i in range(S):  # eager first (humming's per-M dispatch), then the graph
+                    fast.linear(xs[i], prep[i].shape_parts, None, act, None, prep[i])
+                t = graph_time([lambda i=i: fast.linear(xs[i], prep[i].shape_parts, None, act, None, prep[i])
+                                for i in range(S)])
+                row("linear", f"{tag} {label} incl. quantize [fast: humming]", t, fb, peers)
+            except Exception as e:  # noqa: BLE001
+                print(f"linear {tag} {label} [fast] failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    del ws, parts, prep, fp8w
+    torch.cuda.empty_cache()
 
 
 def bench_decode_configs():
@@ -193,6 +247,7 @@ def _bf16_experts(hid, idx, wts, gate_up_t, down_t, inter):
 
 
 def bench_moe():
+    fast = fast_backend()
     for E, TOPK, H, I in ((128, 8, 2048, 768), (8, 2, 4096, 14336)):
         g = torch.Generator(device="cuda").manual_seed(9)
         gu = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.02).bfloat16()
@@ -200,6 +255,9 @@ def bench_moe():
         gu_t, dn_t = gu.transpose(1, 2), dn.transpose(1, 2)
         qgu, qdn = NVFP4Tensor.from_float(gu), NVFP4Tensor.from_float(dn)
         prep = (HOPPER.prepare_weight(qgu.parts), HOPPER.prepare_weight(qdn.parts))
+        prep_f = (fast.prepare_weight(qgu.parts), fast.prepare_weight(qdn.parts)) if fast is not None else None
+        for hw in prep_f or ():
+            hw.warmup(ms=(1,))
 
         def gate(h, inter=I):
             return F.silu(h[:, :inter]) * h[:, inter:]
@@ -226,7 +284,17 @@ def bench_moe():
                     row("moe", f"{tag} {label} (graph-captured)", t, bytes_fp4, {"bf16": base} if base else None)
                 except Exception as e:  # noqa: BLE001
                     print(f"moe {label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        del gu, dn, gu_t, dn_t, qgu, qdn, prep
+                if fast is not None:
+                    try:
+                        for i in range(S):
+                            rollout_experts(hid[i], idx[i], wts[i], qgu, qdn, gate, act, backend=fast, prepared=prep_f)
+                        t = graph_time([lambda i=i: rollout_experts(hid[i], idx[i], wts[i], qgu, qdn, gate, act,
+                                                                    backend=fast, prepared=prep_f) for i in range(S)])
+                        row("moe", f"{tag} {label} (graph-captured) [fast: humming]", t, bytes_fp4,
+                            {"bf16": base} if base else None)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"moe {label} [fast] failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        del gu, dn, gu_t, dn_t, qgu, qdn, prep, prep_f
         torch.cuda.empty_cache()
 
 

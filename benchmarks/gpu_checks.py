@@ -15,6 +15,10 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
   (M = 256 split-K, 2048) vs an fp64 reference within the fp32-summation bound;
 * batch invariance: a row's bits equal across M = 1 / 8 / 16 / 64 (decode) and 256 / 2048
   (prefill); determinism; CUDA-graph replay of the split-K decode kernel;
+* ``humming`` (``kernel="fast"``; skipped, with the reason, where humming is not installed): each
+  path (stacked / summed residual, plain W4A4, W4A16) within its stated bound of the exact fp32
+  product, the in-place refresh bit-exact against a layout built from scratch (same addresses),
+  the packed parts derived back from the layout, one layout per rollout module (<= 1.1x);
 * W4A16 decode vs the dense bf16 product; MoE experts (E=128 top-8 and E=8 top-2) vs the torch
   reference loop, grouped rows == dense decode bits, the whole experts op captured in a CUDA graph.
 """
@@ -454,9 +458,80 @@ def check_fused_projections():
            f"changed by the sync: {int((before != after).sum())} of {after.numel()} tokens")
 
 
+def humming_unavailable() -> str | None:
+    """Why the ``kernel="fast"`` (humming) check cannot run here, or None."""
+    from quads.kernels.humming_gemm import HUMMING_REQUIREMENT, check_humming_device, import_humming
+
+    try:
+        import_humming()
+        check_humming_device(torch.device("cuda"))
+    except ImportError as e:
+        return f"humming is not installed (pip install {HUMMING_REQUIREMENT}): {e}"
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@check("humming")
+def check_humming():
+    """``kernel="fast"`` (humming): every path within its stated bound of the exact fp32 product
+    (``benchmarks.bench_humming.bounds``, docs/humming.md), the in-place refresh bit-exact against a
+    layout built from scratch at the same addresses, the packed parts derived back from the layout
+    bit-exact, and a rollout module holding one layout (<= 1.1x the packed bytes)."""
+    why = humming_unavailable()
+    if why:
+        RESULTS["humming"] = {"ok": True, "skipped": True, "detail": why}
+        print(f"[SKIP] humming: {why}", flush=True)
+        return
+    from benchmarks.bench_humming import bounds
+    from quads.ops.humming_backend import HummingBackend, HummingWeight
+
+    paths = {"stacked": (HummingBackend(residual_layout="stacked"), ActivationQuant(residual_fraction=1.0)),
+             "summed": (HummingBackend(residual_layout="summed"), ActivationQuant(residual_fraction=1.0)),
+             "plain": (HummingBackend(), ActivationQuant(residual_fraction=0.0)),
+             "w4a16": (HummingBackend(), None)}
+    g = torch.Generator(device="cuda").manual_seed(21)
+    for k, n in ((4096, 4096), (4096, 14336)):
+        parts = nvfp4_quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16())
+        hw = paths["stacked"][0].prepare_weight(parts)
+        hw.warmup(dtypes=(torch.float16, torch.bfloat16), ms=(1,))
+        for kind, (backend, act) in paths.items():
+            worst = 0.0
+            for m in (1, 16, 64, 256):
+                x = torch.randn(m, k, device="cuda", generator=g)
+                x[:, 3] *= 30.0  # an outlier channel
+                x = x.bfloat16()
+                y = backend.linear(x, hw.shape_parts, None, act, None, hw)
+                ref, b = bounds(x, parts, kind)
+                worst = max(worst, float(((y.float() - ref).abs() / b.clamp(min=1e-30)).max()))
+            record(f"humming {kind} K={k} N={n} within the stated bound of the exact path", worst <= 1,
+                   f"max |err| / bound = {worst:.3f} (M = 1, 16, 64, 256)")
+        new = nvfp4_quantize((torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16())
+        ptrs = {dt: [t.data_ptr() for t in lay.layer.parameters()] for dt, lay in hw.layers.items()}
+        hw.refresh_(new)
+        fresh = HummingWeight(new, "default")
+        fresh.layer(torch.bfloat16)
+        same = all(bits_equal(a.data, b.data) for dt in hw.layers
+                   for a, b in zip(hw.layers[dt].layer.parameters(), fresh.layers[dt].layer.parameters()))
+        kept = ptrs == {dt: [t.data_ptr() for t in lay.layer.parameters()] for dt, lay in hw.layers.items()}
+        record(f"humming refresh K={k} N={n} in place == built from scratch", same and kept,
+               f"bits {same}, addresses kept {kept}")
+        q, sc = hw.packed_parts()
+        record(f"humming packed parts derived from the layout K={k} N={n}",
+               bits_equal(q, new.qdata) and bits_equal(sc, new.scale))
+        del hw, fresh
+    lin = torch.nn.Linear(4096, 4096, bias=False).bfloat16().cuda()
+    quads.quantize_(lin, quads.QuadsPolicy(side="rollout", kernel="fast"))
+    held = lin.quads_prepared[0].nbytes + (0 if lin.weight.parts_released else 4096 * (2048 + 256))
+    ratio = held / (4096 * (2048 + 256))
+    record("humming rollout module holds one layout (<= 1.1x the packed bytes)",
+           lin.weight.parts_released and ratio <= 1.1, f"{ratio:.5f}x")
+
+
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
-          "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections}
+          "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
+          "humming": check_humming}
 
 
 def main():

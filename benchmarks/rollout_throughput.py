@@ -12,7 +12,10 @@ weights, per-token E4M3 activations by one fused kernel, cuBLASLt ``_scaled_mm``
 ``_scaled_grouped_mm``; ``benchmarks/fp8_rollout.py``), ``quads`` (the default rollout policy:
 W4A4 + residual, sibling projections fused by ``build_rollout_model``), ``quads-unfused`` (the
 same without :func:`quads.fuse_projections_`: every linear its own GEMM, like the BF16 and FP8
-peers), ``naive`` (W4A4, no residual; fused), ``w4a16`` (NVFP4 weights, BF16 activations).
+peers), ``naive`` (W4A4, no residual; fused), ``w4a16`` (NVFP4 weights, BF16 activations),
+``quads-fast`` / ``w4a16-fast`` (``quads`` / ``w4a16`` with ``kernel="fast"``: humming's GEMMs on
+sm_90, docs/humming.md; rows next to the exact ones, same run, same peers; skipped with the reason
+where humming is not installed).
 
 For each batch size: prompts of ``--prompt`` random tokens (no padding), ``--new-tokens``
 sampled at temperature 1 with no EOS (every row runs to the end). Times, after one warm-up
@@ -56,7 +59,24 @@ VARIANTS = {
     "quads-unfused": quads.QuadsPolicy(side="rollout"),  # without quads.fuse_projections_
     "naive": quads.QuadsPolicy(side="rollout", residual_fraction=0.0),
     "w4a16": quads.QuadsPolicy(side="rollout", activations="bf16"),
+    # kernel="fast": the same policies through humming on sm_90 (docs/humming.md); skipped with the
+    # reason where humming is not installed; on CPU (--tiny) the preference picks the torch reference
+    "quads-fast": quads.QuadsPolicy(side="rollout", kernel="fast"),
+    "w4a16-fast": quads.QuadsPolicy(side="rollout", activations="bf16", kernel="fast"),
 }
+
+
+def fast_unavailable() -> str | None:
+    """Why ``kernel="fast"`` variants cannot run here (None: they can)."""
+    if DEVICE != "cuda":
+        return None  # the preference falls back to the torch reference off sm_90 (the --tiny smoke test)
+    from quads.kernels.humming_gemm import HUMMING_REQUIREMENT, import_humming
+
+    try:
+        import_humming()
+    except ImportError as e:
+        return f"humming not installed (pip install {HUMMING_REQUIREMENT}): {e}"
+    return None
 #: --glue settings -> GraphedDecoder keyword arguments
 GLUE = {
     "new": dict(gqa_attention=True, share_quantization=True),
@@ -230,6 +250,11 @@ def main():
                 record(kind=kind, variant=name, skipped="time budget")
                 continue
             model = None
+            why = fast_unavailable() if name.endswith("-fast") else None
+            if why:
+                record(kind=kind, variant=name, skipped=why)
+                print(f"{kind} {name}: skipped: {why}", flush=True)
+                continue
             try:
                 t0 = time.perf_counter()
                 if VARIANTS[name] is None:
