@@ -45,13 +45,15 @@ experts. The prepared object of such a weight is the Hopper layout.
 W4A4 linear runs :func:`dense_w4a4` (the weight dequantized exactly to fp16 per call, cuBLAS
 with fp32 output) instead of humming's GEMM; ``QUADS_HUMMING_DENSE_FROM`` overrides.
 
-Weight memory: one humming layout per weight (1.0x the packed NVFP4 bytes): built for the first
-activation dtype used, and shared by the other dtype's layer when its bits agree (checked on the
-tensors: humming's repack depends on the activation width only). The packed parts stay as
-well (quads' checkpoint form, the exact-path fallbacks, the dense prefill path): 2.0x in all, as
-the Hopper backend's layout. :meth:`~quads.kernels.humming_gemm.HummingNVFP4.packed_parts`
-derives them back from the layout (the inverse of the repack, CPU-tested against a transcription
-of humming's kernel; GPU check pending), the step before the module stops holding them.
+Weight memory: one humming layout per weight (1.0x the packed NVFP4 bytes): the fp16 layer's,
+shared by the bf16 layer when its bits agree (checked on the tensors: humming's repack depends on
+the activation width only), and nothing else: :class:`HummingWeight` keeps no reference to the
+packed parts, :meth:`HummingWeight.packed_parts` derives them from the layout (the inverse of the
+repack, :mod:`quads.kernels.humming_layout`), and a rollout module drops its own copy
+(``NVFP4Tensor.hold_parts_in_``, :mod:`quads.policies.modules`). The exact-path fallbacks and the
+dense prefill path get the parts per call (:meth:`HummingWeight.real_parts`). Under
+``torch.compile`` the weight goes through ``quads::linear_held`` by its handle
+(:func:`quads.ops.linear.register_held`).
 """
 
 from __future__ import annotations
