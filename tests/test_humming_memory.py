@@ -29,7 +29,7 @@ LIMIT = 1.1  # issue 24: rollout weight memory <= 1.1x the NVFP4 packed bytes
 def _llama(seed=0):
     """Every linear's N and K multiples of 64 (humming's repack tiles, as in real models)."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32, intermediate_size=256, max_position_embeddings=64,
                       tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)

@@ -237,5 +237,5 @@ def test_one_layout_for_both_activation_dtypes(humming_on_cpu):
     q, s = hbf.packed_parts()
     assert torch.equal(q, w2.qdata) and torch.equal(s.view(torch.uint8), w2.scale.view(torch.uint8))
     # a layout that differs is not shared
-    other = HummingWeight(w1, "default").layer(torch.bfloat16)  # h16 holds w2 now
+    other = HummingWeight(w1, "default").layer(torch.float16)  # its layout's owner; h16 holds w2 now
     assert not other.share_layout_(h16) and not other.shared
