@@ -237,3 +237,18 @@ def test_compiled_fast_rollout_traces_to_the_eager_bits_and_follows_syncs(fake_h
         y1 = compiled(x).logits
         assert torch.equal(y1, model(x).logits) and not torch.equal(y1, y0)
         assert counts["stats"]["unique_graphs"] == frames  # no recompile: the same layout, written in place
+
+
+def test_reads_under_inference_mode(fake_humming):
+    """Parts derived under ``torch.inference_mode`` (no version counters) are written through once
+    (bit-exact: the same bits) and dropped at the next forward."""
+    model = _fast_rollout()
+    m = _linears(model)[0]
+    x = _input()
+    with torch.inference_mode():
+        y0 = model(x).logits
+        dq = m.weight.dequantize()
+        assert not m.weight.parts_released
+        y1 = model(x).logits
+    assert torch.equal(y0, y1) and m.weight.parts_released
+    torch.testing.assert_close(dq, m.weight.dequantize(), rtol=0, atol=0)

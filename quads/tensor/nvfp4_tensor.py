@@ -218,13 +218,20 @@ class NVFP4Tensor(torch.Tensor):
         """Whether ``qdata``/``scale`` are not in memory now (held only in :attr:`parts_source`)."""
         return self.__dict__.get("_qdata") is None
 
+    @staticmethod
+    def _versions(q: torch.Tensor, s: torch.Tensor) -> tuple | None:
+        """The parts' version counters; None for inference tensors (no counter: assume written)."""
+        if q.is_inference() or s.is_inference():
+            return None
+        return (q._version, s._version)
+
     def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         source = self.parts_source
         if source is None:
             raise RuntimeError("NVFP4Tensor: packed parts released without a layout to read them from")
         q, s = source.packed_parts()
         self.__dict__["_qdata"], self.__dict__["_scale"] = q, s
-        self.__dict__["_materialized_at"] = (q._version, s._version)
+        self.__dict__["_materialized_at"] = self._versions(q, s)
         self.__dict__["_epoch"] = self.__dict__.get("_epoch", 0) + 1
         return q, s
 
@@ -252,7 +259,7 @@ class NVFP4Tensor(torch.Tensor):
         if self.parts_source is None or self.__dict__.get("_qdata") is None:
             return
         q, s = self.__dict__.pop("_qdata"), self.__dict__.pop("_scale")
-        self.__dict__["_pending"] = (weakref.ref(q), weakref.ref(s), q._version, s._version)
+        self.__dict__["_pending"] = (weakref.ref(q), weakref.ref(s), self._versions(q, s))
         self.__dict__["_materialized_at"] = None
 
     def written_parts(self) -> NVFP4Parts | None:
@@ -262,15 +269,18 @@ class NVFP4Tensor(torch.Tensor):
         q = self.__dict__.get("_qdata")
         if q is not None:
             s = self.__dict__["_scale"]
-            at = self.__dict__.get("_materialized_at")
-            return NVFP4Parts(q, s, gs) if at is None or at != (q._version, s._version) else None
+            at, now = self.__dict__.get("_materialized_at"), self._versions(q, s)
+            return NVFP4Parts(q, s, gs) if at is None or now is None or at != now else None
         pending = self.__dict__.get("_pending")
         if pending is None:
             return None
         q, s = pending[0](), pending[1]()
-        if q is None or s is None or (q._version, s._version) == pending[2:]:
+        if q is None or s is None:
             return None
-        self.__dict__["_pending"] = (pending[0], pending[1], q._version, s._version)
+        now = self._versions(q, s)
+        if now is not None and now == pending[2]:
+            return None
+        self.__dict__["_pending"] = (pending[0], pending[1], now)
         return NVFP4Parts(q, s, gs)
 
     def parts_version(self) -> tuple:
@@ -279,7 +289,7 @@ class NVFP4Tensor(torch.Tensor):
         q = self.__dict__.get("_qdata")
         if q is None:
             return ("held", self.__dict__.get("_epoch", 0))
-        return (self.__dict__.get("_epoch", 0), q._version, self.__dict__["_scale"]._version)
+        return (self.__dict__.get("_epoch", 0), self._versions(q, self.__dict__["_scale"]))
 
     def stored_parts(self) -> NVFP4Parts:
         """The parts without deriving them: the stored ones, or meta placeholders of their shapes
