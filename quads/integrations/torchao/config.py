@@ -28,6 +28,11 @@ handed, so a module that cannot be converted (K not a multiple of 16, non-finite
 unsupported experts layout) raises, naming it, before anything changes. (``FqnToConfig``
 selections are checked per module.) A module already converted with an equal policy is left
 as it is; a model holding modules converted with another policy is refused.
+
+**Sibling groups.** With ``weight_global_scale="group"`` (the default) the handler converts a
+linear together with its siblings (q/k/v, gate/up) that the policy and torchao's filter select,
+so their shared global scale sees every member's weight; torchao then hands over the siblings
+already converted, and they are left as they are.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Callable, NamedTuple
 
 import torch.nn as nn
 
+from quads.policies.fused_projections import SIBLING_PROJECTIONS
 from quads.policies.modules import QuadsModule
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import check_target, convert_targets
@@ -129,8 +135,37 @@ def apply_policy(module: nn.Module, policy: QuadsPolicy) -> nn.Module:
     if not converted and call is not None and call.filter_fn is not None:
         _check_whole_walk(root, call.filter_fn, policy)
     pending = [t for t in _targets_in(module, name, policy) if not isinstance(t.module, QuadsModule)]
+    if policy.weight_global_scale == "group":
+        pending += _unconverted_siblings(root, pending, policy, None if call is None else call.filter_fn)
     convert_targets(pending, policy, root)
     return module
+
+
+def _unconverted_siblings(root: nn.Module, pending: list[ConversionTarget], policy: QuadsPolicy,
+                          filter_fn) -> list[ConversionTarget]:
+    """Group mode: the sibling linears (:data:`SIBLING_PROJECTIONS`) of the pending linears that
+    the policy converts and torchao's filter selects (any, under ``FqnToConfig``) but that torchao
+    has not handed over yet. They are converted in the same call: the group's global scale comes
+    from every member's dense weight, which a member converted alone could not see."""
+    have = {t.name for t in pending}
+    extra = []
+    for t in pending:
+        if t.kind != "linear":
+            continue
+        parent_name, _, child = t.name.rpartition(".")
+        parent = root.get_submodule(parent_name)
+        for siblings in SIBLING_PROJECTIONS:
+            if child not in siblings:
+                continue
+            for s in siblings:
+                qualified = _join(parent_name, s)
+                m = getattr(parent, s, None)
+                if (qualified in have or m is None or isinstance(m, QuadsModule) or target_kind(m) != "linear"
+                        or policy.skips(qualified) or (filter_fn is not None and not filter_fn(m, qualified))):
+                    continue
+                have.add(qualified)
+                extra.append(ConversionTarget(qualified, m, "linear"))
+    return extra
 
 
 def register() -> None:
