@@ -206,3 +206,28 @@ def test_export_cli_tensor_mode_reports_the_requantized_shards(tmp_path, capsys)
         assert len(report["requantized"]) == want, mode
     out = capsys.readouterr().out
     assert "6 fused-layer shards re-quantized" in out
+
+
+def test_torchao_config_loading_converts_each_sibling_set_when_complete(tmp_path):
+    """transformers' TorchAoConfig loading quantizes each linear right after loading its weight;
+    the handler waits for the last member of a sibling set and converts the set together, so the
+    packed weights are quads.quantize_'s (group scales) bit for bit."""
+    pytest.importorskip("torchao")
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    import quads.integrations.torchao  # noqa: F401
+
+    build("llama").save_pretrained(tmp_path / "src")
+    policy = quads.QuadsPolicy(side="rollout")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16,
+                                                  quantization_config=TorchAoConfig(policy))
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16)
+    quads.quantize_(ours, policy)
+    mine = {n: p for n, p in ours.named_parameters() if isinstance(p, NVFP4Tensor)}
+    got = {n: p for n, p in loaded.named_parameters() if isinstance(p, NVFP4Tensor)}
+    assert got.keys() == mine.keys() and len(got) == 14
+    for n, p in got.items():
+        assert torch.equal(p.qdata, mine[n].qdata) and torch.equal(p.global_encode_scale, mine[n].global_encode_scale), n
+    assert not any(hasattr(m, "_quads_awaits_siblings") for m in loaded.modules())
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, ours(IDS).logits)

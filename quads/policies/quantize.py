@@ -38,7 +38,8 @@ from quads.tensor.finite import check_all_finite, check_dequantized_range, check
 from quads.tensor.nvfp4_math import BLOCK_SIZE, shared_global_encode_scale
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
-__all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "convert_targets"]
+__all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "convert_targets", "refuse_save_pretrained",
+           "SavePretrainedRefused"]
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
 _QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -257,12 +258,19 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
             + ")"
         )
     convert_targets(targets, policy, model)
-    if policy.side == "rollout" and callable(getattr(model, "save_pretrained", None)):
-        model.save_pretrained = _SavePretrainedRefused(type(model).__name__)
+    if policy.side == "rollout":
+        refuse_save_pretrained(model)
     return model
 
 
-class _SavePretrainedRefused:
+def refuse_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` (a quads rollout's) raise at once, before writing anything,
+    naming the ways that save such a model (:class:`SavePretrainedRefused`); no-op without one."""
+    if callable(getattr(model, "save_pretrained", None)) and not isinstance(model.save_pretrained, SavePretrainedRefused):
+        model.save_pretrained = SavePretrainedRefused(type(model).__name__)
+
+
+class SavePretrainedRefused:
     """``save_pretrained`` of a quads rollout model: transformers' writer cannot store
     ``NVFP4Tensor`` parameters (it fails deep inside with "invalid python storage"), so the
     call says at once how such a model is saved (:data:`quads.tensor.nvfp4_tensor.SAVE_HINT`)."""
