@@ -4,7 +4,7 @@ Serving engines fuse the sibling projections of a decoder layer (``q/k/v_proj`` 
 ``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``: :data:`~quads.policies.fused_projections.
 SIBLING_PROJECTIONS`, the one list of them) and give the fused layer *one* global weight scale
 (vLLM's ``weight_scale_2``). A model whose siblings each carry their own scale cannot be served
-so without re-quantizing them (1-4% weight error, measured in ``docs/export.md``), i.e. the
+so without re-quantizing them (1-4% weight error, ``docs/ecosystem.md`` section 2), i.e. the
 served model would not be the trained one. In group mode every side quantizes the members of a
 group with one ``S_enc`` from the group's largest amax
 (:func:`~quads.tensor.nvfp4_math.shared_global_encode_scale`, what ModelOpt computes for a
