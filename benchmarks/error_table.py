@@ -8,6 +8,7 @@ against the unquantized model run in float32.
     python -m benchmarks.error_table                 # embedded trained MoE (quads.tasks)
     python -m benchmarks.error_table --random-model  # tiny random Qwen3-MoE instead
     python -m benchmarks.error_table --weight-global-scale tensor   # one global scale per weight
+    python -m benchmarks.error_table --model ~/.cache/quads/smollm2-135m-instruct   # a local model
 
 ``--weight-global-scale`` (``group``, the default, or ``tensor``) is the policies'
 ``weight_global_scale``; the weight table compares both on every quantized linear weight.
@@ -25,7 +26,7 @@ import torch
 
 import quads
 from quads.ops import ActivationQuant, quantize_activation, dequantize_activation
-from quads.policies.scale_groups import trainer_forward_weight
+from quads.policies.scale_groups import group_scale_of
 
 CONFIGS = [
     # name, side, policy kwargs
@@ -39,7 +40,14 @@ CONFIGS = [
 ]
 
 
-def load_model(random_model: bool):
+def load_model(random_model: bool, path: str | None = None):
+    if path is not None:  # a local HF causal LM (e.g. SmolLM2-135M from `quads fetch-real-model`)
+        from quads.diagnostics.cli_inputs import load_local_causal_lm
+        from quads.diagnostics.diagnose import GENERIC_PROMPTS
+
+        model, tok = load_local_causal_lm(path, torch.bfloat16)
+        batch = tok(list(GENERIC_PROMPTS), padding=True, return_tensors="pt")
+        return model, batch["input_ids"], batch["attention_mask"], f"{path} (bf16), the diagnose prompts"
     if not random_model:
         try:
             from quads.tasks import load_default_model
@@ -77,10 +85,12 @@ def rel(a, b):
 
 
 def forward_weights(model, mode):
-    """Linear weight name -> the trainer's forward weight (float32) under ``weight_global_scale=mode``."""
+    """Linear weight name -> ``DQ(Q(w))`` in float32 with the global scale ``weight_global_scale=mode``
+    gives it (the trainer's forward weight before its cast to the master's dtype)."""
     trainer = copy.deepcopy(model)
     quads.quantize_(trainer, quads.QuadsPolicy(side="trainer", weight_global_scale=mode))
-    return {f"{n}.weight": trainer_forward_weight(trainer, f"{n}.weight").float()
+    return {f"{n}.weight": quads.nvfp4_fake_quantize(m.weight.detach(), dtype=torch.float32,
+                                                     global_encode_scale=group_scale_of(m))
             for n, m in quads.quantized_modules(trainer).items() if isinstance(m, torch.nn.Linear)}
 
 
@@ -101,7 +111,7 @@ def layer_table(model, ids, mask, layer_name, mode="group"):
     w = linear.weight.detach()
     ref = x.float() @ w.float().T
     rows = []
-    w_hat = forward_weights(model, mode)[f"{layer_name}.weight"].to(w.dtype)
+    w_hat = forward_weights(model, mode)[f"{layer_name}.weight"]
     static_k = None
     for name, side, kw in CONFIGS:
         policy = quads.QuadsPolicy(side=side, weight_global_scale=mode, **kw)
@@ -164,6 +174,7 @@ def model_table(model, ids, mask, mode="group"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--random-model", action="store_true")
+    ap.add_argument("--model", default=None, help="a local HF causal LM directory instead of the embedded model")
     ap.add_argument("--layer", default=None, help="nn.Linear to study (default: layer 0 q_proj)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     ap.add_argument("--weight-global-scale", choices=("group", "tensor"), default="group",
@@ -172,7 +183,7 @@ def main():
     mode = args.weight_global_scale
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    model, ids, mask, what = load_model(args.random_model)
+    model, ids, mask, what = load_model(args.random_model, args.model)
     model.eval()
     layer = args.layer or "model.layers.0.self_attn.q_proj"
     wt = weight_table(model)

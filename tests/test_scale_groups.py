@@ -2,14 +2,12 @@
 the groups formed, the trainer's forward, syncs after training steps, the checks that keep
 trainer and rollout on the same scales, and loading state saved in either mode."""
 
-import copy
 
 import pytest
 import torch
 
 import quads
 from quads.ops import use_backend
-from quads.policies.modules import TrainerLinear
 from quads.policies.scale_groups import sibling_groups
 from quads.tensor import NVFP4Tensor, load_safetensors, save_safetensors
 from tests.model_state import assert_unchanged, snapshot

@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import quads
 from quads.policies.modules import RolloutModule
-from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize
+from quads.tensor import NVFP4Tensor
 from tests.scale_reference import reference_forward_weight
 from quads.tensor.finite import nonfinite_names
 from tests.model_state import assert_unchanged, snapshot

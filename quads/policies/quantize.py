@@ -35,7 +35,7 @@ from quads.policies.policy import QuadsPolicy
 from quads.policies.scale_groups import GroupScaleLoadCheck, ScaleGroup, sibling_groups
 from quads.policies.walk import ConversionTarget, FilterFn, conversion_targets
 from quads.tensor.finite import check_all_finite, check_dequantized_range, check_finite
-from quads.tensor.nvfp4_math import BLOCK_SIZE, shared_global_encode_scale
+from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "convert_targets", "refuse_save_pretrained",
