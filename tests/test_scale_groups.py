@@ -229,3 +229,17 @@ def test_torchao_config_loading_converts_each_sibling_set_when_complete(tmp_path
     assert not any(hasattr(m, "_quads_awaits_siblings") for m in loaded.modules())
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, ours(IDS).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shared_global_encode_scale_is_the_recipe_on_the_largest_amax(dtype):
+    from quads.tensor.nvfp4_math import global_amax, global_encode_scale_from_amax, shared_global_encode_scale
+
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(8, 32, generator=g) * s).to(dtype) for s in (0.5, 3.0, 1.0)]
+    want = global_encode_scale_from_amax(torch.stack([global_amax(w, "tensor") for w in ws]).amax())
+    assert torch.equal(shared_global_encode_scale(ws), want)
+    assert torch.equal(shared_global_encode_scale(ws), group_encode_scale(ws))  # the tests' reference
+    assert torch.equal(shared_global_encode_scale(ws[:1] + [ws[0][:0]]), shared_global_encode_scale(ws[:1]))
+    ws[2][1, 1] = float("nan")
+    assert shared_global_encode_scale(ws).isnan()

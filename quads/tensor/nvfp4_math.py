@@ -163,8 +163,18 @@ def shared_global_encode_scale(tensors) -> torch.Tensor:
     if not tensors:
         raise ValueError("shared_global_encode_scale needs at least one tensor")
     device = tensors[0].device
-    amax = torch.stack([global_amax(t, "tensor").to(device) for t in tensors]).amax()
+    amax = torch.stack([_max_abs(t).to(device) for t in tensors]).amax()
     return global_encode_scale_from_amax(amax)
+
+
+def _max_abs(t: torch.Tensor) -> torch.Tensor:
+    """max|t| in float32 (``global_amax(t, "tensor")``'s value) from one min/max pass in the
+    tensor's dtype, without a float32 (or any) copy of the tensor: the trainer computes a group's
+    scale in every forward. NaN propagates."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    lo, hi = torch.aminmax(t.detach())
+    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
 
 
 def default_granularity(x: torch.Tensor) -> str:
