@@ -243,3 +243,26 @@ def test_shared_global_encode_scale_is_the_recipe_on_the_largest_amax(dtype):
     assert torch.equal(shared_global_encode_scale(ws[:1] + [ws[0][:0]]), shared_global_encode_scale(ws[:1]))
     ws[2][1, 1] = float("nan")
     assert shared_global_encode_scale(ws).isnan()
+
+
+def test_dense_state_dict_loads_with_group_scales_and_a_partial_group_is_refused():
+    """load_state_dict of high-precision weights into a group-mode rollout quantizes each sibling
+    group with its shared scale (= what sync_weights_ writes); a group given partly is refused."""
+    trainer = build("llama", seed=1)
+    synced, loaded = build("llama", seed=2), build("llama", seed=3)
+    for m in (synced, loaded):
+        quads.quantize_(m, quads.QuadsPolicy(side="rollout"))
+    quads.sync_weights_(synced, trainer)
+    state = trainer.state_dict()
+    loaded.load_state_dict(state)
+    assert not isinstance(state["model.layers.0.self_attn.q_proj.weight"], NVFP4Tensor)  # the caller's dict untouched
+    for (n, a), (_, b) in zip(synced.named_parameters(), loaded.named_parameters()):
+        if isinstance(a, NVFP4Tensor):
+            assert torch.equal(a.qdata, b.qdata) and torch.equal(a.global_encode_scale, b.global_encode_scale), n
+    fresh = build("llama", seed=4)
+    quads.quantize_(fresh, quads.QuadsPolicy(side="rollout"))
+    before = snapshot(fresh)
+    partial = {k: v for k, v in state.items() if "layers.1.self_attn.k_proj" not in k}
+    with pytest.raises(ValueError, match=r"sibling group .*layers\.1\.self_attn\.q_proj.* is not given whole"):
+        fresh.load_state_dict(partial, strict=False)
+    assert_unchanged(before, fresh)

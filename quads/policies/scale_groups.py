@@ -34,7 +34,9 @@ import torch.nn as nn
 
 from quads.policies.fused_projections import SIBLING_PROJECTIONS
 from quads.policies.shards import is_dtensor
-from quads.tensor.nvfp4_math import nvfp4_fake_quantize, shared_global_encode_scale
+from quads.tensor.finite import check_finite
+from quads.tensor.nvfp4_math import nvfp4_fake_quantize, nvfp4_quantize, shared_global_encode_scale
+from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["ScaleGroup", "GroupScaleLoadCheck", "sibling_groups", "check_group_scales", "group_scale_of",
            "trainer_forward_weight"]
@@ -118,9 +120,14 @@ def check_group_scales(groups: Iterable[Iterable[str]], scales: Mapping[str, tor
 
 
 class GroupScaleLoadCheck:
-    """``load_state_dict`` pre-hook of a group-mode rollout model: refuses, before any tensor is
-    loaded, a state dict whose sibling groups carry different global scales (a ``"tensor"``-mode
-    checkpoint), which would silently turn the model back into a per-tensor one."""
+    """``load_state_dict`` pre-hook of a group-mode rollout model, run before any tensor is loaded.
+
+    Packed entries: a state dict whose sibling groups carry different global scales (a
+    ``"tensor"``-mode checkpoint) is refused; it would silently turn the model back into a
+    per-tensor one. Dense entries (high-precision weights, which ``NVFP4Tensor.copy_`` would
+    quantize one by one with their own scales): a whole group is quantized here with its shared
+    scale (in the copy of the state dict ``load_state_dict`` hands its hooks); a group given
+    partly dense, or partly at all, is refused."""
 
     def __init__(self, groups: Iterable[Iterable[str]]):
         self.groups = [list(g) for g in groups]
@@ -130,8 +137,21 @@ class GroupScaleLoadCheck:
         for group in self.groups:
             keys = [f"{prefix}{n}.weight" for n in group]
             groups.append(keys)
-            for k in keys:
-                scale = getattr(state_dict.get(k), "global_encode_scale", None)
-                if scale is not None:
-                    scales[k] = scale
+            present = {k: state_dict[k] for k in keys if k in state_dict}
+            dense = [k for k, v in present.items() if not isinstance(v, NVFP4Tensor)]
+            if dense and len(dense) != len(keys):
+                raise ValueError(
+                    f"load_state_dict: {dense} are high-precision weights but their sibling group {keys} is not "
+                    "given whole in that form; its members share one NVFP4 global scale computed from all of "
+                    "them. Give every member, or load packed weights. Nothing was loaded")
+            if dense:
+                for k in keys:
+                    check_finite(present[k], f"load_state_dict {k}")
+                scale = shared_global_encode_scale(present[k].detach() for k in keys)
+                for k in keys:
+                    w = present[k].detach()
+                    state_dict[k] = NVFP4Tensor(*nvfp4_quantize(w, "tensor", scale.clone()), orig_dtype=w.dtype,
+                                                check_values=False)
+                continue
+            scales.update({k: v.global_encode_scale for k, v in present.items()})
         check_group_scales(groups, scales, "load_state_dict")
