@@ -203,7 +203,7 @@ def test_export_cli_tensor_mode_reports_the_requantized_shards(tmp_path, capsys)
         report = json.loads((tmp_path / mode / "quads_export.json").read_text())
         assert len(report["requantized"]) == want, mode
     out = capsys.readouterr().out
-    assert "6 fused-layer shards re-quantized" in out
+    assert "0 fused-layer shards re-quantized" in out and "6 fused-layer shards re-quantized" in out
 
 
 def test_torchao_config_loading_converts_each_sibling_set_when_complete(tmp_path):

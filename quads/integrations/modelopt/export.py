@@ -119,6 +119,8 @@ class ExportReport:
             f"{self.quant_algo}: {self.quantized_weights} NVFP4 weights, {self.exact_weights} equal to the "
             f"trainer's forward weights bit for bit, {len(self.exclude_modules)} modules excluded"
         ]
+        if not self.requantized and not self.mismatched_fused_groups:
+            lines.append("0 fused-layer shards re-quantized (each fused group's shards share one global scale)")
         if self.requantized:
             worst = max(v["max_abs_error"] for v in self.requantized.values())
             lines.append(
