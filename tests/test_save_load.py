@@ -1,6 +1,8 @@
 """Saving quantized models: what round-trips, and a clear error naming the way that works where
 transformers' or torchao's writer cannot store packed NVFP4 weights."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -62,6 +64,11 @@ def test_torchao_rollout_save_pretrained_names_the_way_that_works(tmp_path):
         tmp_path / "src", dtype=torch.bfloat16,
         quantization_config=TorchAoConfig(quads.QuadsPolicy(side="rollout")))
     assert _packed(model)
+    policy = model.config.quantization_config.quant_type  # serializable by torchao's encoder
+    written = json.loads(model.config.to_json_string())["quantization_config"]["quant_type"]["default"]
+    assert written["_type"] == "QuadsPolicy" and written["_data"]["side"] == "rollout"
+    assert written["_data"]["skip_patterns"]["_data"]["patterns"] == list(policy.skip_patterns)
+    assert "QuadsPolicy" in repr(model.config)
     with pytest.raises(TypeError, match=r"save_pretrained cannot write .*quads\.tensor\.save_safetensors"):
         model.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -80,8 +87,6 @@ def test_torchao_trainer_save_pretrained_round_trips(tmp_path):
     back into a trainer); loading it with the same TorchAoConfig gives the same trainer: the
     same masters, group scales and logits, bit for bit."""
     pytest.importorskip("torchao")
-    import json
-
     from transformers import TorchAoConfig
 
     import quads.integrations.torchao  # noqa: F401

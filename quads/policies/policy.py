@@ -34,6 +34,20 @@ DEFAULT_SKIP_PATTERNS = (
 )
 
 
+class Patterns(tuple):
+    """A policy's regex patterns: a plain tuple (equal to, and hashed like, the tuple of its
+    items) that torchao's config serializer can also write. ``TorchAoConfig(QuadsPolicy(...))``
+    serializes the policy field by field with torchao's encoder, which refuses tuples but
+    writes named tuples through ``_asdict``; so ``repr(model.config)``, ``config.to_dict()`` and
+    ``save_pretrained``'s config of such a model work."""
+
+    __slots__ = ()
+    _fields = ("patterns",)
+
+    def _asdict(self) -> dict:
+        return {"patterns": list(self)}
+
+
 @dataclass(frozen=True)
 class QuadsPolicy:
     """The precision policy of one side of QUADS.
@@ -97,7 +111,7 @@ class QuadsPolicy:
                     f"QuadsPolicy.{name} must be a tuple of regex strings, got {value!r}"
                     + (f" (write ({value!r},) for one pattern)" if isinstance(value, str) else "")
                 )
-            object.__setattr__(self, name, tuple(value))
+            object.__setattr__(self, name, Patterns(value))
         for pattern in self.all_skip_patterns:
             try:
                 re.compile(pattern)

@@ -235,8 +235,7 @@ class SaveMastersPretrained:
 
     transformers would write the masters with the torchao ``quantization_config``, and a later
     ``from_pretrained`` of such a directory treats it as pre-quantized: it never applies the
-    policy again and returns a plain BF16 model whose forward is not the trainer's (and
-    torchao's config serializer refuses the policy's tuple fields anyway). A trainer's state is
+    policy again and returns a plain BF16 model whose forward is not the trainer's. A trainer's state is
     its BF16 masters, so this writes them as a plain checkpoint (no ``quantization_config``, the
     model's own files otherwise), which ``from_pretrained(path, quantization_config=
     TorchAoConfig(policy))`` turns back into the same trainer, bit for bit (tested)."""
