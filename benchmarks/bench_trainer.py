@@ -27,7 +27,10 @@ Variants, each a fresh model with the same seed (the same weights):
   trainer, and ``vs_bf16_cast`` there is ``vs_bf16``);
 * ``quads``: ``quantize_(model, QuadsPolicy(side="trainer"))`` as shipped: the fused fake-quant
   kernel, grouped-GEMM experts (BF16 under autocast, like F.linear), forward weights recomputed
-  in the backward;
+  in the backward; one NVFP4 global scale per sibling group (q/k/v, gate/up: the default since
+  2026-12-02; each member's forward reads every member's master for the group's amax);
+* ``quads-tensor``: ``quads`` with one global scale per weight (``weight_global_scale="tensor"``,
+  the default before 2026-12-02): what the group scale costs the step;
 * ``quads-keep``: ``quads`` with the forward weight kept for the backward instead of recomputed
   (linears: F.linear on the straight-through forward weight, which saves it, as autocast's
   linear saves its BF16 cast; experts: ``quads_keep_forward_weight``): one fused pass less per
@@ -292,6 +295,8 @@ def make_variant(kind: str, variant: str):
     if variant == "bf16-cast":
         if not make_cast(model):
             raise ValueError(f"bf16-cast: the {kind} model has no experts")
+    elif variant == "quads-tensor":  # one global scale per weight (session 4's runs), not per sibling group
+        quads.quantize_(model, quads.QuadsPolicy(side="trainer", weight_global_scale="tensor"))
     elif variant in ("quads", "quads-keep", "quads-tgrad"):
         quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
         if variant == "quads-keep":

@@ -19,7 +19,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import quads, torch, triton; print(quads.__file__, torch.__version__, triton.__version__)" | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total,compute_mode --format=csv | tee -a "$OUT/versions.txt"
 timeout 170 $PY -m benchmarks.bench_trainer --out "$OUT/bench_trainer.json" --models dense,moe --layers moe=8,dense=36 \
-    --iters 3 --warmup 1 --variants bf16,bf16-cast,quads,quads-keep,quads-tgrad 2>&1 | tee "$OUT/bench_trainer.log"
+    --iters 3 --warmup 1 --variants bf16,bf16-cast,quads,quads-tensor,quads-keep,quads-tgrad 2>&1 | tee "$OUT/bench_trainer.log"
 timeout 120 $PY -m benchmarks.bench_trainer --out "$OUT/bench_trainer_profile.json" --models moe --layers moe=8 --accum 1 \
     --iters 2 --warmup 1 --variants bf16-cast,quads,quads-tgrad --profile > "$OUT/bench_trainer_profile.log" 2>&1
 grep -E '"profile": true' "$OUT/bench_trainer_profile.log" | cut -c1-700

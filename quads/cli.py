@@ -31,7 +31,8 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     import quads
-    from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize
+    from quads.policies.scale_groups import trainer_forward_weight
+    from quads.tensor import NVFP4Tensor
 
     try:
         from quads.tasks import load_default_model
@@ -52,9 +53,8 @@ def _demo(args: argparse.Namespace) -> int:
     quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
     quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", residual_fraction=args.residual_fraction))
     quads.sync_weights_(rollout, trainer)
-    masters = dict(trainer.named_parameters())
     packed = [(n, p) for n, p in rollout.named_parameters() if isinstance(p, NVFP4Tensor)]
-    exact = all(torch.equal(p.dequantize(torch.bfloat16), nvfp4_fake_quantize(masters[n].detach())) for n, p in packed)
+    exact = all(torch.equal(p.dequantize(torch.bfloat16), trainer_forward_weight(trainer, n)) for n, p in packed)
     with torch.no_grad():
         ref = model.float()(ids).logits
         lt = trainer(ids).logits.float()

@@ -12,6 +12,7 @@ from safetensors import safe_open
 import quads
 from quads.integrations.modelopt import export_modelopt, load_exported
 from quads.tensor import nvfp4_fake_quantize
+from tests.scale_reference import reference_forward_weight
 from tests.tiny_models import build
 
 
@@ -73,25 +74,31 @@ def _loaded(kind, seed, path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("mode", ["group", "tensor"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "mixtral"])
-def test_round_trip_to_trainer_forward_and_rollout(kind, tmp_path):
-    """separate scales: every weight exact. Trainer side: the loaded model's weights are the
-    trainer's forward weights and it computes the trainer's logits; rollout side: the packed
-    parts a sync from that trainer writes, and the same logits as that rollout."""
+def test_round_trip_to_trainer_forward_and_rollout(kind, mode, tmp_path):
+    """Every weight exact (group mode: the default export; tensor mode: separate scales).
+    Trainer side: the loaded model's weights are the trainer's forward weights and it computes
+    the trainer's logits; rollout side: the packed parts a sync from that trainer writes, and
+    the same logits as that rollout."""
     trainer = _loaded(kind, 0, tmp_path / "t")
     masters = {k: v.detach().clone() for k, v in _target_weights(trainer).items()}
-    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer", weight_global_scale=mode))
+    rollout_policy = quads.QuadsPolicy(side="rollout", weight_global_scale=mode)
     rollout = _loaded(kind, 5, tmp_path / "r")
-    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    quads.quantize_(rollout, rollout_policy)
     quads.sync_weights_(rollout, trainer)
-    with pytest.warns(UserWarning, match="largest weight_scale_2"):
-        export_modelopt(trainer, tmp_path / "ck", "w4a16", fused_scales="separate")
+    if mode == "group":
+        assert not export_modelopt(trainer, tmp_path / "ck", "w4a16").requantized
+    else:
+        with pytest.warns(UserWarning, match="largest weight_scale_2"):
+            export_modelopt(trainer, tmp_path / "ck", "w4a16", fused_scales="separate")
 
     served = load_exported(tmp_path / "ck", side="trainer")
     loaded = _target_weights(served)
     assert loaded.keys() == masters.keys()
-    for name, master in masters.items():
-        assert torch.equal(loaded[name], nvfp4_fake_quantize(master)), name
+    for name in masters:
+        assert torch.equal(loaded[name], reference_forward_weight(masters, name, mode)), name
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         if kind == "mixtral":  # transformers' Mixtral experts sum in another order than quads' TrainerExperts
@@ -99,7 +106,10 @@ def test_round_trip_to_trainer_forward_and_rollout(kind, tmp_path):
         else:
             assert torch.equal(served(ids).logits, trainer(ids).logits)
 
-    back = load_exported(tmp_path / "ck", side="rollout")
+    if mode == "tensor":  # per-tensor scales into a group-mode rollout: refused, naming the group
+        with pytest.raises(ValueError, match=r"sibling group .*q_proj.*weight_global_scale='tensor'"):
+            load_exported(tmp_path / "ck", side="rollout")
+    back = load_exported(tmp_path / "ck", side="rollout", policy=rollout_policy)
     mine = dict(rollout.named_parameters())
     packed = {n: p for n, p in back.named_parameters() if isinstance(p, quads.NVFP4Tensor)}
     assert packed.keys() == {n for n, p in mine.items() if isinstance(p, quads.NVFP4Tensor)}
@@ -113,7 +123,7 @@ def test_round_trip_to_trainer_forward_and_rollout(kind, tmp_path):
 
 def test_shared_scales_load_the_exported_requantized_shards(tmp_path):
     trainer = build("llama")
-    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer", weight_global_scale="tensor"))
     report = export_modelopt(trainer, tmp_path / "ck", "w4a16")
     served = _target_weights(load_exported(tmp_path / "ck"))
     exact = [n for n, w in _target_weights(trainer).items() if torch.equal(served[n], nvfp4_fake_quantize(w.detach()))]

@@ -15,6 +15,7 @@ from quads.policies.walk import conversion_targets
 from quads.tasks.arithmetic import make_tokenizer
 from quads.tensor import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize
 from quads.tensor.modelopt_format import ENCODE_SCALE_KEY, read_modelopt_checkpoint
+from tests.scale_reference import reference_forward_weight
 from tests.tiny_models import build
 
 KINDS = ["llama", "qwen3_moe", "mixtral"]
@@ -24,22 +25,26 @@ def _calib(n=4):
     return [torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
-def _forward_weights(model):
-    """Checkpoint name -> the trainer's forward weight (quads targets) or the stored tensor."""
+def _forward_weights(model, mode="group"):
+    """Checkpoint name -> the trainer's forward weight (quads targets, ``weight_global_scale=mode``)
+    or the stored tensor."""
     targets = {f"{n}.weight" if k == "linear" else f"{n}.{p}" for n, _, k in conversion_targets(model, quads.QuadsPolicy(side="trainer").skips)
                for p in (("weight",) if k == "linear" else ("gate_up_proj", "down_proj"))}
-    state = {k: nvfp4_fake_quantize(v.detach()) if k in targets else v.detach() for k, v in model.state_dict().items()}
+    masters = {k: v.detach() for k, v in model.state_dict().items() if k in targets}
+    state = {k: reference_forward_weight(masters, k, mode) if k in targets else v.detach()
+             for k, v in model.state_dict().items()}
     return revert_weight_conversion(model, state)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_separate_scales_read_back_bit_exact(kind, tmp_path):
     model = build(kind)
+    tensor_mode = quads.QuadsPolicy(side="trainer", weight_global_scale="tensor")
     with pytest.warns(UserWarning, match="largest weight_scale_2"):  # vLLM's fused layers
-        report = export_modelopt(model, tmp_path / "ck", "w4a16", fused_scales="separate")
+        report = export_modelopt(model, tmp_path / "ck", "w4a16", fused_scales="separate", policy=tensor_mode)
     assert report.mismatched_fused_groups
     back = read_modelopt_checkpoint(tmp_path / "ck")
-    expected = _forward_weights(model)
+    expected = _forward_weights(model, "tensor")
     packed = {k for k, v in back.items() if isinstance(v, quads.NVFP4Tensor)}
     assert len(packed) == report.quantized_weights == report.exact_weights > 0
     assert back.keys() == expected.keys()  # save_pretrained's names, no extra tensor
@@ -51,11 +56,37 @@ def test_separate_scales_read_back_bit_exact(kind, tmp_path):
         assert len(e0) == 4 and len({back[k].global_encode_scale.item() for k in e0 if ".layers.0." in k}) == 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("quantized", [False, True])
+def test_group_scales_export_every_weight_exactly(kind, quantized, tmp_path):
+    """weight_global_scale="group" (the default): the fused layers' shards already share one
+    global scale, so "shared" re-quantizes nothing and every NVFP4 tensor is the trainer's
+    forward weight bit for bit (a plain model, or a trainer quantized in group mode)."""
+    model = build(kind)
+    expected = _forward_weights(model, "group")
+    if quantized:
+        quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
+    report = export_modelopt(model, tmp_path / "ck", "w4a16")  # fused_scales="shared"
+    assert report.requantized == {} and report.mismatched_fused_groups == []
+    assert report.exact_weights == report.quantized_weights > 0
+    back = read_modelopt_checkpoint(tmp_path / "ck")
+    packed = {k for k, v in back.items() if isinstance(v, quads.NVFP4Tensor)}
+    assert len(packed) == report.quantized_weights
+    for name in packed:
+        assert torch.equal(back[name].dequantize(torch.bfloat16), expected[name]), name
+    attn = "model.layers.0.self_attn"
+    assert len({back[f"{attn}.{p}_proj.weight"].global_encode_scale.item() for p in "qkv"}) == 1
+    tensor_mode = _forward_weights(model if not quantized else build(kind), "tensor")
+    assert not torch.equal(expected[f"{attn}.k_proj.weight"], tensor_mode[f"{attn}.k_proj.weight"])  # a real change
+
+
 def test_shared_scales_requantize_only_mismatched_shards(tmp_path):
     model = build("llama")
-    report = export_modelopt(model, tmp_path / "ck", "w4a16")  # fused_scales="shared"
+    tensor_mode = quads.QuadsPolicy(side="trainer", weight_global_scale="tensor")
+    report = export_modelopt(model, tmp_path / "ck", "w4a16", policy=tensor_mode)  # fused_scales="shared"
+    assert len(report.requantized) == 6  # q/k/v and gate/up of 2 layers, less the members holding the group's scale
     back = read_modelopt_checkpoint(tmp_path / "ck")
-    expected = _forward_weights(model)
+    expected = _forward_weights(model, "tensor")
     attn = "model.layers.0.self_attn"
     scales = [back[f"{attn}.{p}_proj.weight"].global_encode_scale for p in "qkv"]
     assert len({s.item() for s in scales}) == 1  # one global scale for vLLM's qkv_proj
@@ -80,16 +111,15 @@ def test_trained_model_deploys_its_training_forward_weights(tmp_path):
     """After QAT steps, the exported weights are the training forward weights: a fresh model
     loaded with them computes the trainer's logits bit for bit."""
     trainer = build("llama")
-    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))  # group global scales
     opt = torch.optim.SGD(trainer.parameters(), lr=0.5)
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(3))
     for _ in range(2):
         trainer(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    with pytest.warns(UserWarning, match="largest weight_scale_2"):
-        report = export_modelopt(trainer, tmp_path / "ck", "w4a16", fused_scales="separate")
-    assert report.exact_weights == report.quantized_weights == 14
+    report = export_modelopt(trainer, tmp_path / "ck", "w4a16")  # the default "shared": nothing to re-quantize
+    assert report.exact_weights == report.quantized_weights == 14 and not report.requantized
     back = read_modelopt_checkpoint(tmp_path / "ck")
     served = build("llama", seed=1)  # other random weights, all replaced below
     served.load_state_dict({k: v.dequantize(torch.bfloat16) if isinstance(v, quads.NVFP4Tensor) else v for k, v in back.items()})

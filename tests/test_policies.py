@@ -7,6 +7,7 @@ import torch.nn as nn
 import quads
 from quads.policies.modules import RolloutExperts, RolloutLinear, TrainerExperts
 from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize
+from tests.scale_reference import reference_forward_weight
 from tests.tiny_models import build, twin
 
 KINDS = ["qwen3_moe", "mixtral", "llama"]
@@ -97,22 +98,29 @@ def test_experts_fake_quant_runs_once_per_forward(monkeypatch):
     assert sum(given for _, given in expert_calls) == 2 * layers  # the backward's, with the saved scales
 
 
+@pytest.mark.parametrize("mode", ["group", "tensor"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_sync_is_bit_exact_and_bf16_activations_agree(kind):
+def test_sync_is_bit_exact_and_bf16_activations_agree(kind, mode):
     trainer, rollout = build(kind, seed=1), build(kind, seed=2)  # different initial weights
-    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
-    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", activations="bf16"))
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer", weight_global_scale=mode))
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", activations="bf16", weight_global_scale=mode))
     quads.sync_weights_(rollout, trainer)
     masters = dict(trainer.named_parameters())
-    n_packed = 0
+    n_packed, scales = 0, {}
     for name, p in rollout.named_parameters():
         if isinstance(p, NVFP4Tensor):
             n_packed += 1
-            want = nvfp4_fake_quantize(masters[name].detach())
+            want = reference_forward_weight(masters, name, mode)
             assert torch.equal(p.dequantize(want.dtype).view(torch.int16), want.view(torch.int16)), name
+            scales[name] = p.global_encode_scale
         else:
             assert torch.equal(p, masters[name]), name
     assert n_packed > 0
+    qkv = [scales[f"model.layers.0.self_attn.{x}_proj.weight"].item() for x in "qkv"]
+    assert (len(set(qkv)) == 1) == (mode == "group")  # random weights: three amaxes differ
+    if kind == "llama":
+        gate_up = [scales[f"model.layers.1.mlp.{x}_proj.weight"].item() for x in ("gate", "up")]
+        assert (gate_up[0] == gate_up[1]) == (mode == "group")
     ids = _ids(3)
     with torch.no_grad():
         a = trainer(ids).logits.float()

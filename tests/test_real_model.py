@@ -14,7 +14,8 @@ import quads
 from quads.models import RealModelUnavailable, fetch_smollm2, find_smollm2, load_smollm2
 from quads.models.smollm2 import build_smollm2_from_wheel
 from quads.models.upcycle import CALIBRATION_TEXTS, _mlp_inputs, routing_balance, upcycle_to_mixtral
-from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize
+from quads.tensor import NVFP4Tensor
+from tests.scale_reference import reference_forward_weight
 
 REAL = find_smollm2()
 needs_real = pytest.mark.skipif(
@@ -116,8 +117,10 @@ def test_real_model_alignment_and_mismatch_ordering(smollm2):
         if k == 0.0:
             packed = [(name, p) for name, p in rollout.named_parameters() if isinstance(p, NVFP4Tensor)]
             assert len(packed) == 30 * 7
-            assert all(torch.equal(p.dequantize(torch.bfloat16), nvfp4_fake_quantize(masters[name].detach()))
+            assert all(torch.equal(p.dequantize(torch.bfloat16), reference_forward_weight(masters, name))
                        for name, p in packed)
+            qkv = [rollout.get_parameter(f"model.layers.3.self_attn.{x}_proj.weight").global_encode_scale for x in "qkv"]
+            assert qkv[0] == qkv[1] == qkv[2]  # one global scale per sibling group (the default)
         lp = score_teacher_forced(rollout, ids, attn, n)
         gaps[k] = ((lp - ref).abs() * attn[:, 1:]).sum().item() / attn[:, 1:].sum().item()
     assert gaps[0.0] > 2 * gaps[0.5] > 0 and gaps[0.5] > gaps[1.0] > 0, gaps

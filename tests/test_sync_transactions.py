@@ -6,7 +6,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import quads
 from quads.policies.modules import RolloutModule
-from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize
+from quads.tensor import NVFP4Tensor
+from tests.scale_reference import reference_forward_weight
 from quads.tensor.finite import nonfinite_names
 from tests.model_state import assert_unchanged, snapshot
 from tests.tiny_models import COMMON, build
@@ -75,8 +76,9 @@ def test_deeper_trainer_is_an_error_unless_strict_false():
     assert_unchanged(before, rollout)
     n = quads.sync_weights_(rollout, trainer, strict=False)
     assert n == len(list(rollout.parameters()))
-    w = trainer.model.layers[1].self_attn.q_proj.weight.detach()
-    assert torch.equal(rollout.model.layers[1].self_attn.q_proj.weight.dequantize(torch.bfloat16), nvfp4_fake_quantize(w))
+    masters = dict(trainer.named_parameters())
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(rollout.get_parameter(name).dequantize(torch.bfloat16), reference_forward_weight(masters, name))
     # the other way round: rollout parameters the trainer lacks
     deep_rollout = _llama(layers=4, seed=2)
     quads.quantize_(deep_rollout, quads.QuadsPolicy(side="rollout"))

@@ -30,7 +30,8 @@ from quads.integrations.trl import (  # noqa: E402
 )
 from quads.policies.modules import RolloutExperts, RolloutLinear, TrainerExperts, TrainerLinear  # noqa: E402
 from quads.tasks import make_prompts, make_tokenizer  # noqa: E402
-from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize  # noqa: E402
+from quads.tensor import NVFP4Tensor  # noqa: E402
+from tests.scale_reference import reference_forward_weight  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 QUADS_KEYS = [
@@ -146,8 +147,8 @@ def _check_exact(rollout, trainer_model):
         m = masters[name].detach()
         if isinstance(p, NVFP4Tensor):
             # the rollout's dequantized weight is the trainer's forward (fake-quant) weight, bitwise
-            assert torch.equal(p.dequantize(torch.float32), nvfp4_fake_quantize(m)), name
-            assert torch.equal(p.dequantize(torch.bfloat16), nvfp4_fake_quantize(m, dtype=torch.bfloat16)), name
+            assert torch.equal(p.dequantize(torch.float32), reference_forward_weight(masters, name, dtype=torch.float32)), name
+            assert torch.equal(p.dequantize(torch.bfloat16), reference_forward_weight(masters, name, dtype=torch.bfloat16)), name
             n_packed += 1
         else:
             assert torch.equal(p, m.to(p.dtype)), name

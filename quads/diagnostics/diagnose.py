@@ -27,6 +27,7 @@ import argparse
 import copy
 import json
 import sys
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -167,20 +168,35 @@ def layer_activation_errors(model, input_ids, attention_mask, fractions=(0.0, 0.
     return rows
 
 
+def rows_with_weight_global_scale(mode: str) -> list[DiagnoseRow]:
+    """:data:`ROWS` with every quads policy's ``weight_global_scale`` set to ``mode``."""
+    def set_mode(policy):
+        return dataclasses.replace(policy, weight_global_scale=mode) if isinstance(policy, QuadsPolicy) else policy
+
+    return [dataclasses.replace(r, rollout=set_mode(r.rollout), trainer=set_mode(r.trainer)) for r in ROWS]
+
+
 def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, seed=0,
-                 progress: Callable | None = None, tokens_per_step: int = 16) -> dict:
+                 progress: Callable | None = None, tokens_per_step: int = 16,
+                 weight_global_scale: str = "group") -> dict:
     """The whole report as a dict (see module doc). Derived weights are cached for the run
-    (``weight_cache_enabled``: the models' weights only change by quads' own in-place writes)."""
+    (``weight_cache_enabled``: the models' weights only change by quads' own in-place writes).
+    ``weight_global_scale``: the policies' (``"group"``, the default, or ``"tensor"``)."""
+    rows = rows_with_weight_global_scale(weight_global_scale)
     with weight_cache_enabled():
-        return _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress, tokens_per_step)
+        report = _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress,
+                               tokens_per_step, rows)
+    report["weight_global_scale"] = weight_global_scale
+    return report
 
 
-def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress, tokens_per_step) -> dict:
+def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress, tokens_per_step,
+                  config_rows) -> dict:
     model.eval()
     ids, attn, comp_mask = sample_completions(model, tokenizer, prompts, max_new_tokens, temperature, seed)
     n = comp_mask.shape[1]
-    rollout_keys = list(dict.fromkeys(r.rollout for r in ROWS))
-    trainer_keys = list(dict.fromkeys(r.trainer for r in ROWS))
+    rollout_keys = list(dict.fromkeys(r.rollout for r in config_rows))
+    trainer_keys = list(dict.fromkeys(r.trainer for r in config_rows))
     bar = progress(total=len(rollout_keys) + len(trainer_keys) + 1) if progress else None
     rollout_lp, trainer_lp = {}, {}
     for key in rollout_keys:
@@ -192,7 +208,7 @@ def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, 
         trainer_lp[key] = score_teacher_forced(_variant(model, key), ids, attn, n, temperature, mask_positions=True)
         bar and bar.update(1)
     rows = []
-    for row in ROWS:
+    for row in config_rows:
         gap = logp_gap_stats(rollout_lp[row.rollout], trainer_lp[row.trainer], comp_mask)
         rows.append({"config": row.name, "description": row.description,
                      "gap_mean": gap["mean"], "gap_p99": gap["p99"], "gap_max": gap["max"],
@@ -210,7 +226,8 @@ def format_report(report: dict) -> str:
     floor = next(r for r in report["rows"] if r["config"] == "bf16-floor")["gap_max"]
     took = f", {report['seconds']:.1f} s" if "seconds" in report else ""
     lines = [f"{report['num_prompts']} prompts, {report['completion_tokens']} completion tokens, "
-             f"T={report['temperature']}{took}", "",
+             f"T={report['temperature']}{took}"
+             + (f", weight_global_scale={report['weight_global_scale']}" if "weight_global_scale" in report else ""), "",
              f"{'config':<11} {'gap mean':>9} {'gap p99':>9} {'gap max':>9} {'max/floor':>9} {'k3 KL':>10}  description"]
     for r in report["rows"]:
         ratio = r["gap_max"] / floor if floor > 0 else float("nan")
@@ -256,7 +273,7 @@ def _cmd(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     report = run_diagnose(model, tok, prompts, args.max_new_tokens, args.temperature, args.seed,
                           progress=lambda total: tqdm(total=total, desc="scoring configs", file=sys.stderr),
-                          tokens_per_step=args.tokens_per_step)
+                          tokens_per_step=args.tokens_per_step, weight_global_scale=args.weight_global_scale)
     report["seconds"] = round(time.perf_counter() - started, 2)
     report["model"] = args.model or "embedded tiny-moe-arith"
     print(format_report(report))
@@ -283,5 +300,8 @@ def add_parser(sub) -> None:
                    help="where the models run (e.g. cuda: the rollout rows then use the kernels)")
     p.add_argument("--tokens-per-step", type=positive_int, default=16,
                    help="completion tokens per cached engine forward (1 = token by token; same log-probs on CPU)")
+    p.add_argument("--weight-global-scale", choices=("group", "tensor"), default="group",
+                   help="QuadsPolicy.weight_global_scale of every quads row: one NVFP4 global weight scale per "
+                        "q/k/v and gate/up group, or per weight")
     p.add_argument("--json", default=None, help="also write the report as JSON here (checked before the run)")
     p.set_defaults(func=_cmd)

@@ -187,11 +187,27 @@ class TrainerModule(QuadsModule):
 
 
 class TrainerLinear(TrainerModule):
+    #: the sibling group sharing this weight's NVFP4 global scale
+    #: (:class:`~quads.policies.scale_groups.ScaleGroup`; set by ``quantize_`` in group mode), or None
+    quads_scale_group = None
+
+    def quads_global_scale(self) -> torch.Tensor | None:
+        """The ``S_enc`` this forward quantizes the weight with when it is not the weight's own:
+        the sibling group's, from every member's master (one amax each, every forward), or None."""
+        group = self.quads_scale_group
+        return None if group is None else group.encode_scale()
+
+    def quads_forward_weight(self) -> torch.Tensor:
+        """The weight this module's forward multiplies by (no gradient): ``DQ(Q(master))`` with
+        the group's global scale in group mode."""
+        with torch.no_grad():
+            return fake_quantize_weight(self.weight, self.quads_trainer_backend(), None, self.quads_global_scale())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.quads_trainer_backend()
         if self.quads_act is not None:
             x = fake_quantize_activation(x, self.quads_act, backend)
-        return fake_quant_linear(x, self.weight, self.bias, backend)
+        return fake_quant_linear(x, self.weight, self.bias, backend, self.quads_global_scale())
 
 
 class RolloutLinear(RolloutModule):
@@ -201,6 +217,9 @@ class RolloutLinear(RolloutModule):
     #: the sibling group (:class:`~quads.ops.sibling_linear.SiblingGroup`) this linear belongs to, if any
     quads_group = None
     quads_group_index = 0
+    #: the siblings sharing this weight's NVFP4 global scale (group mode,
+    #: :class:`~quads.policies.scale_groups.ScaleGroup`), or None
+    quads_scale_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Hop 1 of 4: the sibling group (one quantization for q/k/v, gate/up) or

@@ -8,11 +8,13 @@ from dataclasses import dataclass, field, fields
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import KERNEL_PREFERENCES
 
-__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES"]
+__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES", "WEIGHT_GLOBAL_SCALES"]
 
 SIDES = ("trainer", "rollout")
 _UNSET = object()
 ACTIVATION_MODES = ("bf16", "nvfp4")
+#: ``QuadsPolicy.weight_global_scale``: one NVFP4 global scale per sibling group, or per weight
+WEIGHT_GLOBAL_SCALES = ("group", "tensor")
 
 # The activation defaults live in one place: ActivationQuant's fields.
 _ACT_DEFAULTS = {f.name: f.default for f in fields(ActivationQuant)}
@@ -30,6 +32,20 @@ DEFAULT_SKIP_PATTERNS = (
     r"(^|\.)(gate|router|shared_expert_gate)$",
     r"(^|\.)[^.]*norm[^.]*$",
 )
+
+
+class Patterns(tuple):
+    """A policy's regex patterns: a plain tuple (equal to, and hashed like, the tuple of its
+    items) that torchao's config serializer can also write. ``TorchAoConfig(QuadsPolicy(...))``
+    serializes the policy field by field with torchao's encoder, which refuses tuples but
+    writes named tuples through ``_asdict``; so ``repr(model.config)``, ``config.to_dict()`` and
+    ``save_pretrained``'s config of such a model work."""
+
+    __slots__ = ()
+    _fields = ("patterns",)
+
+    def _asdict(self) -> dict:
+        return {"patterns": list(self)}
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,15 @@ class QuadsPolicy:
         ``"exact"`` (default: the Triton kernels, bit-exact with the torch reference,
         deterministic, batch invariant) or ``"fast"`` (vLLM's humming GEMMs on Hopper, the
         ``humming`` backend: not bit-exact). ``QUADS_BACKEND`` still overrides both.
+    weight_global_scale: ``"group"`` (default) or ``"tensor"``: how many NVFP4 global weight
+        scales. ``"group"``: one per sibling group (q/k/v of an attention block, gate/up of an
+        MLP: :data:`~quads.policies.fused_projections.SIBLING_PROJECTIONS`), from the largest
+        amax of its members, on the trainer's forward weights, the rollout's packed weights and
+        every sync alike; that is the layout of the fused layers serving engines run (vLLM's
+        ``qkv_proj``/``gate_up_proj`` hold one ``weight_scale_2``), so ``quads export`` writes
+        the trained weights unchanged. ``"tensor"``: one per weight. Fused MoE experts keep one
+        per expert either way (their fused ``gate_up_proj`` already shares it between gate and
+        up). Trainer and rollout must use the same value (``sync_weights_`` checks).
 
     Defaults of the three activation fields are :class:`~quads.ops.ActivationQuant`'s.
     """
@@ -65,8 +90,12 @@ class QuadsPolicy:
     skip_patterns: tuple[str, ...] = DEFAULT_SKIP_PATTERNS
     extra_skip_patterns: tuple[str, ...] = field(default_factory=tuple)
     kernel: str = "exact"
+    weight_global_scale: str = "group"
 
     def __post_init__(self):
+        if self.weight_global_scale not in WEIGHT_GLOBAL_SCALES:
+            raise ValueError(f"QuadsPolicy.weight_global_scale must be one of {WEIGHT_GLOBAL_SCALES}, "
+                             f"got {self.weight_global_scale!r}")
         if self.kernel not in KERNEL_PREFERENCES:
             raise ValueError(f"QuadsPolicy.kernel must be one of {KERNEL_PREFERENCES}, got {self.kernel!r}")
         if not isinstance(self.side, str) or self.side not in SIDES:
@@ -82,7 +111,7 @@ class QuadsPolicy:
                     f"QuadsPolicy.{name} must be a tuple of regex strings, got {value!r}"
                     + (f" (write ({value!r},) for one pattern)" if isinstance(value, str) else "")
                 )
-            object.__setattr__(self, name, tuple(value))
+            object.__setattr__(self, name, Patterns(value))
         for pattern in self.all_skip_patterns:
             try:
                 re.compile(pattern)

@@ -32,12 +32,14 @@ from quads.policies.modules import (
     TrainerLinear,
 )
 from quads.policies.policy import QuadsPolicy
+from quads.policies.scale_groups import GroupScaleLoadCheck, ScaleGroup, sibling_groups
 from quads.policies.walk import ConversionTarget, FilterFn, conversion_targets
 from quads.tensor.finite import check_all_finite, check_dequantized_range, check_finite
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
-__all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "convert_targets"]
+__all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "convert_targets", "refuse_save_pretrained",
+           "SavePretrainedRefused"]
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
 _QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,15 +56,22 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     module.__class__ = _CLASS_CACHE[key]
 
 
-def _pack(weight: torch.Tensor, backend: Backend) -> NVFP4Tensor:
-    """Quantize a weight already checked finite (no host sync)."""
-    return NVFP4Tensor(*backend.quantize_weight(weight.detach()), orig_dtype=weight.dtype, check_values=False)
+def _pack(weight: torch.Tensor, backend: Backend, global_encode_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Quantize a weight already checked finite (no host sync), with its own global scale or
+    ``global_encode_scale`` (its sibling group's)."""
+    granularity = None
+    if global_encode_scale is not None:  # each member its own tensor: parts are written in place
+        granularity, global_encode_scale = "tensor", global_encode_scale.clone()
+    return NVFP4Tensor(*backend.quantize_weight(weight.detach(), granularity, global_encode_scale),
+                       orig_dtype=weight.dtype, check_values=False)
 
 
-def pack_weight(weight: torch.Tensor, backend: Backend, what: str = "weight") -> NVFP4Tensor:
-    """A dense 2-D/3-D weight as an NVFP4Tensor, quantized by ``backend`` (same bits on any backend)."""
+def pack_weight(weight: torch.Tensor, backend: Backend, what: str = "weight",
+                global_encode_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+    """A dense 2-D/3-D weight as an NVFP4Tensor, quantized by ``backend`` (same bits on any
+    backend); ``global_encode_scale`` (shape ``()``): a sibling group's shared ``S_enc``."""
     check_finite(weight, what)
-    return _pack(weight, backend)
+    return _pack(weight, backend, global_encode_scale)
 
 
 @dataclass
@@ -74,6 +83,7 @@ class _Target:
     kind: str  # "linear" or "experts"
     backend: Backend | None = None  # rollout only
     packed: dict[str, NVFP4Tensor] = field(default_factory=dict)  # rollout only: staged weights
+    scale_group: ScaleGroup | None = None  # group mode: the siblings sharing its global scale
 
     @property
     def weight_names(self) -> tuple[str, ...]:
@@ -149,13 +159,34 @@ def _check_ties(model: nn.Module, targets: list[_Target]) -> None:
 def _stage_packed(targets: list[_Target], kernel: str = "exact") -> None:
     """Rollout side: quantize every weight into a new NVFP4Tensor; shared weights are packed once."""
     done: dict[int, NVFP4Tensor] = {}
+    group_scales: dict[int, torch.Tensor] = {}
     for t in targets:
         t.backend = select_backend(getattr(t.module, t.weight_names[0]).device, kernel)
+        scale = None
+        if t.scale_group is not None:  # the dense masters of every member, before any is packed
+            key = id(t.scale_group)
+            if key not in group_scales:
+                group_scales[key] = t.scale_group.encode_scale()
+            scale = group_scales[key]
         for pname in t.weight_names:
             weight = getattr(t.module, pname)
             if id(weight) not in done:
-                done[id(weight)] = nn.Parameter(_pack(weight, t.backend), requires_grad=False)
+                done[id(weight)] = nn.Parameter(_pack(weight, t.backend, scale), requires_grad=False)
             t.packed[pname] = done[id(weight)]
+
+
+def _form_scale_groups(targets: list[_Target], policy: QuadsPolicy) -> list[ScaleGroup]:
+    """Group mode: one :class:`ScaleGroup` per sibling set among the linear targets."""
+    if policy.weight_global_scale != "group":
+        return []
+    linears = {t.name: t for t in targets if t.kind == "linear"}
+    groups = []
+    for names in sibling_groups(linears):
+        group = ScaleGroup([linears[n].module for n in names], names)
+        for n in names:
+            linears[n].scale_group = group
+        groups.append(group)
+    return groups
 
 
 def _commit(t: _Target, policy: QuadsPolicy) -> None:
@@ -163,6 +194,8 @@ def _commit(t: _Target, policy: QuadsPolicy) -> None:
         setattr(t.module, pname, packed)
     _swap_class(t.module, _MIXINS[(policy.side, t.kind)])
     t.module.quads_policy = policy
+    if t.scale_group is not None:
+        t.module.quads_scale_group = t.scale_group
     policy.activation_quant  # built now, not inside a (compiled) forward
     if policy.side == "rollout":
         t.module.quads_backend = t.backend
@@ -225,12 +258,19 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
             + ")"
         )
     convert_targets(targets, policy, model)
-    if policy.side == "rollout" and callable(getattr(model, "save_pretrained", None)):
-        model.save_pretrained = _SavePretrainedRefused(type(model).__name__)
+    if policy.side == "rollout":
+        refuse_save_pretrained(model)
     return model
 
 
-class _SavePretrainedRefused:
+def refuse_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` (a quads rollout's) raise at once, before writing anything,
+    naming the ways that save such a model (:class:`SavePretrainedRefused`); no-op without one."""
+    if callable(getattr(model, "save_pretrained", None)) and not isinstance(model.save_pretrained, SavePretrainedRefused):
+        model.save_pretrained = SavePretrainedRefused(type(model).__name__)
+
+
+class SavePretrainedRefused:
     """``save_pretrained`` of a quads rollout model: transformers' writer cannot store
     ``NVFP4Tensor`` parameters (it fails deep inside with "invalid python storage"), so the
     call says at once how such a model is saved (:data:`quads.tensor.nvfp4_tensor.SAVE_HINT`)."""
@@ -262,6 +302,7 @@ def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy, model:
         if isinstance(t.module, QuadsModule):
             raise ValueError(f"{t.name!r} is already quantized by quads; build a fresh model to re-quantize")
         _check_target(t, policy.side)
+    groups = _form_scale_groups(staged, policy)
     if policy.side == "rollout" and model is not None:
         _check_ties(model, staged)
     weights = {id(w): (q, w) for t in staged for q, w in t.weights()}  # a tied weight is checked once
@@ -273,3 +314,5 @@ def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy, model:
                 {id(p): (f"{t.name}.{n}" if t.name else n, p.parts, p.orig_dtype)
                  for t in staged for n, p in t.packed.items()}.values(), "quantize_")
         _commit_all(staged, policy)
+    if groups and policy.side == "rollout" and model is not None:
+        model.register_load_state_dict_pre_hook(GroupScaleLoadCheck([g.names for g in groups]))

@@ -61,6 +61,7 @@ class _Entry:
     master: Master
     holders: list[RolloutModule] = field(default_factory=list)  # rollout modules holding it (ties: several)
     granularity: str | None = None  # packed entries: "tensor" or "expert"
+    group: int | None = None  # group mode: id of the sibling group sharing its global scale
     # filled while validating / staging
     global_scale: torch.Tensor | None = None
     local_parts: list[torch.Tensor] = field(default_factory=list)  # byte views this rank sends
@@ -97,6 +98,7 @@ def plan_sharded_sync(rollout_model: nn.Module, trainer_model: nn.Module) -> tup
     masters = trainer_masters(trainer_model)
     owners = rollout_owners(rollout_model)
     entries, mesh = [], None
+    grouped: dict[int, tuple[object, list[str]]] = {}
     for name, param in rollout_model.named_parameters():
         if is_dtensor(param):
             raise NotImplementedError(f"sync_weights_: the rollout's {name} is a DTensor; each rank needs a full rollout replica")
@@ -117,9 +119,17 @@ def plan_sharded_sync(rollout_model: nn.Module, trainer_model: nn.Module) -> tup
             if not master.forward_dtype.is_floating_point:
                 raise TypeError(f"sync_weights_: cannot quantize the {master.forward_dtype} master {name}")
             entry.granularity = default_granularity(param)
+            scale_group = next((getattr(m, "quads_scale_group", None) for m in entry.holders), None)
+            if scale_group is not None:
+                entry.group = id(scale_group)
+                grouped.setdefault(id(scale_group), (scale_group, []))[1].append(name)
         entries.append(entry)
     if mesh is None:
         raise ValueError("sync_sharded_weights_: the trainer model has no sharded (FSDP2/DTensor) parameter; use quads.sync_weights_")
+    for group, names in grouped.values():
+        if len(names) != len(group.members):
+            raise ValueError(f"sync_weights_: only {names} of the sibling group {list(group.names)} are synced; its "
+                             "members share one global scale, computed from every member's master")
     return entries, mesh
 
 
@@ -213,11 +223,16 @@ def validate_sharded_sync(entries: list[_Entry], comm: _Comm) -> None:
             "non-finite weights would silently poison or saturate whole blocks, refusing (no rollout weight written)"
         )
     amaxes = comm.all_reduce(amaxes, dist.ReduceOp.MAX)
-    offset = 0
+    offset, per_entry, group_amax = 0, [], {}
     for e in packed:
         n = e.groups()
-        amax = amaxes[offset : offset + n].to(torch.float32)
+        per_entry.append(amaxes[offset : offset + n].to(torch.float32))
         offset += n
+        if e.group is not None:  # sibling group: the largest amax of its members (scale_groups.py)
+            group_amax[e.group] = torch.maximum(group_amax.get(e.group, per_entry[-1]), per_entry[-1])
+    for e, amax in zip(packed, per_entry):
+        if e.group is not None:
+            amax = group_amax[e.group]
         scale = global_encode_scale_from_amax(amax)
         e.global_scale = (scale if e.granularity == "expert" else scale.reshape(())).to(e.param.device)
 

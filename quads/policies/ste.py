@@ -50,15 +50,15 @@ def forward_weight_dtype(weight: torch.Tensor) -> torch.dtype:
 
 class _FakeQuantWeightSTE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, backend: Backend, dtype: torch.dtype):
+    def forward(ctx, weight: torch.Tensor, backend: Backend, dtype: torch.dtype, global_scale: torch.Tensor | None):
         ctx.master_dtype = weight.dtype
-        out, scale = fake_quantizer(backend)(weight, dtype)
+        out, scale = fake_quantizer(backend)(weight, dtype, global_scale)
         ctx.mark_non_differentiable(scale)
         return out, scale
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _grad_scale):
-        return grad.to(ctx.master_dtype), None, None
+        return grad.to(ctx.master_dtype), None, None, None
 
 
 class _FakeQuantLinear(torch.autograd.Function):
@@ -68,8 +68,8 @@ class _FakeQuantLinear(torch.autograd.Function):
     keeping it alive; the weight gradient goes straight through to the master."""
 
     @staticmethod
-    def forward(ctx, x, master, bias, backend: Backend, dtype: torch.dtype):
-        w, scale = fake_quantizer(backend)(master, dtype)
+    def forward(ctx, x, master, bias, backend: Backend, dtype: torch.dtype, global_scale: torch.Tensor | None):
+        w, scale = fake_quantizer(backend)(master, dtype, global_scale)
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(dtype))
         ctx.save_for_backward(x2, master, scale)
@@ -89,7 +89,7 @@ class _FakeQuantLinear(torch.autograd.Function):
             grad_w = g2.t().mm(x2).to(master.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class _FakeQuantActivationSTE(torch.autograd.Function):
@@ -124,17 +124,19 @@ def _check_whole(weight: torch.Tensor) -> None:
 
 
 def fake_quantize_weight_parts(
-    weight: torch.Tensor, backend: Backend | None = None, dtype: torch.dtype | None = None
+    weight: torch.Tensor, backend: Backend | None = None, dtype: torch.dtype | None = None,
+    global_encode_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(forward weight, global encode scale)``: :func:`fake_quantize_weight` plus the scale
     (``()`` or ``(E,)``), which lets a backward recompute the forward weight without an amax."""
     _check_whole(weight)
     backend = backend or select_backend(weight.device)
-    return _FakeQuantWeightSTE.apply(weight, backend, dtype or forward_weight_dtype(weight))
+    return _FakeQuantWeightSTE.apply(weight, backend, dtype or forward_weight_dtype(weight), global_encode_scale)
 
 
 def fake_quantize_weight(
-    weight: torch.Tensor, backend: Backend | None = None, dtype: torch.dtype | None = None
+    weight: torch.Tensor, backend: Backend | None = None, dtype: torch.dtype | None = None,
+    global_encode_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NVFP4 fake-quant of a 2-D weight (one global scale) or 3-D experts (one per expert),
     straight-through; in ``dtype`` (default :func:`forward_weight_dtype`), by ``backend`` (default:
@@ -144,23 +146,27 @@ def fake_quantize_weight(
     ``weight`` must be the whole weight: under FSDP2 it is (``fully_shard`` unshards parameters
     into plain tensors before a module's forward). A DTensor here means a module was called
     outside its FSDP root's forward, or a tensor-parallel weight: its global scale would need a
-    collective the forward must not issue, so this refuses.
+    collective the forward must not issue, so this refuses. ``global_encode_scale``: quantize
+    with this ``S_enc`` (a sibling group's) instead of the weight's own.
     """
-    return fake_quantize_weight_parts(weight, backend, dtype)[0]
+    return fake_quantize_weight_parts(weight, backend, dtype, global_encode_scale)[0]
 
 
 def fake_quant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: Backend | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: Backend | None = None,
+    global_encode_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, fake_quantize_weight(weight), bias)`` (same values and gradients) without
-    keeping the forward weight alive for the backward: a transient, recomputed there."""
+    keeping the forward weight alive for the backward: a transient, recomputed there.
+    ``global_encode_scale`` (shape ``()``): quantize with this ``S_enc`` instead of the weight's
+    own, e.g. its sibling group's (:mod:`quads.policies.scale_groups`)."""
     _check_whole(weight)
     dtype = forward_weight_dtype(weight)
     if not torch.is_autocast_enabled(weight.device.type):  # F.linear's rule: no implicit casts
         for what, t in (("input", x), ("bias", bias)):
             if t is not None and t.dtype != weight.dtype:
                 raise TypeError(f"quads trainer linear: {what} dtype {t.dtype} differs from the weight's {weight.dtype}")
-    return _FakeQuantLinear.apply(x, weight, bias, backend or select_backend(weight.device), dtype)
+    return _FakeQuantLinear.apply(x, weight, bias, backend or select_backend(weight.device), dtype, global_encode_scale)
 
 
 def fake_quantize_activation(x: torch.Tensor, config: ActivationQuant, backend: Backend | None = None) -> torch.Tensor:

@@ -30,10 +30,10 @@ import torch
 import torch.nn as nn
 
 from quads.ops.backend import Backend, select_backend
-from quads.policies.modules import rollout_owners
+from quads.policies.modules import QuadsModule, rollout_owners
 from quads.policies.shards import has_sharded_parameters
 from quads.tensor.finite import check_all_finite, check_dequantized_range
-from quads.tensor.nvfp4_math import NVFP4Parts
+from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["sync_weights_"]
@@ -51,6 +51,7 @@ class _Write:
     source: torch.Tensor  # the trainer's master, detached
     backend: Backend | None = None  # packed only: the owning module's backend
     staged: NVFP4Parts | torch.Tensor | None = None
+    group: tuple["_Write", ...] | None = None  # group mode: the writes of its sibling group (itself included)
 
     @property
     def name(self) -> str:
@@ -128,16 +129,71 @@ def _plan(rollout_model: nn.Module, trainer_model: nn.Module, strict: bool) -> l
         )
     if not writes:
         raise ValueError("sync_weights_: the two models have no parameter name in common; nothing to sync")
+    problems = _plan_scale_groups(writes, rollout_model, trainer_model)
+    if problems:
+        raise ValueError("sync_weights_: nothing was written; the global-scale groups do not match:\n  "
+                         + "\n  ".join(problems))
     return writes
+
+
+def _group_names(module, names: dict[int, str]) -> tuple[str, ...] | None:
+    group = getattr(module, "quads_scale_group", None)
+    return None if group is None else tuple(names.get(id(m), "?") for m in group.members)
+
+
+def _plan_scale_groups(writes: list[_Write], rollout_model: nn.Module, trainer_model: nn.Module) -> list[str]:
+    """Give each packed write of a sibling group the writes of its group (group mode, see
+    :mod:`quads.policies.scale_groups`) and check that the trainer's modules quantize with the
+    same global scales (mode and groups); returns the problems found."""
+    by_param = {id(w.param): w for w in writes if w.packed}
+    rollout_names = {id(m): n for n, m in rollout_model.named_modules()}
+    trainer_modules = dict(trainer_model.named_modules())
+    trainer_names = {id(m): n for n, m in trainer_modules.items()}
+    problems, done = [], set()
+    for name, module in rollout_model.named_modules():
+        if not isinstance(module, QuadsModule):
+            continue
+        trainer = trainer_modules.get(name)
+        if isinstance(trainer, QuadsModule):
+            mine, theirs = module.quads_policy.weight_global_scale, trainer.quads_policy.weight_global_scale
+            if mine != theirs:
+                problems.append(f"{name}: the rollout quantizes with weight_global_scale={mine!r}, the trainer with "
+                                f"{theirs!r}; the rollout's weights would not be the trainer's forward weights "
+                                "(use one value on both sides)")
+                continue
+            if _group_names(module, rollout_names) != _group_names(trainer, trainer_names):
+                problems.append(f"{name}: shares its global scale with {_group_names(module, rollout_names)} in the "
+                                f"rollout, {_group_names(trainer, trainer_names)} in the trainer")
+                continue
+        group = getattr(module, "quads_scale_group", None)
+        if group is None or id(group) in done:
+            continue
+        done.add(id(group))
+        members = [by_param.get(id(m.weight)) for m in group.members]
+        left_out = [rollout_names.get(id(m), "?") for m, w in zip(group.members, members) if w is None]
+        if left_out:
+            problems.append(f"{', '.join(left_out)}: not synced, but its sibling group {list(group.names)} shares "
+                            "one global scale computed from every member's master; sync the whole group")
+            continue
+        for w in members:
+            w.group = tuple(members)
+    return problems
 
 
 def _stage(writes: list[_Write]) -> None:
     """Compute every new value (quantized parts, dense copies on the rollout's device and dtype)."""
+    group_scales: dict[int, torch.Tensor] = {}
     for w in writes:
         if w.packed:
             dense = w.source.to(w.param.device)
+            granularity, scale = w.param.granularity, None
+            if w.group is not None:  # one S_enc from every member's master
+                key = id(w.group[0])
+                if key not in group_scales:
+                    group_scales[key] = shared_global_encode_scale(m.source.to(w.param.device) for m in w.group)
+                granularity, scale = "tensor", group_scales[key].to(w.param.device)
             parts = w.backend.quantize_weight(dense.transpose(-2, -1) if w.param.transposed else dense,
-                                              w.param.granularity)
+                                              granularity, scale)
             for part, new, old in zip(NVFP4Parts._fields, parts, w.param.parts):
                 if new.shape != old.shape or new.dtype != old.dtype:
                     raise ValueError(

@@ -37,6 +37,7 @@ __all__ = [
     "unpack_e2m1",
     "global_encode_scale_from_amax",
     "global_amax",
+    "shared_global_encode_scale",
     "default_granularity",
     "GLOBAL_SCALE_GRANULARITIES",
     "nvfp4_quantize",
@@ -153,6 +154,29 @@ def global_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
     raise ValueError(f"unknown global-scale granularity {granularity!r}; use one of {GLOBAL_SCALE_GRANULARITIES}")
 
 
+def shared_global_encode_scale(tensors) -> torch.Tensor:
+    """One ``S_enc`` (shape ``()``) for weights quantized with one global scale: sibling
+    projections that an engine fuses into one layer (q/k/v, gate/up). It comes from the largest
+    amax of the group, as ModelOpt computes a fused layer's ``weight_scale_2``, so no member
+    saturates; on the first tensor's device. NaN propagates (any member's NaN poisons the group)."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("shared_global_encode_scale needs at least one tensor")
+    device = tensors[0].device
+    amax = torch.stack([_max_abs(t).to(device) for t in tensors]).amax()
+    return global_encode_scale_from_amax(amax)
+
+
+def _max_abs(t: torch.Tensor) -> torch.Tensor:
+    """max|t| in float32 (``global_amax(t, "tensor")``'s value) from one min/max pass in the
+    tensor's dtype, without a float32 (or any) copy of the tensor: the trainer computes a group's
+    scale in every forward. NaN propagates."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    lo, hi = torch.aminmax(t.detach())
+    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
+
+
 def default_granularity(x: torch.Tensor) -> str:
     """One global scale per tensor for 1-D/2-D weights, one per expert for 3-D expert weights."""
     return "expert" if x.dim() == 3 else "tensor"
@@ -250,7 +274,9 @@ def nvfp4_fake_quantize(
     x: torch.Tensor,
     granularity: str | None = None,
     dtype: torch.dtype | None = None,
+    global_encode_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``DQ(Q(x))`` in ``dtype`` (default ``x.dtype``); no gradient logic (see policies.ste)."""
-    parts = nvfp4_quantize(x, granularity)
+    """``DQ(Q(x))`` in ``dtype`` (default ``x.dtype``), with ``global_encode_scale`` if given (e.g.
+    a sibling group's); no gradient logic (see policies.ste)."""
+    parts = nvfp4_quantize(x, granularity, global_encode_scale)
     return nvfp4_dequantize(*parts, dtype=dtype or x.dtype)

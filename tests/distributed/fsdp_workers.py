@@ -83,8 +83,8 @@ class ForwardWeightSpy:
 
     Wraps the backends' fake quantizers (``quads.policies.ste.fake_quantizer``, as the trainer
     linear and the grouped experts look it up; they still compute the forward) and identifies the
-    parameter through a forward pre-hook on each quads trainer module. Calls with a given global
-    scale are the backward's recomputation, not recorded.
+    parameter through a forward pre-hook on each quads trainer module. Only the first call for
+    each weight is recorded (one forward per spy); the backward's recomputations are not.
     """
 
     _USERS = (quads_ste, quads_trainer_experts)
@@ -112,10 +112,12 @@ class ForwardWeightSpy:
 
         def spied(weight, dtype=None, global_encode_scale=None):
             out, scale = real(weight, dtype, global_encode_scale)
-            if global_encode_scale is None:
-                name, module = self._current
-                pname = next(n for n, p in module.named_parameters(recurse=False) if p is weight)
-                key = f"{name}.{pname}"
+            name, module = self._current
+            pname = next((n for n, p in module.named_parameters(recurse=False) if p is weight), None)
+            key = f"{name}.{pname}"
+            # the first call for a weight of the module being run is its forward (with a sibling
+            # group's scale in group mode); later ones are the backward's recomputation
+            if pname is not None and key not in self.outputs:
                 self.inputs[key] = (isinstance(weight, DTensor), tuple(weight.shape))
                 self.outputs[key] = out.detach().clone()
             return out, scale

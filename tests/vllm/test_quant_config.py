@@ -54,6 +54,11 @@ def test_config_parsing():
         QuadsConfig.from_config({"quant_method": "quads", "kernel": "fastest"})
     d = quads_quantization_config(residual_fraction=0.0)
     assert d["quant_method"] == "quads" and d["residual_fraction"] == 0.0
+    assert d["weight_global_scale"] == "group"  # merged layers: one global scale for their shards
+    tensor = QuadsConfig.from_config({"quant_method": "quads", "weight_global_scale": "tensor"})
+    assert tensor.policy.weight_global_scale == "tensor" and tensor.to_dict()["weight_global_scale"] == "tensor"
+    with pytest.raises(ValueError, match="weight_global_scale"):
+        quads_quantization_config(weight_global_scale="fused")
     with pytest.raises(ValueError, match="unknown"):
         QuadsConfig.from_config({"quant_method": "quads", "residual": 0.5})
     with pytest.raises(NotImplementedError, match="per_token"):

@@ -20,7 +20,8 @@ from quads.integrations.vllm.quant_method import (  # noqa: E402
     shard_linear,
 )
 from quads.integrations.vllm.weight_push import engine_model  # noqa: E402
-from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize  # noqa: E402
+from quads.tensor import NVFP4Tensor, nvfp4_fake_quantize, nvfp4_quantize  # noqa: E402
+from tests.scale_reference import group_encode_scale, reference_forward_weight  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -58,7 +59,7 @@ def _shard_names(layer, prefix: str) -> list[str]:
 
 
 def test_loads_and_weights_equal_trainer_fake_quant(engine):
-    """Every quantized vLLM weight dequantizes to nvfp4_fake_quantize(trainer weight), bit for bit,
+    """Every quantized vLLM weight dequantizes to the trainer's forward weight (group scales), bit for bit,
     and its packed parts are those of the transformers rollout model; the rest stays BF16."""
     kind, llm, trainer, rollout = engine
     vm = engine_model(llm)
@@ -70,10 +71,11 @@ def test_loads_and_weights_equal_trainer_fake_quant(engine):
         if isinstance(method, QuadsLinearMethod):
             names = _shard_names(layer, prefix)
             for name, deq in zip(names, dequantize_linear_weight(layer), strict=True):
-                master = masters[f"{name}.weight"]
-                assert torch.equal(deq, nvfp4_fake_quantize(master)), name
+                assert torch.equal(deq, reference_forward_weight(masters, f"{name}.weight")), name
                 assert torch.equal(deq, packed[f"{name}.weight"].dequantize(torch.bfloat16)), name
-            ref = [NVFP4Tensor.from_float(masters[f"{n}.weight"]) for n in names]
+            # a merged layer's shards are one sibling group: one global scale (the default)
+            group = group_encode_scale([masters[f"{n}.weight"] for n in names]) if len(names) > 1 else None
+            ref = [nvfp4_quantize(masters[f"{n}.weight"].detach(), None, group) for n in names]
             assert torch.equal(layer.weight, torch.cat([r.qdata for r in ref]))
             assert torch.equal(layer.weight_scale.view(torch.uint8), torch.cat([r.scale for r in ref]).view(torch.uint8))
             n_linear += 1

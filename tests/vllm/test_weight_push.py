@@ -56,7 +56,7 @@ def test_push_changes_outputs_and_matches_fresh_load(kind, quantization, checkpo
 
     from quads.integrations.vllm.quant_method import QuadsLinearMethod, dequantize_linear_weight
     from quads.integrations.vllm.weight_push import engine_model
-    from quads.tensor import nvfp4_fake_quantize
+    from tests.scale_reference import reference_forward_weight
 
     path_a, path_b = checkpoint(kind, 0), checkpoint(kind, 1)
     trainer_b = build(kind, seed=1)
@@ -72,7 +72,8 @@ def test_push_changes_outputs_and_matches_fresh_load(kind, quantization, checkpo
         layer = engine_model(llm).model.layers[1].self_attn.qkv_proj
         assert isinstance(layer.quant_method, QuadsLinearMethod)
         q = dequantize_linear_weight(layer)[0]
-        assert torch.equal(q, nvfp4_fake_quantize(trainer_b.model.layers[1].self_attn.q_proj.weight))
+        masters = dict(trainer_b.named_parameters())
+        assert torch.equal(q, reference_forward_weight(masters, "model.layers.1.self_attn.q_proj.weight"))
     release(llm)
 
     fresh = make_llm(path_b, quantization=quantization)

@@ -4,7 +4,8 @@
     quads export --model runs/trainer --out runs/trainer-w4a4 --format nvfp4 --calib prompts.txt
 
 ``--model`` holds the BF16 masters (``save_pretrained`` of the trainer model; quads' trainer
-layers keep the parameter names). The model is converted with ``QuadsPolicy(side="trainer")``
+layers keep the parameter names). The model is converted with ``QuadsPolicy(side="trainer",
+weight_global_scale=--weight-global-scale)`` (the value the model was trained with)
 (so ``--calib`` runs the training forward, W4A16) and the weights written are that forward's
 weights (see :mod:`quads.integrations.modelopt.export` for the fused-layer rule and formats).
 
@@ -66,7 +67,8 @@ def _cmd(args: argparse.Namespace) -> int:
     if prompts is not None:
         check_tokenizer(tokenizer, model, args.model, prompts)
         calibration = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
-    policy = QuadsPolicy(side="trainer", extra_skip_patterns=tuple(args.extra_skip))
+    policy = QuadsPolicy(side="trainer", extra_skip_patterns=tuple(args.extra_skip),
+                         weight_global_scale=args.weight_global_scale)
     try:
         _progress("converting to the training forward (W4A16)")
         quantize_(model, policy)  # the training forward, which calibration then runs
@@ -97,6 +99,9 @@ def add_parser(sub) -> None:
     p.add_argument("--calib", default=None, help="text file, one calibration prompt per line (needed for nvfp4)")
     p.add_argument("--fused-scales", choices=("shared", "separate"), default="shared",
                    help="shared: one global scale per vLLM fused layer (q/k/v, gate/up); separate: bit-exact shards")
+    p.add_argument("--weight-global-scale", choices=("group", "tensor"), default="group",
+                   help="the trainer's QuadsPolicy.weight_global_scale: group (one global scale per q/k/v and "
+                        "gate/up group: fused layers are written exactly) or tensor (one per weight)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="dtype of the tensors not quantized (embeddings, norms, routers, lm_head); auto: the masters' dtype")
     p.add_argument("--extra-skip", action="append", default=[], metavar="REGEX", type=regex,

@@ -19,12 +19,16 @@ What is exported
   transformers' own ``save_pretrained`` writes.
 * **Fused layers** (``fused_scales``). vLLM merges ``q/k/v_proj`` and ``gate/up_proj`` into one
   layer with *one* global weight scale: the largest ``weight_scale_2`` of the shards
-  (``KNvfp4Static.process``), which mis-scales every other shard. quads gives each linear its
-  own global scale, so with ``"shared"`` (default) a shard whose scale is not the group's is
-  re-quantized from its trainer forward weight with the group's scale (``S_enc`` = the smallest
-  of the group, i.e. the largest amax), as ModelOpt's and llm-compressor's exporters do; the
-  report lists those shards and their weight error. ``"separate"`` keeps every shard bit-exact
-  (quads reads it back exactly; vLLM would mis-scale it, so a warning is raised).
+  (``KNvfp4Static.process``), which mis-scales every other shard. quads' default,
+  ``QuadsPolicy(weight_global_scale="group")``, already trains and serves such a group with one
+  global scale (:mod:`quads.policies.scale_groups`): a trainer's groups, or for a plain model
+  ``policy``'s, give the shards equal scales and nothing is re-quantized (``requantized`` is
+  empty). A model quantized with ``weight_global_scale="tensor"`` has one scale per linear; then
+  ``"shared"`` (default) re-quantizes a shard whose scale is not the group's from its trainer
+  forward weight with the group's scale (``S_enc`` = the smallest of the group, i.e. the
+  largest amax), as ModelOpt's and llm-compressor's exporters do, and the report lists those
+  shards and their weight error; ``"separate"`` keeps every shard bit-exact (quads reads it back
+  exactly; vLLM would mis-scale it, so a warning is raised).
 * **Formats**: ``"w4a16"`` (``quant_algo: W4A16_NVFP4``: NVFP4 weights, BF16 activations, the
   numerics of the QUADS trainer) and ``"nvfp4"`` (W4A4 with a static per-tensor activation
   scale ``input_scale`` from calibration batches, no residual compensation: an engine's plain
@@ -79,9 +83,11 @@ from quads.tensor.nvfp4_math import (
     global_encode_scale_from_amax,
     nvfp4_dequantize,
     nvfp4_quantize,
+    shared_global_encode_scale,
 )
 from quads.tensor.nvfp4_tensor import NVFP4Tensor, check_finite
 from quads.policies.fused_projections import SIBLING_PROJECTIONS
+from quads.policies.scale_groups import sibling_groups
 
 __all__ = ["DTYPES", "FORMATS", "FUSED_SIBLINGS", "ExportReport", "check_out_dir", "export_modelopt"]
 
@@ -113,6 +119,8 @@ class ExportReport:
             f"{self.quant_algo}: {self.quantized_weights} NVFP4 weights, {self.exact_weights} equal to the "
             f"trainer's forward weights bit for bit, {len(self.exclude_modules)} modules excluded"
         ]
+        if not self.requantized and not self.mismatched_fused_groups:
+            lines.append("0 fused-layer shards re-quantized (each fused group's shards share one global scale)")
         if self.requantized:
             worst = max(v["max_abs_error"] for v in self.requantized.values())
             lines.append(
@@ -144,18 +152,47 @@ def _targets(model: nn.Module, policy: QuadsPolicy) -> list[ConversionTarget]:
     return targets
 
 
-def _parts(param: torch.Tensor, qualified: str) -> NVFP4Parts:
-    """NVFP4 parts of a weight: a packed one as it is, a master through the recipe."""
+def _parts(param: torch.Tensor, qualified: str, global_encode_scale: torch.Tensor | None = None) -> NVFP4Parts:
+    """NVFP4 parts of a weight: a packed one as it is, a master through the recipe (with its
+    sibling group's global scale when it has one)."""
     if isinstance(param, NVFP4Tensor):
         if param.transposed:
             raise NotImplementedError(f"{qualified}: transposed packed weights are not exported")
         return param.parts
     check_quantizable(param, qualified)
     check_finite(param, qualified)
-    return nvfp4_quantize(param.detach())
+    return nvfp4_quantize(param.detach(), None, global_encode_scale)
 
 
-def _quantize_targets(targets: list[ConversionTarget]) -> tuple[dict[str, NVFP4Parts], dict[str, torch.dtype]]:
+def _group_scales(targets: list[ConversionTarget], policy: QuadsPolicy, converted: bool) -> dict[str, torch.Tensor]:
+    """``weight name -> S_enc`` of the master weights quantized with a sibling group's global
+    scale: a trainer's groups (``quads_scale_group``), or, for a plain model, the groups of
+    ``policy`` (:mod:`quads.policies.scale_groups`). Packed rollout weights carry theirs."""
+    groups = []
+    if converted:
+        seen = set()
+        for _, module, _ in targets:
+            group = getattr(module, "quads_scale_group", None)
+            if group is not None and id(group) not in seen and not isinstance(module.weight, NVFP4Tensor):
+                seen.add(id(group))
+                groups.append(group)
+        names = {id(m): n for n, m, _ in targets}
+        return {f"{names[id(m)]}.weight": scale for g in groups for scale in [g.encode_scale()] for m in g.members}
+    if policy.weight_global_scale != "group":
+        return {}
+    modules = {n: m for n, m, kind in targets if kind == "linear"}
+    out = {}
+    for names in sibling_groups(modules):
+        for n in names:
+            check_quantizable(modules[n].weight, f"{n}.weight")
+            check_finite(modules[n].weight, f"{n}.weight")
+        scale = shared_global_encode_scale(modules[n].weight.detach() for n in names)
+        out.update({f"{n}.weight": scale for n in names})
+    return out
+
+
+def _quantize_targets(targets: list[ConversionTarget], scales: dict[str, torch.Tensor]
+                      ) -> tuple[dict[str, NVFP4Parts], dict[str, torch.dtype]]:
     """``param name -> parts`` and ``-> dtype`` (of the forward weight) for every target weight."""
     out, dtypes = {}, {}
     for name, module, kind in targets:
@@ -164,7 +201,7 @@ def _quantize_targets(targets: list[ConversionTarget]) -> tuple[dict[str, NVFP4P
         for pname in _WEIGHTS[kind]:
             qualified = f"{name}.{pname}" if name else pname
             param = getattr(module, pname)
-            out[qualified] = _parts(param, qualified)
+            out[qualified] = _parts(param, qualified, scales.get(qualified))
             dtypes[qualified] = param.orig_dtype if isinstance(param, NVFP4Tensor) else param.dtype
     return out, dtypes
 
@@ -465,7 +502,8 @@ def export_modelopt(
             set the static ``input_scale`` of the ``"nvfp4"`` format.
         fused_scales: ``"shared"`` (one global scale per vLLM fused layer) or ``"separate"``.
         tokenizer: saved beside the weights when given.
-        policy: which modules a plain model's export quantizes (default ``QuadsPolicy("trainer")``).
+        policy: which modules a plain model's export quantizes, and its ``weight_global_scale``
+            (default ``QuadsPolicy("trainer")``: one global scale per sibling group).
         max_shard_bytes: safetensors shard size limit.
         dtype: of the tensors that are not quantized: ``"auto"`` (the masters' dtype) or
             ``"bfloat16"`` / ``"float16"`` / ``"float32"``.
@@ -486,7 +524,7 @@ def export_modelopt(
     check_out_dir(out_dir)
 
     targets = _targets(model, policy)
-    parts, dtypes = _quantize_targets(targets)
+    parts, dtypes = _quantize_targets(targets, _group_scales(targets, policy, bool(quantized_modules(model))))
     rest_dtype = _rest_dtype(dtype, dtypes)
     groups = _fused_groups(targets)
     requantized, mismatched = {}, []

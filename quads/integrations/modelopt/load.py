@@ -6,13 +6,17 @@
 
 * ``side="trainer"``: a plain transformers model whose quantized layers hold the dequantized
   NVFP4 weights in the checkpoint's dtype, i.e. the QUADS trainer's forward weights
-  (``nvfp4_fake_quantize(master)``) bit for bit; its forward is the trainer's W4A16 forward
+  (``nvfp4_fake_quantize(master)``, with its sibling group's global scale) bit for bit; its forward is the trainer's W4A16 forward
   (BF16 activations). The masters themselves are not in the checkpoint: train on from them,
   not from this model.
 * ``side="rollout"``: that model converted by ``quads.quantize_`` with
   ``QuadsPolicy(side="rollout")`` (or ``policy``), then every packed weight overwritten with the
   checkpoint's own codes, block scales and global scales: the rollout a ``sync_weights_`` from
-  the trainer would have produced, bit for bit.
+  the trainer would have produced, bit for bit. With the default
+  ``weight_global_scale="group"`` a checkpoint whose sibling shards carry different global
+  scales (exported with ``fused_scales="separate"`` from a ``"tensor"``-mode model) is refused
+  with an error that names the group; pass ``policy=QuadsPolicy(side="rollout",
+  weight_global_scale="tensor")`` to load it.
 
 How: the NVFP4 tensors are dequantized under their checkpoint names into a temporary standard
 checkpoint (``config.json`` without ``quantization_config``), which transformers loads with its
@@ -37,6 +41,7 @@ import torch.nn as nn
 from quads.integrations.modelopt.export import _row_sources
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import quantize_
+from quads.policies.scale_groups import check_group_scales
 from quads.tensor.modelopt_format import read_modelopt_checkpoint
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -151,5 +156,10 @@ def load_exported(
         raise ValueError(f"load_exported: NVFP4 tensors {sorted(missing)[:3]} map to no parameter of the model")
     quantize_(model, policy, filter_fn=lambda m, name: any(
         src.rpartition(".")[0] == name for src, _ in sources.values()))
+    scales = {param: tensors[ckpt].global_encode_scale for ckpt, (param, _) in sources.items()
+              if tensors[ckpt].global_encode_scale.dim() == 0}
+    groups = {id(g): [f"{n}.weight" for n in g.names] for m in model.modules()
+              for g in [getattr(m, "quads_scale_group", None)] if g is not None}
+    check_group_scales(groups.values(), scales, f"load_exported({str(path)!r})")
     _place_packed(model, tensors, sources)
     return model

@@ -28,6 +28,13 @@ handed, so a module that cannot be converted (K not a multiple of 16, non-finite
 unsupported experts layout) raises, naming it, before anything changes. (``FqnToConfig``
 selections are checked per module.) A module already converted with an equal policy is left
 as it is; a model holding modules converted with another policy is refused.
+
+**Sibling groups.** With ``weight_global_scale="group"`` (the default) the handler converts a
+linear together with its siblings (q/k/v, gate/up) that the policy and torchao's filter select,
+so their shared global scale sees every member's weight; torchao then hands over the siblings
+already converted, and they are left as they are. transformers' ``TorchAoConfig`` loading hands
+each linear over right after loading its weight, before its siblings have theirs: there the
+handler leaves the first members dense and converts the whole set when its last member arrives.
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ from typing import Callable, NamedTuple
 
 import torch.nn as nn
 
+from quads.policies.fused_projections import SIBLING_PROJECTIONS
 from quads.policies.modules import QuadsModule
 from quads.policies.policy import QuadsPolicy
-from quads.policies.quantize import check_target, convert_targets
+from quads.policies.quantize import check_target, convert_targets, refuse_save_pretrained
 from quads.policies.walk import ConversionTarget, conversion_targets, target_kind
 
 __all__ = ["linear_or_experts", "register"]
@@ -109,10 +117,70 @@ def _check_whole_walk(root: nn.Module, filter_fn, policy: QuadsPolicy) -> None:
         check_target(target, policy)
 
 
+def _transformers_load() -> tuple[nn.Module, str, object] | None:
+    """``(model, module name, hf_quantizer)`` when this runs inside transformers' loading of a
+    ``TorchAoConfig`` model (``TorchAoQuantize.convert``, which calls ``quantize_`` on each linear
+    right after its weight is loaded), found on this thread's stack like the quantize_ call."""
+    try:
+        from transformers.integrations.torchao import TorchAoQuantize
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    code = TorchAoQuantize.convert.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            local = frame.f_locals
+            return local["model"], local["full_layer_name"].rpartition(".")[0], local["self"].hf_quantizer
+        frame = frame.f_back
+    return None
+
+
+def _load_siblings_together(module: nn.Module, policy: QuadsPolicy) -> list[ConversionTarget] | None:
+    """Group mode inside transformers' loading: the linears of ``module``'s sibling set, to be
+    converted together once the last of them has its weight, or ``[]`` while one is still
+    waiting for its weight (``module`` then stays dense until then); None outside such a load
+    or for a linear without siblings. The set is the siblings transformers will quantize
+    (``hf_quantizer.param_needs_quantization``)."""
+    load = _transformers_load()
+    if load is None or policy.weight_global_scale != "group" or target_kind(module) != "linear":
+        return None
+    model, name, quantizer = load
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    for siblings in SIBLING_PROJECTIONS:
+        if child not in siblings:
+            continue
+        members = [(_join(parent_name, s), getattr(parent, s, None)) for s in siblings]
+        members = [(n, m) for n, m in members if m is not None and target_kind(m) == "linear"
+                   and quantizer.param_needs_quantization(model, f"{n}.weight")]
+        if len(members) < 2:
+            return None
+        module._quads_awaits_siblings = True
+        if not all(getattr(m, "_quads_awaits_siblings", False) for _, m in members):
+            return []
+        for _, m in members:
+            del m._quads_awaits_siblings
+        return [ConversionTarget(n, m, "linear") for n, m in members]
+    return None
+
+
 def apply_policy(module: nn.Module, policy: QuadsPolicy) -> nn.Module:
     """The torchao module handler of ``QuadsPolicy``: convert ``module`` in place, return it."""
+    load = _transformers_load()
+    if load is not None:
+        _guard_save_pretrained(load[0], policy)
+    together = _load_siblings_together(module, policy)
+    if together is not None:  # transformers' TorchAoConfig loading, a linear with siblings
+        if together:
+            convert_targets(together, policy, load[0])
+            for _, m, _ in together:  # transformers marks only the module it handed over
+                for p in m.parameters(recurse=False):
+                    p._is_hf_initialized = True
+        return module
     call = _current_quantize_call()
     root = module if call is None else call.model
+    if call is not None:
+        _guard_save_pretrained(call.model, policy)
     name, converted = None, False
     for n, m in root.named_modules():
         if m is module and name is None:
@@ -129,8 +197,77 @@ def apply_policy(module: nn.Module, policy: QuadsPolicy) -> nn.Module:
     if not converted and call is not None and call.filter_fn is not None:
         _check_whole_walk(root, call.filter_fn, policy)
     pending = [t for t in _targets_in(module, name, policy) if not isinstance(t.module, QuadsModule)]
+    if policy.weight_global_scale == "group":
+        pending += _unconverted_siblings(root, pending, policy, None if call is None else call.filter_fn)
     convert_targets(pending, policy, root)
     return module
+
+
+def _unconverted_siblings(root: nn.Module, pending: list[ConversionTarget], policy: QuadsPolicy,
+                          filter_fn) -> list[ConversionTarget]:
+    """Group mode: the sibling linears (:data:`SIBLING_PROJECTIONS`) of the pending linears that
+    the policy converts and torchao's filter selects (any, under ``FqnToConfig``) but that torchao
+    has not handed over yet. They are converted in the same call: the group's global scale comes
+    from every member's dense weight, which a member converted alone could not see."""
+    have = {t.name for t in pending}
+    extra = []
+    for t in pending:
+        if t.kind != "linear":
+            continue
+        parent_name, _, child = t.name.rpartition(".")
+        parent = root.get_submodule(parent_name)
+        for siblings in SIBLING_PROJECTIONS:
+            if child not in siblings:
+                continue
+            for s in siblings:
+                qualified = _join(parent_name, s)
+                m = getattr(parent, s, None)
+                if (qualified in have or m is None or isinstance(m, QuadsModule) or target_kind(m) != "linear"
+                        or policy.skips(qualified) or (filter_fn is not None and not filter_fn(m, qualified))):
+                    continue
+                have.add(qualified)
+                extra.append(ConversionTarget(qualified, m, "linear"))
+    return extra
+
+
+class SaveMastersPretrained:
+    """``save_pretrained`` of a quads *trainer* loaded with ``TorchAoConfig(QuadsPolicy(...))``.
+
+    transformers would write the masters with the torchao ``quantization_config``, and a later
+    ``from_pretrained`` of such a directory treats it as pre-quantized: it never applies the
+    policy again and returns a plain BF16 model whose forward is not the trainer's. A trainer's state is
+    its BF16 masters, so this writes them as a plain checkpoint (no ``quantization_config``, the
+    model's own files otherwise), which ``from_pretrained(path, quantization_config=
+    TorchAoConfig(policy))`` turns back into the same trainer, bit for bit (tested)."""
+
+    def __init__(self, model: nn.Module):
+        self.save = model.save_pretrained  # the bound method of transformers
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        model, config = self.model, self.model.config
+        quantization_config = config.__dict__.pop("quantization_config", None)
+        quantizer = model.__dict__.get("hf_quantizer")
+        model.hf_quantizer = None
+        try:
+            return self.save(*args, **kwargs)
+        finally:
+            model.hf_quantizer = quantizer
+            if quantization_config is not None:
+                config.quantization_config = quantization_config
+
+
+def _guard_save_pretrained(model: nn.Module, policy: QuadsPolicy) -> None:
+    """The ``save_pretrained`` of a model torchao converts with ``policy``: refused at once for a
+    rollout (packed weights; the error names the ways that work), masters only for a trainer
+    loaded through ``TorchAoConfig`` (:class:`SaveMastersPretrained`)."""
+    if not callable(getattr(model, "save_pretrained", None)):
+        return
+    if policy.side == "rollout":
+        refuse_save_pretrained(model)
+    elif (getattr(getattr(model, "config", None), "quantization_config", None) is not None
+          and not isinstance(model.save_pretrained, SaveMastersPretrained)):
+        model.save_pretrained = SaveMastersPretrained(model)
 
 
 def register() -> None:

@@ -8,7 +8,7 @@ Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
 
     {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 1.0,
      "residual_selection": "per_token", "activation_granularity": "row",
-     "extra_skip_patterns": []}
+     "extra_skip_patterns": [], "weight_global_scale": "group"}
 
 The keys are the rollout side of :class:`quads.QuadsPolicy`; :func:`quads_quantization_config`
 builds the dict.
@@ -26,9 +26,11 @@ How it works
   ``*_weight_global_scale`` (one per expert).
 * **Fused vLLM layers are quantized per logical weight.** vLLM merges ``q/k/v_proj`` into
   ``qkv_proj`` and ``gate_proj/up_proj`` into ``gate_up_proj``; a transformers trainer has one
-  ``nn.Linear`` (hence one NVFP4 global scale) per logical weight. So each shard of a merged
-  layer gets its own global scale, and the forward runs one W4A4 product per shard (the
-  activation is quantized once): exactly the transformers rollout model's computation. MoE
+  ``nn.Linear`` per logical weight, whose global scale is its sibling group's
+  (``weight_global_scale="group"``, the default: one ``S_enc`` from the largest amax of the
+  shards, :mod:`quads.policies.scale_groups`) or its own (``"tensor"``). Each shard is packed
+  with that scale and the forward runs one W4A4 product per shard (the activation is quantized
+  once): exactly the transformers rollout model's computation. MoE
   experts are already fused in transformers 5 (``gate_up_proj (E, 2I, H)``, one global scale per
   expert), which is vLLM's ``w13_weight`` layout, gate rows first.
 * **Forward**: W4A4 + residual compensation via :func:`quads.ops.rollout_linear` and
@@ -69,7 +71,7 @@ from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fiel
 from quads.ops.sibling_linear import SiblingGroup
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
-from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts
+from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts, shared_global_encode_scale
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 logger = init_logger(__name__)
@@ -94,6 +96,7 @@ QUADS_CONFIG_KEYS: dict[str, Any] = {
     "activation_granularity": _ROLLOUT_DEFAULTS.activation_granularity,
     "extra_skip_patterns": list(_ROLLOUT_DEFAULTS.extra_skip_patterns),
     "kernel": _ROLLOUT_DEFAULTS.kernel,  # "exact" | "fast" (humming on sm_90: docs/humming.md)
+    "weight_global_scale": _ROLLOUT_DEFAULTS.weight_global_scale,
 }
 
 
@@ -120,6 +123,7 @@ class QuadsConfig(QuantizationConfig):
         activation_granularity: str = QUADS_CONFIG_KEYS["activation_granularity"],
         extra_skip_patterns: tuple[str, ...] | list[str] = (),
         kernel: str = QUADS_CONFIG_KEYS["kernel"],
+        weight_global_scale: str = QUADS_CONFIG_KEYS["weight_global_scale"],
     ) -> None:
         super().__init__()
         if residual_selection != "per_token":
@@ -135,6 +139,7 @@ class QuadsConfig(QuantizationConfig):
             activation_granularity=activation_granularity,
             extra_skip_patterns=tuple(extra_skip_patterns),
             kernel=kernel,
+            weight_global_scale=weight_global_scale,
         )
 
     # -- QuantizationConfig interface ----------------------------------------------------
@@ -177,6 +182,7 @@ class QuadsConfig(QuantizationConfig):
             "activation_granularity": p.activation_granularity,
             "extra_skip_patterns": list(p.extra_skip_patterns),
             "kernel": p.kernel,
+            "weight_global_scale": p.weight_global_scale,
         }
 
     @property
@@ -293,10 +299,12 @@ class QuadsLinearMethod(LinearMethodBase):
             return  # already packed
         layer.quads_backend = select_backend(weight.device, self.config.policy.kernel)
         prefix = getattr(layer, "prefix", "linear")
-        packed = [
-            pack_weight(shard, layer.quads_backend, f"{prefix} shard {i}")
-            for i, shard in enumerate(weight.split(layer.quads_output_partition_sizes, dim=0))
-        ]
+        shards = weight.split(layer.quads_output_partition_sizes, dim=0)
+        # group mode: a merged layer's shards (q/k/v, gate/up) are one sibling group, one global scale
+        group_scale = (shared_global_encode_scale(shards)
+                       if self.config.policy.weight_global_scale == "group" and len(shards) > 1 else None)
+        packed = [pack_weight(shard, layer.quads_backend, f"{prefix} shard {i}", group_scale)
+                  for i, shard in enumerate(shards)]
         _replace(layer, "weight", torch.cat([p.qdata for p in packed]))
         _replace(layer, "weight_scale", torch.cat([p.scale for p in packed]))
         _replace(layer, "weight_global_scale", torch.stack([p.global_encode_scale for p in packed]))

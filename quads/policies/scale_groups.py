@@ -1,0 +1,157 @@
+"""One NVFP4 global weight scale per sibling group: ``QuadsPolicy(weight_global_scale="group")``.
+
+Serving engines fuse the sibling projections of a decoder layer (``q/k/v_proj`` into
+``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``: :data:`~quads.policies.fused_projections.
+SIBLING_PROJECTIONS`, the one list of them) and give the fused layer *one* global weight scale
+(vLLM's ``weight_scale_2``). A model whose siblings each carry their own scale cannot be served
+so without re-quantizing them (1-4% weight error, ``docs/ecosystem.md`` section 2), i.e. the
+served model would not be the trained one. In group mode every side quantizes the members of a
+group with one ``S_enc`` from the group's largest amax
+(:func:`~quads.tensor.nvfp4_math.shared_global_encode_scale`, what ModelOpt computes for a
+fused layer), so trainer, rollout and export hold the same weights:
+
+* ``quantize_`` forms the groups among the linears it converts (same parent, names of one
+  sibling set, at least two members; :func:`sibling_groups`) and stores the
+  :class:`ScaleGroup` on each member (``module.quads_scale_group``); rollout members are packed
+  with the group's scale;
+* the trainer's forward (``TrainerLinear``) takes the group's scale from the members' masters
+  in every forward (one amax per member: no cache, for the reason ``policies/ste.py`` gives);
+* ``sync_weights_`` and the sharded sync compute it from the masters of all members;
+* ``quads export`` uses it for plain and trainer models, so no fused shard is re-quantized;
+* a state dict whose group members carry different scales (saved in ``"tensor"`` mode) is
+  refused by a group-mode rollout model before anything is loaded (:class:`GroupScaleLoadCheck`).
+
+Fused MoE experts need nothing here: their ``gate_up_proj (E, 2I, H)`` is one tensor with one
+global scale per expert, shared by the expert's gate and up rows in both modes.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn as nn
+
+from quads.policies.fused_projections import SIBLING_PROJECTIONS
+from quads.policies.shards import is_dtensor
+from quads.tensor.finite import check_finite
+from quads.tensor.nvfp4_math import nvfp4_fake_quantize, nvfp4_quantize, shared_global_encode_scale
+from quads.tensor.nvfp4_tensor import NVFP4Tensor
+
+__all__ = ["ScaleGroup", "GroupScaleLoadCheck", "sibling_groups", "check_group_scales", "group_scale_of",
+           "trainer_forward_weight"]
+
+
+class ScaleGroup:
+    """Sibling linears (one parent, one sibling set) whose weights share one NVFP4 global scale.
+
+    ``members`` are the modules (not registered as submodules: a plain attribute holding them
+    makes no module-tree cycle), ``names`` their qualified names in the model they were
+    converted in (for messages and checks).
+    """
+
+    def __init__(self, members: Iterable[nn.Module], names: Iterable[str]):
+        self.members = tuple(members)
+        self.names = tuple(names)
+
+    def __repr__(self) -> str:
+        return f"ScaleGroup({', '.join(self.names)})"
+
+    def encode_scale(self) -> torch.Tensor:
+        """``S_enc`` of the members' current dense weights (the trainer's masters)."""
+        weights = [m.weight for m in self.members]
+        for name, w in zip(self.names, weights):
+            if is_dtensor(w):
+                raise RuntimeError(
+                    f"quads trainer layer: {name}.weight is a distributed (DTensor) weight during its sibling's "
+                    f"forward; the group {list(self.names)} shares one NVFP4 global scale, which needs every "
+                    "member's whole weight. Apply fully_shard to the decoder layer (not to single linears), "
+                    "or use QuadsPolicy(weight_global_scale='tensor')"
+                )
+        return shared_global_encode_scale(w.detach() for w in weights)
+
+
+def group_scale_of(module: nn.Module) -> torch.Tensor | None:
+    """The module's sibling group's ``S_enc`` from its members' masters, or None (no group)."""
+    group = getattr(module, "quads_scale_group", None)
+    return None if group is None else group.encode_scale()
+
+
+def trainer_forward_weight(model: nn.Module, name: str) -> torch.Tensor:
+    """The forward weight of the quantized parameter ``name`` of a quads trainer (or plain)
+    ``model``: ``DQ(Q(master))`` by the recipe, with the sibling group's global scale where the
+    module has one; what a synced rollout's ``param.dequantize(master.dtype)`` equals."""
+    module_name, _, pname = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    scale = group_scale_of(module) if pname == "weight" else None
+    return nvfp4_fake_quantize(getattr(module, pname).detach(), global_encode_scale=scale)
+
+
+def sibling_groups(names: Iterable[str]) -> list[list[str]]:
+    """Qualified names of linear modules grouped by parent and sibling set (members present, at
+    least two of them), in the order of :data:`SIBLING_PROJECTIONS`."""
+    present = set(names)
+    parents = sorted({n.rpartition(".")[0] for n in present})
+    groups = []
+    for parent in parents:
+        for siblings in SIBLING_PROJECTIONS:
+            members = [f"{parent}.{s}" if parent else s for s in siblings]
+            members = [m for m in members if m in present]
+            if len(members) >= 2:
+                groups.append(members)
+    return groups
+
+
+def check_group_scales(groups: Iterable[Iterable[str]], scales: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise ValueError naming the first group whose members' global scales differ.
+
+    ``scales`` maps a weight name to its ``global_encode_scale``; names it lacks are skipped."""
+    for group in groups:
+        found = {n: scales[n] for n in group if n in scales}
+        values = {float(s.reshape(-1)[0]) if s.numel() == 1 else None for s in found.values()}
+        if len(values) > 1:
+            listed = ", ".join(f"{n}: {float(s):.6g}" for n, s in found.items())
+            raise ValueError(
+                f"{what}: the sibling group {list(found)} holds different NVFP4 global scales ({listed}): it was "
+                "quantized with one global scale per weight (weight_global_scale='tensor'). This model shares one "
+                "per group (weight_global_scale='group', the default); quantize it with "
+                "QuadsPolicy(..., weight_global_scale='tensor') to load these weights. Nothing was loaded"
+            )
+
+
+class GroupScaleLoadCheck:
+    """``load_state_dict`` pre-hook of a group-mode rollout model, run before any tensor is loaded.
+
+    Packed entries: a state dict whose sibling groups carry different global scales (a
+    ``"tensor"``-mode checkpoint) is refused; it would silently turn the model back into a
+    per-tensor one. Dense entries (high-precision weights, which ``NVFP4Tensor.copy_`` would
+    quantize one by one with their own scales): a whole group is quantized here with its shared
+    scale (in the copy of the state dict ``load_state_dict`` hands its hooks); a group given
+    partly dense, or partly at all, is refused."""
+
+    def __init__(self, groups: Iterable[Iterable[str]]):
+        self.groups = [list(g) for g in groups]
+
+    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        scales, groups = {}, []
+        for group in self.groups:
+            keys = [f"{prefix}{n}.weight" for n in group]
+            groups.append(keys)
+            present = {k: state_dict[k] for k in keys if k in state_dict}
+            dense = [k for k, v in present.items() if not isinstance(v, NVFP4Tensor)]
+            if dense and len(dense) != len(keys):
+                raise ValueError(
+                    f"load_state_dict: {dense} are high-precision weights but their sibling group {keys} is not "
+                    "given whole in that form; its members share one NVFP4 global scale computed from all of "
+                    "them. Give every member, or load packed weights. Nothing was loaded")
+            if dense:
+                for k in keys:
+                    check_finite(present[k], f"load_state_dict {k}")
+                scale = shared_global_encode_scale(present[k].detach() for k in keys)
+                for k in keys:
+                    w = present[k].detach()
+                    state_dict[k] = NVFP4Tensor(*nvfp4_quantize(w, "tensor", scale.clone()), orig_dtype=w.dtype,
+                                                check_values=False)
+                continue
+            scales.update({k: v.global_encode_scale for k, v in present.items()})
+        check_group_scales(groups, scales, "load_state_dict")
