@@ -88,8 +88,8 @@ def test_fast_rollout_holds_one_layout_per_weight(fake_humming):
 
 def test_held_parts_read_back_bit_exact_and_forward_unchanged(fake_humming):
     ref = _llama()
-    parts = {n: nvfp4_quantize(p.detach().float(), "tensor") for n, p in ref.named_parameters()
-             if n.endswith("proj.weight") or n == "lm_head.weight"}
+    quads.quantize_(ref, quads.QuadsPolicy(side="rollout"))  # the same policy on the exact path: parts stored
+    parts = {n: p for n, p in ref.named_parameters() if isinstance(p, NVFP4Tensor)}
     model = _fast_rollout()
     x = _input()
     with torch.no_grad():
@@ -101,7 +101,8 @@ def test_held_parts_read_back_bit_exact_and_forward_unchanged(fake_humming):
             assert torch.equal(p.qdata, want.qdata) and torch.equal(p.scale.view(torch.uint8),
                                                                    want.scale.view(torch.uint8)), name
             assert not p.parts_released  # materialized by the read, until the next forward
-            torch.testing.assert_close(p.dequantize(), NVFP4Tensor(*want).dequantize(), rtol=0, atol=0)
+            assert torch.equal(p.global_encode_scale, want.global_encode_scale)
+            torch.testing.assert_close(p.dequantize(), want.dequantize(), rtol=0, atol=0)
     with torch.no_grad():
         y2 = model(x).logits
     assert torch.equal(y1, y2)
