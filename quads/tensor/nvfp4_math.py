@@ -142,9 +142,9 @@ def global_encode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 def global_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
     """max|x| over each global-scale group; NaN propagates (torch.amax semantics)."""
-    a = x.detach().abs().to(torch.float32)
     if granularity == "tensor":
-        return a.amax() if a.numel() else a.new_zeros(())
+        return _max_abs(x)
+    a = x.detach().abs().to(torch.float32)
     if granularity == "expert":
         if x.dim() != 3:
             raise ValueError(f"'expert' global scales need a 3-D (experts, N, K) tensor, got shape {tuple(x.shape)}")
@@ -168,9 +168,9 @@ def shared_global_encode_scale(tensors) -> torch.Tensor:
 
 
 def _max_abs(t: torch.Tensor) -> torch.Tensor:
-    """max|t| in float32 (``global_amax(t, "tensor")``'s value) from one min/max pass in the
-    tensor's dtype, without a float32 (or any) copy of the tensor: the trainer computes a group's
-    scale in every forward. NaN propagates."""
+    """max|t| in float32 (``global_amax(t, "tensor")``) from one min/max pass in the tensor's
+    dtype, without a float32 (or any) copy of the tensor: the trainer computes a group's scale in
+    every forward. NaN propagates."""
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=t.device)
     lo, hi = torch.aminmax(t.detach())
