@@ -28,7 +28,7 @@ Variants, each a fresh model with the same seed (the same weights):
 * ``quads``: ``quantize_(model, QuadsPolicy(side="trainer"))`` as shipped: the fused fake-quant
   kernel, grouped-GEMM experts (BF16 under autocast, like F.linear), forward weights recomputed
   in the backward; one NVFP4 global scale per sibling group (q/k/v, gate/up: the default since
-  2026-12-02; each member's forward reads every member's master for the group's amax);
+  2026-12-02; the group's amax is taken once per forward of the members' parent);
 * ``quads-tensor``: ``quads`` with one global scale per weight (``weight_global_scale="tensor"``,
   the default before 2026-12-02): what the group scale costs the step;
 * ``quads-keep``: ``quads`` with the forward weight kept for the backward instead of recomputed

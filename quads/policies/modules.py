@@ -193,9 +193,11 @@ class TrainerLinear(TrainerModule):
 
     def quads_global_scale(self) -> torch.Tensor | None:
         """The ``S_enc`` this forward quantizes the weight with when it is not the weight's own:
-        the sibling group's, from every member's master (one amax each, every forward), or None."""
+        the sibling group's, from every member's master, or None. Computed once per forward of
+        the members' parent and shared by the members (:meth:`ScaleGroup.scale`), never kept
+        across forwards."""
         group = self.quads_scale_group
-        return None if group is None else group.encode_scale()
+        return None if group is None else group.scale()
 
     def quads_forward_weight(self) -> torch.Tensor:
         """The weight this module's forward multiplies by (no gradient): ``DQ(Q(master))`` with

@@ -189,6 +189,30 @@ def _form_scale_groups(targets: list[_Target], policy: QuadsPolicy) -> list[Scal
     return groups
 
 
+def _group_parent(group: ScaleGroup, model: nn.Module | None) -> nn.Module | None:
+    """The module of ``model`` holding every member of ``group`` as a direct child, or None."""
+    if model is None:
+        return None
+    parent_name = group.names[0].rpartition(".")[0]
+    try:
+        parent = model.get_submodule(parent_name)
+    except AttributeError:
+        return None
+    children = [n.rpartition(".")[2] for n in group.names]
+    if all(getattr(parent, c, None) is m for c, m in zip(children, group.members)):
+        return parent
+    return None
+
+
+def _attach_trainer_groups(groups: list[ScaleGroup], model: nn.Module | None) -> None:
+    """Trainer side: each group's scale is computed once per forward of the members' parent
+    (:meth:`ScaleGroup.attach`); without a parent found in ``model``, each member computes it."""
+    for group in groups:
+        parent = _group_parent(group, model)
+        if parent is not None:
+            group.attach(parent)
+
+
 def _commit(t: _Target, policy: QuadsPolicy) -> None:
     for pname, packed in t.packed.items():
         setattr(t.module, pname, packed)
@@ -316,3 +340,5 @@ def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy, model:
         _commit_all(staged, policy)
     if groups and policy.side == "rollout" and model is not None:
         model.register_load_state_dict_pre_hook(GroupScaleLoadCheck([g.names for g in groups]))
+    if policy.side == "trainer":
+        _attach_trainer_groups(groups, model)

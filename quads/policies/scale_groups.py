@@ -15,7 +15,13 @@ fused layer), so trainer, rollout and export hold the same weights:
   :class:`ScaleGroup` on each member (``module.quads_scale_group``); rollout members are packed
   with the group's scale;
 * the trainer's forward (``TrainerLinear``) takes the group's scale from the members' masters
-  in every forward (one amax per member: no cache, for the reason ``policies/ste.py`` gives);
+  in every forward of the members' parent (the attention or MLP module): a forward pre-hook on
+  the parent computes it once (one amax pass per member) and the members reuse it; a forward
+  hook (run on exceptions too) drops it, so nothing is kept across forwards (no cache, for the
+  reason ``policies/ste.py`` gives: an optimizer step or a ``.data`` write between two forwards
+  is always seen, and a recomputation under activation checkpointing reruns the parent's
+  forward, hence the pre-hook). A member called outside its parent's forward computes the
+  scale itself (:meth:`ScaleGroup.scale`);
 * ``sync_weights_`` and the sharded sync compute it from the masters of all members;
 * ``quads export`` uses it for plain and trainer models, so no fused shard is re-quantized;
 * a state dict whose group members carry different scales (saved in ``"tensor"`` mode) is
@@ -48,11 +54,22 @@ class ScaleGroup:
     ``members`` are the modules (not registered as submodules: a plain attribute holding them
     makes no module-tree cycle), ``names`` their qualified names in the model they were
     converted in (for messages and checks).
+
+    Trainer side: ``quantize_`` calls :meth:`attach` with the members' parent, whose forward
+    then computes the scale once for all members (``forward_scale``, set only while that forward
+    runs); ``hooks`` holds the two hook handles (:meth:`detach` removes them). The hooks are
+    bound methods of the group, so a ``copy.deepcopy`` of the model gets its own group, hooked
+    on its own parent.
     """
+
+    #: the group's ``S_enc`` while a forward of the members' parent runs (set by its pre-hook,
+    #: dropped by its forward hook), else None
+    forward_scale: torch.Tensor | None = None
 
     def __init__(self, members: Iterable[nn.Module], names: Iterable[str]):
         self.members = tuple(members)
         self.names = tuple(names)
+        self.hooks: tuple = ()
 
     def __repr__(self) -> str:
         return f"ScaleGroup({', '.join(self.names)})"
@@ -63,12 +80,39 @@ class ScaleGroup:
         for name, w in zip(self.names, weights):
             if is_dtensor(w):
                 raise RuntimeError(
-                    f"quads trainer layer: {name}.weight is a distributed (DTensor) weight during its sibling's "
-                    f"forward; the group {list(self.names)} shares one NVFP4 global scale, which needs every "
+                    f"quads trainer layer: {name}.weight is a distributed (DTensor) weight when its group's scale is "
+                    f"computed (in the forward of its parent or of a member); the group {list(self.names)} shares one NVFP4 global scale, which needs every "
                     "member's whole weight. Apply fully_shard to the decoder layer (not to single linears), "
                     "or use QuadsPolicy(weight_global_scale='tensor')"
                 )
         return shared_global_encode_scale(w.detach() for w in weights)
+
+    def scale(self) -> torch.Tensor:
+        """The ``S_enc`` a member's forward quantizes with: the one its parent's forward computed
+        (:meth:`attach`), or, outside such a forward, :meth:`encode_scale` now."""
+        scale = self.forward_scale
+        return self.encode_scale() if scale is None else scale
+
+    def attach(self, parent: nn.Module) -> None:
+        """Compute the scale once per forward of ``parent`` (the members' parent): a forward
+        pre-hook stores it in ``forward_scale``, a forward hook (``always_call``: an exception
+        too) drops it. Replaces the hooks of an earlier call."""
+        self.detach()
+        self.hooks = (parent.register_forward_pre_hook(self._begin_forward),
+                      parent.register_forward_hook(self._end_forward, always_call=True))
+
+    def detach(self) -> None:
+        """Remove the hooks :meth:`attach` registered (if any); members compute the scale themselves."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = ()
+        self.forward_scale = None
+
+    def _begin_forward(self, module: nn.Module, args) -> None:
+        self.forward_scale = self.encode_scale()
+
+    def _end_forward(self, module: nn.Module, args, output) -> None:
+        self.forward_scale = None
 
 
 def group_scale_of(module: nn.Module) -> torch.Tensor | None:

@@ -43,13 +43,17 @@ def _class_snapshot(model: nn.Module):
     """A function restoring every module of ``model`` to its current class and attribute set.
 
     The trainer policy converts by swapping classes and adding attributes (no parameter is
-    replaced), so this undoes a ``quantize_(model, trainer_policy)`` exactly.
+    replaced) and hooks the parents of sibling groups (``ScaleGroup.attach``), so this undoes a
+    ``quantize_(model, trainer_policy)`` exactly.
     """
     saved = [(m, type(m), set(vars(m))) for m in model.modules()]
 
     def undo() -> None:
         for module, cls, attrs in saved:
             if type(module) is not cls:
+                group = vars(module).get("quads_scale_group")
+                if group is not None and "quads_scale_group" not in attrs:
+                    group.detach()  # the hooks on the members' parent
                 module.__class__ = cls
                 for attr in set(vars(module)) - attrs:
                     delattr(module, attr)
