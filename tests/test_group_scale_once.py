@@ -216,6 +216,7 @@ def test_deepcopy_hooks_its_own_groups_and_detach_removes_only_its_own():
     for g in _groups(clone):
         g.detach()
     assert _hook_count(clone) == 0 and _hook_count(model) == 8
+    assert not any(m._forward_hooks_always_called for m in clone.modules())
 
 
 def test_copies_for_rollout_and_undone_conversions_carry_no_hook():

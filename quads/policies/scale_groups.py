@@ -80,8 +80,9 @@ class ScaleGroup:
         for name, w in zip(self.names, weights):
             if is_dtensor(w):
                 raise RuntimeError(
-                    f"quads trainer layer: {name}.weight is a distributed (DTensor) weight when its group's scale is "
-                    f"computed (in the forward of its parent or of a member); the group {list(self.names)} shares one NVFP4 global scale, which needs every "
+                    f"quads trainer layer: {name}.weight is a distributed (DTensor) weight when its group's scale "
+                    f"is computed (in the forward of its parent or of a member); the group {list(self.names)} "
+                    "shares one NVFP4 global scale, which needs every "
                     "member's whole weight. Apply fully_shard to the decoder layer (not to single linears), "
                     "or use QuadsPolicy(weight_global_scale='tensor')"
                 )
