@@ -565,9 +565,10 @@ def moe_gemm_checks(mt, humming, prep_m, gu, dn, hid, idx, num_experts, gate):
             print(f"check moe-gemm {mt} {name} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
-def bench_moe(budget, dev, configs=MOE_CONFIGS, ts=MOE_TS):
+def bench_moe(budget, dev, configs=MOE_CONFIGS, ts=MOE_TS, modes=("default",)):
     """MoE blocks, captured: BF16 grouped_mm, quads exact (k = 100%, W4A16), humming (default mode:
-    W4A16, W4A4 + residual summed, plain W4A4); rel error of each vs quads' exact output."""
+    W4A16, W4A4 + residual summed, plain W4A4; W4A16 and W4A4 + residual summed under each other
+    mode of ``modes`` too); rel error of each vs quads' exact output."""
     import torch.nn.functional as F
 
     from quads.ops import rollout_experts
@@ -611,6 +612,14 @@ def bench_moe(budget, dev, configs=MOE_CONFIGS, ts=MOE_TS):
             "humming W4A4 plain [default]": lambda h, i, w: rollout_experts(h, i, w, qgu, qdn, gate, PLAIN,
                                                                             backend=humming, prepared=prep_m),
         }
+        for mode in modes:
+            if mode == "default":
+                continue
+            prep_x = tuple(p.with_mode(mode) for p in prep_m)  # the same layouts under another configuration
+            paths[f"humming W4A16 [{mode}]"] = lambda h, i, w, p=prep_x: rollout_experts(
+                h, i, w, qgu, qdn, gate, None, backend=humming, prepared=p)
+            paths[f"humming W4A4+res summed [{mode}]"] = lambda h, i, w, p=prep_x: rollout_experts(
+                h, i, w, qgu, qdn, gate, QUADS_DEFAULT, backend=humming, prepared=p)
         for T in ts:
             S = 2 if DRY else 8
             hid = [torch.randn(T, H, device=dev, generator=g).bfloat16() for _ in range(S)]
@@ -813,9 +822,9 @@ def main():
         t = time.time()
         try:
             if DRY:
-                bench_moe(args.budget_s, dev, configs=((4, 2, 64, 32),), ts=(3, 5))
+                bench_moe(args.budget_s, dev, configs=((4, 2, 64, 32),), ts=(3, 5), modes=modes)
             else:
-                bench_moe(args.budget_s, dev, ts=moe_ts)
+                bench_moe(args.budget_s, dev, ts=moe_ts, modes=modes)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         print(f"--- moe: {time.time() - t:.0f} s (total {time.time() - T0:.0f} s)", flush=True)
