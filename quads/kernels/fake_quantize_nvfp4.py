@@ -30,6 +30,8 @@ float32 and cast on the host (the interpreter's fp32 -> bf16 store truncates, se
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -137,12 +139,14 @@ def fake_quantize_rows(
     rows_per_group: int,
     out_dtype: torch.dtype,
     global_encode_scale: torch.Tensor | None = None,
+    out_shape: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``DQ(Q(x))`` of the rows of ``x2d`` (R, K) in ``out_dtype``; groups of ``rows_per_group``
     consecutive rows share one global scale (all rows: "tensor"; N rows of (E, N, K): "expert").
 
     ``global_encode_scale`` (one per group) skips the amax pass. Returns ``(out (R, K),
-    global_encode_scale (R // rows_per_group,))``.
+    global_encode_scale (R // rows_per_group,))``; ``out_shape`` (``R * K`` elements): the output
+    is allocated in that shape instead (the caller's weight shape: no view on the way out).
     """
     if x2d.dim() != 2 or x2d.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"fake_quantize_rows expects (R, K) with K % {BLOCK_SIZE} == 0, got {tuple(x2d.shape)}")
@@ -151,7 +155,9 @@ def fake_quantize_rows(
     n_rows, k = x2d.shape
     if rows_per_group < 1 or n_rows % rows_per_group:
         raise ValueError(f"fake_quantize_rows: {n_rows} rows do not split into groups of {rows_per_group}")
-    x2d = interpreter_safe_input(x2d)
+    interp = interpreting()  # one environment lookup per call (a microsecond each)
+    if interp and x2d.dtype == torch.bfloat16:
+        x2d = interpreter_safe_input(x2d)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     groups = n_rows // rows_per_group
@@ -167,25 +173,37 @@ def fake_quantize_rows(
         if gs.dtype != torch.float32 or gs.device != dev or gs.numel() != groups or not gs.is_contiguous():
             gs = gs.to(device=dev, dtype=torch.float32).reshape(-1).expand(groups).contiguous()
         ga = gs  # unused
-    store_dtype = torch.float32 if interpreting() else out_dtype
-    out = torch.empty((n_rows, k), dtype=store_dtype, device=dev)
+    store_dtype = torch.float32 if interp else out_dtype
+    out = torch.empty(out_shape or (n_rows, k), dtype=store_dtype, device=dev)
     if n_rows:
-        # plain integer arithmetic for the grids: triton.cdiv / next_power_of_2 are jit functions,
-        # several microseconds of host time per call each (the host time of a small weight's call
-        # is what the GPU waits for when its queue is empty)
-        nblk = k // 16
+        agrid, amax_meta, grid, bb = _launch_config(n_rows, k, rows_per_group, from_amax, TILE_ROWS, TILE_BLOCKS,
+                                                    AMAX_ROWS, AMAX_COLS, AMAX_ITERS)
         if from_amax:
-            ar, ac, ai = AMAX_ROWS, min(AMAX_COLS, _next_pow2(k)), AMAX_ITERS
-            ai = max(1, min(ai, _cdiv(k, ac)))
-            agrid = (_cdiv(n_rows, ar), _cdiv(k, ac * ai))
-            _fake_quant_amax_kernel[agrid](x2d, x2d.stride(0), k, ga, rows_per_group, n_rows,
-                                           BR=ar, BC=ac, ITERS=ai, ONE_GROUP=rows_per_group % ar == 0,
+            _fake_quant_amax_kernel[agrid](x2d, x2d.stride(0), k, ga, rows_per_group, n_rows, **amax_meta,
                                            num_warps=_AMAX_WARPS)
-        bb = min(TILE_BLOCKS, _next_pow2(max(nblk, 1)))
-        grid = (_cdiv(n_rows, TILE_ROWS), _cdiv(nblk, bb))
         _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, ga, rows_per_group, out, n_rows,
                                  BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, num_warps=_NUM_WARPS)
     return (out if out.dtype == out_dtype else out.to(out_dtype)), gs
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_config(n_rows, k, rows_per_group, from_amax, tile_rows, tile_blocks, amax_rows, amax_cols, amax_iters):
+    """``(amax grid, amax pass meta-parameters, fused grid, BB)`` of a call: pure integer
+    arithmetic on the shape and the tile globals (all in the key, so a sweep of the globals is
+    seen), cached because a trainer calls the same few shapes thousands of times and the host
+    time of a small weight's call is what the GPU waits for when its queue is empty. Plain
+    integer arithmetic, not ``triton.cdiv`` / ``next_power_of_2`` (jit functions, several
+    microseconds each)."""
+    nblk = k // 16
+    agrid = amax_meta = None
+    if from_amax:
+        ac = min(amax_cols, _next_pow2(k))
+        ai = max(1, min(amax_iters, _cdiv(k, ac)))
+        agrid = (_cdiv(n_rows, amax_rows), _cdiv(k, ac * ai))
+        amax_meta = {"BR": amax_rows, "BC": ac, "ITERS": ai, "ONE_GROUP": rows_per_group % amax_rows == 0}
+    bb = min(tile_blocks, _next_pow2(max(nblk, 1)))
+    grid = (_cdiv(n_rows, tile_rows), _cdiv(nblk, bb))
+    return agrid, amax_meta, grid, bb
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -40,13 +40,14 @@ class Routing:
     def __init__(self, top_k_index: torch.Tensor, num_experts: int):
         flat = top_k_index.reshape(-1)
         valid = (flat >= 0) & (flat < num_experts)
-        key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+        key = torch.where(valid, flat, num_experts)
         self.order = torch.argsort(key, stable=True)
         counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
         counts.scatter_add_(0, key, torch.ones_like(key))
         self.counts = counts[:num_experts]
-        self.offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-        self.offsets[1:] = torch.cumsum(self.counts, 0)
+        # exclusive prefix sum over the E+1 counts (the sentinels' last): 0, c0, c0+c1, ... (exact
+        # int64); two kernels, no zero-filled buffer and slice assignment (host time per call)
+        self.offsets = torch.cumsum(counts, 0) - counts
         self.top_k = top_k_index.shape[-1]
         self.token_of_row = self.order // self.top_k
         self.num_rows = flat.numel()

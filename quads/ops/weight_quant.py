@@ -100,21 +100,36 @@ def fake_quantize_weight_triton(
     """Kernel twin of :func:`fake_quantize_weight_reference` (same bits): an amax pass (skipped
     when ``global_encode_scale`` is given), then one fused pass that reads the master once and
     writes ``DQ(Q(x))`` in ``dtype`` (:mod:`quads.kernels.fake_quantize_nvfp4`)."""
-    from quads.kernels.fake_quantize_nvfp4 import fake_quantize_rows
-
     check_quantizable(x, "weight")
     dtype = _fake_quant_dtype(x, dtype)
-    if x.dim() > 3:
+    nd = x.dim()
+    if nd > 3:
         raise ValueError(f"weight fake quantization takes 1-D/2-D weights or 3-D experts, got shape {tuple(x.shape)}")
-    k = x.shape[-1]
-    x2 = x.detach().reshape(-1, k)
-    per_group = x.shape[1] if x.dim() == 3 else x2.shape[0]  # "expert" for 3-D, "tensor" otherwise
-    groups = x.shape[:1] if x.dim() == 3 else ()
+    shape = x.shape
+    x2 = x.detach()
+    if nd != 2:
+        x2 = x2.reshape(-1, shape[-1])
+    per_group = shape[1] if nd == 3 else x2.shape[0]  # "expert" for 3-D, "tensor" otherwise
+    groups = shape[:1] if nd == 3 else ()
     if per_group == 0:
         gs = torch.ones(groups, dtype=torch.float32, device=x.device)
-        return torch.empty(x.shape, dtype=dtype, device=x.device), gs
-    out, gs = fake_quantize_rows(x2, per_group, dtype, global_encode_scale)
-    return out.view(x.shape), gs.reshape(groups)
+        return torch.empty(shape, dtype=dtype, device=x.device), gs
+    out, gs = _fake_quantize_rows()(x2, per_group, dtype, global_encode_scale, shape)
+    return out, (gs if nd == 3 else gs.view(()))  # (E,) per expert, () per tensor
+
+
+_FAKE_QUANTIZE_ROWS = []
+
+
+def _fake_quantize_rows():
+    """:func:`quads.kernels.fake_quantize_nvfp4.fake_quantize_rows`, imported on first use (Triton
+    is optional) and then held here: an ``import`` statement in the function costs a microsecond
+    or two of host time per call."""
+    if not _FAKE_QUANTIZE_ROWS:
+        from quads.kernels.fake_quantize_nvfp4 import fake_quantize_rows
+
+        _FAKE_QUANTIZE_ROWS.append(fake_quantize_rows)
+    return _FAKE_QUANTIZE_ROWS[0]
 
 
 @torch.library.custom_op("quads::quantize_weight", mutates_args=())

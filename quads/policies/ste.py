@@ -65,30 +65,44 @@ class _FakeQuantLinear(torch.autograd.Function):
     """``F.linear(x, DQ(Q(w)), b)`` with the operands in ``dtype`` (F.linear's autocast casts),
     saving ``x`` (in ``dtype``, as F.linear under autocast saves it), the master (a parameter: no
     new memory) and its global scale: the backward recomputes the forward weight instead of
-    keeping it alive; the weight gradient goes straight through to the master."""
+    keeping it alive; the weight gradient goes straight through to the master.
+
+    Host time matters here (the GPU waits for it when the step is host-bound, issue 23): the
+    casts are skipped where the dtype already matches (``Tensor.to`` of the same dtype returns the
+    tensor, at a microsecond's dispatch), and the backward's non-tensor state is one ``ctx``
+    attribute (the quantizer, not the backend: no lookup per backward)."""
 
     @staticmethod
     def forward(ctx, x, master, bias, backend: Backend, dtype: torch.dtype, global_scale: torch.Tensor | None):
-        w, scale = fake_quantizer(backend)(master, dtype, global_scale)
-        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(dtype))
+        quantize = fake_quantizer(backend)
+        w, scale = quantize(master, dtype, global_scale)
+        x_dtype, bias_dtype = x.dtype, None if bias is None else bias.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        if x_dtype != dtype:
+            x2 = x2.to(dtype)
+        if bias_dtype is not None and bias_dtype != dtype:
+            bias = bias.to(dtype)
+        y = torch.nn.functional.linear(x2, w, bias)
         ctx.save_for_backward(x2, master, scale)
-        ctx.backend, ctx.dtype, ctx.x_dtype, ctx.has_bias = backend, dtype, x.dtype, bias is not None
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.state = (quantize, dtype, x_dtype, bias_dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         x2, master, scale = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
+        quantize, dtype, x_dtype, bias_dtype = ctx.state
+        g2 = grad.reshape(-1, grad.shape[-1])
+        if g2.dtype != dtype:
+            g2 = g2.to(dtype)
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            w, _ = fake_quantizer(ctx.backend)(master, ctx.dtype, scale)  # the forward's bits again
-            grad_x = g2.mm(w).reshape(*grad.shape[:-1], w.shape[-1]).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
+        needs = ctx.needs_input_grad
+        if needs[0]:
+            w, _ = quantize(master, dtype, scale)  # the forward's bits again
+            grad_x = g2.mm(w).reshape(*grad.shape[:-1], w.shape[-1]).to(x_dtype)
+        if needs[1]:
             grad_w = g2.t().mm(x2).to(master.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0).to(ctx.bias_dtype)
+        if bias_dtype is not None and needs[2]:
+            grad_b = g2.sum(0).to(bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -161,11 +175,16 @@ def fake_quant_linear(
     ``global_encode_scale`` (shape ``()``): quantize with this ``S_enc`` instead of the weight's
     own, e.g. its sibling group's (:mod:`quads.policies.scale_groups`)."""
     _check_whole(weight)
-    dtype = forward_weight_dtype(weight)
-    if not torch.is_autocast_enabled(weight.device.type):  # F.linear's rule: no implicit casts
-        for what, t in (("input", x), ("bias", bias)):
-            if t is not None and t.dtype != weight.dtype:
-                raise TypeError(f"quads trainer linear: {what} dtype {t.dtype} differs from the weight's {weight.dtype}")
+    device_type = weight.device.type
+    w_dtype = weight.dtype
+    if torch.is_autocast_enabled(device_type):  # forward_weight_dtype's rule, autocast looked up once
+        dtype = torch.get_autocast_dtype(device_type) if w_dtype == torch.float32 else w_dtype
+    else:  # F.linear's rule: no implicit casts
+        dtype = w_dtype
+        if x.dtype != w_dtype:
+            raise TypeError(f"quads trainer linear: input dtype {x.dtype} differs from the weight's {w_dtype}")
+        if bias is not None and bias.dtype != w_dtype:
+            raise TypeError(f"quads trainer linear: bias dtype {bias.dtype} differs from the weight's {w_dtype}")
     return _FakeQuantLinear.apply(x, weight, bias, backend or select_backend(weight.device), dtype, global_encode_scale)
 
 

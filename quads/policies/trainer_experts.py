@@ -25,6 +25,8 @@ ignores autocast and multiplies float32 masters in float32).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -39,13 +41,24 @@ def _grouped_mm_fn():
     return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+#: torch's grouped GEMM (or None), looked up once: the forward and backward call it every step
+_GROUPED_MM = _grouped_mm_fn()
+
+
 def grouped_mm_available(device: torch.device) -> bool:
     """torch has a grouped GEMM for this device (CUDA: sm_80+; CPU: torch >= 2.9's kernel)."""
-    if _grouped_mm_fn() is None:
+    if _GROUPED_MM is None:
         return False
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 0)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_capability(index) >= (8, 0)
     return device.type == "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability (it never changes; the experts' forward asks every call)."""
+    return torch.cuda.get_device_capability(index)
 
 
 class _FakeQuantGroupedMM(torch.autograd.Function):
@@ -55,31 +68,32 @@ class _FakeQuantGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, master, ends, backend: Backend, dtype: torch.dtype, keep: bool = False):
-        grouped_mm = _grouped_mm_fn()
-        w, scale = fake_quantizer(backend)(master, dtype)
-        y = grouped_mm(x, w.transpose(-2, -1), offs=ends)
+        quantize = fake_quantizer(backend)
+        w, scale = quantize(master, dtype)
+        y = _GROUPED_MM(x, w.transpose(-2, -1), offs=ends)
         ctx.save_for_backward(x, w if keep else master, scale, ends)
-        ctx.backend, ctx.dtype, ctx.keep, ctx.master_dtype = backend, dtype, keep, master.dtype
+        ctx.state = (quantize, dtype, keep, master.dtype)  # one ctx attribute: host time per call
         return y
 
     @staticmethod
     def backward(ctx, grad):
         x, saved_w, scale, ends = ctx.saved_tensors
-        grouped_mm = _grouped_mm_fn()
+        quantize, dtype, keep, master_dtype = ctx.state
         grad = grad.contiguous()
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            if ctx.keep:
+        needs = ctx.needs_input_grad
+        if needs[0]:
+            if keep:
                 w = saved_w
             else:
-                w, _ = fake_quantizer(ctx.backend)(saved_w, ctx.dtype, scale)  # the forward's bits again
-            grad_x = grouped_mm(grad, w, offs=ends)
-        if ctx.needs_input_grad[1]:  # straight through: d/dW of the forward weight, to the master
+                w, _ = quantize(saved_w, dtype, scale)  # the forward's bits again
+            grad_x = _GROUPED_MM(grad, w, offs=ends)
+        if needs[1]:  # straight through: d/dW of the forward weight, to the master
             # grad^T @ x per group gives (E, N, K) in the master's layout: a transposed result
             # ((x^T @ grad)^T) would reach AccumulateGrad non-contiguous and be copied again there
             # (a FP32 pass over every expert weight), which the BF16 peer's grouped_mm backward
             # does not pay
-            grad_w = grouped_mm(grad.t(), x, offs=ends).to(ctx.master_dtype)
+            grad_w = _GROUPED_MM(grad.t(), x, offs=ends).to(master_dtype)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -106,25 +120,26 @@ def grouped_experts_forward(
     # when it shards the experts and masks under the same condition); a module without the flag
     # is masked (safe); the others skip four passes over the (rows, hidden) activations
     outside = None
+    positions = torch.arange(route.num_rows, device=hidden.device, dtype=route.order.dtype)  # also `inv`'s source
     if getattr(module, "_is_expert_parallel", True):
-        outside = (torch.arange(route.num_rows, device=hidden.device) >= route.offsets[-1]).unsqueeze(-1)
+        outside = (positions >= route.offsets[-1]).unsqueeze(-1)
     x = hidden[route.token_of_row]
     if act is not None:
         x = fake_quantize_activation(x, act, backend)
-    x = x.to(dtype)
+    if x.dtype != dtype:  # (Tensor.to of the same dtype is a no-op, at a microsecond's dispatch)
+        x = x.to(dtype)
     if outside is not None:
         x = x.masked_fill(outside, 0)
     h = _FakeQuantGroupedMM.apply(x, gate_up, ends, backend, dtype, keep)
     h = apply_gate(module, h)
     if act is not None:
         h = fake_quantize_activation(h, act, backend)
-    y = _FakeQuantGroupedMM.apply(h.to(dtype), down, ends, backend, dtype, keep)
+    y = _FakeQuantGroupedMM.apply(h if h.dtype == dtype else h.to(dtype), down, ends, backend, dtype, keep)
     if outside is not None:
         y = y.masked_fill(outside, 0)
     # back to the flat (token, choice) order: one gather each way (not zeros + index_copy)
-    inv = torch.empty_like(route.order).scatter_(
-        0, route.order, torch.arange(route.num_rows, device=hidden.device, dtype=route.order.dtype))
-    out = _PermuteRows.apply(y.to(hidden.dtype), route.order, inv)
+    inv = torch.empty_like(route.order).scatter_(0, route.order, positions)
+    out = _PermuteRows.apply(y if y.dtype == hidden.dtype else y.to(hidden.dtype), route.order, inv)
     weighted = out.view(num_tokens, route.top_k, hidden_dim) * top_k_weights.unsqueeze(-1).to(out.dtype)
     return weighted.sum(dim=1).to(hidden.dtype)
 
