@@ -178,10 +178,13 @@ def test_random_property_roundtrip_is_nearest_grid_point():
     assert math.isfinite(err.max().item())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA reduction needs a GPU"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_max_abs_gpu_reduction_equals_the_minmax_one(dtype):
+def test_max_abs_gpu_reduction_equals_the_minmax_one(dtype, device):
     """The GPU path's max|x| (one inf-norm reduction) gives the CPU path's (aminmax) bits, on
-    zeros, -0.0, subnormals, +-inf and NaN of either sign (NaN anywhere poisons the group)."""
+    zeros, -0.0, subnormals, +-inf and NaN of either sign (NaN anywhere poisons the group); on a
+    GPU both run there (the CUDA kernels of both reductions)."""
     from quads.tensor.nvfp4_math import _max_abs_inf_norm, _max_abs_minmax
 
     g = torch.Generator().manual_seed(0)
@@ -192,13 +195,13 @@ def test_max_abs_gpu_reduction_equals_the_minmax_one(dtype):
             for special in specials:
                 t = base.clone()
                 t[torch.randint(n, (1,), generator=g)] = special
-                t = t.to(dtype)
+                t = t.to(dtype=dtype, device=device)
                 a, b = _max_abs_minmax(t), _max_abs_inf_norm(t)
                 assert a.dtype == b.dtype == torch.float32
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (n, special, a, b)
                 checked += 1
                 nan_seen += bool(torch.isnan(b))
-    w = torch.randn(64, 48, generator=g).to(dtype)
+    w = torch.randn(64, 48, generator=g).to(dtype=dtype, device=device)
     for t in (w, w.t(), w[:, ::2]):
         assert torch.equal(_max_abs_minmax(t).view(torch.int32), _max_abs_inf_norm(t).view(torch.int32))
     assert checked == 96 and nan_seen == 24
