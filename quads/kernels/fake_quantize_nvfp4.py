@@ -41,7 +41,7 @@ from quads.kernels.quantize_nvfp4 import _abs_bits, _dequant_blocks, _quant_bloc
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 
 __all__ = ["fake_quantize_rows", "FAKE_QUANT_OUT_DTYPES", "TILE_ROWS", "TILE_BLOCKS", "AMAX_ROWS", "AMAX_COLS",
-           "AMAX_ITERS"]
+           "AMAX_ITERS", "FUSED_LEAN"]
 
 FAKE_QUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: tile of one program: TILE_ROWS rows x TILE_BLOCKS blocks of 16 (the same under the interpreter).
@@ -58,6 +58,10 @@ AMAX_ROWS = 8
 AMAX_COLS = 512
 AMAX_ITERS = 4
 _AMAX_WARPS = 4
+#: the fused pass's ALU-lean variant (``_lean_quant_blocks``/``_lean_dequant_blocks``: the same
+#: bits, fewer instructions per element; the pass is ALU-bound on the H200). Read at each call
+#: (benchmarks/bench_fake_quant.py times both); off until a GPU timing decides.
+FUSED_LEAN = False
 
 
 @triton.jit
@@ -95,10 +99,84 @@ def _s_enc_from_amax_bits(bits):
 
 
 @triton.jit
+def _lean_quant_blocks(x, s_enc, r_enc):
+    """Quantization half of the lean ``DQ(Q(x))`` of blocks ``x`` (B, 16) float32, with S_enc
+    ``s_enc`` (B,) and ``r_enc = div_rn(1, S_enc)`` (B,): the bits of ``_quant_blocks`` +
+    ``_dequant_blocks`` with fewer instructions, for the fake-quantization path (no E2M1 codes,
+    no scale byte). Returns (E2M1 magnitude value qv (B, 16), v's bits (B, 16), f32(scale) (B,),
+    enc == 0 (B,)); ``_lean_dequant_blocks`` finishes.
+
+    Exactness (for every x and every S_enc >= 0 or NaN, which includes every S_enc that
+    ``global_encode_scale_from_amax`` gives; checked bit for bit in tests/kernels):
+
+    * E2M1 rounding in float: with ``c = min(|v|, 6)`` (integer min on the bit patterns: NaN -> 6)
+      and ``M = 2^22 * 2^floor(log2(max(c, 1)))`` (2^22, 2^23, 2^24 on [0, 2), [2, 4), [4, 6]),
+      ``(c + M) - M`` is ``c`` rounded to a multiple of ulp(M) = 0.5, 1, 2 (the E2M1 spacing),
+      ties to even (M / ulp(M) = 2^23 is even), then subtracted exactly: the E2M1 value of the
+      reference ladder (0.25 -> 0, 0.75 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4, >= 5 -> 6 by
+      the clamp; rounding up at 2 and 4 lands on the next range's grid point, which is exact).
+      ``M = mp * 2^22`` is an exact product, so an FMA contraction of ``c + mp * 2^22`` gives the
+      same bits.
+    * E4M3 round trip in float, the same way: ``M = 2^20 * 2^floor(log2(max(|sc|, 2^-6)))``
+      (ulp(M) = the E4M3 spacing, 2^-9 below 2^-6), sign bit copied back; ``sc <= 448`` (the
+      clamp) so no rounding reaches 480. RNE like torch's cast (exhaustively checked on [0, 448]).
+    * Sign: the sign bit of ``v`` is OR-ed in, as ``_with_sign``.
+    * NaN ``v`` (the lean path rounds it to 6, the reference to 0): ``x`` NaN makes the block scale
+      NaN, a NaN ``enc`` needs a NaN scale / S_enc or 0/0 quotients, so the output is NaN either
+      way; the remaining case is ``x = inf`` with ``enc == 0`` (S_enc below ~1e-36, given): there
+      every element's reference value is 0 (times the quotient), so such blocks take the
+      quotients ``q1 * 0`` (FAST) / the scale ``s * 0`` (per-element division): the same bits.
+    * Dequantization as ``_dequant_blocks``: FAST ``2^e * div_rn(f * s, S_enc)`` (f in {1, 1.5}).
+    """
+    blk_amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
+    t = s_enc * 0.1666666716337204
+    sc = blk_amax * t
+    sc = tl.where(sc > 448.0, 448.0, sc)
+    # E4M3 round trip (RNE) of sc in float
+    scb = sc.to(tl.int32, bitcast=True)
+    sca = scb & 0x7FFFFFFF
+    smp = tl.maximum(sca & 0x7F800000, 0x3C800000).to(tl.float32, bitcast=True)  # 2^floor(log2), >= 2^-6
+    st = sca.to(tl.float32, bitcast=True) + smp * 1048576.0
+    s_r = st - smp * 1048576.0
+    s_f32 = (s_r.to(tl.int32, bitcast=True) | (scb & -2147483648)).to(tl.float32, bitcast=True)
+    decode_scale = s_f32 * r_enc
+    enc = tl.math.div_rn(1.0 + tl.zeros_like(decode_scale), decode_scale)
+    enc = tl.where(enc > 3.4028234663852886e38, 3.4028234663852886e38, enc)
+    z = enc == 0.0
+    v = x * enc[:, None]
+    vb = v.to(tl.int32, bitcast=True)
+    c = tl.minimum(vb & 0x7FFFFFFF, 0x40C00000)  # bits of min(|v|, 6); NaN -> 6
+    mp = (tl.maximum(c, 0x3F800000) & 0x7F800000).to(tl.float32, bitcast=True)  # 1, 2 or 4
+    tq = c.to(tl.float32, bitcast=True) + mp * 4194304.0
+    qv = tq - mp * 4194304.0
+    return qv, vb, s_f32, z
+
+
+@triton.jit
+def _lean_dequant_blocks(qv, vb, s_f32, z, s_enc, FAST: tl.constexpr):
+    """(sign(v) qv * s) / S_enc as ``_dequant_blocks`` (see ``_lean_quant_blocks`` for z)."""
+    if FAST:
+        q1 = tl.math.div_rn(s_f32, s_enc)
+        q3 = tl.math.div_rn(s_f32 * 1.5, s_enc)
+        q0 = q1 * 0.0
+        q1 = tl.where(z, q0, q1)
+        q3 = tl.where(z, q0, q3)
+        qb = qv.to(tl.int32, bitcast=True)
+        pow2 = (qb & 0x7F800000).to(tl.float32, bitcast=True)
+        f = tl.where((qb & 0x00400000) != 0, q3[:, None], q1[:, None])
+        mag = f * pow2
+    else:
+        s_d = tl.where(z, s_f32 * 0.0, s_f32)
+        mag = tl.math.div_rn(qv * s_d[:, None], s_enc[:, None] + tl.zeros_like(qv))
+    out = mag.to(tl.int32, bitcast=True) | (vb & -2147483648)
+    return out.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fake_quant_kernel(
     X, stride_xm, K, GS, GA, rows_per_group,
     OUT, n_rows,
-    BR: tl.constexpr, BB: tl.constexpr, FROM_AMAX: tl.constexpr,
+    BR: tl.constexpr, BB: tl.constexpr, FROM_AMAX: tl.constexpr, LEAN: tl.constexpr = False,
 ):
     """OUT[r, :] = DQ(Q(X[r, :])) with S_enc = GS[r // rows_per_group], for a BR x (BB*16) tile.
     FROM_AMAX: S_enc from the group amax bits GA instead, written to GS by the programs holding a
@@ -121,15 +199,27 @@ def _fake_quant_kernel(
         s_enc = tl.load(GS + rows // rows_per_group, mask=rmask, other=1.0)
     x2 = tl.reshape(x, (BR * BB, 16))
     s2 = tl.reshape(tl.broadcast_to(s_enc[:, None], (BR, BB)), (BR * BB,))
-    codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
-    # fast exact dequantization unless some result of the tile could be subnormal (a quotient
-    # below 2^-125 times the smallest E2M1 power, 2^-1)
-    q1 = tl.math.div_rn(s_f32, s2)
-    nbad = tl.sum(((s_f32 > 0.0) & (q1 < 2.350988701644575e-38)).to(tl.int32), axis=0)
-    if nbad == 0:
-        xh = _dequant_blocks(qv, neg, s_f32, s2, True)
+    if LEAN:
+        # the same bits with fewer instructions (_lean_quant_blocks); 1 / S_enc once per row
+        r_enc = tl.math.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)
+        r2 = tl.reshape(tl.broadcast_to(r_enc[:, None], (BR, BB)), (BR * BB,))
+        qv, vb, s_f32, z = _lean_quant_blocks(x2, s2, r2)
+        q1 = tl.math.div_rn(s_f32, s2)
+        nbad = tl.sum(((s_f32 > 0.0) & (q1 < 2.350988701644575e-38)).to(tl.int32), axis=0)
+        if nbad == 0:
+            xh = _lean_dequant_blocks(qv, vb, s_f32, z, s2, True)
+        else:
+            xh = _lean_dequant_blocks(qv, vb, s_f32, z, s2, False)
     else:
-        xh = _dequant_blocks(qv, neg, s_f32, s2, False)
+        codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
+        # fast exact dequantization unless some result of the tile could be subnormal (a quotient
+        # below 2^-125 times the smallest E2M1 power, 2^-1)
+        q1 = tl.math.div_rn(s_f32, s2)
+        nbad = tl.sum(((s_f32 > 0.0) & (q1 < 2.350988701644575e-38)).to(tl.int32), axis=0)
+        if nbad == 0:
+            xh = _dequant_blocks(qv, neg, s_f32, s2, True)
+        else:
+            xh = _dequant_blocks(qv, neg, s_f32, s2, False)
     doffs = rows[:, None, None] * K + blks[None, :, None] * 16 + jj[None, None, :]
     tl.store(OUT + doffs, tl.reshape(xh, (BR, BB, 16)).to(OUT.dtype.element_ty), mask=m3)
 
@@ -182,7 +272,7 @@ def fake_quantize_rows(
             _fake_quant_amax_kernel[agrid](x2d, x2d.stride(0), k, ga, rows_per_group, n_rows, **amax_meta,
                                            num_warps=_AMAX_WARPS)
         _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, ga, rows_per_group, out, n_rows,
-                                 BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, num_warps=_NUM_WARPS)
+                                 BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, LEAN=FUSED_LEAN, num_warps=_NUM_WARPS)
     return (out if out.dtype == out_dtype else out.to(out_dtype)), gs
 
 

@@ -145,3 +145,108 @@ def test_fake_quantize_amax_tiles(monkeypatch, amax_tile):
     e[2, 15, 200] = float("nan")  # poisons expert 2 only, found in the last tile's last chunk
     e[0, 9, 3] = float("inf")  # expert 0: S_enc 1
     assert_same_bits(fake_quantize_weight_triton(e.to(DEV)), nvfp4_fake_quantize(e))
+
+
+# ---------------------------------------------------------------------------------------------
+# The ALU-lean variant of the fused pass (FUSED_LEAN): the same bits as the shipped path and the
+# recipe. The tests above run with the module default; these flip it both ways.
+# ---------------------------------------------------------------------------------------------
+
+_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _fused(monkeypatch, lean, x2, rows_per_group, out_dtype=torch.float32, gs=None):
+    monkeypatch.setattr(fq_kernel, "FUSED_LEAN", lean)
+    return fq_kernel.fake_quantize_rows(x2.to(DEV), rows_per_group, out_dtype, gs)
+
+
+def _both_ways(monkeypatch, x2, rows_per_group, out_dtype=torch.float32, gs=None, ref=True):
+    """Lean and shipped fused passes: identical bits; and (``ref``) the recipe's bits."""
+    old, gs_old = _fused(monkeypatch, False, x2, rows_per_group, out_dtype, gs)
+    new, gs_new = _fused(monkeypatch, True, x2, rows_per_group, out_dtype, gs)
+    assert_same_bits(new, old)
+    assert torch.equal(gs_new.cpu().nan_to_num(-1), gs_old.cpu().nan_to_num(-1))
+    if ref:
+        groups = x2.shape[0] // rows_per_group
+        e = x2.cpu().reshape(groups, rows_per_group, -1)
+        want = nvfp4_fake_quantize(e, granularity="expert", dtype=out_dtype,
+                                   global_encode_scale=gs_old.cpu() if gs is None else gs.cpu())
+        assert_same_bits(new, want.reshape(x2.shape))
+    return new
+
+
+def _tie_sweep_rows(k_exps=(-9, -3, 0, 5, 8)) -> torch.Tensor:
+    """Rows of blocks whose scaled values v = x * enc hit the E2M1 ties, their float32 neighbours
+    and every multiple of 2^-6 in [0, 6] (and beyond, to the clamp): with S_enc = 1 and a block
+    max of 6 * 2^k, the block scale is exactly 2^k and enc = 2^-k, so x = v * 2^k."""
+    vals = [t for t in _TIES] + [2.0, 4.0, 6.0, 6.5, 7.0, 1e3]
+    v = torch.tensor(vals, dtype=torch.float32)
+    up = torch.nextafter(v, torch.full_like(v, float("inf")))
+    dn = torch.nextafter(v, torch.zeros_like(v))
+    grid = torch.arange(0, 6 * 64 + 1, dtype=torch.float32) / 64
+    allv = torch.cat([v, up, dn, grid, torch.nextafter(grid, torch.full_like(grid, 7.0)),
+                      torch.nextafter(grid, torch.zeros_like(grid))])
+    allv = torch.cat([allv, -allv])
+    n15 = 15 * ((allv.numel() + 14) // 15)
+    allv = torch.cat([allv, torch.zeros(n15 - allv.numel())]).reshape(-1, 15)
+    rows = []
+    for k in k_exps:
+        blocks = torch.cat([torch.full((allv.shape[0], 1), 6.0), allv], dim=1) * 2.0 ** k
+        rows.append(blocks.reshape(1, -1))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["shipped", "lean"])
+def test_fake_quantize_fused_variant_adversarial(monkeypatch, lean):
+    """Both variants on the adversarial rows (2-D one scale; one expert per row) and bf16 outputs."""
+    monkeypatch.setattr(fq_kernel, "FUSED_LEAN", lean)
+    x = _master(torch.float32, seed=11)
+    for out in DTYPES:
+        assert_same_bits(fake_quantize_weight_triton(x, out), nvfp4_fake_quantize(x.cpu(), dtype=out))
+    e = x.reshape(9, 1, 80)
+    assert_same_bits(fake_quantize_weight_triton(e, torch.bfloat16), nvfp4_fake_quantize(e.cpu(), dtype=torch.bfloat16))
+
+
+def test_fake_quantize_lean_tie_sweep(monkeypatch):
+    """E2M1 ties (0.25 ... 5 times the block scale), their neighbours and a 2^-6 grid of scaled
+    values, at block scales 2^-9 (E4M3 subnormal) .. 2^8, one row per scale: lean == shipped ==
+    recipe; also with the rows' own global scales and with S_enc = 1 given."""
+    x = _tie_sweep_rows()
+    _both_ways(monkeypatch, x, 1, gs=torch.ones(x.shape[0]))
+    _both_ways(monkeypatch, x, 1)
+    _both_ways(monkeypatch, x, x.shape[0], out_dtype=torch.bfloat16)
+    # non-power-of-two global scales: ties land between grid points after the scale rounding
+    _both_ways(monkeypatch, x, 1, gs=torch.tensor([3.0, 0.7, 1e-3, 6.1e4, 2688.0 / 7]))
+
+
+def test_fake_quantize_lean_random_outliers(monkeypatch):
+    """Random rows with outliers (per-block amax 10^(+-6) apart), random signs and zero blocks."""
+    g = torch.Generator().manual_seed(21)
+    k = 256
+    x = torch.randn(24, k, generator=g) * torch.logspace(-6, 6, 24)[:, None]
+    x[torch.rand(24, k, generator=g) < 0.01] *= 1e4
+    x[:, 32:48] = 0.0
+    x[5, 64:80] = -0.0
+    x[7, 100:116] = 1e-40  # fp32-subnormal inputs
+    for n in (1, 4, 24):
+        _both_ways(monkeypatch, x, n)
+        _both_ways(monkeypatch, x, n, out_dtype=torch.bfloat16)
+
+
+def test_fake_quantize_lean_nan_inf_and_extreme_scales(monkeypatch):
+    """NaN / inf rows and given global scales from subnormal to FLT_MAX, inf, 0 and NaN: lean ==
+    shipped everywhere, and == recipe where the shipped pass is (scales reachable from an amax).
+    S_enc = 1e-40 with an inf in the block is the ``enc == 0`` case of ``_lean_quant_blocks``."""
+    x = _master(torch.float32, seed=12, m=9, k=64)
+    x[8, 3] = float("nan")
+    x[0, 17] = -float("inf")
+    _both_ways(monkeypatch, x, 1)  # one scale per row: only row 8 is NaN
+    _both_ways(monkeypatch, x, 9)
+    scales = torch.tensor([1e-40, 1e-38, 2.0 ** -126, 7.9e-36, 1.0, 3e5, 3.4028234663852886e38,
+                           float("inf"), 0.0])
+    _both_ways(monkeypatch, x, 1, gs=scales, ref=False)
+    ok = torch.tensor([False, False, False, True, True, True, True, False, False])
+    x_ok = x[ok]
+    _both_ways(monkeypatch, x_ok, 1, gs=scales[ok])
+    _both_ways(monkeypatch, x, 1, gs=torch.full((9,), float("nan")), ref=False)
+    _both_ways(monkeypatch, x, 9, gs=torch.tensor(1e-40), ref=False)
