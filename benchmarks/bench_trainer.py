@@ -38,6 +38,9 @@ Variants, each a fresh model with the same seed (the same weights):
 * ``quads-tgrad``: ``quads`` with the experts' weight gradient handed to AccumulateGrad
   transposed, as before 2026-12-02 (``(x^T grad)^T``; AccumulateGrad copies it on the first
   micro-step and adds it strided on the others): measures what the layout fix saved; MoE only;
+* ``quads-lean``: ``quads`` with the fused fake-quant kernel's ALU-lean variant
+  (``quads.kernels.fake_quantize_nvfp4.FUSED_LEAN``: no E2M1 codes or scale byte built, the
+  roundings by magic-number adds; the same bits, tested): whether it should become the default;
 * ``quads-old``: the trainer before issue 23 (torch-reference fake quantization, the FP32
   forward weight cast by autocast, F.linear keeping it for the backward, a Python loop over the
   experts), ``accum`` 1 only and fewer iterations (it is slow): the before/after row.
@@ -213,26 +216,34 @@ def _transposed_grad_function():
         @staticmethod
         def backward(ctx, grad):
             x, saved_w, scale, ends = ctx.saved_tensors
+            quantize, dtype, keep, master_dtype = ctx.state
             grouped_mm = te._grouped_mm_fn()
             grad = grad.contiguous()
             grad_x = grad_w = None
             if ctx.needs_input_grad[0]:
-                w = saved_w if ctx.keep else te.fake_quantizer(ctx.backend)(saved_w, ctx.dtype, scale)[0]
+                w = saved_w if keep else quantize(saved_w, dtype, scale)[0]
                 grad_x = grouped_mm(grad, w, offs=ends)
             if ctx.needs_input_grad[1]:
-                grad_w = grouped_mm(x.t(), grad, offs=ends).transpose(-2, -1).to(ctx.master_dtype)
+                grad_w = grouped_mm(x.t(), grad, offs=ends).transpose(-2, -1).to(master_dtype)
             return grad_x, grad_w, None, None, None, None
 
     return _TransposedGradGroupedMM
 
 
 class _patched_grouped_mm:
-    """Within the block, quads' grouped experts use ``quads-tgrad``'s Function."""
+    """Within the block, quads' grouped experts use ``quads-tgrad``'s Function, and ``quads-lean``
+    runs the fused fake-quant kernel's ALU-lean variant (``FUSED_LEAN``: the same bits)."""
 
     def __init__(self, variant):
         self.on = variant == "quads-tgrad"
+        self.lean = variant == "quads-lean"
 
     def __enter__(self):
+        from quads.kernels import fake_quantize_nvfp4 as fq
+
+        self.saved_lean = fq.FUSED_LEAN
+        if self.lean:
+            fq.FUSED_LEAN = True
         if self.on:
             from quads.policies import trainer_experts as te
 
@@ -241,6 +252,9 @@ class _patched_grouped_mm:
         return self
 
     def __exit__(self, *exc):
+        from quads.kernels import fake_quantize_nvfp4 as fq
+
+        fq.FUSED_LEAN = self.saved_lean
         if self.on:
             from quads.policies import trainer_experts as te
 
@@ -297,7 +311,7 @@ def make_variant(kind: str, variant: str):
             raise ValueError(f"bf16-cast: the {kind} model has no experts")
     elif variant == "quads-tensor":  # one global scale per weight (session 4's runs), not per sibling group
         quads.quantize_(model, quads.QuadsPolicy(side="trainer", weight_global_scale="tensor"))
-    elif variant in ("quads", "quads-keep", "quads-tgrad"):
+    elif variant in ("quads", "quads-keep", "quads-tgrad", "quads-lean"):
         quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
         if variant == "quads-keep":
             make_keep(model)
