@@ -489,7 +489,8 @@ def check_humming():
     paths = {"stacked": (HummingBackend(residual_layout="stacked"), ActivationQuant(residual_fraction=1.0)),
              "summed": (HummingBackend(residual_layout="summed"), ActivationQuant(residual_fraction=1.0)),
              "plain": (HummingBackend(), ActivationQuant(residual_fraction=0.0)),
-             "w4a16": (HummingBackend(), None)}
+             "w4a16": (HummingBackend(mode="no_stream_k"), None),  # the per-element bound holds without Stream-K
+             "w4a16-sk": (HummingBackend(), None)}  # default mode: bf16 Stream-K partials, bench_humming.STREAM_K_BF16_REL
     g = torch.Generator(device="cuda").manual_seed(21)
     for k, n in ((4096, 4096), (4096, 14336)):
         parts = nvfp4_quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16())
@@ -497,11 +498,12 @@ def check_humming():
         hw.warmup(dtypes=(torch.float16, torch.bfloat16), ms=(1,))
         for kind, (backend, act) in paths.items():
             worst = 0.0
+            prep = hw if backend.mode == hw.mode else hw.with_mode(backend.mode)  # the same layout
             for m in (1, 16, 64, 256):
                 x = torch.randn(m, k, device="cuda", generator=g)
                 x[:, 3] *= 30.0  # an outlier channel
                 x = x.bfloat16()
-                y = backend.linear(x, hw.shape_parts, None, act, None, hw)
+                y = backend.linear(x, hw.shape_parts, None, act, None, prep)
                 ref, b = bounds(x, parts, kind)
                 worst = max(worst, float(((y.float() - ref).abs() / b.clamp(min=1e-30)).max()))
             record(f"humming {kind} K={k} N={n} within the stated bound of the exact path", worst <= 1,

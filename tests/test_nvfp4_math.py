@@ -183,8 +183,8 @@ def test_random_property_roundtrip_is_nearest_grid_point():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_max_abs_gpu_reduction_equals_the_minmax_one(dtype, device):
     """The GPU path's max|x| (one inf-norm reduction) gives the CPU path's (aminmax) bits, on
-    zeros, -0.0, subnormals, +-inf and NaN of either sign (NaN anywhere poisons the group); on a
-    GPU both run there (the CUDA kernels of both reductions)."""
+    zeros, -0.0, subnormals, +-inf and NaN of either sign (NaN anywhere poisons the group; the
+    NaN's payload bits may differ); on a GPU both run there (the CUDA kernels of both reductions)."""
     from quads.tensor.nvfp4_math import _max_abs_inf_norm, _max_abs_minmax
 
     g = torch.Generator().manual_seed(0)
@@ -198,7 +198,10 @@ def test_max_abs_gpu_reduction_equals_the_minmax_one(dtype, device):
                 t = t.to(dtype=dtype, device=device)
                 a, b = _max_abs_minmax(t), _max_abs_inf_norm(t)
                 assert a.dtype == b.dtype == torch.float32
-                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (n, special, a, b)
+                # the same bits, except that a NaN's payload may differ (measured on the H200: the
+                # CUDA inf-norm and aminmax reductions return different NaN patterns in float32)
+                same = torch.equal(a.view(torch.int32), b.view(torch.int32)) or bool(a.isnan() & b.isnan())
+                assert same, (n, special, a, b)
                 checked += 1
                 nan_seen += bool(torch.isnan(b))
     w = torch.randn(64, 48, generator=g).to(dtype=dtype, device=device)

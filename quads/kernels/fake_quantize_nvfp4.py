@@ -59,9 +59,12 @@ AMAX_COLS = 512
 AMAX_ITERS = 4
 _AMAX_WARPS = 4
 #: the fused pass's ALU-lean variant (``_lean_quant_blocks``/``_lean_dequant_blocks``: the same
-#: bits, fewer instructions per element; the pass is ALU-bound on the H200). Read at each call
-#: (benchmarks/bench_fake_quant.py times both); off until a GPU timing decides.
-FUSED_LEAN = False
+#: bits, fewer instructions per element; ncu found the pass ALU-bound on the H200: 82% SM, 52%
+#: DRAM throughput). On by default since the H200 run of 2026-12-02 (benchmarks/bench_fake_quant.py,
+#: every weight shape of both benchmark models bit-exact natively; forward / backward GPU time
+#: -14..-19% / -21..-26%, e.g. MoE experts gate_up 1086 -> 882 us and 722 -> 534 us; the MoE
+#: training step 1.158x -> 1.112x the BF16 trainer's). Read at each call (the benchmark times both).
+FUSED_LEAN = True
 
 
 @triton.jit

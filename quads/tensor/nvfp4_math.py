@@ -188,7 +188,8 @@ def _max_abs_inf_norm(t: torch.Tensor) -> torch.Tensor:
     maximum; host time per forward, issue 23). The inf norm reduces with ``AbsMaxOps``
     (ATen/native/SharedReduceOps.h): max |x| in the tensor's dtype, exact as the min/max is, and
     NaN-propagating (``max_propagate_nan`` on CUDA, ``max_impl`` on CPU); then the exact cast.
-    The same bits as :func:`_max_abs_minmax`, NaN included (tests/test_nvfp4_math.py)."""
+    The same bits as :func:`_max_abs_minmax` except a NaN's payload (both give NaN; on the H200 the
+    two CUDA reductions return different float32 NaN patterns; tests/test_nvfp4_math.py)."""
     m = torch.linalg.vector_norm(t, ord=float("inf"))
     return m if m.dtype == torch.float32 else m.to(torch.float32)
 
