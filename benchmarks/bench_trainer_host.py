@@ -16,8 +16,12 @@ glue is compared against. Outputs are not checked here (the kernels do not run):
 
 Rows (microseconds per call, median of ``--rounds`` rounds of ``--reps`` calls each):
 ``linear fwd`` (``q_proj(x)``, fp32 master; float32 GEMMs unless ``--autocast``), ``linear bwd``
-(``y.backward(g)`` of it), the same for the experts module (``experts(hidden, idx, weights)``),
-and ``group scale`` (``shared_global_encode_scale`` of three weights: q/k/v).
+(``y.backward(g)`` of it), ``linear, group mode`` (the same ``q_proj`` of a group-mode trainer,
+called alone: it computes its q/k/v group's scale, then fake-quantizes with it), the same for the
+experts module (``experts(hidden, idx, weights)``), ``group scale`` (the torch
+``shared_global_encode_scale`` of three weights: q/k/v, what sync/export run) and ``group scale,
+trainer`` (``ScaleGroup.scale()``: what the parent's forward pre-hook runs, by the modules'
+backend: on the kernel backend one zeroed int32 buffer and one (stubbed) amax launch per member).
 ``--profile`` adds a cProfile of linear and experts forward+backward (top functions by own time).
 """
 
@@ -100,6 +104,8 @@ def main(argv=None):
     fq._fake_quant_kernel = fq._fake_quant_amax_kernel = _NoLaunch()
 
     model, peer = build("tensor")
+    grouped, _ = build("group")  # weight_global_scale="group": q/k/v share one S_enc
+    q_grouped = grouped.model.layers[0].self_attn.q_proj
     layer, peer_layer = model.model.layers[0], peer.model.layers[0]
     q, q_peer = layer.self_attn.q_proj, peer_layer.self_attn.q_proj
     experts, experts_peer = layer.mlp.experts, peer_layer.mlp.experts
@@ -120,6 +126,7 @@ def main(argv=None):
     cases = {
         "linear": autocast(lambda: q(x)),
         "linear peer": autocast(lambda: q_peer(x)),
+        "linear, group mode (group scale + fake quant)": autocast(lambda: q_grouped(x)),
         "experts": autocast(lambda: experts(hidden, top_idx, top_w)),
         "experts peer (grouped_mm, transformers)": autocast(lambda: experts_peer(hidden, top_idx, top_w)),
     }
@@ -142,6 +149,14 @@ def main(argv=None):
             shared_global_encode_scale(w.detach() for w in weights)
         gs.append((time.perf_counter() - t0) / args.reps * 1e6)
     lines.append(f"{'group scale (q/k/v, CPU math included)':48s} {statistics.median(gs):9.1f}")
+    group = q_grouped.quads_scale_group
+    gs = []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        for _ in range(args.reps):
+            group.scale()
+        gs.append((time.perf_counter() - t0) / args.reps * 1e6)
+    lines.append(f"{'group scale, trainer (ScaleGroup.scale, q/k/v)':48s} {statistics.median(gs):9.1f}")
 
     if args.profile:
         prof = cProfile.Profile()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import quads
+import quads.ops.backend
 import quads.policies.scale_groups as scale_groups
 from tests.scale_reference import reference_forward_weight
 from tests.tiny_models import build
@@ -46,7 +47,8 @@ def amax_calls(monkeypatch):
         calls.append(len(weights))
         return real(weights)
 
-    monkeypatch.setattr(scale_groups, "shared_global_encode_scale", counted)
+    monkeypatch.setattr(scale_groups, "shared_global_encode_scale", counted)  # encode_scale (sync, export)
+    monkeypatch.setattr(quads.ops.backend, "shared_global_encode_scale", counted)  # Backend.group_scale (forward)
     return calls
 
 

@@ -7,7 +7,9 @@ weight. This kernel does the same steps per tile in registers: it reads the mast
 writes the forward weight once (plus the amax pass that the global scale needs first).
 
 Launches per call: three (a zeroed (groups,) amax buffer, the amax pass, the fused pass) and
-one when the global scale is given (the backward's recomputation). The amax pass reduces its
+one when the global scale is given (the backward's recomputation) or the amax is (a sibling
+group's, :func:`shared_amax_bits`: one zeroed buffer and one amax pass per member into it, then
+each member's fused pass derives the shared ``S_enc`` from it). The amax pass reduces its
 tile to one max per group and merges it with an integer ``atomic_max`` on the ``|x|`` bit
 patterns (exact and order-independent, NaN-propagating: every NaN pattern sorts above +inf);
 the fused pass turns the group's amax into ``S_enc`` itself (``div_rn(448 * 6, amax)``, clamped
@@ -40,7 +42,7 @@ from quads.kernels._interpreter import interpreter_safe_input, interpreting
 from quads.kernels.quantize_nvfp4 import _abs_bits, _dequant_blocks, _quant_blocks
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 
-__all__ = ["fake_quantize_rows", "FAKE_QUANT_OUT_DTYPES", "TILE_ROWS", "TILE_BLOCKS", "AMAX_ROWS", "AMAX_COLS",
+__all__ = ["fake_quantize_rows", "shared_amax_bits", "FAKE_QUANT_OUT_DTYPES", "TILE_ROWS", "TILE_BLOCKS", "AMAX_ROWS", "AMAX_COLS",
            "AMAX_ITERS", "FUSED_LEAN"]
 
 FAKE_QUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -227,19 +229,60 @@ def _fake_quant_kernel(
     tl.store(OUT + doffs, tl.reshape(xh, (BR, BB, 16)).to(OUT.dtype.element_ty), mask=m3)
 
 
+def shared_amax_bits(tensors) -> torch.Tensor:
+    """The ``|x|`` bit-pattern max over all of ``tensors`` (weights of any shape, last dim a
+    multiple of 16), as a (1,) int32 tensor on the first one's device: the amax that one global
+    scale shared by all of them (a sibling group's) comes from, for ``fake_quantize_rows(...,
+    amax_bits=...)``, whose fused pass turns it into ``S_enc``.
+
+    One zeroed buffer and one amax pass per tensor into it: ``atomic_max`` on the bit patterns
+    makes it the max over the tensors, exact and independent of their order, NaN-propagating (a
+    NaN pattern sorts above +inf); no torch reduction or elementwise ``S_enc`` glue per group.
+    0 (amax 0, ``S_enc`` 1) when every tensor is zero or empty."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("shared_amax_bits needs at least one tensor")
+    ga = torch.zeros(1, dtype=torch.int32, device=tensors[0].device)
+    interp = interpreting()
+    for t in tensors:
+        x = t.detach()
+        _amax_pass(_rows_2d(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), interp), ga)
+    return ga
+
+
+def _rows_2d(x2d: torch.Tensor, interp: bool) -> torch.Tensor:
+    """``x2d`` as the kernels read it: unit stride along K (and a bf16 input made safe for the
+    interpreter)."""
+    if interp and x2d.dtype == torch.bfloat16:
+        x2d = interpreter_safe_input(x2d)
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+
+
+def _amax_pass(x2d: torch.Tensor, ga: torch.Tensor) -> None:
+    """Merge max ``|x|`` (bit patterns) of all rows of ``x2d`` into ``ga[0]`` (one group)."""
+    n_rows, k = x2d.shape
+    if n_rows:
+        agrid, amax_meta, _, _ = _launch_config(n_rows, k, n_rows, True, TILE_ROWS, TILE_BLOCKS, AMAX_ROWS,
+                                                AMAX_COLS, AMAX_ITERS)
+        _fake_quant_amax_kernel[agrid](x2d, x2d.stride(0), k, ga, n_rows, n_rows, **amax_meta, num_warps=_AMAX_WARPS)
+
+
 def fake_quantize_rows(
     x2d: torch.Tensor,
     rows_per_group: int,
     out_dtype: torch.dtype,
     global_encode_scale: torch.Tensor | None = None,
     out_shape: tuple | None = None,
+    amax_bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``DQ(Q(x))`` of the rows of ``x2d`` (R, K) in ``out_dtype``; groups of ``rows_per_group``
     consecutive rows share one global scale (all rows: "tensor"; N rows of (E, N, K): "expert").
 
-    ``global_encode_scale`` (one per group) skips the amax pass. Returns ``(out (R, K),
-    global_encode_scale (R // rows_per_group,))``; ``out_shape`` (``R * K`` elements): the output
-    is allocated in that shape instead (the caller's weight shape: no view on the way out).
+    ``global_encode_scale`` (one per group) skips the amax pass; so does ``amax_bits`` (int32,
+    one ``|x|`` bit-pattern amax per group, e.g. a sibling group's from :func:`shared_amax_bits`),
+    from which the fused pass derives ``S_enc`` as it does from its own amax pass. Returns ``(out
+    (R, K), global_encode_scale (R // rows_per_group,))``; ``out_shape`` (``R * K`` elements): the
+    output is allocated in that shape instead (the caller's weight shape: no view on the way out).
     """
     if x2d.dim() != 2 or x2d.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"fake_quantize_rows expects (R, K) with K % {BLOCK_SIZE} == 0, got {tuple(x2d.shape)}")
@@ -249,16 +292,20 @@ def fake_quantize_rows(
     if rows_per_group < 1 or n_rows % rows_per_group:
         raise ValueError(f"fake_quantize_rows: {n_rows} rows do not split into groups of {rows_per_group}")
     interp = interpreting()  # one environment lookup per call (a microsecond each)
-    if interp and x2d.dtype == torch.bfloat16:
-        x2d = interpreter_safe_input(x2d)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
+    x2d = _rows_2d(x2d, interp)
     groups = n_rows // rows_per_group
     dev = x2d.device
     from_amax = global_encode_scale is None
+    amax_pass = from_amax and amax_bits is None
     if from_amax:
         gs = torch.empty(groups, dtype=torch.float32, device=dev)
-        ga = torch.zeros(groups, dtype=torch.int32, device=dev)  # |x| bits; 0 = amax 0 (S_enc 1)
+        if amax_pass:
+            ga = torch.zeros(groups, dtype=torch.int32, device=dev)  # |x| bits; 0 = amax 0 (S_enc 1)
+        else:
+            ga = amax_bits
+            if ga.dtype != torch.int32 or ga.device != dev or ga.numel() != groups:
+                raise ValueError(f"fake_quantize_rows: amax_bits must be {groups} int32 values on {dev}, got "
+                                 f"{ga.numel()} {ga.dtype} on {ga.device}")
         if not n_rows:
             gs.fill_(1.0)
     else:
@@ -269,9 +316,9 @@ def fake_quantize_rows(
     store_dtype = torch.float32 if interp else out_dtype
     out = torch.empty(out_shape or (n_rows, k), dtype=store_dtype, device=dev)
     if n_rows:
-        agrid, amax_meta, grid, bb = _launch_config(n_rows, k, rows_per_group, from_amax, TILE_ROWS, TILE_BLOCKS,
+        agrid, amax_meta, grid, bb = _launch_config(n_rows, k, rows_per_group, amax_pass, TILE_ROWS, TILE_BLOCKS,
                                                     AMAX_ROWS, AMAX_COLS, AMAX_ITERS)
-        if from_amax:
+        if amax_pass:
             _fake_quant_amax_kernel[agrid](x2d, x2d.stride(0), k, ga, rows_per_group, n_rows, **amax_meta,
                                            num_warps=_AMAX_WARPS)
         _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, ga, rows_per_group, out, n_rows,
@@ -280,8 +327,9 @@ def fake_quantize_rows(
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_config(n_rows, k, rows_per_group, from_amax, tile_rows, tile_blocks, amax_rows, amax_cols, amax_iters):
-    """``(amax grid, amax pass meta-parameters, fused grid, BB)`` of a call: pure integer
+def _launch_config(n_rows, k, rows_per_group, amax_pass, tile_rows, tile_blocks, amax_rows, amax_cols, amax_iters):
+    """``(amax grid, amax pass meta-parameters, fused grid, BB)`` of a call (the amax entries
+    None without ``amax_pass``): pure integer
     arithmetic on the shape and the tile globals (all in the key, so a sweep of the globals is
     seen), cached because a trainer calls the same few shapes thousands of times and the host
     time of a small weight's call is what the GPU waits for when its queue is empty. Plain
@@ -289,7 +337,7 @@ def _launch_config(n_rows, k, rows_per_group, from_amax, tile_rows, tile_blocks,
     microseconds each)."""
     nblk = k // 16
     agrid = amax_meta = None
-    if from_amax:
+    if amax_pass:
         ac = min(amax_cols, _next_pow2(k))
         ai = max(1, min(amax_iters, _cdiv(k, ac)))
         agrid = (_cdiv(n_rows, amax_rows), _cdiv(k, ac * ai))

@@ -36,6 +36,8 @@ from typing import Sequence
 
 import torch
 
+from quads.tensor.nvfp4_math import shared_global_encode_scale
+
 __all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "backend_names", "get_backend", "register_backend",
            "select_backend", "use_backend"]
 
@@ -65,6 +67,10 @@ class Backend:
       ``stacked_linear(x2d, stacked, row_scales, act, operands)``: one GEMM over that layout.
     * ``grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared)``:
       the experts' grouped linear (:mod:`quads.ops.grouped_linear`).
+
+    Trainer side: ``group_scale(masters)``, a sibling group's shared global scale in the form
+    this backend's weight fake quantizer (:func:`~quads.policies.ste.fake_quantizer`) takes as
+    its ``global_encode_scale``.
     """
 
     name = "abstract"
@@ -105,6 +111,15 @@ class Backend:
 
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
         raise NotImplementedError
+
+    def group_scale(self, masters: Sequence[torch.Tensor]):
+        """The shared global scale of a sibling group's whole 2-D ``masters`` (trainer group
+        mode, once per forward of their parent), as this backend's fake quantizer takes it: here
+        ``S_enc`` itself (shape ``()``, :func:`~quads.tensor.nvfp4_math.shared_global_encode_scale`,
+        which every fake quantizer accepts); the kernel backends return the group's amax bits
+        instead (:class:`~quads.ops.weight_quant.GroupAmaxBits`: the same ``S_enc`` derived in
+        their fused pass, without the torch reduction and elementwise ops on the host)."""
+        return shared_global_encode_scale(masters)
 
     def __repr__(self) -> str:
         return f"quads.Backend({self.name!r})"

@@ -20,7 +20,7 @@ from quads.ops.linear import (
     w4a4_linear_blackwell,
 )
 from quads.ops.sibling_linear import stack_prepared_hopper, stacked_fits_hopper, stacked_linear_hopper
-from quads.ops.weight_quant import quantize_weight_reference, quantize_weight_triton
+from quads.ops.weight_quant import group_amax_bits_triton, quantize_weight_reference, quantize_weight_triton
 
 __all__ = ["TorchBackend", "HopperBackend", "BlackwellBackend"]
 
@@ -56,6 +56,11 @@ class HopperBackend(Backend):
 
     def quantize_activation(self, x2d, act, static_mask=None):
         return quantize_activation_triton(x2d, act, static_mask)
+
+    def group_scale(self, masters):
+        """The group's amax bits (one amax kernel pass per master into one buffer); the fused
+        fake quantizer derives ``S_enc`` from them."""
+        return group_amax_bits_triton(masters)
 
     activation_operands = staticmethod(hopper_operands)
     linear = staticmethod(linear_hopper)

@@ -26,7 +26,7 @@ from quads.tensor.nvfp4_math import (
 from quads.ops.backend import Backend, get_backend, select_backend
 
 __all__ = ["quantize_weight", "quantize_weight_op", "quantize_weight_reference", "quantize_weight_triton",
-           "fake_quantize_weight_reference", "fake_quantize_weight_triton"]
+           "fake_quantize_weight_reference", "fake_quantize_weight_triton", "GroupAmaxBits", "group_amax_bits_triton"]
 
 
 def quantize_weight_reference(
@@ -74,6 +74,30 @@ def quantize_weight_triton(
     return NVFP4Parts(q.view(lead + (k // 2,)), s.view(torch.float8_e4m3fn).view(lead + (k // 16,)), gs)
 
 
+class GroupAmaxBits:
+    """A sibling group's shared global scale as the kernel fake quantizer takes it: the ``|w|``
+    bit-pattern max over every member's master (``bits``, (1,) int32), not yet ``S_enc``.
+
+    :func:`fake_quantize_weight_triton` given this instead of a scale runs its fused pass from
+    these bits (no amax pass of its own): the pass derives ``S_enc`` as it does from a weight's
+    own amax (``global_encode_scale_from_amax``, bit for bit) and returns it, so each member gets
+    the group's ``S_enc`` and the backward's recomputation reuses it. Made by
+    :func:`group_amax_bits_triton` (the kernel backends' ``group_scale``)."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self, bits: torch.Tensor):
+        self.bits = bits
+
+
+def group_amax_bits_triton(masters) -> GroupAmaxBits:
+    """The group's amax bits of the whole weights ``masters``: one zeroed int32 buffer and one
+    amax kernel pass per master into it (:func:`quads.kernels.fake_quantize_nvfp4.shared_amax_bits`)."""
+    from quads.kernels.fake_quantize_nvfp4 import shared_amax_bits
+
+    return GroupAmaxBits(shared_amax_bits(masters))
+
+
 def _fake_quant_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     dtype = dtype or x.dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -95,11 +119,14 @@ def fake_quantize_weight_reference(
 
 
 def fake_quantize_weight_triton(
-    x: torch.Tensor, dtype: torch.dtype | None = None, global_encode_scale: torch.Tensor | None = None
+    x: torch.Tensor, dtype: torch.dtype | None = None,
+    global_encode_scale: torch.Tensor | GroupAmaxBits | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel twin of :func:`fake_quantize_weight_reference` (same bits): an amax pass (skipped
     when ``global_encode_scale`` is given), then one fused pass that reads the master once and
-    writes ``DQ(Q(x))`` in ``dtype`` (:mod:`quads.kernels.fake_quantize_nvfp4`)."""
+    writes ``DQ(Q(x))`` in ``dtype`` (:mod:`quads.kernels.fake_quantize_nvfp4`).
+    ``global_encode_scale`` may also be a 2-D weight's sibling group's :class:`GroupAmaxBits`:
+    the fused pass then derives the group's ``S_enc`` from those bits (and returns it)."""
     check_quantizable(x, "weight")
     dtype = _fake_quant_dtype(x, dtype)
     nd = x.dim()
@@ -114,7 +141,10 @@ def fake_quantize_weight_triton(
     if per_group == 0:
         gs = torch.ones(groups, dtype=torch.float32, device=x.device)
         return torch.empty(shape, dtype=dtype, device=x.device), gs
-    out, gs = _fake_quantize_rows()(x2, per_group, dtype, global_encode_scale, shape)
+    if type(global_encode_scale) is GroupAmaxBits:
+        out, gs = _fake_quantize_rows()(x2, per_group, dtype, None, shape, global_encode_scale.bits)
+    else:
+        out, gs = _fake_quantize_rows()(x2, per_group, dtype, global_encode_scale, shape)
     return out, (gs if nd == 3 else gs.view(()))  # (E,) per expert, () per tensor
 
 

@@ -191,9 +191,10 @@ class TrainerLinear(TrainerModule):
     #: (:class:`~quads.policies.scale_groups.ScaleGroup`; set by ``quantize_`` in group mode), or None
     quads_scale_group = None
 
-    def quads_global_scale(self) -> torch.Tensor | None:
-        """The ``S_enc`` this forward quantizes the weight with when it is not the weight's own:
-        the sibling group's, from every member's master, or None. Computed once per forward of
+    def quads_global_scale(self):
+        """The global scale this forward quantizes the weight with when it is not the weight's
+        own: the sibling group's, from every member's master (``S_enc``, or on kernel backends the
+        group's amax bits the fused pass derives it from), or None. Computed once per forward of
         the members' parent and shared by the members (:meth:`ScaleGroup.scale`), never kept
         across forwards."""
         group = self.quads_scale_group

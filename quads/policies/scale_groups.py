@@ -16,7 +16,9 @@ fused layer), so trainer, rollout and export hold the same weights:
   with the group's scale;
 * the trainer's forward (``TrainerLinear``) takes the group's scale from the members' masters
   in every forward of the members' parent (the attention or MLP module): a forward pre-hook on
-  the parent computes it once (one amax pass per member) and the members reuse it; a forward
+  the parent computes it once (one amax pass per member, by the members' backend:
+  ``Backend.group_scale``; on the kernel backends the passes merge into one int32 amax buffer
+  from which each member's fused fake-quant pass derives ``S_enc``) and the members reuse it; a forward
   hook (run on exceptions too) drops it, so nothing is kept across forwards (no cache, for the
   reason ``policies/ste.py`` gives: an optimizer step or a ``.data`` write between two forwards
   is always seen, and a recomputation under activation checkpointing reruns the parent's
@@ -62,9 +64,9 @@ class ScaleGroup:
     on its own parent.
     """
 
-    #: the group's ``S_enc`` while a forward of the members' parent runs (set by its pre-hook,
-    #: dropped by its forward hook), else None
-    forward_scale: torch.Tensor | None = None
+    #: the group's scale (:meth:`scale`'s form) while a forward of the members' parent runs (set
+    #: by its pre-hook, dropped by its forward hook), else None
+    forward_scale = None
 
     def __init__(self, members: Iterable[nn.Module], names: Iterable[str]):
         self.members = tuple(members)
@@ -75,7 +77,25 @@ class ScaleGroup:
         return f"ScaleGroup({', '.join(self.names)})"
 
     def encode_scale(self) -> torch.Tensor:
-        """``S_enc`` of the members' current dense weights (the trainer's masters)."""
+        """``S_enc`` of the members' current dense weights (the trainer's masters), shape ``()``:
+        what sync, export and rollout quantize the members with."""
+        return shared_global_encode_scale(self._masters())
+
+    def scale(self):
+        """The global scale a member's forward quantizes with, in the form its backend's fake
+        quantizer takes (``Backend.group_scale``: ``S_enc``, or the kernel backends' group amax
+        bits, from which each member's fused pass derives the same ``S_enc``): the one its
+        parent's forward computed (:meth:`attach`), or, outside such a forward, one computed now."""
+        scale = self.forward_scale
+        return self._forward_scale_now() if scale is None else scale
+
+    def _forward_scale_now(self):
+        """The group's scale from the masters as they are now, by the members' backend (the
+        trainer stores one per module; the members of a group share a device, hence one)."""
+        return self.members[0].quads_trainer_backend().group_scale(self._masters())
+
+    def _masters(self) -> list[torch.Tensor]:
+        """The members' dense weights; refuses a distributed one (the scale needs each whole)."""
         weights = [m.weight for m in self.members]
         for name, w in zip(self.names, weights):
             if is_dtensor(w):
@@ -86,13 +106,7 @@ class ScaleGroup:
                     "member's whole weight. Apply fully_shard to the decoder layer (not to single linears), "
                     "or use QuadsPolicy(weight_global_scale='tensor')"
                 )
-        return shared_global_encode_scale(w.detach() for w in weights)
-
-    def scale(self) -> torch.Tensor:
-        """The ``S_enc`` a member's forward quantizes with: the one its parent's forward computed
-        (:meth:`attach`), or, outside such a forward, :meth:`encode_scale` now."""
-        scale = self.forward_scale
-        return self.encode_scale() if scale is None else scale
+        return weights
 
     def attach(self, parent: nn.Module) -> None:
         """Compute the scale once per forward of ``parent`` (the members' parent): a forward
@@ -110,7 +124,7 @@ class ScaleGroup:
         self.forward_scale = None
 
     def _begin_forward(self, module: nn.Module, args) -> None:
-        self.forward_scale = self.encode_scale()
+        self.forward_scale = self._forward_scale_now()
 
     def _end_forward(self, module: nn.Module, args, output) -> None:
         self.forward_scale = None

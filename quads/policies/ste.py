@@ -161,7 +161,8 @@ def fake_quantize_weight(
     into plain tensors before a module's forward). A DTensor here means a module was called
     outside its FSDP root's forward, or a tensor-parallel weight: its global scale would need a
     collective the forward must not issue, so this refuses. ``global_encode_scale``: quantize
-    with this ``S_enc`` (a sibling group's) instead of the weight's own.
+    with this ``S_enc`` (a sibling group's: ``Backend.group_scale``, whose kernel form is the
+    group's amax bits) instead of the weight's own.
     """
     return fake_quantize_weight_parts(weight, backend, dtype, global_encode_scale)[0]
 
@@ -173,7 +174,9 @@ def fake_quant_linear(
     """``F.linear(x, fake_quantize_weight(weight), bias)`` (same values and gradients) without
     keeping the forward weight alive for the backward: a transient, recomputed there.
     ``global_encode_scale`` (shape ``()``): quantize with this ``S_enc`` instead of the weight's
-    own, e.g. its sibling group's (:mod:`quads.policies.scale_groups`)."""
+    own, e.g. its sibling group's (:mod:`quads.policies.scale_groups`; on kernel backends given
+    as the group's amax bits, ``Backend.group_scale``: the fused pass derives ``S_enc``, and the
+    backward reuses the ``S_enc`` it returned)."""
     _check_whole(weight)
     device_type = weight.device.type
     w_dtype = weight.dtype
