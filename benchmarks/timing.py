@@ -63,6 +63,10 @@ def add_csv_argument(parser) -> None:
 
 
 def _commit() -> str:
+    """The code's commit: ``QUADS_COMMIT`` if set (the device machine's copy of the working tree
+    may carry a stale ``.git``: the device scripts pass the commit in), else ``git rev-parse``."""
+    if os.environ.get("QUADS_COMMIT"):
+        return os.environ["QUADS_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=RESULTS_CSV.parent)

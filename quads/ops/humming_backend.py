@@ -20,15 +20,17 @@ the packed weight and 16-bit activation operands:
     |x̂+r̂|_k |w_nk|`` before the output roundings; half the GEMM rows, one more small kernel.
 
   ``residual_layout``: ``"auto"`` = stacked below :data:`SUMMED_FROM_ROWS` rows, summed from
-  there (provisional until the H200 numbers of ``benchmarks/bench_humming.py``), or either forced
+  there (the H200 crossover of ``benchmarks/bench_humming.py``, 2026-12-01), or either forced
   (``QUADS_HUMMING_RESIDUAL`` overrides).
 
 ``mode`` (``QUADS_HUMMING_MODE`` overrides): humming's kernel configuration, see
 :data:`~quads.kernels.humming_gemm.HUMMING_MODES`. Default ``"default"`` (humming's fastest
-heuristics, Stream-K: not deterministic run to run): its sm_90 tables give the no-split modes as
-few as N/128 CTAs at small M (32 of 132 SMs at N = 4096), so no deterministic mode is expected
-within 10% there; the H200 run of ``benchmarks/bench_humming.py`` decides (issue 24's rule: a
-deterministic mode within 10% of the fastest becomes the default).
+heuristics, Stream-K: not deterministic run to run; W4A16's bf16 output is then within
+``2^-6 max|y|`` of the exact product, not the per-element bound, see docs/humming.md): its sm_90
+tables give the no-split modes as few as N/128 CTAs at small M (32 of 132 SMs at N = 4096), and on
+the H200 (2026-12-02) ``no_stream_k`` cost the dense linears 35-60% of their speed, so it is not
+the default (issue 24's rule: a deterministic mode within 10% of the fastest becomes it). On the
+128-expert MoE block it was as fast; the E=8 block is not measured yet.
 
 **MoE experts** (3-D weights, :meth:`HummingBackend.grouped_linear`): humming's grouped-contiguous
 MoE GEMM over quads' routing (rows sorted by expert, ``offsets`` = humming's ``expert_layout``);
@@ -41,7 +43,7 @@ Not on humming (the exact Hopper kernels serve them): weights with per-row globa
 with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
 experts. The prepared object of such a weight is the Hopper layout.
 
-**Prefill** (``DENSE_PREFILL_FROM_ROWS``, to be measured: off by default): from that many rows a
+**Prefill** (``DENSE_PREFILL_FROM_ROWS``, measured slower: off by default): from that many rows a
 W4A4 linear runs :func:`dense_w4a4` (the weight dequantized exactly to fp16 per call, cuBLAS
 with fp32 output) instead of humming's GEMM; ``QUADS_HUMMING_DENSE_FROM`` overrides.
 
@@ -78,9 +80,10 @@ RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
 SUMMED_FROM_ROWS = 64
 #: from this many tokens on, W4A4 (+ residual) linears run the dense prefill path
 #: (:func:`dense_w4a4`: the weight dequantized exactly to fp16 per call, cuBLAS with fp32 output)
-#: instead of humming's GEMM. **To be measured**: None = off until the H200 run of
-#: ``benchmarks/bench_humming.py`` (linear section, ``dense summed, W dequantized per call`` rows)
-#: picks the crossover; ``QUADS_HUMMING_DENSE_FROM`` (an integer, or ``off``) overrides it.
+#: instead of humming's GEMM. None = off: on the H200 (2026-12-02, ``benchmarks/bench_humming.py``,
+#: docs/humming.md) it never beat humming's summed layout at any M up to 2048 on the five linear
+#: shapes (0.37-0.71x BF16 against 0.39-0.76x); ``QUADS_HUMMING_DENSE_FROM`` (an integer, or
+#: ``off``) overrides it.
 DENSE_PREFILL_FROM_ROWS: int | None = None
 #: operand bounds of the output-range rule: one exact operand row, and the sum of two
 _OPERAND_MAX = {"w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
