@@ -253,3 +253,28 @@ def test_compiled_trainer_is_one_graph_and_the_eager_bits():
         assert all(g.forward_scale is None for g in _groups(model))
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel backend's compile path needs a CUDA GPU")
+def test_compiled_trainer_on_the_kernel_backend_is_one_graph_and_the_eager_bits():
+    """The same on the GPU's kernel backend: the pre-hook's amax-bits handle (``Backend.group_scale``)
+    and the fused passes' Triton launches inside the autograd Functions traced by dynamo in one
+    graph; logits and gradients the eager bits."""
+    torch._dynamo.reset()
+    try:
+        model = _trainer().cuda()
+        ids = IDS.cuda()
+
+        def step(fn):
+            model.zero_grad(set_to_none=True)
+            out = fn(ids, labels=ids)
+            out.loss.backward()
+            return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        want = step(model)
+        got = step(torch.compile(model, backend="aot_eager", fullgraph=True))
+        _assert_same(got, want)
+        assert all(g.forward_scale is None for g in _groups(model))
+    finally:
+        torch._dynamo.reset()
