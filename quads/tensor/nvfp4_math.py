@@ -168,30 +168,14 @@ def shared_global_encode_scale(tensors) -> torch.Tensor:
 
 
 def _max_abs(t: torch.Tensor) -> torch.Tensor:
-    """max|t| in float32 (``global_amax(t, "tensor")``) from one max-abs pass in the tensor's
-    dtype, without a float32 (or any) copy of the tensor: the trainer computes a group's scale in
-    every forward. NaN propagates."""
-    if t.numel() == 0:  # (vector_norm has no identity for the inf norm of nothing)
+    """max|t| in float32 (``global_amax(t, "tensor")``) from one min/max pass in the tensor's
+    dtype, without a float32 (or any) copy of the tensor. NaN propagates. (The trainer's group
+    scale on the kernel backends does not come here: its amax passes run in the fake-quant
+    kernel, ``quads.kernels.fake_quantize_nvfp4.shared_amax_bits``.)"""
+    if t.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=t.device)
-    t = t.detach()
-    return _max_abs_minmax(t) if t.device.type == "cpu" else _max_abs_inf_norm(t)
-
-
-def _max_abs_minmax(t: torch.Tensor) -> torch.Tensor:
-    """:func:`_max_abs` on CPU: the vectorized ``aminmax`` (CPU's inf-norm reduction is ~8x slower)."""
-    lo, hi = torch.aminmax(t)
+    lo, hi = torch.aminmax(t.detach())
     return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
-
-
-def _max_abs_inf_norm(t: torch.Tensor) -> torch.Tensor:
-    """:func:`_max_abs` on GPUs: one reduction kernel instead of four launches (aminmax, two abs,
-    maximum; host time per forward, issue 23). The inf norm reduces with ``AbsMaxOps``
-    (ATen/native/SharedReduceOps.h): max |x| in the tensor's dtype, exact as the min/max is, and
-    NaN-propagating (``max_propagate_nan`` on CUDA, ``max_impl`` on CPU); then the exact cast.
-    The same bits as :func:`_max_abs_minmax` except a NaN's payload (both give NaN; on the H200 the
-    two CUDA reductions return different float32 NaN patterns; tests/test_nvfp4_math.py)."""
-    m = torch.linalg.vector_norm(t, ord=float("inf"))
-    return m if m.dtype == torch.float32 else m.to(torch.float32)
 
 
 def default_granularity(x: torch.Tensor) -> str:
