@@ -171,8 +171,10 @@ def main(argv=None):
     report = "\n".join(lines)
     print(report)
     if args.out:
-        with open(args.out, "w") as f:
+        tmp = f"{args.out}.tmp"  # whole or not at all: write aside, then rename
+        with open(tmp, "w") as f:
             f.write(report + "\n")
+        os.replace(tmp, args.out)
 
 
 if __name__ == "__main__":
