@@ -45,7 +45,12 @@ Variants, each a fresh model with the same seed (the same weights):
   forward weight cast by autocast, F.linear keeping it for the backward, a Python loop over the
   experts), ``accum`` 1 only and fewer iterations (it is slow): the before/after row.
 
-Times: CUDA events around each whole step, ``--warmup`` steps first, median of ``--iters``.
+Times: CUDA events around each whole step, ``--warmup`` steps first, median of ``--iters``; per
+step also the host's issue time (``host_ms_all``: wall clock from the step's start until the
+host has issued it, before waiting for the GPU; the host blocks when the launch queue is full, so
+it reads the host's own time only where it is the slower side) and, over the timed steps, the
+Python garbage collector's collections and milliseconds per generation (``gc_pauses_ms``): a
+host-bound step shows a host stall as a slow step, these say whether the collector was it.
 Peak memory: ``torch.cuda.max_memory_allocated`` over the timed steps (reset after warm-up; the
 model, its gradients and the AdamW states included). Also measured, once per QUADS model: one
 fake-quantization pass over every quantized weight by the kernel and by the reference (the cost a
@@ -349,6 +354,31 @@ class _Timer:
             self.ms = (time.perf_counter() - self.t0) * 1e3
 
 
+class _GcPauses:
+    """Python garbage-collector pauses during the timed steps (``gc.callbacks``): per generation,
+    how many collections and their total milliseconds. A host-bound step shows a collection as a
+    step-time spike (the GPU's queue runs dry while the host is paused); a GPU-bound one hides it."""
+
+    def __enter__(self):
+        self.ms, self.count, self._t = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.count[g] += 1
+            self.ms[g] += (time.perf_counter() - self._t) * 1e3
+
+    def per_generation(self) -> dict:
+        return {f"gen{g}": [self.count[g], round(self.ms[g], 2)] for g in range(3)}
+
+
 def _batches(vocab: int, n: int):
     g = torch.Generator(device="cpu").manual_seed(1)
     shape = (ARGS.batch, ARGS.seq)
@@ -381,17 +411,21 @@ def time_steps(model, accum: int, warmup: int, iters: int) -> dict:
     _sync()
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        with _Timer() as t:
-            train_step(model, opt, batches)
-        times.append(t.ms)
+    times, host, pauses = [], [], _GcPauses()
+    with pauses:
+        for _ in range(iters):
+            with _Timer() as t:
+                train_step(model, opt, batches)
+                t.host_ms = (time.perf_counter() - t.t0) * 1e3  # the host's issue time (no sync yet)
+            times.append(t.ms)
+            host.append(t.host_ms)
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0
     # allocator retries (a cudaMalloc failed, the cache was flushed and the call retried): memory
     # pressure, e.g. another process's memory on a shared (MPS) GPU; reserved: what the cache holds
     stats = torch.cuda.memory_stats() if DEVICE.type == "cuda" else {}
     del opt
     return {"step_ms": round(statistics.median(times), 2), "step_ms_all": [round(x, 2) for x in times],
+            "host_ms_all": [round(x, 2) for x in host], "gc_pauses_ms": pauses.per_generation(),
             "peak_gib": round(peak, 3), "first_loss": losses[0],
             "alloc_retries": stats.get("num_alloc_retries"),
             "reserved_peak_gib": round(stats.get("reserved_bytes.all.peak", 0) / 2**30, 3) if stats else None}

@@ -257,13 +257,37 @@ def test_compiled_trainer_is_one_graph_and_the_eager_bits():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel backend's compile path needs a CUDA GPU")
-def test_compiled_trainer_on_the_kernel_backend_is_one_graph_and_the_eager_bits():
+def test_compiled_trainer_on_the_kernel_backend_is_one_graph():
     """The same on the GPU's kernel backend: the pre-hook's amax-bits handle (``Backend.group_scale``)
     and the fused passes' Triton launches inside the autograd Functions traced by dynamo in one
-    graph; logits and gradients the eager bits."""
+    graph (``fullgraph=True``).
+
+    What quads owns is checked bit for bit: a sibling group's forward weights from its amax bits,
+    compiled, equal eager's. The whole step is checked to a tolerance only: on CUDA a compiled
+    step is not eager's bits even without quads (measured on the H200, ``lab/compile_bits.py``:
+    the plain tiny Llama compiled by dynamo alone is off by up to 6e-7 in its float32 logits and
+    in every gradient, the same for quads' torch and kernel backends; the traced graph's cuBLAS
+    calls differ), so bit equality there would test cuBLAS, not quads."""
+    from quads.ops.backend import get_backend
+    from quads.policies.ste import fake_quantize_weight
+
     torch._dynamo.reset()
     try:
+        hopper = get_backend("hopper")
+        g = torch.Generator(device="cuda").manual_seed(0)
+        ws = [torch.randn(n, 64, device="cuda", generator=g) * s for n, s in ((64, 1.0), (32, 3.0), (32, 0.2))]
+
+        def group(*ws):
+            bits = hopper.group_scale(ws)
+            return [fake_quantize_weight(w, hopper, torch.bfloat16, bits) for w in ws]
+
+        want_w = group(*ws)
+        got_w = torch.compile(group, backend="aot_eager", fullgraph=True)(*ws)
+        for a, b in zip(want_w, got_w):
+            assert torch.equal(a, b)
+
         model = _trainer().cuda()
+        assert all(m.quads_backend.name == "hopper" for m in model.modules() if hasattr(m, "quads_backend"))
         ids = IDS.cuda()
 
         def step(fn):
@@ -274,7 +298,10 @@ def test_compiled_trainer_on_the_kernel_backend_is_one_graph_and_the_eager_bits(
 
         want = step(model)
         got = step(torch.compile(model, backend="aot_eager", fullgraph=True))
-        _assert_same(got, want)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert got[1].keys() == want[1].keys() and len(want[1]) > 0
+        for n in want[1]:
+            torch.testing.assert_close(got[1][n], want[1][n], rtol=1e-4, atol=1e-6, msg=n)
         assert all(g.forward_scale is None for g in _groups(model))
     finally:
         torch._dynamo.reset()
