@@ -512,9 +512,7 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
         print(f"sync {tag}: humming refresh ({len(hw.layers)} layers) {row['humming_refresh_ms']} ms | "
               f"Hopper layout {row['hopper_layout_ms']} ms | dense fp16 weight {row['dense_fp16_ms']} ms", flush=True)
         refresh_check(tag, [hw], [parts[1]])
-    del ws, parts, prep, fp8w, base, mode_weights, fp8_layers, w16s
-    if not DRY:
-        torch.cuda.empty_cache()
+    # the shape's tensors are freed when this returns; main() then empties the CUDA cache
 
 
 # -- MoE blocks ------------------------------------------------------------------------------------
@@ -687,7 +685,7 @@ def bench_moe(budget, dev, configs=MOE_CONFIGS, ts=MOE_TS, modes=("default",)):
             print(f"sync moe {tag}: humming refresh {row['humming_refresh_ms']} ms | Hopper layout "
                   f"{row['hopper_layout_ms']} ms", flush=True)
             refresh_check(f"moe {tag}", prep_m, (qgu.parts, qdn.parts))
-        del qgu, qdn, prep_h, prep_m, gu_t, dn_t
+        qgu = qdn = prep_h = prep_m = gu_t = dn_t = None  # this block's weights go before the next is built
         if not DRY:
             torch.cuda.empty_cache()
 
@@ -829,6 +827,8 @@ def main():
                         args.full_jit)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
+        if not DRY:
+            torch.cuda.empty_cache()  # the shape's weights and layouts, freed on return
         print(f"--- K={k} N={n}: {time.time() - t:.0f} s (total {time.time() - T0:.0f} s)", flush=True)
         write(args.out, None)
     if "moe" in sections:

@@ -87,7 +87,7 @@ def measure_copy():
     us = graph_time([lambda: torch.mul(a, 1.0, out=b)], iters=10)
     COPY_BW = 2 * a.numel() * 2 / (us * 1e-6)
     print(f"device-to-device copy (SM kernel, read+write): {COPY_BW / 1e12:.2f} TB/s", flush=True)
-    del a, b
+    a = b = None  # free them now (not `del`: closures above read the names)
 
 
 def nvfp4_bytes(k, n):
@@ -139,7 +139,7 @@ def bench_linear(ms=(1, 8, 16, 64, 256, 2048)):
                 row("linear", f"{tag} decode GEMM only (+residual columns)", t, fb, peers)
                 t = graph_time([lambda i=i: activation_operands_triton(xs[i], QUADS_DEFAULT) for i in range(S)])
                 row("linear", f"{tag} activation quantization k=100% alone", t)
-        del ws, parts, prep, fp8w
+        ws = parts = prep = fp8w = None  # free them now (not `del`: closures above read the names)
         torch.cuda.empty_cache()
         bench_linear_fast(k, n, ms)
 
@@ -175,7 +175,7 @@ def bench_linear_fast(k, n, ms):
                 row("linear", f"{tag} {label} incl. quantize [fast: humming]", t, fb, peers)
             except Exception as e:  # noqa: BLE001
                 print(f"linear {tag} {label} [fast] failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    del ws, parts, prep, fp8w
+    ws = parts = prep = fp8w = None  # free them now (not `del`: closures above read the names)
     torch.cuda.empty_cache()
 
 
@@ -199,7 +199,7 @@ def bench_decode_configs():
                     row("decode", f"K={k} N={n} M={m} {cfg}", t, fb)
                 except Exception as e:  # noqa: BLE001
                     print(f"decode {cfg} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        del parts, prep
+        parts = prep = None  # free them now (not `del`: closures above read the names)
         torch.cuda.empty_cache()
 
 
@@ -294,7 +294,7 @@ def bench_moe():
                             {"bf16": base} if base else None)
                     except Exception as e:  # noqa: BLE001
                         print(f"moe {label} [fast] failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        del gu, dn, gu_t, dn_t, qgu, qdn, prep, prep_f
+        gu = dn = gu_t = dn_t = qgu = qdn = prep = prep_f = None  # free them now (not `del`: closures above read the names)
         torch.cuda.empty_cache()
 
 

@@ -12,8 +12,6 @@ with dynamo only (``eager``) and with AOT autograd (``aot_eager``):
     python -m lab.compile_bits            # CUDA only; prints one line per case
 """
 
-import copy
-
 import torch
 
 import quads
