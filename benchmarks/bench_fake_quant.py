@@ -3,7 +3,7 @@ call, host time; a tile sweep; and an ``ncu`` mode (issue 23, the dense 0.62 TB/
 
     python -m benchmarks.bench_fake_quant --out results/fq.json            # bandwidth table
         [--shapes dense,moe] [--reps 20] [--tiles 4x16x4,8x16x4] [--amax-tiles 8x512x4]
-    ncu --clock-control none --set full -k regex:fake_quant -c 4 -o fq_dense python3 -m benchmarks.bench_fake_quant --ncu [--lean]
+    ncu --clock-control none --set full -k regex:fake_quant -c 4 -o fq_dense python3 -m benchmarks.bench_fake_quant --ncu
     python -m benchmarks.bench_fake_quant --device cpu --out /tmp/fq.json  # smoke (interpreter, tiny)
 
 Shapes: the weights of ``bench_trainer.py``'s models (FP32 masters, BF16 forward weights, as
@@ -26,8 +26,10 @@ Per shape and configuration, three measurements of ``fake_quantize_weight_triton
 * per kernel (torch.profiler): device time per call of each kernel and the number of kernels
   per call, and the fused/amax kernels' bandwidth on their own bytes.
 
-``fwd-lean``/``bwd-lean``: the same calls with the ALU-lean fused pass (``FUSED_LEAN = True``;
-its bits checked against the reference like ``fwd``), on the shipped tile and on every swept tile.
+The fused pass is the kernel's only one (the ALU-lean pass: no E2M1 codes or scale byte built).
+Until 2026-12-02 the kernel kept its code-building branch too, and this script timed both
+(``fwd-lean``/``bwd-lean`` rows, ``--ncu --lean``); both went with that branch in session 6
+(last at commit 096303e1; the measured numbers: docs/kernel_log.md).
 ``glue=old`` is the launch pattern before this change (``amax_rows``, a torch reduction and the
 torch ``S_enc`` ops, then the fused pass with the scale given): the same bits, about ten kernels.
 Bytes: fwd = amax read + fused read (4 B each, FP32) + BF16 write (2 B); bwd = 4 + 2.
@@ -54,7 +56,6 @@ def parse_args(argv=None):
                    help="amax-pass tiles: rows x columns x column-iterations (the first is the shipped one)")
     p.add_argument("--ncu", action="store_true", help="only the dense gate/up and down passes, for ncu")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--lean", action="store_true", help="with --ncu: the ALU-lean fused pass (FUSED_LEAN)")
     args = p.parse_args(argv)
     if not args.ncu and not args.out:
         p.error("--out is required (except with --ncu)")
@@ -200,24 +201,6 @@ def bench_shape(model, name, shape, fused, amax, glues, per_kernel=True):
     del ref, got
     calls = {"fwd": lambda: fake_quantize_weight_triton(w, torch.bfloat16),
              "bwd": lambda: fake_quantize_weight_triton(w, torch.bfloat16, gs)}
-    if "lean" in glues:  # the ALU-lean fused pass (fq.FUSED_LEAN), same bits: checked like the others
-        def _lean(fn):
-            def call():
-                saved = fq.FUSED_LEAN
-                fq.FUSED_LEAN = True
-                try:
-                    return fn()
-                finally:
-                    fq.FUSED_LEAN = saved
-            return call
-        calls["fwd-lean"] = _lean(calls["fwd"])
-        calls["bwd-lean"] = _lean(calls["bwd"])
-        ref = fake_quantize_weight_reference(w, torch.bfloat16)[0]
-        lean_exact = {}
-        for what in ("fwd-lean", "bwd-lean"):
-            got = calls[what]()[0]
-            lean_exact[what] = torch.equal(got.view(torch.int16), ref.view(torch.int16))
-        del ref, got
     if "old" in glues:
         calls["fwd-old-glue"] = lambda: old_glue(w)
         calls["cast-bf16"] = lambda: w.to(torch.bfloat16)  # the BF16 peer's autocast cast: the ceiling
@@ -226,12 +209,12 @@ def bench_shape(model, name, shape, fused, amax, glues, per_kernel=True):
         gpu, wall, host = _gpu_and_wall(fn, reps)
         kern, nk = _kernels(fn, reps) if per_kernel else ({}, None)
         glue = (round(_glue_host_us(fn, max(reps, 20)), 1)
-                if per_kernel and what in ("fwd", "bwd", "fwd-lean", "bwd-lean") else None)
-        nbytes = n * (6 if what in ("bwd", "bwd-lean", "cast-bf16") else 10)
+                if per_kernel and what in ("fwd", "bwd") else None)
+        nbytes = n * (6 if what in ("bwd", "cast-bf16") else 10)
         fused_us = sum(v for k, v in kern.items() if k.startswith("_fake_quant_kernel"))
         amax_us = sum(v for k, v in kern.items() if "amax" in k)
         record(model=model, weight=name, shape=list(shape), call=what, fused_tile=fused, amax_tile=amax,
-               bit_exact=lean_exact.get(what, exact) if "lean" in glues else exact,
+               bit_exact=exact,
                gpu_us=round(gpu, 1), wall_us=round(wall, 1), host_us=round(host, 1),
                glue_host_us=glue,
                gpu_TBps=round(nbytes / (gpu * 1e-6) / 1e12, 3),
@@ -244,7 +227,6 @@ def main():
     if ARGS.ncu:
         w1 = torch.randn(9728, 2560, device=DEVICE) * 0.02
         w2 = torch.randn(2560, 9728, device=DEVICE) * 0.02
-        fq.FUSED_LEAN = ARGS.lean or fq.FUSED_LEAN
         for w in (w1, w2):
             fake_quantize_weight_triton(w, torch.bfloat16)
         _sync()
@@ -257,9 +239,9 @@ def main():
     shapes = TINY if not CUDA else SHAPES
     for model in ARGS.shapes.split(","):
         for name, shape in shapes[model]:
-            bench_shape(model, name, shape, tiles[0], amax_tiles[0], ("old", "lean"))
+            bench_shape(model, name, shape, tiles[0], amax_tiles[0], ("old",))
             for t in tiles[1:]:  # the sweep: GPU time only (no profiler session)
-                bench_shape(model, name, shape, t, amax_tiles[0], ("lean",), per_kernel=False)
+                bench_shape(model, name, shape, t, amax_tiles[0], (), per_kernel=False)
             for a in amax_tiles[1:]:
                 bench_shape(model, name, shape, tiles[0], a, (), per_kernel=False)
     set_tiles(tiles[0], amax_tiles[0])

@@ -38,9 +38,6 @@ Variants, each a fresh model with the same seed (the same weights):
 * ``quads-tgrad``: ``quads`` with the experts' weight gradient handed to AccumulateGrad
   transposed, as before 2026-12-02 (``(x^T grad)^T``; AccumulateGrad copies it on the first
   micro-step and adds it strided on the others): measures what the layout fix saved; MoE only;
-* ``quads-lean``: ``quads`` with the fused fake-quant kernel's ALU-lean variant
-  (``quads.kernels.fake_quantize_nvfp4.FUSED_LEAN``: no E2M1 codes or scale byte built, the
-  roundings by magic-number adds; the same bits, tested): whether it should become the default;
 * ``quads-old``: the trainer before issue 23 (torch-reference fake quantization, the FP32
   forward weight cast by autocast, F.linear keeping it for the backward, a Python loop over the
   experts), ``accum`` 1 only and fewer iterations (it is slow): the before/after row.
@@ -236,19 +233,12 @@ def _transposed_grad_function():
 
 
 class _patched_grouped_mm:
-    """Within the block, quads' grouped experts use ``quads-tgrad``'s Function, and ``quads-lean``
-    runs the fused fake-quant kernel's ALU-lean variant (``FUSED_LEAN``: the same bits)."""
+    """Within the block, quads' grouped experts use ``quads-tgrad``'s Function."""
 
     def __init__(self, variant):
         self.on = variant == "quads-tgrad"
-        self.lean = variant == "quads-lean"
 
     def __enter__(self):
-        from quads.kernels import fake_quantize_nvfp4 as fq
-
-        self.saved_lean = fq.FUSED_LEAN
-        if self.lean:
-            fq.FUSED_LEAN = True
         if self.on:
             from quads.policies import trainer_experts as te
 
@@ -257,9 +247,6 @@ class _patched_grouped_mm:
         return self
 
     def __exit__(self, *exc):
-        from quads.kernels import fake_quantize_nvfp4 as fq
-
-        fq.FUSED_LEAN = self.saved_lean
         if self.on:
             from quads.policies import trainer_experts as te
 
@@ -316,7 +303,7 @@ def make_variant(kind: str, variant: str):
             raise ValueError(f"bf16-cast: the {kind} model has no experts")
     elif variant == "quads-tensor":  # one global scale per weight (session 4's runs), not per sibling group
         quads.quantize_(model, quads.QuadsPolicy(side="trainer", weight_global_scale="tensor"))
-    elif variant in ("quads", "quads-keep", "quads-tgrad", "quads-lean"):
+    elif variant in ("quads", "quads-keep", "quads-tgrad"):
         quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
         if variant == "quads-keep":
             make_keep(model)

@@ -18,11 +18,23 @@ and hands it back. The torch glue this replaces (a per-row amax, a torch reducti
 elementwise ops for ``S_enc``) cost about ten launches per weight, which on the 2-D weights of a
 dense model (tens of MB each) is of the order of the passes themselves.
 
-The steps are the ones of :mod:`quads.kernels.quantize_nvfp4` (``_quant_blocks`` for the block
-scale and E2M1 codes, ``_dequant_blocks`` for the exact ``(e2m1 * s) / S_enc``): one in-kernel
-implementation of the recipe, checked bit-exact against :mod:`quads.tensor.nvfp4_math`. The
-dequantization takes the fast exact path (a power-of-two split, see that module's doc) unless a
-value of the tile could be subnormal in float32; then every element of the tile takes ``div_rn``.
+One fused pass (``_lean_quant_blocks`` / ``_lean_dequant_blocks``): the recipe's steps (block
+scale, E4M3 round trip, E2M1 rounding, the exact ``(e2m1 * s) / S_enc``) done in float
+arithmetic on the values, building no E2M1 codes and no scale byte: the trainer only needs
+``DQ(Q(w))``, and the rollout quantizer (:mod:`quads.kernels.quantize_nvfp4`, ``_quant_blocks`` /
+``_dequant_blocks``) keeps the codes. Checked bit-exact against :mod:`quads.tensor.nvfp4_math`
+(tests/kernels, and natively on the H200 on every weight of both benchmark models). The
+dequantization takes the fast exact path (a power-of-two split, see
+:mod:`quads.kernels.quantize_nvfp4`'s doc) unless a value of the tile could be subnormal in
+float32; then every element of the tile takes ``div_rn``.
+
+History: until 2026-12-02 the kernel also had a branch that built the codes and the scale byte
+through ``_quant_blocks`` / ``_dequant_blocks`` (``LEAN=False``, module switch ``FUSED_LEAN``),
+kept for the benchmark comparison. The H200 run of 2026-12-02 (benchmarks/bench_fake_quant.py,
+bench_trainer.py) found the lean pass bit-exact on every weight of both benchmark models and
+forward / backward GPU time -14..-19% / -21..-26% (e.g. MoE experts gate_up 1086 -> 882 us and
+722 -> 534 us; the MoE training step 1.158x -> 1.112x the BF16 trainer's). The old branch was
+removed in session 6; it is at commit 096303e1 and earlier.
 
 Output dtypes: float32, bfloat16, float16 (the cast from the float32 result rounds to nearest
 even, as ``Tensor.to`` does). Under ``TRITON_INTERPRET=1`` a bf16/fp16 output is written as
@@ -39,11 +51,11 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreter_safe_input, interpreting
-from quads.kernels.quantize_nvfp4 import _abs_bits, _dequant_blocks, _quant_blocks
+from quads.kernels.quantize_nvfp4 import _abs_bits
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 
 __all__ = ["fake_quantize_rows", "shared_amax_bits", "FAKE_QUANT_OUT_DTYPES", "TILE_ROWS", "TILE_BLOCKS", "AMAX_ROWS", "AMAX_COLS",
-           "AMAX_ITERS", "FUSED_LEAN"]
+           "AMAX_ITERS"]
 
 FAKE_QUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: tile of one program: TILE_ROWS rows x TILE_BLOCKS blocks of 16 (the same under the interpreter).
@@ -60,13 +72,6 @@ AMAX_ROWS = 8
 AMAX_COLS = 512
 AMAX_ITERS = 4
 _AMAX_WARPS = 4
-#: the fused pass's ALU-lean variant (``_lean_quant_blocks``/``_lean_dequant_blocks``: the same
-#: bits, fewer instructions per element; ncu found the pass ALU-bound on the H200: 82% SM, 52%
-#: DRAM throughput). On by default since the H200 run of 2026-12-02 (benchmarks/bench_fake_quant.py,
-#: every weight shape of both benchmark models bit-exact natively; forward / backward GPU time
-#: -14..-19% / -21..-26%, e.g. MoE experts gate_up 1086 -> 882 us and 722 -> 534 us; the MoE
-#: training step 1.158x -> 1.112x the BF16 trainer's). Read at each call (the benchmark times both).
-FUSED_LEAN = True
 
 
 @triton.jit
@@ -105,10 +110,11 @@ def _s_enc_from_amax_bits(bits):
 
 @triton.jit
 def _lean_quant_blocks(x, s_enc, r_enc):
-    """Quantization half of the lean ``DQ(Q(x))`` of blocks ``x`` (B, 16) float32, with S_enc
-    ``s_enc`` (B,) and ``r_enc = div_rn(1, S_enc)`` (B,): the bits of ``_quant_blocks`` +
-    ``_dequant_blocks`` with fewer instructions, for the fake-quantization path (no E2M1 codes,
-    no scale byte). Returns (E2M1 magnitude value qv (B, 16), v's bits (B, 16), f32(scale) (B,),
+    """Quantization half of ``DQ(Q(x))`` of blocks ``x`` (B, 16) float32, with S_enc ``s_enc``
+    (B,) and ``r_enc = div_rn(1, S_enc)`` (B,): the bits of the rollout quantizer's
+    ``_quant_blocks`` + ``_dequant_blocks`` with fewer instructions (no E2M1 codes, no scale
+    byte: ncu found the code-building pass ALU-bound on the H200, 82% SM vs 52% DRAM throughput).
+    Returns (E2M1 magnitude value qv (B, 16), v's bits (B, 16), f32(scale) (B,),
     enc == 0 (B,)); ``_lean_dequant_blocks`` finishes.
 
     Exactness (for every x and every S_enc >= 0 or NaN, which includes every S_enc that
@@ -130,7 +136,10 @@ def _lean_quant_blocks(x, s_enc, r_enc):
       NaN, a NaN ``enc`` needs a NaN scale / S_enc or 0/0 quotients, so the output is NaN either
       way; the remaining case is ``x = inf`` with ``enc == 0`` (S_enc below ~1e-36, given): there
       every element's reference value is 0 (times the quotient), so such blocks take the
-      quotients ``q1 * 0`` (FAST) / the scale ``s * 0`` (per-element division): the same bits.
+      quotients ``q1 * 0`` (FAST) / the scale ``s * 0`` (per-element division): the same bits
+      as ``_dequant_blocks``. (Where ``q1 = s / S_enc`` overflows, S_enc < 448 / FLT_MAX, which
+      no amax gives, the FAST ``q1 * 0`` is NaN, as in ``_dequant_blocks``, while the recipe
+      gives 0: the one exception the tests allow, ``_fused_vs_recipe``.)
     * Dequantization as ``_dequant_blocks``: FAST ``2^e * div_rn(f * s, S_enc)`` (f in {1, 1.5}).
     """
     blk_amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
@@ -181,7 +190,7 @@ def _lean_dequant_blocks(qv, vb, s_f32, z, s_enc, FAST: tl.constexpr):
 def _fake_quant_kernel(
     X, stride_xm, K, GS, GA, rows_per_group,
     OUT, n_rows,
-    BR: tl.constexpr, BB: tl.constexpr, FROM_AMAX: tl.constexpr, LEAN: tl.constexpr = False,
+    BR: tl.constexpr, BB: tl.constexpr, FROM_AMAX: tl.constexpr,
 ):
     """OUT[r, :] = DQ(Q(X[r, :])) with S_enc = GS[r // rows_per_group], for a BR x (BB*16) tile.
     FROM_AMAX: S_enc from the group amax bits GA instead, written to GS by the programs holding a
@@ -204,27 +213,18 @@ def _fake_quant_kernel(
         s_enc = tl.load(GS + rows // rows_per_group, mask=rmask, other=1.0)
     x2 = tl.reshape(x, (BR * BB, 16))
     s2 = tl.reshape(tl.broadcast_to(s_enc[:, None], (BR, BB)), (BR * BB,))
-    if LEAN:
-        # the same bits with fewer instructions (_lean_quant_blocks); 1 / S_enc once per row
-        r_enc = tl.math.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)
-        r2 = tl.reshape(tl.broadcast_to(r_enc[:, None], (BR, BB)), (BR * BB,))
-        qv, vb, s_f32, z = _lean_quant_blocks(x2, s2, r2)
-        q1 = tl.math.div_rn(s_f32, s2)
-        nbad = tl.sum(((s_f32 > 0.0) & (q1 < 2.350988701644575e-38)).to(tl.int32), axis=0)
-        if nbad == 0:
-            xh = _lean_dequant_blocks(qv, vb, s_f32, z, s2, True)
-        else:
-            xh = _lean_dequant_blocks(qv, vb, s_f32, z, s2, False)
+    # 1 / S_enc once per row; no E2M1 codes or scale byte (_lean_quant_blocks)
+    r_enc = tl.math.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)
+    r2 = tl.reshape(tl.broadcast_to(r_enc[:, None], (BR, BB)), (BR * BB,))
+    qv, vb, s_f32, z = _lean_quant_blocks(x2, s2, r2)
+    # fast exact dequantization unless some result of the tile could be subnormal (a quotient
+    # below 2^-125 times the smallest E2M1 power, 2^-1)
+    q1 = tl.math.div_rn(s_f32, s2)
+    nbad = tl.sum(((s_f32 > 0.0) & (q1 < 2.350988701644575e-38)).to(tl.int32), axis=0)
+    if nbad == 0:
+        xh = _lean_dequant_blocks(qv, vb, s_f32, z, s2, True)
     else:
-        codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
-        # fast exact dequantization unless some result of the tile could be subnormal (a quotient
-        # below 2^-125 times the smallest E2M1 power, 2^-1)
-        q1 = tl.math.div_rn(s_f32, s2)
-        nbad = tl.sum(((s_f32 > 0.0) & (q1 < 2.350988701644575e-38)).to(tl.int32), axis=0)
-        if nbad == 0:
-            xh = _dequant_blocks(qv, neg, s_f32, s2, True)
-        else:
-            xh = _dequant_blocks(qv, neg, s_f32, s2, False)
+        xh = _lean_dequant_blocks(qv, vb, s_f32, z, s2, False)
     doffs = rows[:, None, None] * K + blks[None, :, None] * 16 + jj[None, None, :]
     tl.store(OUT + doffs, tl.reshape(xh, (BR, BB, 16)).to(OUT.dtype.element_ty), mask=m3)
 
@@ -322,7 +322,7 @@ def fake_quantize_rows(
             _fake_quant_amax_kernel[agrid](x2d, x2d.stride(0), k, ga, rows_per_group, n_rows, **amax_meta,
                                            num_warps=_AMAX_WARPS)
         _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, ga, rows_per_group, out, n_rows,
-                                 BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, LEAN=FUSED_LEAN, num_warps=_NUM_WARPS)
+                                 BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, num_warps=_NUM_WARPS)
     return (out if out.dtype == out_dtype else out.to(out_dtype)), gs
 
 
