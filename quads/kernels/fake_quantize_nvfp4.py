@@ -139,7 +139,9 @@ def _lean_quant_blocks(x, s_enc, r_enc):
       quotients ``q1 * 0`` (FAST) / the scale ``s * 0`` (per-element division): the same bits
       as ``_dequant_blocks``. (Where ``q1 = s / S_enc`` overflows, S_enc < 448 / FLT_MAX, which
       no amax gives, the FAST ``q1 * 0`` is NaN, as in ``_dequant_blocks``, while the recipe
-      gives 0: the one exception the tests allow, ``_fused_vs_recipe``.)
+      gives 0: one of the two exceptions the tests allow, ``_fused_vs_recipe``; the other: on a
+      GPU an FP32-subnormal given S_enc is flushed to zero as an operand, so a -0 of the recipe
+      may come out +0.)
     * Dequantization as ``_dequant_blocks``: FAST ``2^e * div_rn(f * s, S_enc)`` (f in {1, 1.5}).
     """
     blk_amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
