@@ -23,6 +23,9 @@ from quads.tensor.nvfp4_math import nvfp4_quantize
 from tests.model_state import assert_unchanged, snapshot
 from tests.test_humming_backend import fake_humming  # noqa: F401  (fixture)
 
+# the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
+
 LIMIT = 1.1  # issue 24: rollout weight memory <= 1.1x the NVFP4 packed bytes
 
 
