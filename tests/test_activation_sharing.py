@@ -21,6 +21,9 @@ from quads.policies.fused_projections import share_quantization
 from quads.tensor.nvfp4_math import NVFP4Parts
 from tests.tiny_models import build
 
+# the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
+
 
 @pytest.fixture
 def launches(monkeypatch):

@@ -12,6 +12,9 @@ import quads.ops.backend as backend_mod
 from quads.policies.modules import RolloutExperts, RolloutLinear
 from tests.tiny_models import build
 
+# the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
+
 ROOT = pathlib.Path(quads.__file__).parent
 RANK = {"tensor": 0, "kernels": 1, "ops": 2, "policies": 3, "tasks": 3, "models": 3, "engine": 4, "diagnostics": 4,
         "integrations": 5}

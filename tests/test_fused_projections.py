@@ -13,7 +13,10 @@ from quads.policies import build_rollout_model, unfuse_projections_
 from quads.policies.modules import RolloutLinear
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's 1/0 on zero scales
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # the interpreter's 1/0 on zero scales
+    pytest.mark.usefixtures("memo_weight_kernel"),  # the weight quantizer kernel runs once per distinct weight (tests/conftest.py)
+]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

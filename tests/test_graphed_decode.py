@@ -9,6 +9,9 @@ from quads.diagnostics.scoring import build_scoring_batch, score_incremental
 from quads.engine import GraphedDecoder, SamplingSpec, process_logits, unsupported_reason
 from tests.tiny_models import build
 
+# the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
+
 EOS = 7
 
 

@@ -27,6 +27,9 @@ from quads.ops.linear import unscaled_values as _unscaled
 from quads.ops.linear import unscaled_values, w4a4_linear_reference, w4a16_linear
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 
+# the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
+
 _ORIG_CONFIGS = hg.HummingNVFP4._configs  # the fixture stands in for it; one test checks the real one
 
 

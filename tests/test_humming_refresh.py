@@ -24,6 +24,9 @@ from quads.kernels.humming_layout import (repack_reference, scale_layout, scale_
                                           unrepack_reference)
 from quads.tensor.nvfp4_math import nvfp4_quantize
 
+# the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
+
 
 def kernel_literal(qdata: torch.Tensor) -> torch.Tensor:
     """humming's ``weight_repack_nk<4, 16, packed, no INT2FP, no ZP, no mini-block transpose, 0, no

@@ -219,19 +219,34 @@ def _variant_run(q, wp, cfg, residual, bias=None, out_dtype=torch.float32):
                      q.residual if residual else None, bias=bias, out_dtype=out_dtype, config=cfg)
 
 
+@pytest.fixture(scope="module")
+def pointer_load_bases():
+    """Per ``residual``: the operands, bias and pointer-load outputs every variant is compared
+    with (the same inputs for all variants: computed once per module, read only)."""
+    cache = {}
+
+    def get(residual):
+        if residual not in cache:
+            m, k, n = 37, 1040, 72
+            x, wp, qa, q = _operands(m, k, n, seed=6, residual=residual)
+            bias = torch.randn(n).to(DEV) if residual else None
+            base_cfg = GemmConfig(**_TILE, loads="pointer")
+            dtypes = (torch.float32, torch.bfloat16) if residual else (torch.float32,)
+            cache[residual] = (q, wp, bias, {dt: _variant_run(q, wp, base_cfg, residual, bias, dt) for dt in dtypes})
+        return cache[residual]
+
+    return get
+
+
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("variant", list(_VARIANTS))
-def test_prefill_load_variants_equal_pointer_load_bits(variant, residual):
+def test_prefill_load_variants_equal_pointer_load_bits(variant, residual, pointer_load_bases):
     """Odd M (a partial token tile), N not a multiple of the tile, K = 1040: two segments and a
     partial third, K not a multiple of 64 (TMA zero fill, masks); group sizes not dividing the
     grid; fp32 output with a bias (plain: without), and with the residual also a bf16 output."""
-    m, k, n = 37, 1040, 72
-    x, wp, qa, q = _operands(m, k, n, seed=6, residual=residual)
-    bias = torch.randn(n).to(DEV) if residual else None
-    base_cfg = GemmConfig(**_TILE, loads="pointer")
+    q, wp, bias, bases = pointer_load_bases(residual)  # m, k, n = 37, 1040, 72
     cfg = GemmConfig(**_TILE, **_VARIANTS[variant])
-    for out_dtype in (torch.float32, torch.bfloat16) if residual else (torch.float32,):
-        base = _variant_run(q, wp, base_cfg, residual, bias, out_dtype)
+    for out_dtype, base in bases.items():
         got = _variant_run(q, wp, cfg, residual, bias, out_dtype)
         assert got.dtype == out_dtype
         assert torch.equal(got, base)
