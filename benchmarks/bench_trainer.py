@@ -40,7 +40,12 @@ Variants, each a fresh model with the same seed (the same weights):
   micro-step and adds it strided on the others): measures what the layout fix saved; MoE only;
 * ``quads-old``: the trainer before issue 23 (torch-reference fake quantization, the FP32
   forward weight cast by autocast, F.linear keeping it for the backward, a Python loop over the
-  experts), ``accum`` 1 only and fewer iterations (it is slow): the before/after row.
+  experts), ``accum`` 1 only and fewer iterations (it is slow): the before/after row;
+* ``<variant>+compile`` (e.g. ``bf16+compile``, ``bf16-cast+compile``, ``quads+compile``): the
+  variant with its forward compiled (``nn.Module.compile()``: TorchInductor, graph breaks
+  allowed; the backward through AOT autograd); compiled in the untimed first step. Whether
+  compilation takes the trainer's host cost per linear away: ratio column ``vs_same_mode``, the
+  variant against its BF16 peer compiled the same way (``bf16-cast+compile`` for MoE).
 
 Times: CUDA events around each whole step, ``--warmup`` steps first, median of ``--iters``; per
 step also the host's issue time (``host_ms_all``: wall clock from the step's start until the
@@ -297,6 +302,13 @@ def layers_for(kind: str) -> int:
 
 
 def make_variant(kind: str, variant: str):
+    base, _, mode = variant.partition("+")
+    if mode:
+        if mode != "compile":
+            raise ValueError(f"unknown variant mode {mode!r} in {variant!r} (only +compile)")
+        model = make_variant(kind, base)
+        model.compile()
+        return model
     model = build_model(kind, layers_for(kind), ARGS.tiny)
     if variant == "bf16-cast":
         if not make_cast(model):
@@ -568,7 +580,7 @@ def main():
     results = {}
     for kind in ARGS.models.split(","):
         for variant in variants:
-            if variant in ("bf16-cast", "quads-tgrad") and kind != "moe":
+            if variant.partition("+")[0] in ("bf16-cast", "quads-tgrad") and kind != "moe":
                 continue  # no experts: the bf16 row is this model's BF16 trainer, quads-tgrad is quads
             model = None
             try:  # one failing variant (an OOM, a transformers API change) must not end the run
@@ -603,9 +615,12 @@ def main():
         def ratio(key, b):
             return round(r[key] / b[key], 3) if b and b[key] else None
 
+        mode = variant.partition("+")[2]
+        peer = results.get((kind, ("bf16-cast" if kind == "moe" else "bf16") + (f"+{mode}" if mode else ""), accum))
         table.append({"model": kind, "layers": layers_for(kind), "variant": variant, "accum": accum,
                       "step_ms": r["step_ms"], "vs_bf16": ratio("step_ms", base),
                       "vs_bf16_cast": ratio("step_ms", cast) if kind != "moe" or (kind, "bf16-cast", accum) in results else None,
+                      "vs_same_mode": ratio("step_ms", peer),
                       "peak_GiB": r["peak_gib"], "peak_vs_bf16": ratio("peak_gib", base),
                       "peak_vs_bf16_cast": ratio("peak_gib", cast) if kind != "moe" or (kind, "bf16-cast", accum) in results else None})
     for row in table:
