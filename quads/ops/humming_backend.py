@@ -30,7 +30,8 @@ heuristics, Stream-K: not deterministic run to run; W4A16's bf16 output is then 
 tables give the no-split modes as few as N/128 CTAs at small M (32 of 132 SMs at N = 4096), and on
 the H200 (2026-12-02) ``no_stream_k`` cost the dense linears 35-60% of their speed, so it is not
 the default (issue 24's rule: a deterministic mode within 10% of the fastest becomes it). On the
-128-expert MoE block it was as fast; the E=8 block is not measured yet.
+128-expert MoE block it was as fast, on the 8-expert block 15% slower (session 6), so the experts
+keep the default too.
 
 **MoE experts** (3-D weights, :meth:`HummingBackend.grouped_linear`): humming's grouped-contiguous
 MoE GEMM over quads' routing (rows sorted by expert, ``offsets`` = humming's ``expert_layout``);
