@@ -37,6 +37,14 @@ gate/up, through the model's :class:`~quads.ops.sibling_linear.SiblingGroup` obj
 made by :func:`quads.policies.fused_projections.sibling_groups_`, switched on for the decoder's
 forwards only; bit-identical outputs).
 
+Before capturing, :func:`quads.engine.capture.capture_plan` decides whether the step can be
+captured: transformers' eager MoE experts loop (a host sync per layer) runs its ``grouped_mm``
+implementation inside the graphed decoder's forwards; a model it cannot capture is refused up
+front with a one-line warning (``capture_blocker``) and decoded eagerly, as is one whose last
+warm-up step synchronizes with the host (checked under CUDA's sync debug mode). The warm-up's
+random draws are undone after the capture, so the sampled stream depends only on the tokens
+decoded, not on when a graph was captured (a resumed run samples what a continuous run samples).
+
 Without CUDA (or with ``use_cuda_graph=False``) the same step runs eagerly: that is how the CPU
 tests check it against ``generate`` and against the teacher-forced scorer.
 """
@@ -46,15 +54,18 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import warnings
 
 import torch
 import torch.nn as nn
 
+from quads.engine.capture import CapturePlan, capture_plan
 from quads.engine.gqa_attention import model_configs, use_gqa_attention
 from quads.engine.sampling import SamplingSpec, sample_tokens, unsupported_reason  # noqa: F401
 from quads.engine.slot_cache import SlotCache, Slots
 from quads.ops.sibling_linear import enabled_groups
 from quads.policies.fused_projections import sibling_groups_
+from quads.policies.trainer_experts import grouped_mm_available
 
 __all__ = ["GraphedDecoder", "SamplingSpec", "unsupported_reason"]
 
@@ -85,6 +96,26 @@ class _DecodeState:
         self.where = Slots(cache_len, self.slot)
         self.cache = SlotCache(self.where, num_layers)
         self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class _CaptureRefused(RuntimeError):
+    """The decode step synchronized with the host during the warm-up (it cannot be captured)."""
+
+
+@contextlib.contextmanager
+def _no_host_syncs():
+    """CUDA's sync debug mode set to error inside the block: a synchronizing op raises
+    :class:`_CaptureRefused` naming it, before any capture."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    except RuntimeError as err:
+        if "synchroniz" not in str(err):
+            raise
+        raise _CaptureRefused(f"the decode step synchronizes with the host ({str(err).strip().splitlines()[0]})") from err
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def _num_layers(model: nn.Module) -> int:
@@ -136,6 +167,9 @@ class GraphedDecoder:
         self.share_quantization = share_quantization
         self._groups: list | None = None
         self._configs = model_configs(model)
+        self.capture_blocker: str | None = None
+        self._plan: CapturePlan | None = None  # decided on the first CUDA call
+        self._experts_switch: CapturePlan | None = None  # the plan applied in this call's forwards
 
     def _glue(self):
         """The forward's context: the GQA attention switched in, sibling linears sharing one
@@ -147,6 +181,8 @@ class GraphedDecoder:
             if self._groups is None or any(not g.members for g in self._groups):  # dissolved (a move): again
                 self._groups = sibling_groups_(self.model)
             stack.enter_context(enabled_groups(self._groups))
+        if self._experts_switch is not None:
+            stack.enter_context(self._experts_switch.applied())
         return stack
 
     # -- one forward -------------------------------------------------------------------------
@@ -189,11 +225,27 @@ class GraphedDecoder:
     # -- sessions ----------------------------------------------------------------------------
 
     def _graphs_on(self, device: torch.device) -> bool:
+        """Capture this call's step: asked for (or the default on CUDA) and not refused."""
         if self.use_cuda_graph is None:
-            return device.type == "cuda"
-        if self.use_cuda_graph and device.type != "cuda":
+            wanted = device.type == "cuda"
+        elif self.use_cuda_graph and device.type != "cuda":
             raise ValueError(f"GraphedDecoder: use_cuda_graph=True needs a CUDA model, this one is on {device}")
-        return bool(self.use_cuda_graph)
+        else:
+            wanted = bool(self.use_cuda_graph)
+        if not wanted or self.capture_blocker is not None:
+            return False
+        if self._plan is None:
+            self._plan = capture_plan(self.model, grouped_mm_available(device))
+            if self._plan.blocker is not None:
+                self._refuse(self._plan.blocker)
+                return False
+        return True
+
+    def _refuse(self, reason: str) -> None:
+        """Decode eagerly from now on, and say why once (one line)."""
+        self.capture_blocker = reason
+        warnings.warn(f"GraphedDecoder: not capturing the decode step of {type(self.model).__name__}: {reason}; "
+                      "decoding eagerly", RuntimeWarning, stacklevel=3)
 
     def _session(self, batch: int, cache_len: int, device: torch.device, spec: SamplingSpec) -> _DecodeState:
         s = self._state
@@ -205,16 +257,24 @@ class GraphedDecoder:
         return s
 
     def _capture(self, state: _DecodeState, spec: SamplingSpec) -> None:
-        """Capture one step; the warm-up runs on copies of the buffers' values, restored after."""
-        saved = [t.clone() for t in (state.token, state.slot, state.position, state.key_valid, state.finished)]
-        stream = torch.cuda.Stream(device=state.device)
-        stream.wait_stream(torch.cuda.current_stream(state.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: allocator pools, Triton autotune/compile, cuBLAS handles
-                self._step(state, spec)
-        torch.cuda.current_stream(state.device).wait_stream(stream)
-        for buf, value in zip((state.token, state.slot, state.position, state.key_valid, state.finished), saved):
-            buf.copy_(value)
+        """Capture one step; the warm-up runs on copies of the buffers' values, restored after,
+        and its random draws are undone (the generator state is restored after the capture).
+        Raises :class:`_CaptureRefused` (nothing captured) when the warm-up synchronizes."""
+        buffers = (state.token, state.slot, state.position, state.key_valid, state.finished)
+        saved = [t.clone() for t in buffers]
+        rng = torch.cuda.get_rng_state(state.device)
+        try:
+            stream = torch.cuda.Stream(device=state.device)
+            stream.wait_stream(torch.cuda.current_stream(state.device))
+            with torch.cuda.stream(stream):
+                self._step(state, spec)  # warm-up: allocator pools, Triton autotune/compile, cuBLAS handles
+                with _no_host_syncs():  # steady state: a sync here would fail the capture
+                    self._step(state, spec)
+            torch.cuda.current_stream(state.device).wait_stream(stream)
+        finally:
+            for buf, value in zip(buffers, saved):
+                buf.copy_(value)
+            torch.cuda.set_rng_state(rng, state.device)
         # No garbage collection during the capture: freeing another graph (or anything that
         # synchronizes) inside it invalidates the capture. Collect now, pause the collector.
         gc.collect()
@@ -227,8 +287,9 @@ class GraphedDecoder:
         finally:
             if was_enabled:
                 gc.enable()
-        for buf, value in zip((state.token, state.slot, state.position, state.key_valid, state.finished), saved):
+        for buf, value in zip(buffers, saved):
             buf.copy_(value)  # capture does not run the body, but keep the invariant explicit
+        torch.cuda.set_rng_state(rng, state.device)
         state.graph = graph
         self.num_captures += 1
 
@@ -256,6 +317,7 @@ class GraphedDecoder:
         cache_len = -(-need // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
         state = self._session(batch, cache_len, device, spec)
         graphs = self._graphs_on(device)
+        self._experts_switch = self._plan if graphs else None  # capturable experts, prefill included
 
         # prefill (eager): prompt keys at slots [0, width)
         valid = attention_mask.to(torch.bool)
@@ -282,7 +344,11 @@ class GraphedDecoder:
 
         steps = spec.max_new_tokens - 1
         if steps and graphs and state.graph is None:
-            self._capture(state, spec)
+            try:
+                self._capture(state, spec)
+            except _CaptureRefused as why:
+                self._refuse(str(why))
+                graphs = False
         for t in range(steps):
             if t % self.check_every == 0 and bool(state.finished.all()):
                 break
