@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,11 @@ class QuadsRolloutEngine:
     when ``graphed`` is True, or when it is None (default) and the rollout model is on CUDA;
     otherwise, or when the generation config asks for something the decoder does not do
     (``unsupported_reason``; the reason is kept in ``fallback_reason``), through ``generate``.
+    A model whose step the decoder cannot capture is decoded by it eagerly (its
+    ``capture_blocker`` says why).
+
+    ``seconds``: wall-clock seconds spent in ``generate`` and ``sync_weights`` since the last
+    :meth:`take_seconds` (each measured after the device finished its work).
     """
 
     def __init__(self, trainer: "QuadsGRPOTrainer", rollout_model: nn.Module, graphed: bool | None = None):
@@ -45,15 +51,26 @@ class QuadsRolloutEngine:
         self.graphed = graphed
         self.fallback_reason: str | None = None
         self._decoder: GraphedDecoder | None = None
+        self.seconds = {"generate": 0.0, "sync": 0.0}
+
+    def take_seconds(self) -> dict[str, float]:
+        """The phase seconds since the last call (then reset)."""
+        taken, self.seconds = self.seconds, {"generate": 0.0, "sync": 0.0}
+        return taken
 
     def _trainer_model(self) -> nn.Module:
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
     @torch.no_grad()
     def sync_weights(self) -> int:
+        start = time.perf_counter()
         n = sync_weights_(self.model, self._trainer_model())
         self.num_syncs += 1
         self.last_sync_step = self.trainer.state.global_step
+        device = next(self.model.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the writes are queued: time them, not their launch
+        self.seconds["sync"] += time.perf_counter() - start
         return n
 
     def _generation_config(self):
@@ -92,6 +109,7 @@ class QuadsRolloutEngine:
     def generate(self, prompts, images=None, num_generations: int = 1, profiler=None):
         if images is not None and any(i is not None for i in images):
             raise NotImplementedError("QuadsRolloutEngine: multimodal prompts are not supported")
+        start = time.perf_counter()
         trainer = self.trainer
         tok = trainer._tokenizer
         device = next(p for p in self.model.parameters()).device
@@ -114,7 +132,9 @@ class QuadsRolloutEngine:
                 completion, logps = self._hf_generate(input_ids, attention_mask, gc, width)
         eos_ids = set(trainer.eos_token_ids)
         completion_ids, logprobs = [], []
-        for row, lp in zip(completion.tolist(), logps.tolist(), strict=True):
+        rows, row_logps = completion.tolist(), logps.tolist()  # the host waits for the device here
+        self.seconds["generate"] += time.perf_counter() - start
+        for row, lp in zip(rows, row_logps, strict=True):
             n = len(row)
             for t, token in enumerate(row):
                 if token in eos_ids:

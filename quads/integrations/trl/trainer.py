@@ -162,6 +162,25 @@ class QuadsGRPOTrainer(_GRPOTrainer):
         """The rollout model (quads rollout layers, or a plain BF16 copy for the ``bf16`` preset)."""
         return self.quads_rollout.model
 
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """The masters of a checkpoint, read by transformers' own loader, strictly.
+
+        ``Trainer`` resumes with ``load_state_dict(strict=False)`` of the saved file, and
+        transformers 5 saves fused MoE experts under their per-expert checkpoint names, which
+        that load skips without an error (the experts would resume from the initial weights).
+        ``from_pretrained`` converts them back; the masters are then loaded strictly, in their
+        own dtype, so a resumed run continues bit for bit. FSDP / DeepSpeed checkpoints keep
+        ``Trainer``'s own loader.
+        """
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        dtype = next(target.parameters()).dtype
+        saved = type(target).from_pretrained(resume_from_checkpoint, dtype=dtype, local_files_only=True)
+        target.load_state_dict(saved.state_dict(), strict=True)
+
     # -- metrics -------------------------------------------------------------------------------
 
     def _quads_log(self, mode: str, metrics: dict[str, float]) -> None:
@@ -181,6 +200,8 @@ class QuadsGRPOTrainer(_GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
+        seconds = self.quads_rollout.take_seconds()  # this generation's rollout phases
+        self._quads_log(mode, {f"timing/quads/{phase}_s": s for phase, s in seconds.items()})
         rollout_lp = output.get("sampling_per_token_logps")
         trainer_lp = output.get("old_per_token_logps")
         if rollout_lp is None or trainer_lp is None:  # vllm_importance_sampling_correction=False
