@@ -542,6 +542,13 @@ def print_summary(summary, preset, out) -> None:
     if before and after:
         print(f"held-out acc      rollout engine {before['rollout']:.3f} -> {after['rollout']:.3f}   "
               f"trainer forward {before['trainer']:.3f} -> {after['trainer']:.3f}")
+    decode = summary.get("rollout_decode") or {}
+    if decode.get("decoder") == "graphed":
+        how = (f"graphed decoder, eager steps: {decode['capture_blocker']}" if decode.get("capture_blocker")
+               else f"graphed decoder ({decode['captures']} capture(s))")
+        print(f"rollout decode    {how}")
+    elif decode:
+        print("rollout decode    transformers generate" + (f" ({decode['fallback_reason']})" if decode.get("fallback_reason") else ""))
     print(f"outputs           {out}/metrics.jsonl, metrics.csv, reward_gap.png, summary.json")
     if summary["status"] == "paused":
         print(f"paused            after step {summary['steps']} of {summary['args']['max_steps']} (time budget); "
@@ -696,6 +703,8 @@ def finish_run(out, rows, args, preset, train_s, t0, before, after, trainer, sta
              + ("" if status == "complete" else f", {status}") + ")")
     num_syncs = trainer.quads_rollout.num_syncs if trainer is not None else 0
     summary = summarize(rows, args, preset, train_s, t0, before, after, num_syncs, status)
+    if trainer is not None:
+        summary["rollout_decode"] = trainer.quads_rollout.decode_report()
     if status == "complete" and trainer is not None:
         summary["masters_crc32"] = masters_crc32(trainer.accelerator.unwrap_model(trainer.model))
     if error:

@@ -53,6 +53,14 @@ class QuadsRolloutEngine:
         self._decoder: GraphedDecoder | None = None
         self.seconds = {"generate": 0.0, "sync": 0.0}
 
+    def decode_report(self) -> dict:
+        """How the rollout sampled: ``decoder`` (``"graphed"``: :class:`GraphedDecoder`, or
+        ``"generate"``), its ``captures``, ``capture_blocker`` (why it decoded eagerly) and
+        ``fallback_reason`` (why ``generate`` was used)."""
+        d = self._decoder
+        return {"decoder": "graphed" if d is not None else "generate", "captures": d.num_captures if d else 0,
+                "capture_blocker": d.capture_blocker if d else None, "fallback_reason": self.fallback_reason}
+
     def take_seconds(self) -> dict[str, float]:
         """The phase seconds since the last call (then reset)."""
         taken, self.seconds = self.seconds, {"generate": 0.0, "sync": 0.0}
