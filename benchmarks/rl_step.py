@@ -1,0 +1,291 @@
+"""The whole RL step through the product: generate + train + sync, BF16 vs QUADS exact vs fast.
+
+    python -m benchmarks.rl_step --out DIR [--models moe,dense] [--variants bf16@fp32,bf16@bf16,quads@fp32,quads-fast@fp32]
+        [--prompts 8] [--generations 8] [--prompt-len 64] [--new-tokens 192] [--warmup 1] [--steps 3] [--budget-s 540]
+    python -m benchmarks.rl_step --tiny --device cpu --out /tmp/rl_step        # CPU smoke run of this script
+
+One GRPO step of :class:`quads.integrations.trl.QuadsGRPOTrainer` (TRL 1.16's GRPOTrainer) is timed
+per variant, one process, each variant a fresh model with the same seed (the same weights), so the
+ratios are same-run ratios. The step: the weight sync (``sync_weights_``: re-quantize the masters
+into the rollout; a BF16 copy for ``bf16``), the rollout (prefill + ``--new-tokens`` sampled tokens
+for ``--prompts`` x ``--generations`` sequences through the CUDA-graph decoder), TRL's scoring
+forward of the trainer (``old_per_token_logps``, no grad: the trainer's side of the importance
+ratio), the GRPO loss forward + backward and AdamW, on the same sequences. Completions have a fixed
+length (the tokenizer's EOS lies outside the model's vocabulary, so it is never sampled) and the
+reward is a constant-cost dummy; nothing else varies between variants.
+
+Phases (seconds, the device synchronized at each boundary): ``generate`` and ``sync`` from the
+rollout engine (``timing/quads/*``), ``score`` (TRL's no-grad scoring forward, timed around it),
+``train`` = step - generate - sync - score (loss forward, backward, AdamW, TRL's host work:
+rewards, decoding the completions, metrics), ``step`` (the optimizer step's wall clock). Median
+over ``--steps`` steps after ``--warmup`` (the first step holds the graph capture and kernel
+compilation: ``first_step_s``). TRL's own work is inside ``train`` for every variant alike; the
+step of issue 33's self-contained loop had no scoring forward (its trainer log-probs came from the
+loss forward).
+
+Models (random init from a config, no hub; vocabulary 32000, embeddings and ``lm_head`` BF16/FP32
+in every variant, never NVFP4):
+
+* ``moe``: Qwen3-MoE, 4 layers, hidden 2048, 32/4 heads of 128, 64 experts top-6 of width 1408
+  (2.4B parameters), transformers' ``grouped_mm`` experts;
+* ``dense``: Qwen3, 6 layers, hidden 3072, MLP 8192, 24/8 heads of 128 (0.8B parameters).
+
+Variants ``<preset>@<masters>``: a preset of ``POLICY_PRESETS`` (``bf16``, ``quads``, ...) or
+``quads-fast`` (``quads`` with ``QuadsPolicy(side="rollout", kernel="fast")``: humming's GEMMs);
+masters ``fp32`` (FP32 parameters under BF16 autocast: the example's recipe) or ``bf16`` (BF16
+parameters). Both ways matter for the BF16 peer of an MoE: transformers' ``grouped_mm`` experts
+are not autocast, so with FP32 masters the BF16 MoE multiplies its experts in FP32 (the QUADS
+trainer's grouped path multiplies in the autocast dtype); ``bf16@bf16`` is the fair BF16 peer.
+
+Writes ``<out>/rl_step.json`` (every row, the configuration, peak memory per variant) and
+``<out>/rl_step.md`` (the table), and appends one row per phase to the results CSV
+(``benchmarks/timing.py``: kernel ``rl_step/<phase>``, us = seconds x 1e6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from benchmarks.timing import add_csv_argument, append_results  # noqa: E402
+
+VOCAB = 32000
+PHASES = ("step", "generate", "score", "train", "sync")
+DEFAULT_VARIANTS = "bf16@fp32,bf16@bf16,quads@fp32,quads-fast@fp32"
+
+
+def build_model(kind: str, tiny: bool, device: str):
+    """The benchmark model, FP32, random weights (seed 0), on ``device``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=VOCAB // (100 if tiny else 1), max_position_embeddings=4096, tie_word_embeddings=False,
+                  head_dim=16 if tiny else 128, attn_implementation="sdpa")
+    if kind == "moe":
+        cfg = Qwen3MoeConfig(num_hidden_layers=2 if tiny else 4, hidden_size=64 if tiny else 2048,
+                             num_attention_heads=4 if tiny else 32, num_key_value_heads=2 if tiny else 4,
+                             intermediate_size=128 if tiny else 6144, moe_intermediate_size=32 if tiny else 1408,
+                             num_experts=8 if tiny else 64, num_experts_per_tok=2 if tiny else 6,
+                             decoder_sparse_step=1, norm_topk_prob=True, **common)
+        cfg._experts_implementation = "grouped_mm"
+        cls = Qwen3MoeForCausalLM
+    elif kind == "dense":
+        cfg = Qwen3Config(num_hidden_layers=2 if tiny else 6, hidden_size=64 if tiny else 3072,
+                          num_attention_heads=4 if tiny else 24, num_key_value_heads=2 if tiny else 8,
+                          intermediate_size=128 if tiny else 8192, **common)
+        cls = Qwen3ForCausalLM
+    else:
+        raise ValueError(f"unknown model {kind!r}; use moe or dense")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(cfg).float()
+    return model
+
+
+def make_tokenizer(vocab: int):
+    """Tokens ``t0 .. t{vocab-1}`` (one per model id) plus ``<eos>`` beyond the model's vocabulary:
+    the rollout can never sample it, so every completion has the full length. The pad token is
+    ``t0`` (the model's config takes it as its padding index; prompts have one length: no padding)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    words.update({"<eos>": vocab, "<unk>": vocab + 1})
+    tk = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="t0", unk_token="<unk>")
+
+
+def make_dataset(n: int, prompt_len: int, vocab: int):
+    import datasets
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (n, prompt_len), generator=g).tolist()
+    return datasets.Dataset.from_list([{"prompt": " ".join(f"t{i}" for i in row)} for row in ids])
+
+
+def dummy_reward(completions, **kwargs):
+    """A reward with variance (non-zero advantages) and no model in it."""
+    return [(len(c) * 7919 % 101) / 100 for c in completions]
+
+
+def resolve(variant: str):
+    """``<preset>@<masters>`` -> (PolicyPreset, masters dtype)."""
+    from quads.policies import POLICY_PRESETS, PolicyPreset
+
+    name, _, masters = variant.partition("@")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if masters not in dtypes:
+        raise ValueError(f"variant {variant!r}: masters must be fp32 or bf16 (e.g. quads@fp32)")
+    if name == "quads-fast":
+        base = POLICY_PRESETS["quads"]
+        preset = PolicyPreset("quads-fast", base.trainer, dataclasses.replace(base.rollout, kernel="fast"),
+                              base.description + ", humming fast path")
+    elif name in POLICY_PRESETS:
+        preset = POLICY_PRESETS[name]
+    else:
+        raise ValueError(f"variant {variant!r}: unknown preset {name!r} (POLICY_PRESETS or quads-fast)")
+    return preset, dtypes[masters]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class _Clock:
+    """Step wall clock (TRL callback) and TRL's no-grad scoring forwards (method wrapper)."""
+
+    def __init__(self, trainer, device: str):
+        from transformers import TrainerCallback
+
+        self.device, self.step_s, self.score_s, self._score, self._t = device, [], [], 0.0, None
+        clock = self
+
+        class Steps(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                _sync(device)
+                clock._t, clock._score = time.perf_counter(), 0.0
+
+            def on_step_end(self, args, state, control, **kw):
+                _sync(device)
+                clock.step_s.append(time.perf_counter() - clock._t)
+                clock.score_s.append(clock._score)
+
+        trainer.add_callback(Steps())
+        inner = trainer._get_per_token_logps_and_entropies
+
+        def timed(*a, **k):
+            if torch.is_grad_enabled():
+                return inner(*a, **k)
+            _sync(device)
+            t = time.perf_counter()
+            out = inner(*a, **k)
+            _sync(device)
+            self._score += time.perf_counter() - t
+            return out
+
+        trainer._get_per_token_logps_and_entropies = timed
+
+
+def run_variant(kind: str, variant: str, args) -> dict:
+    from trl import GRPOConfig
+
+    from quads.integrations.trl import QuadsGRPOTrainer
+
+    preset, masters = resolve(variant)
+    model = build_model(kind, args.tiny, args.device).to(masters)
+    params = sum(p.numel() for p in model.parameters())
+    tok = make_tokenizer(model.config.vocab_size)
+    total = args.warmup + args.steps
+    batch = args.prompts * args.generations
+    with tempfile.TemporaryDirectory() as tmp:
+        config = GRPOConfig(output_dir=tmp, use_cpu=args.device == "cpu", bf16=True, per_device_train_batch_size=batch,
+                            num_generations=args.generations, max_completion_length=args.new_tokens, temperature=1.0,
+                            learning_rate=1e-6, lr_scheduler_type="constant", max_steps=total, logging_steps=1,
+                            save_strategy="no", report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        trainer = QuadsGRPOTrainer(model, dummy_reward, config, train_dataset=make_dataset(args.prompts * total, args.prompt_len,
+                                   model.config.vocab_size), processing_class=tok, quads_policy=preset)
+        clock = _Clock(trainer, args.device)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "timing/quads/generate_s" in h]
+        decode = trainer.quads_rollout.decode_report()
+        lengths = [h.get("completions/mean_length") for h in logs]
+        peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
+        del trainer, model
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    timed = slice(args.warmup, None)
+    gen = [h["timing/quads/generate_s"] for h in logs]
+    syn = [h["timing/quads/sync_s"] for h in logs]
+    phases = {"step": clock.step_s, "generate": gen, "score": clock.score_s, "sync": syn,
+              "train": [s - g - y - c for s, g, y, c in zip(clock.step_s, gen, syn, clock.score_s)]}
+    row = {"model": kind, "variant": variant, "preset": preset.name, "masters": str(masters).replace("torch.", ""),
+           "params": params, "first_step_s": clock.step_s[0], "peak_gib": round(peak, 2), "decode": decode,
+           "completion_len": lengths, "per_step": phases}
+    row.update({f"{p}_s": statistics.median(v[timed]) for p, v in phases.items()})
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per model, each variant's median phases, its step against the BF16 peers."""
+    head = ("| model | variant | step s | vs bf16@fp32 | vs bf16@bf16 | generate s | score s | train s | sync s | "
+            "first step s | peak GiB |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        peers = {p["variant"]: p["step_s"] for p in rows if p["model"] == r["model"]}
+        ratio = lambda v: f"{peers[v] / r['step_s']:.2f}x" if v in peers else "-"  # noqa: E731  (>1: faster)
+        lines.append(f"| {r['model']} | {r['variant']} | {r['step_s']:.3f} | {ratio('bf16@fp32')} | {ratio('bf16@bf16')} | "
+                     f"{r['generate_s']:.3f} | {r['score_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.4f} | "
+                     f"{r['first_step_s']:.1f} | {r['peak_gib']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", default="moe,dense")
+    p.add_argument("--variants", default=None, help=f"default {DEFAULT_VARIANTS} (CPU: without quads-fast)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=192)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=0, help="start no new variant after this many seconds (0: none)")
+    p.add_argument("--tiny", action="store_true", help="toy widths (a smoke run of this script)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_csv_argument(p)
+    args = p.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be >= 1 (the first step holds the capture and compilation)")
+    variants = (args.variants or (DEFAULT_VARIANTS if args.device == "cuda" else "bf16@fp32,bf16@bf16,quads@fp32")).split(",")
+    for v in variants:
+        try:
+            resolve(v)
+        except ValueError as err:
+            p.error(str(err))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start, rows, skipped = time.time(), [], []
+    for kind in args.models.split(","):
+        for variant in variants:
+            if args.budget_s and time.time() - start > args.budget_s:
+                skipped.append(f"{kind}/{variant}")
+                continue
+            t0 = time.time()
+            row = run_variant(kind, variant, args)
+            rows.append(row)
+            print(f"[rl_step] {kind} {variant}: step {row['step_s']:.3f} s (generate {row['generate_s']:.3f}, score "
+                  f"{row['score_s']:.3f}, train {row['train_s']:.3f}, sync {row['sync_s']:.4f}; first step "
+                  f"{row['first_step_s']:.1f} s; {row['decode']['decoder']}, {row['decode']['captures']} capture(s)) "
+                  f"[{time.time() - t0:.0f} s]", flush=True)
+            (out / "rl_step.json").write_text(json.dumps({"args": vars(args), "rows": rows, "skipped": skipped}, indent=1))
+    text = table(rows) + (f"\n\nnot run (--budget-s): {', '.join(skipped)}" if skipped else "")
+    (out / "rl_step.json").write_text(json.dumps({"args": vars(args), "rows": rows, "skipped": skipped}, indent=1))
+    (out / "rl_step.md").write_text(text + "\n")
+    print(text)
+    shape = f"B={args.prompts}x{args.generations} prompt={args.prompt_len} new={args.new_tokens}"
+    append_results([{"kernel": f"rl_step/{phase}", "shape": f"{r['model']} {shape}", "variant": r["variant"],
+                     "us": r[f"{phase}_s"] * 1e6} for r in rows for phase in PHASES],
+                   raw=os.path.abspath(out / "rl_step.json"), csv_path=args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
