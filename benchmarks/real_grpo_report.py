@@ -1,15 +1,19 @@
 """Table and plots of the real-model GRPO ablation (``benchmarks/real_grpo.py`` runs).
 
-    python benchmarks/real_grpo_report.py runs/real_grpo [--out docs/img]
+    python -m benchmarks.real_grpo_report runs/real_grpo [--out docs/img] [--prefix real_grpo_trl]
 
-Reads every ``<config>-s<seed>/metrics.jsonl`` and ``summary.json``; prints the paper-form table
-(per-step max log-prob gap averaged over steps, its ratio to the BF16 floor, mean / p99 gap,
-k3 KL, importance-sampling masking, held-out accuracy before and after, averaged over the seeds
-that finished), the paper's numbers beside it, the step's wall clock split (generate / train /
-sync, the rollout's share), and writes ``real_grpo_gap.png`` and ``real_grpo_reward.png`` (one line
-per configuration: the mean over seeds, the band between the seeds' min and max). Runs that
-stopped early count in the per-step columns with the steps they have (the ``steps`` column says
-how many); held-out "after" needs a finished run.
+Reads every run directory under the folder: the main example's (``<preset>-s<seed>/``:
+``summary.json`` and TRL's log records in ``metrics.jsonl``, the runs of ``benchmarks/real_grpo.py``)
+and the self-contained loop's of sessions 3-4 (``<config>-s<seed>/``, its ``metrics.jsonl`` rows),
+so the old table can be re-made beside the new one. Prints the paper-form table (per-step max
+log-prob gap averaged over steps, its ratio to the BF16 floor, mean / p99 gap, k3 KL,
+importance-sampling masking, held-out accuracy before and after, averaged over the seeds that
+finished), the paper's numbers beside it, the step's wall clock split (generate / train / sync,
+the rollout's share), and writes ``<prefix>_gap.png`` and ``<prefix>_reward.png`` (one line per
+configuration: the mean over seeds, the band between the seeds' min and max). Runs that stopped
+early count in the per-step columns with the steps they have (the ``steps`` column says how
+many); held-out "after" needs a finished run. "after (trainer)" is the trainer's own greedy
+forward (the example's; QAT presets: the fake-quantized forward), or the BF16 masters (the old loop).
 """
 
 from __future__ import annotations
@@ -20,9 +24,48 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-ORDER = ["bf16", "fp8", "naive", "sym-qat", "w4a16-qat", "quads-50", "quads"]
 #: the source paper's numbers (max per-step gap, final accuracy); "-" where it gives none
 PAPER = {"bf16": ("0.74", "73.15"), "fp8": ("-", "72.88"), "naive": ("1.3", "51.37"), "quads": ("0.86", "72.86")}
+#: per-step keys, the example's (TRL log records) -> the table's
+EXAMPLE_KEYS = {"sampling/quads/logp_gap_max": "gap_max", "sampling/quads/logp_gap_mean": "gap_mean",
+                "sampling/quads/logp_gap_p99": "gap_p99", "sampling/quads/k3_kl": "k3",
+                "sampling/quads/is_masked_fraction": "masked", "sampling/quads/is_ratio_raw_max": "is_max",
+                "reward": "reward", "timing/quads/generate_s": "generate", "timing/train_s": "train",
+                "timing/quads/sync_s": "sync"}
+#: the same for the self-contained loop of sessions 3-4
+LOOP_KEYS = {"logp_gap_max": "gap_max", "logp_gap_mean": "gap_mean", "logp_gap_p99": "gap_p99", "k3_kl": "k3",
+             "is_masked_fraction": "masked", "is_ratio_raw_max": "is_max", "reward": "reward",
+             "t_generate": "generate", "t_train": "train", "t_sync": "sync"}
+
+
+def _order() -> list[str]:
+    try:
+        from quads.policies import POLICY_PRESETS
+
+        presets = list(POLICY_PRESETS)
+    except ImportError:  # pragma: no cover - the report reads JSON only
+        presets = []
+    return ["bf16", "fp8", "naive", "sym-qat", "w4a16-qat", "quads-50", "quads"] + presets
+
+
+def _normalize(summary: dict, records: list[dict]) -> dict | None:
+    """One run as {config, seed, finished, before, after, after_trainer, steps: [{key: value}]}."""
+    if "policy" in summary:  # the example
+        keys, steps = EXAMPLE_KEYS, [r for r in records if "reward" in r]
+        config, seed = summary["policy"], summary.get("args", {}).get("seed")
+        after = summary.get("heldout_after") if summary.get("complete") else None
+        trainer_key = "trainer"
+    else:  # the self-contained loop
+        keys, steps = LOOP_KEYS, records
+        config, seed, after = summary["config"], summary.get("seed"), summary.get("heldout_after")
+        trainer_key = "master_bf16"
+    if not steps:  # a run that crashed before its first step has nothing to report
+        return None
+    before = summary.get("heldout_before") or {}
+    return {"config": config, "seed": seed, "finished": after is not None,
+            "before": before.get("rollout"), "after": (after or {}).get("rollout"),
+            "after_trainer": (after or {}).get(trainer_key),
+            "steps": [{new: r.get(old) for old, new in keys.items()} for r in steps]}
 
 
 def load(runs: Path) -> dict[str, list[dict]]:
@@ -30,9 +73,10 @@ def load(runs: Path) -> dict[str, list[dict]]:
     for run in sorted(p for p in runs.iterdir() if p.is_dir() and (p / "summary.json").exists()):
         summary = json.loads((run / "summary.json").read_text())
         metrics = run / "metrics.jsonl"
-        steps = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()] if metrics.exists() else []
-        if steps:  # a run that crashed before its first step has nothing to report
-            out[summary["config"]].append({"summary": summary, "steps": steps})
+        records = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()] if metrics.exists() else []
+        r = _normalize(summary, records)
+        if r is not None:
+            out[r["config"]].append(r)
     return out
 
 
@@ -41,77 +85,80 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else float("nan")
 
 
+def _configs(runs) -> list[str]:
+    order = [c for c in dict.fromkeys(_order()) if c in runs]
+    return order + sorted(set(runs) - set(order))
+
+
 def table(runs: dict[str, list[dict]]) -> str:
     def per_run(run, key):
         return _mean([s[key] for s in run["steps"]])
 
     rows = {}
     for config, rs in runs.items():
-        done = [r for r in rs if "heldout_after" in r["summary"]]
+        done = [r for r in rs if r["finished"]]
         rows[config] = {
             "seeds": f"{len(done)}/{len(rs)}",
             "steps": "/".join(str(len(r["steps"])) for r in rs),
-            "gap_max": _mean([per_run(r, "logp_gap_max") for r in rs]),
-            "gap_mean": _mean([per_run(r, "logp_gap_mean") for r in rs]),
-            "gap_p99": _mean([per_run(r, "logp_gap_p99") for r in rs]),
-            "k3": _mean([per_run(r, "k3_kl") for r in rs]),
-            "masked": _mean([per_run(r, "is_masked_fraction") for r in rs]),
-            "is_max": _mean([per_run(r, "is_ratio_raw_max") for r in rs]),
-            "before": _mean([r["summary"]["heldout_before"]["rollout"] for r in rs]),
-            "after": _mean([r["summary"]["heldout_after"]["rollout"] for r in done]) if done else None,
-            "after_master": _mean([r["summary"]["heldout_after"]["master_bf16"] for r in done]) if done else None,
+            **{k: _mean([per_run(r, k) for r in rs]) for k in ("gap_max", "gap_mean", "gap_p99", "k3", "masked", "is_max")},
+            "before": _mean([r["before"] for r in rs]),
+            "after": _mean([r["after"] for r in done]) if done else None,
+            "after_trainer": _mean([r["after_trainer"] for r in done]) if done else None,
         }
     floor = rows.get("bf16", {}).get("gap_max", float("nan"))
     head = ("| config | seeds finished / run | steps per seed | max gap (mean over steps) | / BF16 floor | mean gap | p99 gap | k3 KL | "
-            "IS masked | raw IS max | held-out before | after (rollout) | after (BF16 masters) | paper max gap | paper acc |")
+            "IS masked | raw IS max | held-out before | after (rollout) | after (trainer) | paper max gap | paper acc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for config in [c for c in ORDER if c in rows] + sorted(set(rows) - set(ORDER)):
+    for config in _configs(rows):
         r = rows[config]
         pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
         paper = PAPER.get(config, ("-", "-"))
         lines.append(f"| {config} | {r['seeds']} | {r['steps']} | {r['gap_max']:.3f} | {r['gap_max'] / floor:.2f} | "
                      f"{r['gap_mean']:.4f} | {r['gap_p99']:.3f} | {r['k3']:.2e} | {r['masked']:.3f} | {r['is_max']:.3g} | "
-                     f"{pct(r['before'])} | {pct(r['after'])} | {pct(r['after_master'])} | {paper[0]} | {paper[1]} |")
+                     f"{pct(r['before'])} | {pct(r['after'])} | {pct(r['after_trainer'])} | {paper[0]} | {paper[1]} |")
     return "\n".join(lines)
 
 
 def timing_table(runs: dict[str, list[dict]]) -> str:
     """Mean seconds per step of each phase, over every step of every seed, and the rollout's share."""
     lines = ["| config | generate s | train s | sync s | step s | rollout share |", "|---|---|---|---|---|---|"]
-    for config in [c for c in ORDER if c in runs] + sorted(set(runs) - set(ORDER)):
+    for config in _configs(runs):
         steps = [s for r in runs[config] for s in r["steps"]]
-        g, t, y = (_mean([s[k] for s in steps]) for k in ("t_generate", "t_train", "t_sync"))
+        g, t, y = (_mean([s[k] for s in steps]) for k in ("generate", "train", "sync"))
         lines.append(f"| {config} | {g:.2f} | {t:.2f} | {y:.3f} | {g + t + y:.2f} | {100 * g / (g + t + y):.0f}% |")
     return "\n".join(lines)
 
 
-def plots(runs: dict[str, list[dict]], out: Path) -> list[Path]:
+def plots(runs: dict[str, list[dict]], out: Path, prefix: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    for key, name, ylabel in (("logp_gap_max", "real_grpo_gap.png", "per-step max |log p_rollout - log p_trainer|"),
-                              ("reward", "real_grpo_reward.png", "mean reward")):
+    configs = _configs(runs)
+    for key, name, ylabel in (("gap_max", f"{prefix}_gap.png", "per-step max |log p_rollout - log p_trainer|"),
+                              ("reward", f"{prefix}_reward.png", "mean reward")):
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        for config in [c for c in ORDER if c in runs] + sorted(set(runs) - set(ORDER)):
+        for i, config in enumerate(configs):
             k = 10
             curves = []
             for r in runs[config]:
-                ys = [s[key] for s in r["steps"]]
+                ys = [s[key] for s in r["steps"] if s[key] is not None]
                 curves.append([statistics.fmean(ys[max(0, j - k + 1) : j + 1]) for j in range(len(ys))])
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
             n = max(len(c) for c in curves)
             xs = list(range(n))
             at = [[c[j] for c in curves if j < len(c)] for j in xs]
-            color = f"C{ORDER.index(config) if config in ORDER else len(ORDER)}"
             seeds = len(curves)
-            ax.plot(xs, [statistics.fmean(v) for v in at], color=color, label=f"{config} ({seeds} seed{'s' * (seeds > 1)})")
+            ax.plot(xs, [statistics.fmean(v) for v in at], color=f"C{i}", label=f"{config} ({seeds} seed{'s' * (seeds > 1)})")
             if seeds > 1:
-                ax.fill_between(xs, [min(v) for v in at], [max(v) for v in at], color=color, alpha=0.2, linewidth=0)
+                ax.fill_between(xs, [min(v) for v in at], [max(v) for v in at], color=f"C{i}", alpha=0.2, linewidth=0)
         ax.set_xlabel("GRPO step")
         ax.set_ylabel(ylabel + " (10-step mean)")
-        if key == "logp_gap_max":
+        if key == "gap_max":
             ax.set_yscale("log")
         ax.legend()
         ax.grid(alpha=0.3)
@@ -127,6 +174,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", type=Path)
     p.add_argument("--out", type=Path, default=None, help="folder for the PNG plots (default: the runs folder)")
+    p.add_argument("--prefix", default="real_grpo_trl", help="file name prefix of the plots")
     args = p.parse_args(argv)
     runs = load(args.runs)
     if not runs:
@@ -136,7 +184,7 @@ def main(argv=None) -> int:
     print(timing_table(runs))
     out = args.out or args.runs
     out.mkdir(parents=True, exist_ok=True)
-    for path in plots(runs, out):
+    for path in plots(runs, out, args.prefix):
         print(f"wrote {path}")
     return 0
 

@@ -644,7 +644,7 @@ def main(argv=None) -> dict:
         started = True
         trainer.remove_callback(ProgressCallback)
         trainer.remove_callback(PrinterCallback)
-        hint = no_signal_hint(task, args.model or "the embedded model", tok)
+        hint = no_signal_hint(task, args.model or "the embedded model", tok, preset.name if preset.rollout else None)
         printer = make_step_callback(out / "metrics.jsonl", args.max_steps, t0, hint, rows)
         rows = printer.rows
         budget = make_time_budget(args.time_budget_s)

@@ -122,3 +122,19 @@ def test_the_task_follows_the_model(tmp_path, capsys):
         tasks_mod.TASKS["arithmetic"] = saved
     printed = capsys.readouterr().out
     assert "warning: every completion of the first step earned reward 0" in printed
+
+
+def test_micro_batched_backward_gives_the_batch_gradient(tmp_path):
+    """--train-micro-batch splits the backward (TRL's gradient accumulation over one generation),
+    not the step: the same completions, the same loss, the same gradient up to float summation order."""
+    example = _example()
+    one = [*RUN[:1], "1", *RUN[2:]]
+    whole = _main(example, [*one, "--output-dir", str(tmp_path / "whole")])
+    split = _main(example, [*one, "--train-micro-batch", "2", "--output-dir", str(tmp_path / "split")])
+    assert whole["args"]["train_micro_batch"] == 4 and split["args"]["train_micro_batch"] == 2
+    (a,), (b,) = _rows(tmp_path / "whole"), _rows(tmp_path / "split")
+    assert a["reward"] == b["reward"] and a["sampling/quads/logp_gap_mean"] == b["sampling/quads/logp_gap_mean"]
+    assert float(b["grad_norm"]) == pytest.approx(float(a["grad_norm"]), rel=1e-4)
+    assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-4, abs=1e-7)
+    with pytest.raises(UsageError, match="does not divide"):
+        _main(example, [*one, "--train-micro-batch", "3", "--output-dir", str(tmp_path / "bad")])

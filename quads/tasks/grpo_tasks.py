@@ -75,10 +75,14 @@ def choose_task(name: str, tokenizer, embedded_model: bool) -> GRPOTask:
     return TASKS[name]
 
 
-def no_signal_hint(task: GRPOTask, model_name: str, tokenizer) -> str:
-    """One line for a first step where every completion earned reward 0."""
+def no_signal_hint(task: GRPOTask, model_name: str, tokenizer, quantized_rollout: str | None = None) -> str:
+    """One line for a first step where every completion earned reward 0. ``quantized_rollout``:
+    the preset's name when its rollout is quantized (a 4-bit rollout of a small model can earn
+    nothing at first where the BF16 one earns some: on SmolLM2 every NVFP4 preset starts at 0)."""
     chat = bool(getattr(tokenizer, "chat_template", None))
     fix = "--task chain-sum" if task.name == "arithmetic" and chat else "a model the task fits"
+    rollout = (f", or the {quantized_rollout} rollout cannot earn it yet (compare --policy bf16)"
+               if quantized_rollout else "")
     return (f"every completion of the first step earned reward 0, so every GRPO advantage is 0 and nothing is "
-            f"learned from it; if this repeats, task {task.name!r} (for {task.fits}) does not fit {model_name}: "
-            f"try {fix}")
+            f"learned from it; if this repeats, task {task.name!r} (for {task.fits}) does not fit {model_name}"
+            f"{rollout}: try {fix}")
