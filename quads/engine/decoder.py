@@ -263,15 +263,15 @@ class GraphedDecoder:
         buffers = (state.token, state.slot, state.position, state.key_valid, state.finished)
         saved = [t.clone() for t in buffers]
         rng = torch.cuda.get_rng_state(state.device)
+        stream = torch.cuda.Stream(device=state.device)
+        stream.wait_stream(torch.cuda.current_stream(state.device))
         try:
-            stream = torch.cuda.Stream(device=state.device)
-            stream.wait_stream(torch.cuda.current_stream(state.device))
             with torch.cuda.stream(stream):
                 self._step(state, spec)  # warm-up: allocator pools, Triton autotune/compile, cuBLAS handles
                 with _no_host_syncs():  # steady state: a sync here would fail the capture
                     self._step(state, spec)
-            torch.cuda.current_stream(state.device).wait_stream(stream)
         finally:
+            torch.cuda.current_stream(state.device).wait_stream(stream)  # its cache writes land first
             for buf, value in zip(buffers, saved):
                 buf.copy_(value)
             torch.cuda.set_rng_state(rng, state.device)
