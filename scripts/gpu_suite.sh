@@ -12,7 +12,9 @@
 #             every preset of POLICY_PRESETS x {embedded MoE, SmolLM2-135M, the MoE upcycled from it},
 #             STEPS (default 3) steps each, one model's presets side by side; a run passes when it
 #             finishes; the decoder says in one line why it did not capture a model, if it did not
-#   rl-step   python -m benchmarks.rl_step (the whole RL step: BF16 vs QUADS exact vs fast)
+#             (EXAMPLE_MODELS="embedded smollm2 moe" by default: a subset runs part of it; EXAMPLE_ARGS
+#             are added to every run's command line)
+#   rl-step   python -m benchmarks.rl_step $RL_STEP_ARGS (the whole RL step: BF16 vs QUADS exact vs fast)
 #
 # The real model is built once both wheel parts have been carried (scripts/gpu_env.sh); until then
 # the examples on it are reported as skipped, with the reason. Every output goes under $OUT
@@ -63,7 +65,8 @@ except (OSError, ValueError):
     print(f"example {name}: FAIL (exit {code}, no summary.json)"); raise SystemExit
 d = s.get("rollout_decode") or {}
 how = (f"eager decode: {d['capture_blocker']}" if d.get("capture_blocker") else
-       f"graphed, {d.get('captures', 0)} capture(s)" if d.get("decoder") == "graphed" else f"generate ({d.get('fallback_reason')})")
+       f"graphed, {d.get('captures', 0)} capture(s)" if d.get("decoder") == "graphed" else
+       "generate" + (f" ({d['fallback_reason']})" if d.get("fallback_reason") else ""))
 ok = code == "0" and s.get("complete")
 print(f"example {name}: {'PASS' if ok else 'FAIL'} (exit {code}, {s.get('status')}, {s.get('steps')} steps, "
       f"reward {s.get('reward_first_steps', float('nan')):.3f} -> {s.get('reward_last_steps', float('nan')):.3f}, "
@@ -76,12 +79,15 @@ run_examples() {
   local presets models model dir
   presets=$($PY -c "from quads.policies import POLICY_PRESETS; print(' '.join(POLICY_PRESETS))")
   local real; real=$(quads_real_model_status)
-  models="embedded"
-  if [ "$real" = built ]; then
-    models="embedded smollm2 moe"
-  else
-    say "examples on smollm2, moe: SKIP (the real model is $real)"
-  fi
+  [ "$real" = built ] && say "real model: built (SmolLM2-135M-Instruct and its upcycled 8-expert MoE in $QUADS_CACHE)"
+  models=""
+  for model in ${EXAMPLE_MODELS:-embedded smollm2 moe}; do
+    if [ "$model" != embedded ] && [ "$real" != built ]; then
+      say "examples on $model: SKIP (the real model is $real)"
+    else
+      models="$models $model"
+    fi
+  done
   for model in $models; do
     case $model in
       embedded) dir="" ;;
@@ -93,7 +99,7 @@ run_examples() {
       local name="$model-$preset" run="$W/examples/$model-$preset"
       mkdir -p "$W/examples"
       $PY examples/trl_grpo_quads.py --device "$DEVICE" --policy "$preset" ${dir:+--model "$dir"} --max-steps "$STEPS" \
-        --eval-n 8 --threads 1 --output-dir "$run" --overwrite > "$W/examples/$name.log" 2>&1 &
+        --eval-n 8 --threads 1 --output-dir "$run" --overwrite ${EXAMPLE_ARGS:-} > "$W/examples/$name.log" 2>&1 &
       pids+=($!); names+=("$name")
     done
     for i in "${!pids[@]}"; do
@@ -107,7 +113,8 @@ run_examples() {
 
 run_rl_step() {
   local t0=$SECONDS
-  $PY -m benchmarks.rl_step --out "$W/rl_step" > "$W/rl_step.log" 2>&1
+  # shellcheck disable=SC2086
+  $PY -m benchmarks.rl_step --out "$W/rl_step" ${RL_STEP_ARGS:-} > "$W/rl_step.log" 2>&1
   local rc=$?
   say "rl-step: $( [ $rc = 0 ] && echo done || echo FAIL) [$((SECONDS - t0)) s]"
   grep '^|' "$W/rl_step.log" | tee -a "$SUMMARY"
