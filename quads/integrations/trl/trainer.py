@@ -99,7 +99,7 @@ class QuadsGRPOTrainer(_GRPOTrainer):
         **kwargs,
     ):
         if _trl is None:
-            raise ImportError("QuadsGRPOTrainer needs TRL: pip install 'quads[trl]'") from _TRL_IMPORT_ERROR
+            raise ImportError("QuadsGRPOTrainer needs TRL: pip install 'quads-rl[trl]'") from _TRL_IMPORT_ERROR
         if _trl.__version__ != TESTED_TRL_VERSION:
             warnings.warn(
                 f"quads.integrations.trl is tested with trl=={TESTED_TRL_VERSION}, found {_trl.__version__}; "
