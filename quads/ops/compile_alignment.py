@@ -3,7 +3,7 @@
 A compiled rollout is exact only if every tensor reaching a quads op has eager's bits. inductor
 fuses the BF16 ops around them (norms, router softmax, residual sums) and keeps the
 intermediates in float32, dropping the BF16 roundings eager does between ops; an activation
-one BF16 ulp off can move an NVFP4 code (a whole tiny MoE's logits moved by 0.0078). inductor's
+one BF16 ulp off can move an NVFP4 code, and with it the logits. inductor's
 ``emulate_precision_casts`` keeps those roundings. The trace-time (fake) kernel of every quads
 op calls :func:`align_this_compile`, which turns it on for the rest of the ``torch.compile``
 it runs in (dynamo's tracing, inductor's lowering and code generation) and restores the
