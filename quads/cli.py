@@ -106,6 +106,20 @@ def _add_fetch_real_model(sub) -> None:
     p.set_defaults(func=_fetch_real_model)
 
 
+_TOP_LEVEL_OPTIONS = ("-h", "--help", "--version")
+
+
+def _refuse_flags_before_the_command(parser: argparse.ArgumentParser, argv: list[str], commands) -> None:
+    """``quads --bogus``: name the flag (argparse alone says only that a command is required)."""
+    for token in argv:
+        if not token.startswith("-"):
+            return  # the command: its own parser names its bad flags
+        if token in _TOP_LEVEL_OPTIONS or (token.startswith("--") and any(o.startswith(token) for o in _TOP_LEVEL_OPTIONS)):
+            return
+        parser.error(f"unrecognized argument {token}: give a command first ({', '.join(commands)}), "
+                     "e.g. quads diagnose --help")
+
+
 def main(argv: list[str] | None = None) -> int:
     from quads import __version__
 
@@ -126,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     from quads.integrations.modelopt.cli import add_parser as add_export
 
     add_export(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _refuse_flags_before_the_command(parser, argv, sub.choices)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -61,11 +61,11 @@ def _cmd(args: argparse.Namespace) -> int:
         _progress(f"note: {stale} is an unfinished export's temporary directory (its process is alive)")
     _progress(f"loading {args.model}")
     model, tokenizer = load_local_causal_lm(args.model, "auto", require_tokenizer=prompts is not None,
-                                            set_pad=False)
+                                            set_pad=False, probe_prompts=prompts, prompts_source=args.calib)
     model.eval()
     calibration = None
     if prompts is not None:
-        check_tokenizer(tokenizer, model, args.model, prompts)
+        check_tokenizer(tokenizer, model, args.model, prompts, source=args.calib)
         calibration = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
     policy = QuadsPolicy(side="trainer", extra_skip_patterns=tuple(args.extra_skip),
                          weight_global_scale=args.weight_global_scale)
