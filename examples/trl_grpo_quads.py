@@ -165,7 +165,9 @@ def make_step_callback(path_jsonl, total_steps, t0):
             self.bar = None
 
         def on_train_begin(self, args, state, control, **kw):
-            self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stdout)
+            # a bar only on a terminal: in a pipe or a log file its \r updates land between the step lines
+            self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stdout,
+                            disable=not sys.stdout.isatty())
 
         def on_log(self, args, state, control, logs=None, **kw):
             if not logs:
@@ -183,7 +185,7 @@ def make_step_callback(path_jsonl, total_steps, t0):
                 f"k3 {g('k3_kl'):.2e}  IS raw [{g('is_ratio_raw_min'):.2f}, {g('is_ratio_raw_max'):.2f}] "
                 f"masked {g('is_masked_fraction'):.2f}  ({logs.get('step_time', float('nan')):.1f}s)"
             )
-            self.bar.write(line)
+            self.bar.write(line, file=sys.stdout)
             self.bar.update(state.global_step - self.bar.n)
 
         def on_train_end(self, args, state, control, **kw):

@@ -355,3 +355,15 @@ def test_export_calib_without_a_tokenizer_names_the_users_file(tmp_path, capsys)
         line = _one_line_error(capsys, rc, match)
         assert "1 + 2" not in line
         assert not (tmp_path / "out").exists()
+
+
+def test_example_output_to_a_pipe_has_no_progress_bar_between_the_step_lines(tmp_path):
+    """Not a terminal (a pipe, a log file): one line per step, no tqdm carriage returns."""
+    pytest.importorskip("trl")
+    cmd = [sys.executable, str(EXAMPLE), "--max-steps", "2", *SMALL, "--output-dir", str(tmp_path / "run")]
+    run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "\r" not in run.stdout and "GRPO:" not in run.stdout, run.stdout
+    steps = [line for line in run.stdout.splitlines() if re.match(r"step +\d+/2 ", line)]
+    assert [line.split()[1] for line in steps] == ["1/2", "2/2"], run.stdout
