@@ -289,7 +289,7 @@ def test_diagnose_json_is_versioned_and_never_follows_a_planted_symlink(tmp_path
     assert main(["diagnose", "--json", str(out), "--threads", "1"]) == 0
     assert victim.read_text() == "precious"
     report = json.loads(out.read_text())
-    assert report["schema"] == diagnose.JSON_SCHEMA == "quads.diagnose/1"
+    assert report["schema"] == diagnose.JSON_SCHEMA == "quads.diagnose/2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.json.tmp", "victim.txt"]
 
 
