@@ -115,7 +115,7 @@ def test_grpo_steps_with_vllm_colocate(checkpoint, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(vllm_mode="server"), r"colocate mode only.*update_named_param.*vllm_mode='colocate'.*QuadsGRPOTrainer"),
+    (dict(vllm_mode="server"), r"colocate mode only.*NCCL weight transfer.*push_weights.*vllm_mode='colocate'.*QuadsGRPOTrainer"),
     (dict(use_vllm=False), r"use_vllm=True.*QuadsGRPOTrainer"),
     (dict(trainer_policy=quads.QuadsPolicy(side="rollout")), r"trainer_policy=.*side='trainer'"),
     (dict(rollout_corr_metrics="yes"), r"rollout_corr_metrics=.*True or False"),

@@ -113,9 +113,9 @@ def quads_vllm_generation_class(rollout_config: dict[str, Any] | None = None, ll
 
 
 SERVER_MODE_REFUSAL = (
-    "QuadsVLLMGRPOTrainer runs vLLM in colocate mode only: in vllm_mode='server' TRL's weight sync "
-    "(VLLMClient.update_named_param, one tensor at a time over NCCL into `trl vllm-serve`) bypasses the quads "
-    "weight push, so the server would keep stale or half-requantized NVFP4 weights; use "
+    "QuadsVLLMGRPOTrainer runs vLLM in colocate mode only: in vllm_mode='server' TRL sends the masters to "
+    "`trl vllm-serve` through vLLM's NCCL weight transfer, not the quads weight push (push_weights), and that "
+    "path has never run with the quads method (it needs GPUs and a separate server process); use "
     "GRPOConfig(use_vllm=True, vllm_mode='colocate') here, or QuadsGRPOTrainer (use_vllm=False)"
 )
 
