@@ -268,6 +268,7 @@ def _untouched_state(model):
      r"single QuadsPolicy\(side='rollout'\).*\(trainer, rollout\) pair"),
     (dict(quads_policy=(quads.QuadsPolicy(side="rollout"), None)), ValueError, r"trainer entry.*side='rollout'"),
     (dict(quads_policy="fast"), ValueError, r"unknown quads policy preset 'fast'"),
+    (dict(peft_config=object()), NotImplementedError, r"does not support PEFT models"),
 ])
 def test_bad_arguments_are_refused_before_trl_touches_the_model(bad, error, match, tmp_path):
     """One-line errors raised before GRPOTrainer.__init__: no wrapper, model_tags or use_cache

@@ -30,6 +30,7 @@ else:
     _TRL_IMPORT_ERROR = None
 
 ROLLOUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MISSING = object()
 
 
 def _model_snapshot(model: nn.Module):
@@ -60,10 +61,7 @@ def _model_snapshot(model: nn.Module):
     return undo
 
 
-_MISSING = object()
-
-
-def _check_options(model, args, rollout_dtype, flags: dict[str, object], graphed_decode) -> None:
+def _check_options(args, rollout_dtype, flags: dict[str, object], graphed_decode, peft_config) -> None:
     """Refuse bad arguments in one line, before anything touches the caller's model."""
     if args is not None and getattr(args, "use_vllm", False):
         raise ValueError(
@@ -79,6 +77,11 @@ def _check_options(model, args, rollout_dtype, flags: dict[str, object], graphed
             raise TypeError(f"QuadsGRPOTrainer({name}=...) must be True or False, got {value!r}")
     if graphed_decode is not None and not isinstance(graphed_decode, bool):
         raise TypeError(f"QuadsGRPOTrainer(graphed_decode=...) must be None, True or False, got {graphed_decode!r}")
+    if peft_config is not None:
+        raise NotImplementedError("QuadsGRPOTrainer does not support PEFT models yet (peft_config=...)")
+
+
+def _refuse_peft_model(model) -> None:
     if hasattr(model, "peft_config"):
         raise NotImplementedError("QuadsGRPOTrainer does not support PEFT models yet")
 
@@ -132,7 +135,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
                 stacklevel=2,
             )
         flags = {"decompose_mismatch": decompose_mismatch, "rollout_corr_metrics": rollout_corr_metrics}
-        _check_options(model, args, rollout_dtype, flags, graphed_decode)
+        _check_options(args, rollout_dtype, flags, graphed_decode, kwargs.get("peft_config"))
         self.quads_preset = get_preset(quads_policy)
         self.quads_rollout_dtype = rollout_dtype
         self.quads_decompose = decompose_mismatch
@@ -143,7 +146,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
 
             init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
-            _check_options(model, args, rollout_dtype, flags, graphed_decode)
+        _refuse_peft_model(model)
         undo = _model_snapshot(model)
         self._quads_apply_trainer_policy(model)
         try:
