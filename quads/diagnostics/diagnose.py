@@ -237,9 +237,9 @@ def format_report(report: dict) -> str:
                      f"{ratio:>9.2f} {r['k3_kl']:>10.2e}  {r['description']}")
     k = report["layer_residual_fraction"]
     residual = f"rel_err_k{int(k * 100)}"
-    lines += ["", f"{'layer input':<45} {'K':>5} {'W4A4 err':>9} {f'+{k:.0%} res':>9}"]
+    lines += ["", f"{'layer input':<45} {'K':>5} {'W4A4 err':>9} {f'+{k:.0%} res':>10}"]
     for l in report["layers"]:
-        lines.append(f"{l['layer']:<45} {l['K']:>5} {l['rel_err_k0']:>9.4f} {l[residual]:>9.4f}")
+        lines.append(f"{l['layer']:<45} {l['K']:>5} {l['rel_err_k0']:>9.4f} {l[residual]:>10.4f}")
     return "\n".join(lines)
 
 
