@@ -34,8 +34,9 @@ CONFIGS = [
     ("trainer W4A4 (sym. QAT ablation)", "trainer", {"activations": "nvfp4"}),
     ("rollout W4A4 naive (k=0)", "rollout", {"residual_fraction": 0.0}),
     ("rollout W4A4 + residual k=25%", "rollout", {"residual_fraction": 0.25}),
-    ("rollout W4A4 + residual k=50% (QUADS)", "rollout", {"residual_fraction": 0.5}),
+    ("rollout W4A4 + residual k=50% (the paper's k)", "rollout", {"residual_fraction": 0.5}),
     ("rollout W4A4 + residual k=75%", "rollout", {"residual_fraction": 0.75}),
+    ("rollout W4A4 + residual k=100% (QUADS default)", "rollout", {}),
     ("rollout W4A4 + residual k=50% static", "rollout", {"residual_fraction": 0.5, "residual_selection": "static"}),
 ]
 

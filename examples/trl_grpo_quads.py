@@ -216,8 +216,9 @@ def make_step_callback(path_jsonl, total_steps, t0, no_signal_hint: str, rows=()
             self.step_s = float("nan")
 
         def on_train_begin(self, args, state, control, **kw):
+            # a bar only on a terminal: in a pipe or a log file its \r updates land between the step lines
             self.bar = tqdm(total=total_steps, initial=state.global_step, desc="GRPO", unit="step",
-                            dynamic_ncols=True, file=sys.stdout)
+                            dynamic_ncols=True, file=sys.stdout, disable=not sys.stdout.isatty())
 
         def on_step_begin(self, args, state, control, **kw):
             self.step_start = time.perf_counter()
@@ -251,7 +252,7 @@ def make_step_callback(path_jsonl, total_steps, t0, no_signal_hint: str, rows=()
                 f"{logs.get('timing/quads/generate_s', float('nan')):.2f} train {rec['timing/train_s']:.2f} "
                 f"sync {logs.get('timing/quads/sync_s', float('nan')):.3f})"
             )
-            self.bar.write(line)
+            self.bar.write(line, file=sys.stdout)
             self.bar.update(state.global_step - self.bar.n)
 
         def on_train_end(self, args, state, control, **kw):

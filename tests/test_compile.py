@@ -1,8 +1,9 @@
 """torch.compile(fullgraph=True) of rollout-quantized models: the quads ops are custom ops, no
 data-dependent Python reaches the graph, and the compiled ops give the eager bits. A whole model
-compiles to the eager bits when inductor keeps eager's BF16 roundings
-(``torch._inductor.config.emulate_precision_casts = True``); without it, inductor's re-fused BF16
-norms, gates and sums move activations by BF16 ulps, which can move NVFP4 codes."""
+compiles to the eager bits with inductor's defaults: quads turns on inductor's
+``emulate_precision_casts`` for the compile of every graph holding a quads op (without it,
+inductor's re-fused BF16 norms, gates and sums move activations by BF16 ulps, which can move
+NVFP4 codes), and only for those graphs."""
 
 import pytest
 import torch
@@ -40,7 +41,6 @@ def test_compiled_linear_is_eager_bits(act):
         assert torch.equal(torch.compile(lin, fullgraph=True)(x), lin(x))
 
 
-@inductor_config.patch(emulate_precision_casts=True)
 def test_compiled_experts_are_eager_bits():
     m = _rollout("qwen3_moe")
     experts = next(mod for mod in m.modules() if isinstance(mod, RolloutExperts))
@@ -53,18 +53,39 @@ def test_compiled_experts_are_eager_bits():
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "llama"])
-@inductor_config.patch(emulate_precision_casts=True)
 def test_whole_rollout_model_compiles_to_eager_bits(kind):
+    """inductor's defaults (emulate_precision_casts off, as a user leaves it): still eager's bits."""
+    assert not inductor_config.emulate_precision_casts
     m = _rollout(kind)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(torch.compile(m, fullgraph=True)(ids).logits, m(ids).logits)
+    assert not inductor_config.emulate_precision_casts  # restored when the compile ended
+
+
+def test_eager_casts_only_for_graphs_holding_quads_ops():
+    """The setting inductor compiles each graph with: on for the rollout's graph, as configured
+    (off) for a plain BF16 model's compiled after it."""
+    from torch._inductor.compile_fx import compile_fx
+
+    seen = []
+
+    def inductor_spy(gm, example_inputs):
+        seen.append(inductor_config.emulate_precision_casts)
+        return compile_fx(gm, example_inputs)
+
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.compile(_rollout("llama"), backend=inductor_spy, fullgraph=True)(ids)
+        torch.compile(build("llama").eval(), backend=inductor_spy, fullgraph=True)(ids)
+    assert seen == [True, False]
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe"])
-def test_whole_rollout_model_default_inductor_drift_is_bounded(kind):
-    """Default inductor settings: no graph break; the logits move about as much as inductor moves
-    the BF16 model's (bounded against that drift)."""
+def test_opt_out_drift_is_bounded(kind, monkeypatch):
+    """``QUADS_EAGER_CASTS=0``: inductor's fused BF16 math, no graph break; the logits move about
+    as much as inductor moves the BF16 model's (bounded against that drift)."""
+    monkeypatch.setenv("QUADS_EAGER_CASTS", "0")
     m, base = _rollout(kind), build(kind).eval()
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -3,6 +3,8 @@
 import json
 
 import pytest
+
+import quads
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -32,9 +34,11 @@ def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
     # residual compensation shrinks the gap monotonically in k; the floor is the smallest
     assert rows["quads-75"]["gap_mean"] < rows["quads-50"]["gap_mean"] < rows["quads-25"]["gap_mean"] < rows["w4a16-qat"]["gap_mean"]
     assert rows["bf16-floor"]["gap_mean"] < rows["quads-50"]["gap_mean"]
-    assert all(l["rel_err_k50"] < l["rel_err_k0"] for l in report["layers"])
+    assert report["layer_residual_fraction"] == quads.POLICY_PRESETS["quads"].rollout.residual_fraction == 1.0
+    assert all(l["rel_err_k100"] < l["rel_err_k0"] for l in report["layers"])
     printed = capsys.readouterr().out
     assert "quads-50" in printed and "layer input" in printed
+    assert "+100% res" in printed and "+50% res" not in printed  # the layer table follows the default policy
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])

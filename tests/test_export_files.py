@@ -55,6 +55,21 @@ def test_unquantized_tensors_take_the_masters_dtype(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_float32_masters_export_their_unquantized_tensors_in_bf16(tmp_path):
+    """A TRL-trained model holds float32 masters, trained under BF16 autocast (bf16=True): its
+    linears ran in BF16, and vLLM's modelopt_fp4 serves 16-bit activations only. auto writes
+    BF16 (config dtype too); float32 stays available on request."""
+    model = build("qwen3_moe", dtype=torch.float32)
+    export_modelopt(model, tmp_path / "auto", "w4a16")
+    dt = _dtypes(tmp_path / "auto")
+    unquantized = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.0.mlp.gate.weight")
+    assert {dt[k] for k in unquantized} == {"BF16"}, dt
+    assert dt["model.layers.0.self_attn.q_proj.weight"] == "U8"
+    assert json.loads((tmp_path / "auto" / "config.json").read_text())["dtype"] == "bfloat16"
+    export_modelopt(model, tmp_path / "f32", "w4a16", dtype="float32")
+    assert {_dtypes(tmp_path / "f32")[k] for k in unquantized} == {"F32"}
+
+
 def _target_weights(model):
     """name -> weight of every quads target (linear weight, experts gate_up/down) of a plain model."""
     from quads.policies.walk import conversion_targets

@@ -222,10 +222,10 @@ def test_deepcopy_hooks_its_own_groups_and_detach_removes_only_its_own():
 
 
 def test_copies_for_rollout_and_undone_conversions_carry_no_hook():
-    from quads.integrations.trl.trainer import _class_snapshot
+    from quads.integrations.trl.trainer import _model_snapshot
 
     model = build("llama", dtype=torch.float32)
-    undo = _class_snapshot(model)
+    undo = _model_snapshot(model)
     quads.quantize_(model, quads.QuadsPolicy(side="trainer"))
     assert _hook_count(quads.policies.copy_model(model)) == 0
     rollout = quads.policies.build_rollout_model(model, quads.QuadsPolicy(side="rollout", activations="bf16"))

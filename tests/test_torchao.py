@@ -144,6 +144,69 @@ def test_errors_name_the_module_and_leave_the_model_unchanged():
 
 
 # ---------------------------------------------------------------------------------------------
+# transformers' from_pretrained(..., quantization_config=TorchAoConfig(QuadsPolicy)) on MoE models
+# ---------------------------------------------------------------------------------------------
+
+
+def _load(path, policy=None, **config):
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    q = None if policy is None else TorchAoConfig(policy, **config)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=q)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("side", SIDES)
+def test_torchao_config_load_converts_fused_experts_and_round_trips(kind, side, tmp_path):
+    """transformers hands torchao only nn.Linear weights; the fused experts (most of an MoE's
+    parameters) are converted once every weight is loaded: the model equals quads.quantize_'s
+    on the same checkpoint, bit for bit, and saving it the way of its side gives it back."""
+    from quads.tensor import load_safetensors, save_safetensors
+
+    policy = quads.QuadsPolicy(side=side)
+    build(kind).save_pretrained(tmp_path / "src")
+    loaded = _load(tmp_path / "src", policy)
+    ours = _load(tmp_path / "src")
+    quads.quantize_(ours, policy)
+    experts = loaded.model.layers[0].mlp.experts
+    assert isinstance(experts, TrainerExperts if side == "trainer" else RolloutExperts), type(experts)
+    assert sum(isinstance(m, (TrainerExperts, RolloutExperts)) for m in loaded.modules()) == 2
+    assert type(loaded.hf_quantizer)._process_model_after_weight_loading is not None
+    assert "_process_model_after_weight_loading" not in vars(loaded.hf_quantizer)  # restored after the load
+    _assert_same_model(ours, loaded)
+
+    if side == "trainer":  # a trainer's state is its masters: a plain checkpoint, loaded the same way
+        loaded.save_pretrained(tmp_path / "saved")
+        back = _load(tmp_path / "saved", policy)
+    else:  # a rollout's packed state: save_safetensors, then load_state_dict into a rollout built the same way
+        save_safetensors(loaded.state_dict(), tmp_path / "r.safetensors")
+        build(kind, seed=5).save_pretrained(tmp_path / "other")
+        back = _load(tmp_path / "other", policy)
+        back.load_state_dict(load_safetensors(tmp_path / "r.safetensors"))
+    _assert_same_model(loaded, back)
+
+
+def test_torchao_config_experts_honor_skip_patterns_and_modules_to_not_convert(tmp_path):
+    build("qwen3_moe").save_pretrained(tmp_path / "src")
+    skip_layer_1 = quads.QuadsPolicy(side="rollout", extra_skip_patterns=(r"layers\.1\.mlp\.experts$",))
+    by_pattern = _load(tmp_path / "src", skip_layer_1)
+    by_config = _load(tmp_path / "src", quads.QuadsPolicy(side="rollout"),
+                      modules_to_not_convert=["model.layers.1.mlp.experts"])
+    ours = _load(tmp_path / "src")
+    quads.quantize_(ours, quads.QuadsPolicy(side="rollout"), filter_fn=lambda m, n: n != "model.layers.1.mlp.experts")
+    for model in (by_pattern, by_config):
+        assert isinstance(model.model.layers[0].mlp.experts, RolloutExperts)
+        assert not isinstance(model.model.layers[1].mlp.experts, QuadsModule)
+        sa, sb = ours.state_dict(), model.state_dict()
+        for k in sa:
+            x, y = sa[k], sb[k]
+            assert type(x) is type(y), k
+            assert torch.equal(x.qdata, y.qdata) if isinstance(x, quads.NVFP4Tensor) else torch.equal(x, y), k
+        with torch.no_grad():
+            assert torch.equal(model(_ids()).logits, ours(_ids()).logits)
+
+
+# ---------------------------------------------------------------------------------------------
 # quads.NVFP4Tensor <-> torchao NVFP4Tensor
 # ---------------------------------------------------------------------------------------------
 

@@ -75,7 +75,8 @@ def make_trainer(policy, tmp_path, steps=2, lr=1e-2, decompose=False, rollout_co
     model = tiny_model(tok)
     ds = datasets.Dataset.from_list(make_prompts(16, seed=0))
     args = GRPOConfig(
-        output_dir=str(tmp_path / policy), use_cpu=True, bf16=True, per_device_train_batch_size=4,
+        output_dir=str(tmp_path / (policy if isinstance(policy, str) else "custom")), use_cpu=True, bf16=True,
+        per_device_train_batch_size=4,
         num_generations=2, max_completion_length=4, max_steps=steps, logging_steps=1, report_to=[],
         learning_rate=lr, save_strategy="no", seed=0, disable_tqdm=True, **cfg,
     )
@@ -226,12 +227,62 @@ def test_copy_model_is_independent_of_trl_patching(tmp_path):
     torch.testing.assert_close(out_clone, trainer_model(input_ids=ids).logits)
 
 
-def test_rejects_use_vllm(tmp_path):
+def test_rejects_use_vllm_naming_the_vllm_trainer(tmp_path):
     tok = make_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, report_to=[],
                       per_device_train_batch_size=2, num_generations=2)
-    with pytest.raises(ValueError, match="use_vllm"):
+    with pytest.raises(ValueError, match=r"use_vllm=False.*quads\.integrations\.vllm\.trl_colocate\.QuadsVLLMGRPOTrainer"):
         QuadsGRPOTrainer(tiny_model(tok), reward_digit_ones, args, processing_class=tok)
+
+
+def test_policy_pair_sets_both_sides(tmp_path):
+    """quads_policy takes a (trainer, rollout) pair of QuadsPolicy (and a PolicyPreset, and a name)."""
+    from quads.policies import PolicyPreset
+
+    trainer_policy = quads.QuadsPolicy(side="trainer")
+    rollout_policy = quads.QuadsPolicy(side="rollout", residual_fraction=0.5)
+    for given in ((trainer_policy, rollout_policy), PolicyPreset("mine", trainer_policy, rollout_policy, "k = 50%")):
+        trainer = make_trainer(given, tmp_path, steps=1)
+        trainer_model = trainer.accelerator.unwrap_model(trainer.model)
+        assert {m.quads_policy for m in quads.quantized_modules(trainer_model).values()} == {trainer_policy}
+        assert {m.quads_policy for m in quads.quantized_modules(trainer.rollout_model).values()} == {rollout_policy}
+    trainer.train()
+    (h,) = [h for h in trainer.state.log_history if "reward" in h]
+    assert math.isfinite(h["sampling/quads/logp_gap_mean"])
+    bf16_rollout = make_trainer((trainer_policy, None), tmp_path, steps=1)
+    assert not quads.quantized_modules(bf16_rollout.rollout_model)
+
+
+def _untouched_state(model):
+    return ({n: (type(m), set(vars(m))) for n, m in model.named_modules()}, model.config.use_cache,
+            getattr(model, "model_tags", None))
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(rollout_dtype=torch.int8), ValueError, r"rollout_dtype=.*torch\.bfloat16.*got torch\.int8"),
+    (dict(rollout_dtype="bfloat16"), ValueError, r"rollout_dtype=.*got 'bfloat16'"),
+    (dict(decompose_mismatch="yes"), TypeError, r"decompose_mismatch=.*True or False"),
+    (dict(rollout_corr_metrics=1), TypeError, r"rollout_corr_metrics=.*True or False"),
+    (dict(graphed_decode="auto"), TypeError, r"graphed_decode=.*None, True or False"),
+    (dict(quads_policy=quads.QuadsPolicy(side="rollout", residual_fraction=0.5)), TypeError,
+     r"single QuadsPolicy\(side='rollout'\).*\(trainer, rollout\) pair"),
+    (dict(quads_policy=(quads.QuadsPolicy(side="rollout"), None)), ValueError, r"trainer entry.*side='rollout'"),
+    (dict(quads_policy="fast"), ValueError, r"unknown quads policy preset 'fast'"),
+    (dict(peft_config=object()), NotImplementedError, r"does not support PEFT models"),
+])
+def test_bad_arguments_are_refused_before_trl_touches_the_model(bad, error, match, tmp_path):
+    """One-line errors raised before GRPOTrainer.__init__: no wrapper, model_tags or use_cache
+    change left on the caller's model (TRL's init sets all three)."""
+    tok = make_tokenizer()
+    model = tiny_model(tok)
+    before = _untouched_state(model)
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[], per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, max_steps=1, save_strategy="no", disable_tqdm=True)
+    with pytest.raises(error, match=match) as err:
+        QuadsGRPOTrainer(model, reward_digit_ones, args, processing_class=tok,
+                         train_dataset=datasets.Dataset.from_list(make_prompts(8, seed=0)), **bad)
+    assert "\n" not in str(err.value)
+    assert _untouched_state(model) == before
 
 
 def _default_model_or_skip():
@@ -285,11 +336,13 @@ def test_trl_failure_leaves_the_callers_model_unconverted(tmp_path, monkeypatch)
         raise ValueError("TRL refused")
 
     monkeypatch.setattr(trl.GRPOTrainer, "__init__", failing_init)
+    before = _untouched_state(model)
     with pytest.raises(ValueError, match="TRL refused"):
         QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=ds, processing_class=tok, quads_policy="quads")
     assert {n: type(m) for n, m in model.named_modules()} == classes
     added = {n: set(vars(m)) - attrs[n] for n, m in model.named_modules()}
-    assert not any("quads" in a for new in added.values() for a in new), added  # (TRL may add its own)
+    assert not any("quads" in a for new in added.values() for a in new), added
+    assert _untouched_state(model) == before  # TRL's own model_tags, autocast forward and use_cache too
     assert not quads.quantized_modules(model)
     monkeypatch.setattr(trl.GRPOTrainer, "__init__", real_init)
     trainer = QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=ds, processing_class=tok,

@@ -156,7 +156,8 @@ def _check_model_dir(path: Path) -> None:
         raise UsageError(f"{str(path)!r} has no weights (none of {', '.join(_WEIGHT_FILES)})")
 
 
-def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, set_pad: bool = True):
+def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, set_pad: bool = True,
+                         probe_prompts=None, prompts_source: str | None = None):
     """``(model, tokenizer)`` from a local Hugging Face causal-LM directory, never the hub.
 
     The tokenizer gets a pad token (its EOS) when it has none, and must encode a probe prompt
@@ -165,6 +166,8 @@ def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, se
     leave parameters missing) or tokenizer, naming the path and the underlying error in one
     line. ``require_tokenizer=False``: a directory without a usable tokenizer gives ``None``.
     ``set_pad=False`` leaves the tokenizer as stored (``quads export`` saves it unchanged).
+    ``probe_prompts``: the user's prompts to probe with instead (``prompts_source``: the file
+    they came from, named in the error).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -195,7 +198,7 @@ def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, se
             if tok.eos_token is None:
                 raise UsageError(f"the tokenizer in {str(where)!r} has neither a pad nor an EOS token")
             tok.pad_token = tok.eos_token
-        check_tokenizer(tok, model, where)
+        check_tokenizer(tok, model, where, *((probe_prompts,) if probe_prompts else ()), source=prompts_source)
     except UsageError:
         if require_tokenizer:
             raise
@@ -203,31 +206,34 @@ def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, se
     except Exception as err:  # noqa: BLE001
         if not require_tokenizer:
             return model, None
-        raise UsageError(f"could not load the tokenizer from {str(where)!r}: {_one_line(err)}") from err
+        purpose = f" to encode the prompts of {prompts_source!r}" if prompts_source else ""
+        raise UsageError(f"could not load the tokenizer from {str(where)!r}{purpose}: {_one_line(err)}") from err
     return model, tok
 
 
-def check_tokenizer(tok, model, where, prompts=("1 + 2 =",)) -> None:
+def check_tokenizer(tok, model, where, prompts=("1 + 2 =",), source: str | None = None) -> None:
     """Raise UsageError unless every prompt tokenizes to at least one id the model's embedding has.
 
     transformers builds a tokenizer even from a directory without tokenizer files (a vocabulary
     of one special token); it encodes every prompt to nothing, and generation then fails deep
-    inside ``generate`` with an IndexError. Checked up front, naming the directory.
+    inside ``generate`` with an IndexError. Checked up front, naming the directory (and
+    ``source``, the file the prompts came from).
     """
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
+        what = f"{prompt[:40]!r}" + (f" (prompt {i + 1} of {source!r})" if source else "")
         try:
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
         except Exception as err:  # noqa: BLE001 - a tokenizer that cannot encode is reported as such
-            raise UsageError(f"the tokenizer in {str(where)!r} cannot encode {prompt[:40]!r}: {_one_line(err)}") from err
+            raise UsageError(f"the tokenizer in {str(where)!r} cannot encode {what}: {_one_line(err)}") from err
         if not ids:
             raise UsageError(
-                f"the tokenizer in {str(where)!r} encodes {prompt[:40]!r} to no tokens (vocabulary of {len(tok)}; "
+                f"the tokenizer in {str(where)!r} encodes {what} to no tokens (vocabulary of {len(tok)}; "
                 "are its tokenizer files missing?)"
             )
         if vocab is not None and max(ids) >= vocab:
             raise UsageError(
-                f"the tokenizer in {str(where)!r} gives token id {max(ids)} for {prompt[:40]!r}, "
+                f"the tokenizer in {str(where)!r} gives token id {max(ids)} for {what}, "
                 f"outside the model's vocabulary of {vocab}"
             )
 

@@ -62,7 +62,7 @@ __all__ = ["ROWS", "DiagnoseRow", "run_diagnose", "add_parser", "JSON_SCHEMA"]
 
 #: the ``schema`` field of ``quads diagnose --json`` (docs/validation.md lists its fields); the
 #: number goes up whenever a field is renamed or removed or changes meaning
-JSON_SCHEMA = "quads.diagnose/1"
+JSON_SCHEMA = "quads.diagnose/2"
 
 GENERIC_PROMPTS = [
     "The capital of France is",
@@ -92,6 +92,8 @@ def _preset_row(name: str, preset, description: str | None = None) -> DiagnoseRo
 
 
 _Q = POLICY_PRESETS["quads"]
+#: the per-layer table's residual column: the residual fraction of the default rollout policy
+LAYER_RESIDUAL_FRACTION = _Q.rollout.residual_fraction
 ROWS = [
     _preset_row("bf16-floor", POLICY_PRESETS["bf16"], "BF16 rollout engine path vs BF16 trainer (engine drift floor)"),
     DiagnoseRow("fp8-w8a8", FP8, None, "FP8 W8A8 rollout vs BF16 trainer"),
@@ -213,13 +215,13 @@ def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, 
         rows.append({"config": row.name, "description": row.description,
                      "gap_mean": gap["mean"], "gap_p99": gap["p99"], "gap_max": gap["max"],
                      "k3_kl": k3_kl(rollout_lp[row.rollout], trainer_lp[row.trainer], comp_mask)})
-    layers = layer_activation_errors(model, ids, attn)
+    layers = layer_activation_errors(model, ids, attn, fractions=(0.0, LAYER_RESIDUAL_FRACTION))
     bar and bar.update(1)
     bar and bar.close()
     return {"num_prompts": len(prompts), "completion_tokens": int(comp_mask.sum()),
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
             "tokens_per_step": tokens_per_step,
-            "rows": rows, "layers": layers}
+            "rows": rows, "layer_residual_fraction": LAYER_RESIDUAL_FRACTION, "layers": layers}
 
 
 def format_report(report: dict) -> str:
@@ -233,9 +235,11 @@ def format_report(report: dict) -> str:
         ratio = r["gap_max"] / floor if floor > 0 else float("nan")
         lines.append(f"{r['config']:<11} {r['gap_mean']:>9.4f} {r['gap_p99']:>9.4f} {r['gap_max']:>9.4f} "
                      f"{ratio:>9.2f} {r['k3_kl']:>10.2e}  {r['description']}")
-    lines += ["", f"{'layer input':<45} {'K':>5} {'W4A4 err':>9} {'+50% res':>9}"]
+    k = report["layer_residual_fraction"]
+    residual = f"rel_err_k{int(k * 100)}"
+    lines += ["", f"{'layer input':<45} {'K':>5} {'W4A4 err':>9} {f'+{k:.0%} res':>10}"]
     for l in report["layers"]:
-        lines.append(f"{l['layer']:<45} {l['K']:>5} {l['rel_err_k0']:>9.4f} {l['rel_err_k50']:>9.4f}")
+        lines.append(f"{l['layer']:<45} {l['K']:>5} {l['rel_err_k0']:>9.4f} {l[residual]:>10.4f}")
     return "\n".join(lines)
 
 

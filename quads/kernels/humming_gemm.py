@@ -105,7 +105,7 @@ def import_humming():
     except ImportError as err:
         raise ImportError(
             f"the quads 'humming' backend needs humming: pip install {HUMMING_REQUIREMENT} "
-            f"(or the extra: pip install 'quads[humming]'); import failed: {err}"
+            f"(or the extra: pip install 'quads-rl[humming]'); import failed: {err}"
         ) from err
     return humming
 

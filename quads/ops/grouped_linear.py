@@ -18,6 +18,7 @@ import torch
 
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
 from quads.ops.backend import Backend, get_backend
+from quads.ops.compile_alignment import align_this_compile
 from quads.ops.linear import (
     act_fields,
     act_from_fields,
@@ -145,6 +146,7 @@ def grouped_linear_op(
 @grouped_linear_op.register_fake
 def _(x, rows, offsets, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scales,
       quantize_activations, residual_fraction, selection, granularity, static_mask, num_rows, backend):
+    align_this_compile()
     return x.new_empty(num_rows, qdata.shape[1])
 
 

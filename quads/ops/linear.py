@@ -42,6 +42,7 @@ from quads.ops.activation_quant import (
     quantize_activation_triton,
 )
 from quads.ops.backend import Backend, get_backend, select_backend
+from quads.ops.compile_alignment import align_this_compile
 from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
@@ -305,6 +306,7 @@ def linear_op(
 @linear_op.register_fake
 def _(x, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scales, quantize_activations,
       residual_fraction, selection, granularity, static_mask, backend):
+    align_this_compile()
     return x.new_empty(x.shape[0], qdata.shape[0])
 
 
@@ -363,6 +365,7 @@ def linear_held_op(
 @linear_held_op.register_fake
 def _(x, global_encode_scale, bias, handle, n, quantize_activations, residual_fraction, selection, granularity,
       static_mask, backend):
+    align_this_compile()
     return x.new_empty(x.shape[0], n)
 
 

@@ -24,6 +24,7 @@ from quads.tensor.nvfp4_math import (
 )
 
 from quads.ops.backend import Backend, get_backend, select_backend
+from quads.ops.compile_alignment import align_this_compile
 
 __all__ = ["quantize_weight", "quantize_weight_op", "quantize_weight_reference", "quantize_weight_triton",
            "fake_quantize_weight_reference", "fake_quantize_weight_triton", "GroupAmaxBits", "group_amax_bits_triton"]
@@ -170,6 +171,7 @@ def quantize_weight_op(x: torch.Tensor, granularity: str, backend: str) -> tuple
 
 @quantize_weight_op.register_fake
 def _(x, granularity, backend):
+    align_this_compile()
     lead, k = x.shape[:-1], x.shape[-1]
     gs_shape = {"tensor": (), "expert": x.shape[:1], "row": lead}[granularity]
     return (x.new_empty(*lead, k // 2, dtype=torch.uint8), x.new_empty(*lead, k // 16, dtype=torch.float8_e4m3fn),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from quads.policies.policy import QuadsPolicy
 
-__all__ = ["PolicyPreset", "POLICY_PRESETS", "get_preset", "with_residual_fraction"]
+__all__ = ["PolicyPreset", "POLICY_PRESETS", "get_preset", "preset_from_pair", "with_residual_fraction"]
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,56 @@ POLICY_PRESETS: dict[str, PolicyPreset] = {
 }
 
 
-def get_preset(policy: str | PolicyPreset) -> PolicyPreset:
-    """A :class:`PolicyPreset` by name (``bf16``, ``naive``, ``w4a16-qat``, ``sym-qat``, ``quads``)."""
+PolicyPair = tuple["QuadsPolicy | None", "QuadsPolicy | None"]
+
+
+def get_preset(policy: str | PolicyPreset | PolicyPair) -> PolicyPreset:
+    """A :class:`PolicyPreset`: by name (``bf16``, ``naive``, ``w4a16-qat``, ``sym-qat``, ``quads``),
+    as given, or from a ``(trainer, rollout)`` pair of :class:`QuadsPolicy` (None: that side in BF16)."""
     if isinstance(policy, PolicyPreset):
         return policy
+    if isinstance(policy, QuadsPolicy):
+        raise TypeError(
+            f"a single QuadsPolicy(side={policy.side!r}) is one side of a configuration; pass the (trainer, rollout) "
+            "pair, e.g. (QuadsPolicy(side='trainer'), QuadsPolicy(side='rollout', residual_fraction=0.5)), "
+            f"a PolicyPreset or a preset name from {sorted(POLICY_PRESETS)}"
+        )
+    if isinstance(policy, (tuple, list)):
+        return preset_from_pair(policy)
     try:
         return POLICY_PRESETS[policy]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown quads policy preset {policy!r}; choose one of {sorted(POLICY_PRESETS)}") from None
+        raise ValueError(f"unknown quads policy preset {policy!r}; choose one of {sorted(POLICY_PRESETS)}, "
+                         "or pass a (trainer, rollout) pair of QuadsPolicy") from None
+
+
+def _describe(policy: QuadsPolicy | None) -> str:
+    if policy is None:
+        return "BF16"
+    text = "NVFP4 W4A4" if policy.activations == "nvfp4" else "NVFP4 W4A16"
+    if policy.side == "rollout" and policy.activations == "nvfp4" and policy.residual_fraction > 0:
+        text += f" + residual {policy.residual_fraction:.0%}"
+    return text
+
+
+def preset_from_pair(pair, name: str = "custom") -> PolicyPreset:
+    """The preset of a ``(trainer, rollout)`` pair of :class:`QuadsPolicy` (None: that side in BF16),
+    checked: each policy on its side, both sides with one ``weight_global_scale`` (the sync needs it)."""
+    if len(pair) != 2:
+        raise ValueError(f"a quads policy pair is (trainer, rollout), got {len(pair)} items")
+    for side, policy in zip(("trainer", "rollout"), pair):
+        if policy is not None and not isinstance(policy, QuadsPolicy):
+            raise TypeError(f"the {side} entry of the quads policy pair must be a QuadsPolicy or None, "
+                            f"got {type(policy).__name__}")
+        if policy is not None and policy.side != side:
+            raise ValueError(f"the {side} entry of the quads policy pair has side={policy.side!r}; "
+                             f"use QuadsPolicy(side={side!r}, ...)")
+    trainer, rollout = pair
+    if trainer is not None and rollout is not None and trainer.weight_global_scale != rollout.weight_global_scale:
+        raise ValueError(f"the quads policy pair's weight_global_scale differs (trainer {trainer.weight_global_scale!r}, "
+                         f"rollout {rollout.weight_global_scale!r}); both sides must agree for an exact sync")
+    sides = [f"{side} {_describe(p)}" for side, p in (("trainer", trainer), ("rollout", rollout))]
+    return PolicyPreset(name, trainer, rollout, "custom policy pair: " + ", ".join(sides))
 
 
 def with_residual_fraction(preset: PolicyPreset, fraction: float, name: str | None = None) -> PolicyPreset:

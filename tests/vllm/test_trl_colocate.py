@@ -67,6 +67,7 @@ def test_grpo_steps_with_vllm_colocate(checkpoint, tmp_path, monkeypatch):
         train_dataset=Dataset.from_list(make_prompts(16)),
         processing_class=make_tokenizer(),
         rollout_config={"residual_fraction": 0.5},
+        rollout_corr_metrics=True,
     )
     llm = trainer.vllm_generation.llm
     _LIVE.append(llm)
@@ -95,6 +96,14 @@ def test_grpo_steps_with_vllm_colocate(checkpoint, tmp_path, monkeypatch):
             ):
                 assert key in h and h[key] == h[key], key  # present, not NaN
             assert 0 < h["sampling/sampling_logp_difference/max"] < 5
+            # the mismatch metrics of QuadsGRPOTrainer, on the engine's processed log-probs
+            for key in ("sampling/quads/logp_gap_mean", "sampling/quads/logp_gap_p99", "sampling/quads/k3_kl",
+                        "sampling/quads/is_ratio_raw_max", "sampling/quads/is_masked_fraction",
+                        "rollout_corr/kl", "rollout_corr/chi2_seq", "rollout_corr/k3_kl"):
+                assert key in h and h[key] == h[key], key
+            assert h["sampling/quads/logp_gap_mean"] == pytest.approx(h["sampling/sampling_logp_difference/mean"],
+                                                                      rel=1e-4, abs=1e-6)
+            assert h["rollout_corr/k3_kl"] == pytest.approx(h["sampling/quads/k3_kl"], rel=1e-9)
 
         # After one more push the engine holds the trainer's current forward weights, bit for bit
         trainer.vllm_generation.sync_weights()
@@ -103,3 +112,31 @@ def test_grpo_steps_with_vllm_colocate(checkpoint, tmp_path, monkeypatch):
         assert torch.equal(w13, nvfp4_fake_quantize(master.detach()))
     finally:
         release(llm)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(vllm_mode="server"), r"colocate mode only.*NCCL weight transfer.*push_weights.*vllm_mode='colocate'.*QuadsGRPOTrainer"),
+    (dict(use_vllm=False), r"use_vllm=True.*QuadsGRPOTrainer"),
+    (dict(trainer_policy=quads.QuadsPolicy(side="rollout")), r"trainer_policy=.*side='trainer'"),
+    (dict(rollout_corr_metrics="yes"), r"rollout_corr_metrics=.*True or False"),
+])
+def test_vllm_trainer_refuses_bad_arguments_before_touching_the_model(bad, match, checkpoint, tmp_path):
+    """Refused in one line before TRL's __init__ (no engine started, the caller's model untouched)."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig
+
+    from quads.integrations.vllm.trl_colocate import QuadsVLLMGRPOTrainer
+    from quads.tasks.arithmetic import make_tokenizer, reward_exact_match
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint("qwen3_moe"), dtype=torch.bfloat16)
+    before = (set(vars(model)), model.config.use_cache)
+    config = {"use_vllm": True, "vllm_mode": "colocate"}
+    config.update({k: bad.pop(k) for k in ("vllm_mode", "use_vllm") if k in bad})
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=2,
+                      num_generations=2, **config)
+    with pytest.raises((ValueError, TypeError), match=match) as err:
+        QuadsVLLMGRPOTrainer(model=model, reward_funcs=reward_exact_match, args=args,
+                             processing_class=make_tokenizer(), **bad)
+    assert "\n" not in str(err.value)
+    assert (set(vars(model)), model.config.use_cache) == before
+    assert not quads.quantized_modules(model)

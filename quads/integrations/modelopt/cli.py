@@ -61,11 +61,11 @@ def _cmd(args: argparse.Namespace) -> int:
         _progress(f"note: {stale} is an unfinished export's temporary directory (its process is alive)")
     _progress(f"loading {args.model}")
     model, tokenizer = load_local_causal_lm(args.model, "auto", require_tokenizer=prompts is not None,
-                                            set_pad=False)
+                                            set_pad=False, probe_prompts=prompts, prompts_source=args.calib)
     model.eval()
     calibration = None
     if prompts is not None:
-        check_tokenizer(tokenizer, model, args.model, prompts)
+        check_tokenizer(tokenizer, model, args.model, prompts, source=args.calib)
         calibration = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
     policy = QuadsPolicy(side="trainer", extra_skip_patterns=tuple(args.extra_skip),
                          weight_global_scale=args.weight_global_scale)
@@ -103,7 +103,8 @@ def add_parser(sub) -> None:
                    help="the trainer's QuadsPolicy.weight_global_scale: group (one global scale per q/k/v and "
                         "gate/up group: fused layers are written exactly) or tensor (one per weight)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
-                   help="dtype of the tensors not quantized (embeddings, norms, routers, lm_head); auto: the masters' dtype")
+                   help="dtype of the tensors not quantized (embeddings, norms, routers, lm_head); auto: the masters' "
+                        "dtype, BF16 for float32 masters (TRL's bf16=True autocast; vLLM's NVFP4 serves 16-bit only)")
     p.add_argument("--extra-skip", action="append", default=[], metavar="REGEX", type=regex,
                    help="module-name regex to keep in BF16 (repeatable)")
     p.set_defaults(func=_cmd)

@@ -42,10 +42,12 @@ What is exported
   files ``0666`` and the directory ``0777``, both less the process umask (``0644`` / ``0755``
   under the usual ``022``), so a server running as another user can read the checkpoint.
 * **Dtype of the tensors that are not quantized** (embeddings, norms, routers, ``lm_head``):
-  ``dtype="auto"`` (default) writes every floating one in the dtype of the masters of the
-  quantized weights (the trainer's forward-weight dtype, BF16 for a QUADS trainer), so the
-  checkpoint has one dtype, which ``config.json``'s ``dtype`` states and vLLM computes in
-  (no per-tensor cast warnings); ``"bfloat16"`` / ``"float16"`` / ``"float32"`` force one.
+  ``dtype="auto"`` (default) writes every floating one in the 16-bit dtype the trained forward
+  ran its linear layers in: the masters' dtype when they are BF16 or FP16, BF16 for float32
+  masters (trained under BF16 autocast, as TRL's ``bf16=True`` does; NVFP4 serving computes in
+  16 bits: vLLM's ``modelopt_fp4`` refuses a float32 model). The checkpoint has one dtype, which
+  ``config.json``'s ``dtype`` states and vLLM computes in (no per-tensor cast warnings);
+  ``"bfloat16"`` / ``"float16"`` / ``"float32"`` force one.
   Integer buffers are written as stored. :func:`quads.integrations.modelopt.load_exported`
   reads such a checkpoint back into a transformers model.
 """
@@ -96,7 +98,7 @@ FORMATS = {"nvfp4": "NVFP4", "w4a16": "W4A16_NVFP4"}
 #: sibling linears vLLM merges into one layer with one global weight scale (the one list of them)
 FUSED_SIBLINGS = SIBLING_PROJECTIONS
 FUSED_SCALES = ("shared", "separate")
-#: ``dtype`` choices for the tensors that are not quantized ("auto": the masters' dtype)
+#: ``dtype`` choices for the tensors that are not quantized ("auto": the masters' 16-bit dtype, BF16 for float32)
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
@@ -442,7 +444,7 @@ def _rest_dtype(dtype: str, dtypes: dict[str, torch.dtype]) -> torch.dtype:
             f"export: dtype='auto' needs one master dtype, the quantized weights have {[str(d) for d in found]}; "
             "pass dtype='bfloat16', 'float16' or 'float32'"
         )
-    return found[0]
+    return torch.bfloat16 if found[0] == torch.float32 else found[0]  # float32 masters train under BF16 autocast
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,7 +507,7 @@ def export_modelopt(
         policy: which modules a plain model's export quantizes, and its ``weight_global_scale``
             (default ``QuadsPolicy("trainer")``: one global scale per sibling group).
         max_shard_bytes: safetensors shard size limit.
-        dtype: of the tensors that are not quantized: ``"auto"`` (the masters' dtype) or
+        dtype: of the tensors that are not quantized: ``"auto"`` (the masters' dtype; BF16 for float32 masters) or
             ``"bfloat16"`` / ``"float16"`` / ``"float32"``.
     """
     if format not in FORMATS:

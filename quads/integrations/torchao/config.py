@@ -35,6 +35,8 @@ so their shared global scale sees every member's weight; torchao then hands over
 already converted, and they are left as they are. transformers' ``TorchAoConfig`` loading hands
 each linear over right after loading its weight, before its siblings have theirs: there the
 handler leaves the first members dense and converts the whole set when its last member arrives.
+transformers hands torchao no fused MoE experts: the handler converts them once the load has
+every weight, so ``TorchAoConfig(policy)`` gives :func:`quads.quantize_`'s model.
 """
 
 from __future__ import annotations
@@ -135,16 +137,16 @@ def _transformers_load() -> tuple[nn.Module, str, object] | None:
     return None
 
 
-def _load_siblings_together(module: nn.Module, policy: QuadsPolicy) -> list[ConversionTarget] | None:
+def _load_siblings_together(module: nn.Module, load: tuple[nn.Module, str, object],
+                            policy: QuadsPolicy) -> list[ConversionTarget] | None:
     """Group mode inside transformers' loading: the linears of ``module``'s sibling set, to be
     converted together once the last of them has its weight, or ``[]`` while one is still
-    waiting for its weight (``module`` then stays dense until then); None outside such a load
-    or for a linear without siblings. The set is the siblings transformers will quantize
+    waiting for its weight (``module`` then stays dense until then); None for a linear without
+    siblings. The set is the siblings the policy converts and transformers will quantize
     (``hf_quantizer.param_needs_quantization``)."""
-    load = _transformers_load()
-    if load is None or policy.weight_global_scale != "group" or target_kind(module) != "linear":
-        return None
     model, name, quantizer = load
+    if policy.weight_global_scale != "group" or target_kind(module) != "linear" or policy.skips(name):
+        return None
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name)
     for siblings in SIBLING_PROJECTIONS:
@@ -152,7 +154,7 @@ def _load_siblings_together(module: nn.Module, policy: QuadsPolicy) -> list[Conv
             continue
         members = [(_join(parent_name, s), getattr(parent, s, None)) for s in siblings]
         members = [(n, m) for n, m in members if m is not None and target_kind(m) == "linear"
-                   and quantizer.param_needs_quantization(model, f"{n}.weight")]
+                   and not policy.skips(n) and quantizer.param_needs_quantization(model, f"{n}.weight")]
         if len(members) < 2:
             return None
         module._quads_awaits_siblings = True
@@ -164,18 +166,60 @@ def _load_siblings_together(module: nn.Module, policy: QuadsPolicy) -> list[Conv
     return None
 
 
+def _apply_during_load(module: nn.Module, load: tuple[nn.Module, str, object], policy: QuadsPolicy) -> None:
+    """The handler inside transformers' ``TorchAoConfig`` loading: ``module`` is the linear
+    whose weight was just loaded, ``load`` names it in the whole model, so the policy's skip
+    patterns apply by full name as in :func:`quads.quantize_`."""
+    model, name, quantizer = load
+    _guard_save_pretrained(model, policy)
+    _convert_experts_after_load(quantizer)
+    together = _load_siblings_together(module, load, policy)
+    if together is None:
+        targets = [t for t in _targets_in(module, name, policy) if not isinstance(t.module, QuadsModule)]
+        convert_targets(targets, policy, model)
+        return
+    convert_targets(together, policy, model)
+    for _, m, _ in together:  # transformers marks only the module it handed over
+        for p in m.parameters(recurse=False):
+            p._is_hf_initialized = True
+
+
+def _convert_experts_after_load(quantizer) -> None:
+    """Inside a ``TorchAoConfig(QuadsPolicy(...))`` load: convert the fused MoE experts once
+    transformers has loaded every weight (installed on the load's quantizer, run once).
+
+    transformers hands torchao only ``nn.Linear`` weights (``param_needs_quantization``), so the
+    experts, most of an MoE's parameters, would stay BF16. The quantizer's after-loading step
+    is wrapped for this one load: it converts every experts module outside the policy's skip
+    patterns and the config's ``modules_to_not_convert`` with quads' converter (checks first,
+    naming the module), then runs transformers' own step; the model is then what
+    ``quads.quantize_`` builds from the same checkpoint."""
+    if "_process_model_after_weight_loading" in vars(quantizer):
+        return  # installed for this load already
+    policy = quantizer.quantization_config.quant_type
+    if not isinstance(policy, QuadsPolicy):  # FqnToConfig: it selects what it converts by name
+        return
+    original = quantizer._process_model_after_weight_loading
+
+    def after_weight_loading(model: nn.Module, **kwargs):
+        del quantizer._process_model_after_weight_loading  # the class's method again
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        experts = [t for t in conversion_targets(model, policy.skips)
+                   if t.kind == "experts" and not isinstance(t.module, QuadsModule)
+                   and all(should_convert_module(f"{t.name}.{p}", quantizer.modules_to_not_convert)
+                           for p, _ in t.module.named_parameters(recurse=False))]
+        convert_targets(experts, policy, model)
+        return original(model, **kwargs)
+
+    quantizer._process_model_after_weight_loading = after_weight_loading
+
+
 def apply_policy(module: nn.Module, policy: QuadsPolicy) -> nn.Module:
     """The torchao module handler of ``QuadsPolicy``: convert ``module`` in place, return it."""
     load = _transformers_load()
     if load is not None:
-        _guard_save_pretrained(load[0], policy)
-    together = _load_siblings_together(module, policy)
-    if together is not None:  # transformers' TorchAoConfig loading, a linear with siblings
-        if together:
-            convert_targets(together, policy, load[0])
-            for _, m, _ in together:  # transformers marks only the module it handed over
-                for p in m.parameters(recurse=False):
-                    p._is_hf_initialized = True
+        _apply_during_load(module, load, policy)
         return module
     call = _current_quantize_call()
     root = module if call is None else call.model

@@ -5,16 +5,13 @@ from __future__ import annotations
 import copy
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from quads.engine import GraphedDecoder, SamplingSpec, unsupported_reason
 from quads.policies import sync_weights_
-
-if TYPE_CHECKING:
-    from quads.integrations.trl.trainer import QuadsGRPOTrainer
 
 __all__ = ["QuadsRolloutEngine"]
 
@@ -39,13 +36,31 @@ class QuadsRolloutEngine:
     A model whose step the decoder cannot capture is decoded by it eagerly (its
     ``capture_blocker`` says why).
 
+    It takes from the trainer only what it uses: ``trainer_model`` and ``global_step`` (callables,
+    read at each sync: the trainer's unwrapped model and optimizer step), TRL's
+    ``generation_config``, the pad token id and the ids that end a completion.
+
     ``seconds``: wall-clock seconds spent in ``generate`` and ``sync_weights`` since the last
     :meth:`take_seconds` (each measured after the device finished its work).
     """
 
-    def __init__(self, trainer: "QuadsGRPOTrainer", rollout_model: nn.Module, graphed: bool | None = None):
-        self.trainer = trainer
+    def __init__(
+        self,
+        rollout_model: nn.Module,
+        *,
+        trainer_model: Callable[[], nn.Module],
+        global_step: Callable[[], int],
+        generation_config,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        graphed: bool | None = None,
+    ):
         self.model = rollout_model
+        self.trainer_model = trainer_model
+        self.global_step = global_step
+        self.generation_config = generation_config
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.num_syncs = 0
         self.last_sync_step: int | None = None
         self.graphed = graphed
@@ -66,15 +81,12 @@ class QuadsRolloutEngine:
         taken, self.seconds = self.seconds, {"generate": 0.0, "sync": 0.0}
         return taken
 
-    def _trainer_model(self) -> nn.Module:
-        return self.trainer.accelerator.unwrap_model(self.trainer.model)
-
     @torch.no_grad()
     def sync_weights(self) -> int:
         start = time.perf_counter()
-        n = sync_weights_(self.model, self._trainer_model())
+        n = sync_weights_(self.model, self.trainer_model())
         self.num_syncs += 1
-        self.last_sync_step = self.trainer.state.global_step
+        self.last_sync_step = self.global_step()
         device = next(self.model.parameters()).device
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the writes are queued: time them, not their launch
@@ -82,7 +94,7 @@ class QuadsRolloutEngine:
         return n
 
     def _generation_config(self):
-        gc = copy.deepcopy(self.trainer.generation_config)
+        gc = copy.deepcopy(self.generation_config)
         gc.return_dict_in_generate = True
         gc.output_scores = True
         gc.output_logits = False
@@ -118,10 +130,8 @@ class QuadsRolloutEngine:
         if images is not None and any(i is not None for i in images):
             raise NotImplementedError("QuadsRolloutEngine: multimodal prompts are not supported")
         start = time.perf_counter()
-        trainer = self.trainer
-        tok = trainer._tokenizer
         device = next(p for p in self.model.parameters()).device
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        pad_id = self.pad_token_id
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -138,7 +148,7 @@ class QuadsRolloutEngine:
                 completion, logps = self._decoder.generate(input_ids, attention_mask, spec)
             else:
                 completion, logps = self._hf_generate(input_ids, attention_mask, gc, width)
-        eos_ids = set(trainer.eos_token_ids)
+        eos_ids = self.eos_token_ids
         completion_ids, logprobs = [], []
         rows, row_logps = completion.tolist(), logps.tolist()  # the host waits for the device here
         self.seconds["generate"] += time.perf_counter() - start

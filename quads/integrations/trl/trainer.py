@@ -7,10 +7,11 @@ import warnings
 import torch
 import torch.nn as nn
 
-from quads.diagnostics.mismatch import mismatch_metrics
 from quads.diagnostics.scoring import score_teacher_forced
 from quads.integrations.trl.engine import QuadsRolloutEngine
+from quads.integrations.trl.metrics import MismatchLogging
 from quads.policies import PolicyPreset, QuadsPolicy, build_rollout_model, get_preset, quantize_, sync_weights_
+from quads.policies.presets import PolicyPair
 from quads.policies.quantize import quantized_modules
 
 __all__ = ["TESTED_TRL_VERSION", "QuadsGRPOTrainer"]
@@ -28,53 +29,80 @@ except ImportError as _err:  # pragma: no cover - exercised only without trl
 else:
     _TRL_IMPORT_ERROR = None
 
-# How the quads metrics combine across processes.
-_REDUCE = {"min": "min", "max": "max", "p99": "max"}
+ROLLOUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MISSING = object()
 
 
-def _reducer(name: str) -> str:
-    for suffix, how in _REDUCE.items():
-        if name.endswith(suffix):
-            return how
-    return "mean"
-
-
-def _class_snapshot(model: nn.Module):
-    """A function restoring every module of ``model`` to its current class and attribute set.
+def _model_snapshot(model: nn.Module):
+    """A function restoring ``model`` to its current state of classes and attributes.
 
     The trainer policy converts by swapping classes and adding attributes (no parameter is
-    replaced) and hooks the parents of sibling groups (``ScaleGroup.attach``), so this undoes a
-    ``quantize_(model, trainer_policy)`` exactly.
+    replaced) and hooks the parents of sibling groups (``ScaleGroup.attach``); TRL's ``__init__``
+    adds attributes to the root (``model_tags``, accelerate's autocast ``forward``) and sets
+    ``config.use_cache = False``. So this undoes a ``quantize_(model, trainer_policy)`` followed by
+    a failed ``GRPOTrainer.__init__`` exactly.
     """
     saved = [(m, type(m), set(vars(m))) for m in model.modules()]
+    config = getattr(model, "config", None)
+    use_cache = vars(config).get("use_cache", _MISSING) if config is not None else _MISSING
 
     def undo() -> None:
         for module, cls, attrs in saved:
-            if type(module) is not cls:
+            if type(module) is not cls or module is model:
                 group = vars(module).get("quads_scale_group")
                 if group is not None and "quads_scale_group" not in attrs:
                     group.detach()  # the hooks on the members' parent
                 module.__class__ = cls
                 for attr in set(vars(module)) - attrs:
                     delattr(module, attr)
+        if use_cache is not _MISSING:
+            config.use_cache = use_cache
 
     return undo
 
 
-class QuadsGRPOTrainer(_GRPOTrainer):
+def _check_options(args, rollout_dtype, flags: dict[str, object], graphed_decode, peft_config) -> None:
+    """Refuse bad arguments in one line, before anything touches the caller's model."""
+    if args is not None and getattr(args, "use_vllm", False):
+        raise ValueError(
+            "QuadsGRPOTrainer is its own rollout engine (transformers generate on the quads rollout model): set "
+            "GRPOConfig(use_vllm=False), or roll out with vLLM through "
+            "quads.integrations.vllm.trl_colocate.QuadsVLLMGRPOTrainer (use_vllm=True, vllm_mode='colocate')"
+        )
+    if rollout_dtype not in ROLLOUT_DTYPES:
+        raise ValueError(f"QuadsGRPOTrainer(rollout_dtype=...) must be one of {', '.join(map(str, ROLLOUT_DTYPES))}, "
+                         f"got {rollout_dtype!r}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"QuadsGRPOTrainer({name}=...) must be True or False, got {value!r}")
+    if graphed_decode is not None and not isinstance(graphed_decode, bool):
+        raise TypeError(f"QuadsGRPOTrainer(graphed_decode=...) must be None, True or False, got {graphed_decode!r}")
+    if peft_config is not None:
+        raise NotImplementedError("QuadsGRPOTrainer does not support PEFT models yet (peft_config=...)")
+
+
+def _refuse_peft_model(model) -> None:
+    if hasattr(model, "peft_config"):
+        raise NotImplementedError("QuadsGRPOTrainer does not support PEFT models yet")
+
+
+class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
     """``trl.GRPOTrainer`` with a QUADS trainer policy and an NVFP4 rollout engine.
 
     Args (besides ``GRPOTrainer``'s):
-        quads_policy: a preset name from :data:`POLICY_PRESETS` (``"quads"`` default) or a
-            :class:`PolicyPreset`.
-        rollout_dtype: dtype of the rollout model (non-quantized parts and activations);
-            ``torch.bfloat16`` default.
+        quads_policy: what each side runs: a preset name from :data:`POLICY_PRESETS` (``"quads"``
+            default), a :class:`PolicyPreset`, or a ``(trainer, rollout)`` pair of
+            :class:`QuadsPolicy` (None: that side in BF16), e.g.
+            ``(QuadsPolicy(side="trainer"), QuadsPolicy(side="rollout", residual_fraction=0.5))``.
+        rollout_dtype: dtype of the rollout model (non-quantized parts and activations):
+            ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``.
         decompose_mismatch: also log δ_num / δ_weight / δ_act each step (two extra scoring
             forwards over the completions).
         rollout_corr_metrics: also log verl's ``rollout_corr/*`` diagnostics under verl's names
             (:func:`quads.diagnostics.rollout_corr_metrics`); TRL's and quads' names are kept.
 
-    ``args.use_vllm`` must be False (this class *is* the rollout engine). TRL's
+    ``args.use_vllm`` must be False (this class *is* the rollout engine; with vLLM use
+    ``QuadsVLLMGRPOTrainer``). Every argument is checked before the model is touched. TRL's
     ``vllm_importance_sampling_*`` options keep their meaning and defaults
     (``sequence_mask``, clip max 3.0). Pass the trainer model as an instance (recommended:
     float32 masters with ``GRPOConfig(bf16=True)`` autocast) or a path; it is quantized in place
@@ -91,7 +119,7 @@ class QuadsGRPOTrainer(_GRPOTrainer):
         reward_funcs,
         args=None,
         *pos,
-        quads_policy: str | PolicyPreset = "quads",
+        quads_policy: str | PolicyPreset | PolicyPair = "quads",
         rollout_dtype: torch.dtype = torch.bfloat16,
         decompose_mismatch: bool = False,
         graphed_decode: bool | None = None,
@@ -99,15 +127,15 @@ class QuadsGRPOTrainer(_GRPOTrainer):
         **kwargs,
     ):
         if _trl is None:
-            raise ImportError("QuadsGRPOTrainer needs TRL: pip install 'quads[trl]'") from _TRL_IMPORT_ERROR
+            raise ImportError("QuadsGRPOTrainer needs TRL: pip install 'quads-rl[trl]'") from _TRL_IMPORT_ERROR
         if _trl.__version__ != TESTED_TRL_VERSION:
             warnings.warn(
                 f"quads.integrations.trl is tested with trl=={TESTED_TRL_VERSION}, found {_trl.__version__}; "
                 "it hooks GRPOTrainer internals (vllm_generation, _generate_single_turn).",
                 stacklevel=2,
             )
-        if args is not None and getattr(args, "use_vllm", False):
-            raise ValueError("QuadsGRPOTrainer is its own rollout engine: set GRPOConfig(use_vllm=False)")
+        flags = {"decompose_mismatch": decompose_mismatch, "rollout_corr_metrics": rollout_corr_metrics}
+        _check_options(args, rollout_dtype, flags, graphed_decode, kwargs.get("peft_config"))
         self.quads_preset = get_preset(quads_policy)
         self.quads_rollout_dtype = rollout_dtype
         self.quads_decompose = decompose_mismatch
@@ -118,19 +146,27 @@ class QuadsGRPOTrainer(_GRPOTrainer):
 
             init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
-        undo = _class_snapshot(model)
+        _refuse_peft_model(model)
+        undo = _model_snapshot(model)
         self._quads_apply_trainer_policy(model)
         try:
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
 
             unwrapped = self.accelerator.unwrap_model(self.model)
-            if hasattr(unwrapped, "peft_config"):
-                raise NotImplementedError("QuadsGRPOTrainer does not support PEFT models yet")
             if self.ref_model is not None and self.quads_preset.trainer is not None:
                 self._quads_apply_trainer_policy(self.accelerator.unwrap_model(self.ref_model))
 
             rollout = build_rollout_model(unwrapped, self.quads_preset.rollout, dtype=rollout_dtype)
-            self.quads_rollout = QuadsRolloutEngine(self, rollout, graphed=graphed_decode)
+            tok = self._tokenizer
+            self.quads_rollout = QuadsRolloutEngine(
+                rollout,
+                trainer_model=lambda: self.accelerator.unwrap_model(self.model),
+                global_step=lambda: self.state.global_step,
+                generation_config=self.generation_config,
+                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
+                graphed=graphed_decode,
+            )
         except BaseException:
             undo()  # TRL (or the rollout build) failed: the caller's model is as it was, a retry works
             raise
@@ -181,47 +217,17 @@ class QuadsGRPOTrainer(_GRPOTrainer):
         saved = type(target).from_pretrained(resume_from_checkpoint, dtype=dtype, local_files_only=True)
         target.load_state_dict(saved.state_dict(), strict=True)
 
-    # -- metrics -------------------------------------------------------------------------------
-
-    def _quads_log(self, mode: str, metrics: dict[str, float]) -> None:
-        device = self.accelerator.device
-        for name in sorted(metrics):
-            value = torch.tensor([metrics[name]], dtype=torch.float64, device=device)
-            gathered = self.accelerator.gather(value)
-            how = _reducer(name)
-            if how == "max":
-                v = gathered.max().item()
-            elif how == "min":
-                v = gathered.min().item()
-            else:
-                v = gathered.mean().item()
-            self._metrics[mode][name].append(v)
+    # -- metrics (MismatchLogging logs sampling/quads/* and rollout_corr/*) ----------------------
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         seconds = self.quads_rollout.take_seconds()  # this generation's rollout phases
         self._quads_log(mode, {f"timing/quads/{phase}_s": s for phase, s in seconds.items()})
-        rollout_lp = output.get("sampling_per_token_logps")
-        trainer_lp = output.get("old_per_token_logps")
-        if rollout_lp is None or trainer_lp is None:  # vllm_importance_sampling_correction=False
-            return output
-        mask = output["completion_mask"].bool()
-        if "tool_mask" in output:
-            mask = mask & output["tool_mask"].bool()
-        metrics = mismatch_metrics(
-            rollout_lp,
-            trainer_lp,
-            mask,
-            is_mode=self.vllm_importance_sampling_mode,
-            clip_min=self.vllm_importance_sampling_clip_min,
-            clip_max=self.vllm_importance_sampling_clip_max,
-            rollout_corr=self.quads_rollout_corr,
-        )
-        if self.quads_decompose:
-            metrics.update(self._decompose(output, rollout_lp, trainer_lp, mask))
-        self._quads_log(mode, metrics)
         return output
+
+    def _quads_extra_metrics(self, output, rollout_lp, trainer_lp, mask) -> dict[str, float]:
+        return self._decompose(output, rollout_lp, trainer_lp, mask) if self.quads_decompose else {}
 
     # -- δ decomposition -----------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ import trl.trainer.grpo_trainer as _grpo_module
 from trl import GRPOTrainer
 from trl.generation import vllm_generation as vg
 
+from quads.integrations.trl.metrics import MismatchLogging
 from quads.integrations.vllm.weight_push import push_weights
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import quantize_, quantized_modules
@@ -111,7 +112,32 @@ def quads_vllm_generation_class(rollout_config: dict[str, Any] | None = None, ll
     return QuadsVLLMGeneration
 
 
-class QuadsVLLMGRPOTrainer(GRPOTrainer):
+SERVER_MODE_REFUSAL = (
+    "QuadsVLLMGRPOTrainer runs vLLM in colocate mode only: in vllm_mode='server' TRL sends the masters to "
+    "`trl vllm-serve` through vLLM's NCCL weight transfer, not the quads weight push (push_weights), and that "
+    "path has never run with the quads method (it needs GPUs and a separate server process); use "
+    "GRPOConfig(use_vllm=True, vllm_mode='colocate') here, or QuadsGRPOTrainer (use_vllm=False)"
+)
+
+
+def _check_options(train_args, trainer_policy, rollout_corr_metrics) -> None:
+    """Refuse bad arguments in one line, before TRL's ``__init__`` touches the caller's model."""
+    if train_args is None or not train_args.use_vllm:
+        raise ValueError("QuadsVLLMGRPOTrainer needs GRPOConfig(use_vllm=True, vllm_mode='colocate'); "
+                         "without vLLM use quads.integrations.trl.QuadsGRPOTrainer")
+    if train_args.vllm_mode == "server":
+        raise ValueError(SERVER_MODE_REFUSAL)
+    if train_args.vllm_mode != "colocate":
+        raise ValueError(f"QuadsVLLMGRPOTrainer needs vllm_mode='colocate', got {train_args.vllm_mode!r}")
+    if trainer_policy is not None and trainer_policy is not _DEFAULT and (
+            not isinstance(trainer_policy, QuadsPolicy) or trainer_policy.side != "trainer"):
+        raise ValueError(f"QuadsVLLMGRPOTrainer(trainer_policy=...) must be a QuadsPolicy(side='trainer', ...) or None, "
+                         f"got {trainer_policy!r}")
+    if not isinstance(rollout_corr_metrics, bool):
+        raise TypeError(f"QuadsVLLMGRPOTrainer(rollout_corr_metrics=...) must be True or False, got {rollout_corr_metrics!r}")
+
+
+class QuadsVLLMGRPOTrainer(MismatchLogging, GRPOTrainer):
     """``trl.GRPOTrainer`` with a colocated vLLM engine running the ``quads`` method.
 
     Extra keyword arguments (all optional):
@@ -121,13 +147,19 @@ class QuadsVLLMGRPOTrainer(GRPOTrainer):
             ``activation_granularity``, ``extra_skip_patterns``), see
             :func:`quads.integrations.vllm.quant_method.quads_quantization_config`.
         llm_kwargs: extra ``vllm.LLM`` kwargs (default: ``enforce_eager=True`` on CPU).
+        rollout_corr_metrics: also log verl's ``rollout_corr/*`` names.
+
+    Every step logs the mismatch metrics of ``QuadsGRPOTrainer`` (``sampling/quads/*``, from the
+    engine's processed log-probs and TRL's trainer log-probs). ``vllm_mode="server"`` is refused
+    (:data:`SERVER_MODE_REFUSAL`). Every argument is checked before TRL's ``__init__`` runs.
     """
 
-    def __init__(self, *args, trainer_policy=_DEFAULT, rollout_config=None, llm_kwargs=None, **kwargs):
+    def __init__(self, *args, trainer_policy=_DEFAULT, rollout_config=None, llm_kwargs=None,
+                 rollout_corr_metrics: bool = False, **kwargs):
         train_args = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
-        if train_args is None or not train_args.use_vllm or train_args.vllm_mode != "colocate":
-            raise ValueError("QuadsVLLMGRPOTrainer needs GRPOConfig(use_vllm=True, vllm_mode='colocate')")
+        _check_options(train_args, trainer_policy, rollout_corr_metrics)
         generation_cls = quads_vllm_generation_class(rollout_config, llm_kwargs)
+        self.quads_rollout_corr = rollout_corr_metrics
         with _patched(_grpo_module, "VLLMGeneration", generation_cls):
             super().__init__(*args, **kwargs)
         policy = QuadsPolicy(side="trainer") if trainer_policy is _DEFAULT else trainer_policy
