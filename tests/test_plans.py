@@ -256,3 +256,105 @@ def test_weight_only_rollout_keeps_the_modules_and_scales():
     w16 = weight_only_rollout(trainer)
     assert (w16.side, w16.activations, w16.activation_quant) == ("rollout", "bf16", None)
     assert dataclasses.replace(w16, side="trainer", activations="nvfp4") == trainer
+
+
+# -- quads export -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, scope", [("qwen3_moe", {"scope": "routed_experts", "skip_first_layers": 1}),
+                                         ("mixtral", {"skip_last_layers": 1}),
+                                         ("llama", {"skip_first_layers": 1, "skip_last_layers": 2})])
+def test_export_writes_the_plans_weights_and_excludes_the_rest(kind, scope, tmp_path):
+    from quads.integrations.modelopt import export_modelopt, load_exported
+    from quads.tensor.modelopt_format import read_modelopt_checkpoint
+
+    plain = build(kind, seed=4)
+    trainer = build(kind, seed=4)
+    quads.quantize_(trainer, _policy("trainer", **scope))
+    report = export_modelopt(trainer, tmp_path / "ck", "w4a16")
+    back = read_modelopt_checkpoint(tmp_path / "ck")
+    packed = {k for k, v in back.items() if isinstance(v, NVFP4Tensor)}
+    converted = set(quantized_modules(trainer))
+    assert len(packed) == report.quantized_weights == report.exact_weights > 0
+    kept = {n for n, m in trainer.named_modules() if n.startswith("model.layers.") and n.count(".") == 2
+            and not any(c.startswith(n + ".") for c in converted)}  # decoder layers left wholly in BF16
+    assert kept and not any(k.startswith(tuple(n + "." for n in kept)) for k in packed)
+    for n in kept:  # vLLM's modelopt_fp4 keeps whatever exclude_modules names out of its NVFP4 layers
+        assert any(e.startswith(n + ".") for e in report.exclude_modules), n
+    if scope.get("scope") == "routed_experts":
+        assert "model.layers.0.mlp.experts" in report.exclude_modules  # a BF16 experts module, by its prefix
+        assert all(".experts." in k for k in packed)
+    # a plain model exported with the plan's policy writes the same checkpoint
+    again = export_modelopt(plain, tmp_path / "ck2", "w4a16", policy=_policy("trainer", **scope))
+    assert again.exclude_modules == report.exclude_modules
+    back2 = read_modelopt_checkpoint(tmp_path / "ck2")
+    assert back2.keys() == back.keys()
+    assert all(torch.equal(back2[k].qdata, back[k].qdata) for k in packed)
+    # read back as the plan's rollout: the parts a sync from the trainer writes
+    rollout = build_rollout_model(trainer, _policy("rollout", **scope))
+    loaded = load_exported(tmp_path / "ck", side="rollout")
+    assert set(quantized_modules(loaded)) == converted
+    mine = dict(rollout.named_parameters())
+    for name, p in loaded.named_parameters():
+        if isinstance(p, NVFP4Tensor):
+            assert torch.equal(p.qdata, mine[name].qdata) and torch.equal(p.global_encode_scale,
+                                                                            mine[name].global_encode_scale), name
+
+
+def test_cli_export_takes_the_plan(tmp_path, capsys):
+    from quads.cli import main
+    from quads.tasks.arithmetic import make_tokenizer
+    from quads.tensor.modelopt_format import read_modelopt_checkpoint
+
+    for kind in ("qwen3_moe", "llama"):
+        build(kind).save_pretrained(tmp_path / kind)
+        make_tokenizer().save_pretrained(tmp_path / kind)
+    assert main(["export", "--model", str(tmp_path / "qwen3_moe"), "--out", str(tmp_path / "ck"),
+                 "--scope", "routed_experts", "--skip-first-layers", "1", "--skip-last-layers", "1"]) == 0
+    assert "W4A16_NVFP4: 24 NVFP4 weights" in capsys.readouterr().out  # layers 1-2: 4 experts x gate, up, down
+    assert {k.split(".")[2] for k, v in read_modelopt_checkpoint(tmp_path / "ck").items()
+            if isinstance(v, NVFP4Tensor)} == {"1", "2"}
+    assert main(["export", "--model", str(tmp_path / "llama"), "--out", str(tmp_path / "ck2"),
+                 "--scope", "routed_experts"]) == 2
+    err = capsys.readouterr().err
+    assert "no routed experts" in err and "Traceback" not in err and not (tmp_path / "ck2").exists()
+    with pytest.raises(SystemExit) as exit_:  # argparse's own usage error
+        main(["export", "--model", str(tmp_path / "llama"), "--out", str(tmp_path / "ck3"), "--skip-first-layers", "-1"])
+    assert exit_.value.code == 2 and "--skip-first-layers: must be >= 0" in capsys.readouterr().err
+
+
+# -- torchao ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("side", ["trainer", "rollout"])
+def test_torchao_quantize_applies_the_plan_as_quads_does(side):
+    torchao = pytest.importorskip("torchao")
+    from quads.integrations.torchao import linear_or_experts
+
+    policy = _policy(side, scope="routed_experts", skip_last_layers=1)
+    ours, theirs = build("qwen3_moe"), build("qwen3_moe")
+    quads.quantize_(ours, policy)
+    torchao.quantization.quantize_(theirs, policy, filter_fn=linear_or_experts)
+    assert set(quantized_modules(theirs)) == set(quantized_modules(ours)) == {f"model.layers.{i}.mlp.experts"
+                                                                              for i in range(3)}
+    boundary = _policy(side, skip_first_layers=2)
+    dense = build("llama")
+    torchao.quantization.quantize_(dense, boundary)
+    assert {_layer(n) for n in quantized_modules(dense)} == {2, 3}
+    with pytest.raises(ValueError, match="no routed experts"):
+        torchao.quantization.quantize_(build("llama"), _policy(side, scope="routed_experts"))
+
+
+def test_torchao_config_loading_refuses_a_scoped_plan(tmp_path, capfd, caplog):
+    """transformers collects the handler's error in its load report and raises; no model comes back."""
+    pytest.importorskip("torchao")
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    import quads.integrations.torchao  # noqa: F401
+
+    build("llama").save_pretrained(tmp_path / "src")
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16,
+                                             quantization_config=TorchAoConfig(_policy("rollout", skip_first_layers=1)))
+    out = capfd.readouterr()
+    assert "TorchAoConfig loading with a scoped QuadsPolicy" in out.out + out.err + caplog.text
