@@ -23,7 +23,10 @@ leaves its partial metrics marked as such.
     PYTHONPATH=. python examples/trl_grpo_quads.py --policy naive     # the baseline
     PYTHONPATH=. python examples/trl_grpo_quads.py --model /path/to/local/hf-causal-lm
 
-Policies (``quads.integrations.trl.POLICY_PRESETS``): bf16, naive, w4a16-qat, sym-qat, quads.
+Policies: every preset of ``quads.integrations.trl.POLICY_PRESETS`` (bf16, naive, w4a16-qat,
+sym-qat, quads, w4a16, quads-experts, w4a16-experts, quads-boundary, ...); a plan that cannot
+apply to the model (``quads-boundary`` on a model of 6 or fewer decoder layers, such as the
+embedded one) exits with status 2 and the reason, before any file is touched.
 """
 
 from __future__ import annotations
@@ -413,6 +416,11 @@ def main(argv=None) -> dict:
     print(f"  trainer side: {_describe(preset.trainer)}\n  rollout side: {_describe(preset.rollout)}")
 
     model, tok, max_len = load_models(args)  # a bad --model fails here, before any file is touched
+    from quads.policies.presets import preset_problem
+
+    problem = preset_problem(preset, model)
+    if problem:
+        raise UsageError(f"--policy {args.policy}: {problem}")
     out_name = args.output_dir or f"runs/trl_grpo_{args.policy}"
     if Path(out_name).is_file():
         raise UsageError(f"output directory {out_name!r} is a file")

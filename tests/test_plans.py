@@ -358,3 +358,39 @@ def test_torchao_config_loading_refuses_a_scoped_plan(tmp_path, capfd, caplog):
                                              quantization_config=TorchAoConfig(_policy("rollout", skip_first_layers=1)))
     out = capfd.readouterr()
     assert "TorchAoConfig loading with a scoped QuadsPolicy" in out.out + out.err + caplog.text
+
+
+# -- the main example and the TRL trainer ---------------------------------------------------------
+
+
+def _example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo_quads.py"
+    spec = importlib.util.spec_from_file_location("trl_grpo_quads_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_refuses_a_plan_the_model_cannot_take(tmp_path):
+    pytest.importorskip("trl")
+    from quads.diagnostics.cli_inputs import UsageError
+
+    with pytest.raises(UsageError, match=r"--policy quads-boundary: preset 'quads-boundary': .*keeps all 3 decoder "
+                                         r"layers of Qwen3MoeForCausalLM"):
+        _example().main(["--policy", "quads-boundary", "--output-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_scoped_plan_trains_through_quads_grpo_trainer_with_the_decomposition(tmp_path):
+    """One GRPO step of ``quads-experts`` on the embedded MoE: the decomposition's probe rollouts
+    follow the plan's scope (a probe of another scope would be refused by the sync), and both
+    sides hold the same weights (delta_weight = 0)."""
+    pytest.importorskip("trl")
+    summary = _example().main(["--policy", "quads-experts", "--max-steps", "1", "--decompose", "--eval-n", "0",
+                               "--prompts-per-step", "2", "--num-generations", "2", "--train-prompts", "32",
+                               "--no-plot", "--output-dir", str(tmp_path / "out")])
+    assert summary["complete"] and summary["policy"] == "quads-experts"
+    assert summary["delta_weight_abs_mean"] == 0.0
