@@ -10,10 +10,10 @@ and never guesses. ``bf16`` is the reference (speed 1 by definition).
 Filled from:
 
 * ``("hopper", "dense")``: ``python -m benchmarks.real_grpo --config C --seed 0 --steps 8
-  --eval-problems 4 --device cuda`` on the H200 (2026-12-02), SmolLM2-135M-Instruct (30 layers,
-  a host-bound model at this size: every phase is a chain of small kernels), means over steps
-  1-7; ``docs/real_model.md``, "The step, each configuration alone". The plans added since
-  (``w4a16``, ``quads-boundary``, the ``-experts`` plans) are unmeasured.
+  --eval-problems 4 --device cuda`` on the H200, SmolLM2-135M-Instruct (30 layers, a host-bound
+  model at this size: every phase is a chain of small kernels), means over steps 1-7;
+  ``docs/real_model.md``, "The step, each configuration alone". The other plans (``w4a16``,
+  ``quads-boundary``, the ``-experts`` plans) are unmeasured there.
 * ``("hopper", "moe")``: unmeasured (no whole-RL-step MoE run is in the repository yet).
 * ``("blackwell", ...)``: unmeasured: the native-FP4 backend is written, never run.
 
