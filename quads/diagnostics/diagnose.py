@@ -65,7 +65,7 @@ from quads.diagnostics.mismatch import k3_kl, logp_gap_stats
 from quads.diagnostics.scoring import positions_from_mask, score_incremental, score_teacher_forced
 from quads.ops.activation_quant import ActivationQuant, dequantize_activation, quantize_activation_reference
 from quads.policies import POLICY_PRESETS, QuadsPolicy, quantize_
-from quads.ops.weight_cache import weight_cache_enabled
+from quads.ops.weight_cache import clear_weight_cache, weight_cache_enabled
 from quads.diagnostics.plan_speeds import HARDWARE
 from quads.diagnostics.recommend import Recommendation, recommend
 from quads.policies.presets import with_residual_fraction
@@ -137,6 +137,13 @@ def _variant(base: nn.Module, policy: QuadsPolicy | str | None) -> nn.Module:
     if policy == FP8:
         return fp8_w8a8_(model)
     return quantize_(model, policy)
+
+
+def _drop_variant_weights() -> None:
+    """Free what a scored variant derived from its weights: each variant is a fresh copy, so no
+    later one can use its cached entries, and keeping them (up to the cache's budget) next to the
+    next copy is what ran the 720M-parameter MoE's report out of memory."""
+    clear_weight_cache()
 
 
 def _use_engine_attention(model: nn.Module) -> None:
@@ -262,9 +269,12 @@ def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, 
         engine = _variant(model, key)
         _use_engine_attention(engine)
         rollout_lp[key] = score_incremental(engine, ids, attn, n, temperature, tokens_per_step)
+        del engine
+        _drop_variant_weights()
         bar and bar.update(1)
     for key in trainer_keys:
         trainer_lp[key] = score_teacher_forced(_variant(model, key), ids, attn, n, temperature, mask_positions=True)
+        _drop_variant_weights()
         bar and bar.update(1)
     rows = []
     for row in config_rows:
