@@ -34,7 +34,10 @@ same N steps cut by resumes), and the finished run deletes its checkpoint.
     PYTHONPATH=. python examples/trl_grpo_quads.py --model ~/.cache/quads/smollm2-135m-instruct --device cuda
     PYTHONPATH=. python examples/trl_grpo_quads.py ... --max-steps 200 --time-budget-s 480 [--resume]
 
-Policies: ``quads.integrations.trl.POLICY_PRESETS`` (bf16, naive, w4a16-qat, sym-qat, quads, ...).
+Policies: every preset of ``quads.integrations.trl.POLICY_PRESETS`` (bf16, naive, w4a16-qat,
+sym-qat, quads, w4a16, quads-experts, w4a16-experts, quads-boundary, ...); a plan that cannot
+apply to the model (``quads-boundary`` on a model of 6 or fewer decoder layers, such as the
+embedded one) exits with status 2 and the reason, before any file is touched.
 """
 
 from __future__ import annotations
@@ -584,6 +587,11 @@ def main(argv=None) -> dict:
 
     model, tok, task = load_models(args)  # a bad --model fails here, before any file is touched
     print(f"  task {task.name} (fits {task.fits})")
+    from quads.policies.presets import preset_problem
+
+    problem = preset_problem(preset, model)
+    if problem:
+        raise UsageError(f"--policy {args.policy}: {problem}")
     out_name = args.output_dir or f"runs/trl_grpo_{args.policy}"
     if Path(out_name).is_file():
         raise UsageError(f"output directory {out_name!r} is a file")

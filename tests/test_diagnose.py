@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from quads.cli import main
 from quads.diagnostics.diagnose import ROWS
+from quads.policies import POLICY_PRESETS
 from tests.tiny_models import build
 
 
@@ -29,7 +30,13 @@ def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
     assert main(["diagnose", "--model", saved_model, "--max-new-tokens", "6", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["rows"]}
-    assert list(rows) == [r.name for r in ROWS]
+    not_run = {r["config"]: r["reason"] for r in report["not_run"]}
+    assert list(rows) == [r.name for r in ROWS if r.name not in not_run]
+    assert list(not_run) == ["quads-boundary"] and "keeps all 2 decoder layers" in not_run["quads-boundary"]
+    assert {r.preset for r in ROWS} - {None} == set(POLICY_PRESETS)  # every plan is a row
+    assert rows["quads-100"]["preset"] == "quads" and rows["quads-50"]["preset"] is None
+    assert report["model_kind"] == "moe"
+    assert [r["hardware"] for r in report["recommendations"]] == ["hopper", "blackwell"]  # a CPU run: every GPU kind
     assert report["completion_tokens"] > 0
     # residual compensation shrinks the gap monotonically in k; the floor is the smallest
     assert rows["quads-75"]["gap_mean"] < rows["quads-50"]["gap_mean"] < rows["quads-25"]["gap_mean"] < rows["w4a16-qat"]["gap_mean"]
@@ -39,6 +46,8 @@ def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "quads-50" in printed and "layer input" in printed
     assert "+100% res" in printed and "+50% res" not in printed  # the layer table follows the default policy
+    assert "quads-boundary" in printed and "not run" in printed
+    assert "recommended plan (hopper, moe model): " in printed
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from quads.integrations.trl import (  # noqa: E402
     score_teacher_forced,
 )
 from quads.policies.modules import RolloutExperts, RolloutLinear, TrainerExperts, TrainerLinear  # noqa: E402
+from quads.policies.presets import preset_problem  # noqa: E402
 from quads.tasks import make_prompts, make_tokenizer  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
 from tests.scale_reference import reference_forward_weight  # noqa: E402
@@ -101,20 +103,27 @@ def _sides(model):
 
 @pytest.mark.parametrize("policy", sorted(POLICY_PRESETS))
 def test_policy_trains_and_logs_metrics(policy, tmp_path):
-    trainer = make_trainer(policy, tmp_path, decompose=(policy == "w4a16-qat"))
     preset = POLICY_PRESETS[policy]
+    problem = preset_problem(preset, tiny_model(make_tokenizer()))
+    if problem:  # a plan this 2-layer model cannot take (quads-boundary) is refused with the reason
+        with pytest.raises(ValueError, match=re.escape(problem.partition(": ")[2])):
+            make_trainer(policy, tmp_path)
+        return
+    trainer = make_trainer(policy, tmp_path, decompose=(policy in ("w4a16-qat", "quads-experts")))
     trainer_model = trainer.accelerator.unwrap_model(trainer.model)
     # the layers each side got
     if preset.trainer is None:
         assert not quads.quantized_modules(trainer_model)
     else:
-        assert _sides(trainer_model) == {TrainerLinear, TrainerExperts}
+        scoped = preset.trainer.scope == "routed_experts"
+        assert _sides(trainer_model) == ({TrainerExperts} if scoped else {TrainerLinear, TrainerExperts})
         act = preset.trainer.activations
         assert all(m.quads_policy.activations == act for m in quads.quantized_modules(trainer_model).values())
     if preset.rollout is None:
         assert not quads.quantized_modules(trainer.rollout_model)
     else:
-        assert _sides(trainer.rollout_model) == {RolloutLinear, RolloutExperts}
+        scoped = preset.rollout.scope == "routed_experts"
+        assert _sides(trainer.rollout_model) == ({RolloutExperts} if scoped else {RolloutLinear, RolloutExperts})
         fr = {m.quads_policy.residual_fraction for m in quads.quantized_modules(trainer.rollout_model).values()}
         assert fr == {preset.rollout.residual_fraction}
     assert trainer.rollout_model is not trainer_model

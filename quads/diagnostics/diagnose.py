@@ -9,16 +9,27 @@ completions once; every configuration then scores *the same* completions twice:
 * the **trainer path**: one teacher-forced forward over prompt + completion (SDPA attention).
 
 Per configuration it reports the per-token |log p_rollout - log p_trainer| (mean, p99, max)
-and the k3 KL estimate, plus a per-layer table of activation quantization error. Rows:
+and the k3 KL estimate, plus a per-layer table of activation quantization error. Rows: one per
+plan of ``POLICY_PRESETS`` (a new preset is a new row), plus the FP8 reference and the residual
+fraction sweep:
 
 | row | rollout | trainer |
 |---|---|---|
-| bf16-floor | BF16 (incremental) | BF16: engine drift alone |
+| bf16-floor (preset bf16) | BF16 (incremental) | BF16: engine drift alone |
 | fp8-w8a8 | FP8 W8A8 | BF16 (reference point) |
 | naive | NVFP4 W4A4 | BF16 |
 | sym-qat | NVFP4 W4A4 | W4A4 QAT (symmetric, ablation) |
 | w4a16-qat | NVFP4 W4A4 | W4A16 QAT (asymmetric) |
 | quads-25/50/75 | W4A4 + residual k | W4A16 QAT |
+| quads-100 (preset quads) | W4A4 + residual, k = 100% | W4A16 QAT |
+| w4a16 | NVFP4 W4A16 (BF16 activations) | W4A16 QAT |
+| quads-experts, w4a16-experts | those, routed experts only | W4A16 QAT, routed experts only |
+| quads-boundary | quads, first 2 / last 4 decoder layers BF16 | the same scope |
+
+A plan that cannot apply to the model (the routed-experts plans on a dense model, boundary
+layers on a model with 6 or fewer) is listed as not run, with the reason. The report ends with
+the plan it recommends for this model on each GPU kind (:mod:`quads.diagnostics.recommend`:
+the fastest plan measured on that hardware whose mean gap is within 1.5x the BF16 floor).
 """
 
 from __future__ import annotations
@@ -54,8 +65,11 @@ from quads.diagnostics.mismatch import k3_kl, logp_gap_stats
 from quads.diagnostics.scoring import positions_from_mask, score_incremental, score_teacher_forced
 from quads.ops.activation_quant import ActivationQuant, dequantize_activation, quantize_activation_reference
 from quads.policies import POLICY_PRESETS, QuadsPolicy, quantize_
-from quads.ops.weight_cache import weight_cache_enabled
+from quads.ops.weight_cache import clear_weight_cache, weight_cache_enabled
+from quads.diagnostics.plan_speeds import HARDWARE
+from quads.diagnostics.recommend import Recommendation, recommend
 from quads.policies.presets import with_residual_fraction
+from quads.policies.scope import routed_expert_names, scope_problem
 from quads.policies.walk import conversion_targets
 
 __all__ = ["ROWS", "DiagnoseRow", "run_diagnose", "add_parser", "JSON_SCHEMA"]
@@ -85,25 +99,38 @@ class DiagnoseRow:
     rollout: QuadsPolicy | str | None  # a rollout policy, FP8, or None (BF16)
     trainer: QuadsPolicy | None  # a trainer policy, or None (BF16)
     description: str
+    preset: str | None = None  # the POLICY_PRESETS plan this row measures (None: a reference or sweep row)
 
 
-def _preset_row(name: str, preset, description: str | None = None) -> DiagnoseRow:
-    return DiagnoseRow(name, preset.rollout, preset.trainer, description or preset.description)
+def _preset_row(name: str, preset, description: str | None = None, plan: str | None = None) -> DiagnoseRow:
+    return DiagnoseRow(name, preset.rollout, preset.trainer, description or preset.description, plan)
 
 
-_Q = POLICY_PRESETS["quads"]
 #: the per-layer table's residual column: the residual fraction of the default rollout policy
-LAYER_RESIDUAL_FRACTION = _Q.rollout.residual_fraction
-ROWS = [
-    _preset_row("bf16-floor", POLICY_PRESETS["bf16"], "BF16 rollout engine path vs BF16 trainer (engine drift floor)"),
-    DiagnoseRow("fp8-w8a8", FP8, None, "FP8 W8A8 rollout vs BF16 trainer"),
-    _preset_row("naive", POLICY_PRESETS["naive"]),
-    _preset_row("sym-qat", POLICY_PRESETS["sym-qat"]),
-    _preset_row("w4a16-qat", POLICY_PRESETS["w4a16-qat"]),
-] + [
-    _preset_row(f"quads-{k}", with_residual_fraction(_Q, k / 100), f"W4A4 + {k}% residual vs W4A16 QAT trainer")
-    for k in (25, 50, 75, 100)
-]
+LAYER_RESIDUAL_FRACTION = POLICY_PRESETS["quads"].rollout.residual_fraction
+
+
+def _rows() -> list[DiagnoseRow]:
+    """The floor and the FP8 reference, then one row per preset (``quads`` after its k sweep)."""
+    rows = [
+        _preset_row("bf16-floor", POLICY_PRESETS["bf16"], "BF16 rollout engine path vs BF16 trainer (engine drift floor)",
+                    "bf16"),
+        DiagnoseRow("fp8-w8a8", FP8, None, "FP8 W8A8 rollout vs BF16 trainer"),
+    ]
+    for name, preset in POLICY_PRESETS.items():
+        if name == "bf16":
+            continue
+        if name == "quads":
+            rows += [_preset_row(f"quads-{k}", with_residual_fraction(preset, k / 100),
+                                 f"W4A4 + {k}% residual vs W4A16 QAT trainer") for k in (25, 50, 75)]
+            rows.append(_preset_row("quads-100", preset, "W4A4 + 100% residual vs W4A16 QAT trainer (preset quads)",
+                                    "quads"))
+        else:
+            rows.append(_preset_row(name, preset, plan=name))
+    return rows
+
+
+ROWS = _rows()
 
 
 def _variant(base: nn.Module, policy: QuadsPolicy | str | None) -> nn.Module:
@@ -114,6 +141,13 @@ def _variant(base: nn.Module, policy: QuadsPolicy | str | None) -> nn.Module:
     if policy == FP8:
         return fp8_w8a8_(model)
     return quantize_(model, policy)
+
+
+def _drop_variant_weights() -> None:
+    """Free what a scored variant derived from its weights: each variant is a fresh copy, so no
+    later one can use its cached entries, and keeping them (up to the cache's budget) next to the
+    next copy is what ran the 720M-parameter MoE's report out of memory."""
+    clear_weight_cache()
 
 
 def _use_engine_attention(model: nn.Module) -> None:
@@ -178,17 +212,51 @@ def rows_with_weight_global_scale(mode: str) -> list[DiagnoseRow]:
     return [dataclasses.replace(r, rollout=set_mode(r.rollout), trainer=set_mode(r.trainer)) for r in ROWS]
 
 
+def row_problem(row: DiagnoseRow, model: nn.Module) -> str | None:
+    """Why ``row``'s policies cannot apply to ``model`` (scope or boundary layers), or None."""
+    for policy in (row.rollout, row.trainer):
+        problem = scope_problem(model, policy) if isinstance(policy, QuadsPolicy) else None
+        if problem:
+            return problem
+    return None
+
+
+def model_kind(model: nn.Module) -> str:
+    """``"moe"`` (the model has routed experts) or ``"dense"``."""
+    return "moe" if routed_expert_names(model) else "dense"
+
+
+def target_hardware(device: torch.device) -> tuple[str, ...]:
+    """The hardware kinds to recommend for: the GPU the run is on (sm_90: hopper, sm_100+:
+    blackwell; another GPU: none), or every kind of the speed table for a CPU run (the CPU runs
+    the torch reference, whose numerics the exact kernels reproduce bit for bit)."""
+    if device.type != "cuda":
+        return HARDWARE
+    major, _ = torch.cuda.get_device_capability(device)
+    return ("hopper",) if major == 9 else ("blackwell",) if major >= 10 else ()
+
+
 def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, seed=0,
                  progress: Callable | None = None, tokens_per_step: int = 16,
                  weight_global_scale: str = "group") -> dict:
     """The whole report as a dict (see module doc). Derived weights are cached for the run
     (``weight_cache_enabled``: the models' weights only change by quads' own in-place writes).
     ``weight_global_scale``: the policies' (``"group"``, the default, or ``"tensor"``)."""
-    rows = rows_with_weight_global_scale(weight_global_scale)
+    rows, skipped = [], []
+    for row in rows_with_weight_global_scale(weight_global_scale):
+        problem = row_problem(row, model)
+        if problem:
+            skipped.append({"config": row.name, "reason": problem})
+        else:
+            rows.append(row)
     with weight_cache_enabled():
         report = _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress,
                                tokens_per_step, rows)
     report["weight_global_scale"] = weight_global_scale
+    report["not_run"] = skipped
+    report["model_kind"] = kind = model_kind(model)
+    hardware = target_hardware(next(model.parameters()).device)
+    report["recommendations"] = [dataclasses.asdict(recommend(report["rows"], h, kind)) for h in hardware]
     return report
 
 
@@ -205,14 +273,17 @@ def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, 
         engine = _variant(model, key)
         _use_engine_attention(engine)
         rollout_lp[key] = score_incremental(engine, ids, attn, n, temperature, tokens_per_step)
+        del engine
+        _drop_variant_weights()
         bar and bar.update(1)
     for key in trainer_keys:
         trainer_lp[key] = score_teacher_forced(_variant(model, key), ids, attn, n, temperature, mask_positions=True)
+        _drop_variant_weights()
         bar and bar.update(1)
     rows = []
     for row in config_rows:
         gap = logp_gap_stats(rollout_lp[row.rollout], trainer_lp[row.trainer], comp_mask)
-        rows.append({"config": row.name, "description": row.description,
+        rows.append({"config": row.name, "preset": row.preset, "description": row.description,
                      "gap_mean": gap["mean"], "gap_p99": gap["p99"], "gap_max": gap["max"],
                      "k3_kl": k3_kl(rollout_lp[row.rollout], trainer_lp[row.trainer], comp_mask)})
     layers = layer_activation_errors(model, ids, attn, fractions=(0.0, LAYER_RESIDUAL_FRACTION))
@@ -225,21 +296,33 @@ def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, 
 
 
 def format_report(report: dict) -> str:
-    floor = next(r for r in report["rows"] if r["config"] == "bf16-floor")["gap_max"]
+    floor = next(r for r in report["rows"] if r["config"] == "bf16-floor")
     took = f", {report['seconds']:.1f} s" if "seconds" in report else ""
     lines = [f"{report['num_prompts']} prompts, {report['completion_tokens']} completion tokens, "
              f"T={report['temperature']}{took}"
              + (f", weight_global_scale={report['weight_global_scale']}" if "weight_global_scale" in report else ""), "",
-             f"{'config':<11} {'gap mean':>9} {'gap p99':>9} {'gap max':>9} {'max/floor':>9} {'k3 KL':>10}  description"]
+             f"{'config':<14} {'gap mean':>9} {'mean/floor':>10} {'gap p99':>9} {'gap max':>9} {'max/floor':>9} "
+             f"{'k3 KL':>10}  description"]
+
+    def over_floor(value: float, key: str) -> float:
+        return value / floor[key] if floor[key] > 0 else float("nan")
+
     for r in report["rows"]:
-        ratio = r["gap_max"] / floor if floor > 0 else float("nan")
-        lines.append(f"{r['config']:<11} {r['gap_mean']:>9.4f} {r['gap_p99']:>9.4f} {r['gap_max']:>9.4f} "
-                     f"{ratio:>9.2f} {r['k3_kl']:>10.2e}  {r['description']}")
+        lines.append(f"{r['config']:<14} {r['gap_mean']:>9.4f} {over_floor(r['gap_mean'], 'gap_mean'):>10.2f} "
+                     f"{r['gap_p99']:>9.4f} {r['gap_max']:>9.4f} {over_floor(r['gap_max'], 'gap_max'):>9.2f} "
+                     f"{r['k3_kl']:>10.2e}  {r['description']}")
+    for r in report.get("not_run", []):
+        lines.append(f"{r['config']:<14} not run: {r['reason']}")
     k = report["layer_residual_fraction"]
     residual = f"rel_err_k{int(k * 100)}"
     lines += ["", f"{'layer input':<45} {'K':>5} {'W4A4 err':>9} {f'+{k:.0%} res':>10}"]
     for l in report["layers"]:
         lines.append(f"{l['layer']:<45} {l['K']:>5} {l['rel_err_k0']:>9.4f} {l[residual]:>10.4f}")
+    if "recommendations" in report:
+        lines.append("")
+        lines += [Recommendation(**r).line() for r in report["recommendations"]]
+        if not report["recommendations"]:
+            lines.append("no recommendation: the speed table covers hopper and blackwell GPUs only")
     return "\n".join(lines)
 
 

@@ -8,13 +8,15 @@ from dataclasses import dataclass, field, fields
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import KERNEL_PREFERENCES
 
-__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES", "WEIGHT_GLOBAL_SCALES"]
+__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES", "WEIGHT_GLOBAL_SCALES", "SCOPES"]
 
 SIDES = ("trainer", "rollout")
 _UNSET = object()
 ACTIVATION_MODES = ("bf16", "nvfp4")
 #: ``QuadsPolicy.weight_global_scale``: one NVFP4 global scale per sibling group, or per weight
 WEIGHT_GLOBAL_SCALES = ("group", "tensor")
+#: ``QuadsPolicy.scope``: which modules a policy quantizes (see :mod:`quads.policies.scope`)
+SCOPES = ("all", "routed_experts")
 
 # The activation defaults live in one place: ActivationQuant's fields.
 _ACT_DEFAULTS = {f.name: f.default for f in fields(ActivationQuant)}
@@ -78,6 +80,15 @@ class QuadsPolicy:
         the trained weights unchanged. ``"tensor"``: one per weight. Fused MoE experts keep one
         per expert either way (their fused ``gate_up_proj`` already shares it between gate and
         up). Trainer and rollout must use the same value (``sync_weights_`` checks).
+    scope: ``"all"`` (default: every ``nn.Linear`` and fused MoE experts module outside the skip
+        patterns) or ``"routed_experts"`` (only the routed experts: attention, shared experts,
+        routers and ``lm_head`` stay in high precision; a model without routed experts is refused).
+    skip_first_layers, skip_last_layers: how many decoder layers at each end of the model's
+        decoder-layer list (``model.layers.N``) stay wholly in high precision (default 0). A
+        whole layer, attention included; with ``scope="routed_experts"`` that is the layer's
+        experts (verl's Qwen3 recipe keeps the first 2 and last 4 MLP layers in BF16).
+        :mod:`quads.policies.scope` numbers the layers; a model without a decoder-layer list is
+        refused. Trainer and rollout must convert the same modules (``sync_weights_`` checks).
 
     Defaults of the three activation fields are :class:`~quads.ops.ActivationQuant`'s.
     """
@@ -91,8 +102,18 @@ class QuadsPolicy:
     extra_skip_patterns: tuple[str, ...] = field(default_factory=tuple)
     kernel: str = "exact"
     weight_global_scale: str = "group"
+    scope: str = "all"
+    skip_first_layers: int = 0
+    skip_last_layers: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.scope, str) or self.scope not in SCOPES:
+            raise ValueError(f"QuadsPolicy.scope must be one of {SCOPES}, got {self.scope!r}")
+        for name in ("skip_first_layers", "skip_last_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"QuadsPolicy.{name} must be a non-negative int (a count of decoder layers), "
+                                 f"got {value!r}")
         if self.weight_global_scale not in WEIGHT_GLOBAL_SCALES:
             raise ValueError(f"QuadsPolicy.weight_global_scale must be one of {WEIGHT_GLOBAL_SCALES}, "
                              f"got {self.weight_global_scale!r}")
@@ -145,5 +166,18 @@ class QuadsPolicy:
             object.__setattr__(self, "_activation_quant", cached)
         return cached
 
+    @property
+    def skips_boundary_layers(self) -> bool:
+        """Whether decoder layers at either end stay in high precision."""
+        return self.skip_first_layers > 0 or self.skip_last_layers > 0
+
+    @property
+    def is_scoped(self) -> bool:
+        """Whether the policy converts less than every linear outside the skip patterns (a
+        ``scope`` or boundary layers, which need the model to decide: :mod:`quads.policies.scope`)."""
+        return self.scope != "all" or self.skips_boundary_layers
+
     def skips(self, module_name: str) -> bool:
+        """Whether the skip patterns keep ``module_name`` in high precision (by name alone; the
+        scope and boundary layers are the model walk's, :func:`quads.policies.scope.policy_skips`)."""
         return any(re.search(p, module_name) for p in self.all_skip_patterns)

@@ -33,7 +33,7 @@ from quads.policies.modules import (
 )
 from quads.policies.policy import QuadsPolicy
 from quads.policies.scale_groups import GroupScaleLoadCheck, ScaleGroup, sibling_groups
-from quads.policies.walk import ConversionTarget, FilterFn, conversion_targets
+from quads.policies.walk import ConversionTarget, FilterFn, policy_targets
 from quads.tensor.finite import check_all_finite, check_dequantized_range, check_finite
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
@@ -254,14 +254,15 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
     """Convert ``model`` in place per ``policy`` and return it; all or nothing (see module doc).
 
     Converted: every ``nn.Linear`` and every fused MoE experts module whose name is not
-    matched by the policy's skip patterns and for which ``filter_fn(module, name)`` (if given)
-    is true. Trainer side: weights stay BF16 parameters, fake-quantized in each forward with a
+    matched by the policy's skip patterns, that its ``scope`` and boundary layers include
+    (:mod:`quads.policies.scope`) and for which ``filter_fn(module, name)`` (if given) is true. Trainer side: weights stay BF16 parameters, fake-quantized in each forward with a
     straight-through gradient. Rollout side: weights become frozen ``NVFP4Tensor`` parameters
     and activations are quantized online (W4A4 + residual compensation); each rollout module
     stores the backend (:func:`quads.ops.select_backend`) for its weights' device.
 
-    Raises (naming the module, the model unchanged) if the model is already quantized, nothing
-    matches, a weight cannot be quantized (K % 16, dtype, NaN/Inf, meta device for a rollout,
+    Raises (naming the module, the model unchanged) if the model is already quantized, the
+    scope or boundary layers cannot apply to it (routed experts only on a dense model, boundary
+    layers without a decoder-layer list), nothing matches, a weight cannot be quantized (K % 16, dtype, NaN/Inf, meta device for a rollout,
     an unsupported experts layout) or a rollout weight is tied to a module left unconverted.
     Meta-device trainer models are accepted (the class swap needs no values; nothing can be
     checked for finiteness there).
@@ -273,7 +274,7 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
         first = next(iter(already))
         raise ValueError(f"model is already quantized by quads (e.g. {first!r}); build a fresh model to re-quantize")
 
-    targets = conversion_targets(model, policy.skips, filter_fn)
+    targets = policy_targets(model, policy, filter_fn)
     if not targets:
         raise ValueError(
             "quantize_: the policy matched no module (no nn.Linear or fused MoE experts outside "

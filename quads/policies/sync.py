@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from quads.ops.backend import Backend, select_backend
 from quads.policies.modules import QuadsModule, rollout_owners
+from quads.policies.scope import conversion_mismatch
 from quads.policies.shards import has_sharded_parameters
 from quads.tensor.finite import check_all_finite, check_dequantized_range
 from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
@@ -273,7 +274,9 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict:
     Other parameters (embeddings, norms, routers, lm_head) are copied, cast to the rollout's dtype.
 
     Every parameter name of either model must exist in the other (``strict=False``: only the
-    common names are synced); a mismatch, a shape or dtype error, a tie the trainer does not
+    common names are synced), and a quads trainer and its rollout must convert the same modules
+    (one plan's scope and boundary layers on both sides; a plain trainer agrees with any
+    rollout); a mismatch, a shape or dtype error, a tie the trainer does not
     share or a NaN/Inf in any tensor to be written raises ValueError naming the parameters, with
     nothing written (see the module doc). Returns the number of rollout parameters written
     (tied names count once).
@@ -286,6 +289,9 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict:
             raise TypeError(f"sync_weights_: {what} must be an nn.Module, got {type(model).__name__}"
                             + (" (to sync from a state dict, load it into a trainer model first)"
                                if isinstance(model, dict) else ""))
+    mismatch = conversion_mismatch(rollout_model, trainer_model)
+    if mismatch:
+        raise ValueError(f"sync_weights_: nothing was written; {mismatch}")
     if has_sharded_parameters(trainer_model):
         from quads.policies.sharded_sync import sync_sharded_weights_  # it imports this module
 

@@ -1,8 +1,11 @@
 """Which modules of a model a precision policy converts: the one module walk.
 
-Used by :func:`quads.quantize_` and by the FP8 reference rows of ``quads diagnose``, so every
-conversion sees the same modules: each ``nn.Linear`` and each transformers-5 fused experts
-module whose name the skip rule does not match and ``filter_fn(module, name)`` (if given) accepts.
+Used by :func:`quads.quantize_`, ``quads export``, the torchao handler and the FP8 reference rows
+of ``quads diagnose``, so every conversion sees the same modules: each ``nn.Linear`` and each
+transformers-5 fused experts module whose name the skip rule does not match and
+``filter_fn(module, name)`` (if given) accepts. A policy's skip rule
+(:func:`policy_targets`) is its skip patterns, its ``scope`` and its boundary decoder layers
+(:mod:`quads.policies.scope`).
 
 A subclass of ``nn.Linear`` that overrides ``forward`` (``super().forward(x) * 2 + 1``,
 transformers' ``DeepseekV4GroupedLinear``, which reshapes) is refused, naming it: converting
@@ -17,8 +20,10 @@ from typing import Callable, NamedTuple
 import torch.nn as nn
 
 from quads.policies.modules import QuadsModule, is_fused_experts
+from quads.policies.policy import QuadsPolicy
+from quads.policies.scope import policy_skips
 
-__all__ = ["ConversionTarget", "FilterFn", "conversion_targets", "target_kind", "overridden_forward"]
+__all__ = ["ConversionTarget", "FilterFn", "conversion_targets", "policy_targets", "target_kind", "overridden_forward"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -71,3 +76,13 @@ def conversion_targets(
             )
         targets.append(ConversionTarget(name, module, kind))
     return targets
+
+
+def policy_targets(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None = None, *,
+                   root: nn.Module | None = None, prefix: str = "") -> list[ConversionTarget]:
+    """The modules ``policy`` converts in ``model``: :func:`conversion_targets` under the policy's
+    skip patterns, scope and boundary layers, numbered in ``root`` (default ``model``; a
+    submodule's walk passes the whole model and the submodule's name as ``prefix``).
+
+    Raises ValueError, naming the model, when the scope or boundary cannot apply to it."""
+    return conversion_targets(model, policy_skips(root if root is not None else model, policy), filter_fn, prefix)

@@ -7,10 +7,14 @@ TensorRT-LLM), the tensors laid out as :mod:`quads.tensor.modelopt_format` descr
 What is exported
 ----------------
 * **Which weights**: exactly those a QUADS trainer fake-quantizes: the model's quads modules if
-  it has them, else the targets of ``QuadsPolicy(side="trainer")`` (every ``nn.Linear`` and fused
-  MoE experts outside the skip patterns). Everything else (embeddings, norms, routers,
-  ``lm_head``) is written as stored and its linear-like modules are listed in
-  ``exclude_modules``.
+  it has them, else the targets of ``policy`` (default ``QuadsPolicy(side="trainer")``: every
+  ``nn.Linear`` and fused MoE experts outside the skip patterns; a ``scope`` or boundary layers,
+  :mod:`quads.policies.scope`, narrow it). Everything else (embeddings, norms, routers,
+  ``lm_head``, the layers a scoped plan keeps in BF16) is written as stored and its linear-like
+  modules are listed in ``exclude_modules``: each linear under its checkpoint name, each fused
+  experts module left in BF16 under the name its per-expert tensors share
+  (``model.layers.0.mlp.experts``), which vLLM's ``modelopt_fp4`` matches against its fused-MoE
+  layer.
 * **Their values**: the codes and block scales of quads' recipe applied to the BF16 masters,
   i.e. the trainer's forward weight ``nvfp4_fake_quantize(master)`` (a rollout model's packed
   weights are the same bits and are taken as they are). Fused experts keep one global scale per
@@ -58,6 +62,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -70,7 +75,7 @@ import torch.nn as nn
 from quads.integrations.modelopt.calibrate import ExpertsAmax, activation_amax
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import quantized_modules
-from quads.policies.walk import ConversionTarget, conversion_targets, target_kind
+from quads.policies.walk import ConversionTarget, policy_targets, target_kind
 from quads.tensor.modelopt_format import (
     ENCODE_SCALE_KEY,
     INDEX_FILE,
@@ -148,7 +153,7 @@ def _targets(model: nn.Module, policy: QuadsPolicy) -> list[ConversionTarget]:
     converted = quantized_modules(model)
     if converted:
         return [ConversionTarget(n, m, target_kind(m)) for n, m in converted.items()]
-    targets = conversion_targets(model, policy.skips)
+    targets = policy_targets(model, policy)
     if not targets:
         raise ValueError(f"export: the model has no nn.Linear or fused MoE experts outside {policy.all_skip_patterns}")
     return targets
@@ -470,16 +475,29 @@ def _input_scales(amax: dict, ckpt_sources: dict[str, tuple[str, torch.Tensor]],
 
 def _excluded(model: nn.Module, targets: list[ConversionTarget]) -> list[str]:
     """Checkpoint names of the linear-like modules left in high precision (``lm_head``, routers,
-    skipped linears; not embeddings), found like the weights' names (:func:`_row_sources`)."""
+    skipped linears; not embeddings), found like the weights' names (:func:`_row_sources`), and
+    of the fused experts modules left in high precision: the prefix their per-expert checkpoint
+    tensors share (``...experts.{e}.gate_proj`` -> ``...experts``)."""
     target_modules = {id(m) for _, m, _ in targets}
-    kept = {}
+    kept, experts = {}, {}
     for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if id(module) in target_modules or isinstance(module, nn.Embedding) or not isinstance(weight, torch.Tensor):
+        if id(module) in target_modules or not name:
             continue
-        if weight.dim() == 2 and name:
+        if target_kind(module) == "experts":
+            experts.update({f"{name}.{p}": tuple(getattr(module, p).shape) for p in _WEIGHTS["experts"]})
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Embedding) or not isinstance(weight, torch.Tensor):
+            continue
+        if weight.dim() == 2:
             kept[f"{name}.weight"] = tuple(weight.shape)
-    return sorted(ckpt.removesuffix(".weight") for ckpt in _row_sources(model, kept))
+    names = {ckpt.removesuffix(".weight") for ckpt in _row_sources(model, kept)}
+    for ckpt in _row_sources(model, experts) if experts else ():
+        module = re.match(r"^(.*)\.\d+\.[^.]+$", ckpt.removesuffix(".weight"))
+        if module is None:
+            raise NotImplementedError(f"export: the fused experts tensor {ckpt} has no per-expert checkpoint name")
+        names.add(module.group(1))
+    return sorted(names)
 
 
 def export_modelopt(

@@ -50,7 +50,7 @@ from quads.policies.fused_projections import SIBLING_PROJECTIONS
 from quads.policies.modules import QuadsModule
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import check_target, convert_targets, refuse_save_pretrained
-from quads.policies.walk import ConversionTarget, conversion_targets, target_kind
+from quads.policies.walk import ConversionTarget, policy_targets, target_kind
 
 __all__ = ["linear_or_experts", "register"]
 
@@ -89,8 +89,10 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def _targets_in(module: nn.Module, name: str, policy: QuadsPolicy) -> list[ConversionTarget]:
-    return conversion_targets(module, policy.skips, prefix=name)
+def _targets_in(module: nn.Module, name: str, policy: QuadsPolicy, root: nn.Module) -> list[ConversionTarget]:
+    """The policy's targets inside ``module`` (named ``name`` in ``root``, which numbers the
+    decoder layers of a policy with boundary layers)."""
+    return policy_targets(module, policy, root=root, prefix=name)
 
 
 def _selected_by(root: nn.Module, filter_fn) -> list[tuple[str, nn.Module]]:
@@ -109,7 +111,7 @@ def _selected_by(root: nn.Module, filter_fn) -> list[tuple[str, nn.Module]]:
 
 
 def _check_whole_walk(root: nn.Module, filter_fn, policy: QuadsPolicy) -> None:
-    planned = [t for name, module in _selected_by(root, filter_fn) for t in _targets_in(module, name, policy)]
+    planned = [t for name, module in _selected_by(root, filter_fn) for t in _targets_in(module, name, policy, root)]
     if not planned:
         raise ValueError(
             "torchao.quantization.quantize_ with a QuadsPolicy matched no module (the filter's selection "
@@ -205,7 +207,7 @@ def _convert_experts_after_load(quantizer) -> None:
         del quantizer._process_model_after_weight_loading  # the class's method again
         from transformers.quantizers.quantizers_utils import should_convert_module
 
-        experts = [t for t in conversion_targets(model, policy.skips)
+        experts = [t for t in policy_targets(model, policy)
                    if t.kind == "experts" and not isinstance(t.module, QuadsModule)
                    and all(should_convert_module(f"{t.name}.{p}", quantizer.modules_to_not_convert)
                            for p, _ in t.module.named_parameters(recurse=False))]
@@ -218,6 +220,10 @@ def _convert_experts_after_load(quantizer) -> None:
 def apply_policy(module: nn.Module, policy: QuadsPolicy) -> nn.Module:
     """The torchao module handler of ``QuadsPolicy``: convert ``module`` in place, return it."""
     load = _transformers_load()
+    if load is not None and policy.is_scoped:
+        raise NotImplementedError(
+            "TorchAoConfig loading with a scoped QuadsPolicy (scope / skip_first_layers / skip_last_layers) is not "
+            "supported: load the model plainly, then quads.quantize_(model, policy)")
     if load is not None:
         _apply_during_load(module, load, policy)
         return module
@@ -240,7 +246,7 @@ def apply_policy(module: nn.Module, policy: QuadsPolicy) -> nn.Module:
         raise RuntimeError(f"{type(module).__name__} is not a submodule of the model torchao is quantizing")
     if not converted and call is not None and call.filter_fn is not None:
         _check_whole_walk(root, call.filter_fn, policy)
-    pending = [t for t in _targets_in(module, name, policy) if not isinstance(t.module, QuadsModule)]
+    pending = [t for t in _targets_in(module, name, policy, root) if not isinstance(t.module, QuadsModule)]
     if policy.weight_global_scale == "group":
         pending += _unconverted_siblings(root, pending, policy, None if call is None else call.filter_fn)
     convert_targets(pending, policy, root)

@@ -10,8 +10,8 @@ import torch.nn as nn
 from quads.diagnostics.scoring import score_teacher_forced
 from quads.integrations.trl.engine import QuadsRolloutEngine
 from quads.integrations.trl.metrics import MismatchLogging
-from quads.policies import PolicyPreset, QuadsPolicy, build_rollout_model, get_preset, quantize_, sync_weights_
-from quads.policies.presets import PolicyPair
+from quads.policies import PolicyPreset, build_rollout_model, get_preset, quantize_, sync_weights_
+from quads.policies.presets import PolicyPair, weight_only_rollout
 from quads.policies.quantize import quantized_modules
 
 __all__ = ["TESTED_TRL_VERSION", "QuadsGRPOTrainer"]
@@ -236,12 +236,12 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         if self._quads_probe_models is None:
             preset = self.quads_preset
             trainer = self.accelerator.unwrap_model(self.model)
-            w16 = QuadsPolicy(side="rollout", activations="bf16")
-            probes = {"trainer_weights": build_rollout_model(trainer, w16 if preset.trainer else None, self.quads_rollout_dtype)}
+            def w16(policy):  # the same modules and weights as the preset's side, BF16 activations
+                return weight_only_rollout(policy) if policy is not None else None
+
+            probes = {"trainer_weights": build_rollout_model(trainer, w16(preset.trainer), self.quads_rollout_dtype)}
             if (preset.trainer is None) != (preset.rollout is None):
-                probes["rollout_weights"] = build_rollout_model(
-                    trainer, w16 if preset.rollout else None, self.quads_rollout_dtype
-                )
+                probes["rollout_weights"] = build_rollout_model(trainer, w16(preset.rollout), self.quads_rollout_dtype)
             else:
                 probes["rollout_weights"] = probes["trainer_weights"]
             self._quads_probe_models = probes

@@ -8,7 +8,8 @@ Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
 
     {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 1.0,
      "residual_selection": "per_token", "activation_granularity": "row",
-     "extra_skip_patterns": [], "weight_global_scale": "group"}
+     "extra_skip_patterns": [], "weight_global_scale": "group",
+     "scope": "all", "skip_first_layers": 0, "skip_last_layers": 0}
 
 The keys are the rollout side of :class:`quads.QuadsPolicy`; :func:`quads_quantization_config`
 builds the dict.
@@ -38,7 +39,14 @@ How it works
   torch reference elsewhere, e.g. vLLM's CPU build). ``activations="bf16"`` gives W4A16.
 * **Not quantized** (as on the trainer side, :data:`quads.policies.policy.DEFAULT_SKIP_PATTERNS`):
   embeddings, ``lm_head``, MoE routers (``GateLinear``, ``...gate``), and anything matched by
-  ``extra_skip_patterns``.
+  ``extra_skip_patterns``; with ``scope="routed_experts"`` every linear layer (attention, shared
+  experts), only the fused MoE experts being quantized; and every layer of the decoder layers
+  ``skip_first_layers`` / ``skip_last_layers`` keep in high precision (the layer index from the
+  prefix, ``model.layers.N...``; their count from the model config's ``num_hidden_layers``), as
+  :mod:`quads.policies.scope` decides on the transformers side. These layers run vLLM's
+  unquantized methods. Set the keys from the plan the trainer uses: nothing here can see the
+  trainer (a ``routed_experts`` plan on a dense model, which ``quantize_`` refuses, runs wholly
+  unquantized here).
 * **Weight reload** (``llm.collective_rpc("reload_weights", ...)``): vLLM restores the BF16
   ``weight`` layout recorded at construction, loads the new tensors, calls
   ``process_weights_after_loading`` again and copies the packed result into the existing
@@ -71,6 +79,7 @@ from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fiel
 from quads.ops.sibling_linear import SiblingGroup
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
+from quads.policies.scope import boundary_layer, layer_index
 from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts, shared_global_encode_scale
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -97,6 +106,9 @@ QUADS_CONFIG_KEYS: dict[str, Any] = {
     "extra_skip_patterns": list(_ROLLOUT_DEFAULTS.extra_skip_patterns),
     "kernel": _ROLLOUT_DEFAULTS.kernel,  # "exact" | "fast" (humming on sm_90: docs/humming.md)
     "weight_global_scale": _ROLLOUT_DEFAULTS.weight_global_scale,
+    "scope": _ROLLOUT_DEFAULTS.scope,
+    "skip_first_layers": _ROLLOUT_DEFAULTS.skip_first_layers,
+    "skip_last_layers": _ROLLOUT_DEFAULTS.skip_last_layers,
 }
 
 
@@ -124,6 +136,9 @@ class QuadsConfig(QuantizationConfig):
         extra_skip_patterns: tuple[str, ...] | list[str] = (),
         kernel: str = QUADS_CONFIG_KEYS["kernel"],
         weight_global_scale: str = QUADS_CONFIG_KEYS["weight_global_scale"],
+        scope: str = QUADS_CONFIG_KEYS["scope"],
+        skip_first_layers: int = QUADS_CONFIG_KEYS["skip_first_layers"],
+        skip_last_layers: int = QUADS_CONFIG_KEYS["skip_last_layers"],
     ) -> None:
         super().__init__()
         if residual_selection != "per_token":
@@ -140,7 +155,11 @@ class QuadsConfig(QuantizationConfig):
             extra_skip_patterns=tuple(extra_skip_patterns),
             kernel=kernel,
             weight_global_scale=weight_global_scale,
+            scope=scope,
+            skip_first_layers=skip_first_layers,
+            skip_last_layers=skip_last_layers,
         )
+        self._num_layers: int | None = None
 
     # -- QuantizationConfig interface ----------------------------------------------------
 
@@ -183,6 +202,9 @@ class QuadsConfig(QuantizationConfig):
             "extra_skip_patterns": list(p.extra_skip_patterns),
             "kernel": p.kernel,
             "weight_global_scale": p.weight_global_scale,
+            "scope": p.scope,
+            "skip_first_layers": p.skip_first_layers,
+            "skip_last_layers": p.skip_last_layers,
         }
 
     @property
@@ -207,13 +229,39 @@ class QuadsConfig(QuantizationConfig):
             )
         return False
 
+    def num_layers(self) -> int:
+        """The model's decoder-layer count (``num_hidden_layers`` of the config vLLM is building)."""
+        if self._num_layers is None:
+            from vllm.config import get_current_vllm_config_or_none
+
+            vllm_config = get_current_vllm_config_or_none()
+            hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+            text = hf_config.get_text_config() if hf_config is not None else None
+            count = getattr(text, "num_hidden_layers", None)
+            if not isinstance(count, int):
+                raise ValueError("quads: skip_first_layers / skip_last_layers need the model config's "
+                                 "num_hidden_layers, and no vLLM model config is being built")
+            p = self.policy
+            if p.skip_first_layers + p.skip_last_layers >= count:
+                raise ValueError(f"quads: skip_first_layers={p.skip_first_layers} + skip_last_layers="
+                                 f"{p.skip_last_layers} keep all {count} decoder layers unquantized")
+            self._num_layers = count
+        return self._num_layers
+
+    def _in_boundary_layer(self, prefix: str) -> bool:
+        """Whether ``prefix`` lies in a decoder layer the policy keeps in high precision."""
+        if not self.policy.skips_boundary_layers:
+            return False
+        return boundary_layer(layer_index(prefix), self.num_layers(), self.policy)
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
-            if isinstance(layer, GateLinear) or self._skips(prefix):
+            if (isinstance(layer, GateLinear) or self.policy.scope == "routed_experts" or self._skips(prefix)
+                    or self._in_boundary_layer(prefix)):
                 return UnquantizedLinearMethod()
             return QuadsLinearMethod(self)
         if isinstance(layer, RoutedExperts):
-            if self._skips(prefix):
+            if self._skips(prefix) or self._in_boundary_layer(prefix):
                 return None  # vLLM falls back to its unquantized MoE method
             return QuadsFusedMoEMethod(self, layer.moe_config)
         return None  # embeddings, lm_head, attention: unquantized
