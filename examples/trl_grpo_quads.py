@@ -157,6 +157,8 @@ def make_step_callback(path_jsonl, total_steps, t0):
     from tqdm.auto import tqdm
     from transformers import TrainerCallback
 
+    from quads.tensor.files import open_for_append
+
     class StepPrinter(TrainerCallback):
         """One compact line per step (reward, gap, IS masking) and the raw records to JSONL."""
 
@@ -171,7 +173,7 @@ def make_step_callback(path_jsonl, total_steps, t0):
             if not logs:
                 return
             rec = {"step": state.global_step, "elapsed_s": round(time.time() - t0, 2), **logs}
-            with open(path_jsonl, "a") as f:
+            with open_for_append(path_jsonl) as f:  # a symlink planted there is refused, not followed
                 f.write(json.dumps(rec) + "\n")
             if "reward" not in logs:
                 return
@@ -194,11 +196,16 @@ def make_step_callback(path_jsonl, total_steps, t0):
 
 
 def write_csv(rows, path):
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(STEP_KEYS)
-        for r in rows:
-            w.writerow([r.get(k, "") for k in STEP_KEYS])
+    import io
+
+    from quads.tensor.files import write_atomically
+
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(STEP_KEYS)
+    for r in rows:
+        w.writerow([r.get(k, "") for k in STEP_KEYS])
+    write_atomically(path, buf.getvalue())
 
 
 def plot(rows, path, title):
@@ -225,8 +232,15 @@ def plot(rows, path, title):
     ax2.legend(loc="upper right")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
+
+
+def save_figure(fig, path) -> None:
+    """``fig`` as a PNG at ``path``, written atomically (never through a planted symlink)."""
+    from quads.tensor.files import write_atomically
+
+    write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 def _running_mean(xs, w):
@@ -281,7 +295,7 @@ def compare(run_dirs, out: Path):
     fig.suptitle("TRL GRPO on the embedded MoE: reward and rollout-vs-trainer gap per policy")
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "compare.png", dpi=110)
+    save_figure(fig, out / "compare.png")
     plt.close(fig)
     print(f"wrote {out / 'compare.png'}")
 
@@ -401,7 +415,7 @@ def main(argv=None) -> dict:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig
 
-    from quads.diagnostics.cli_inputs import check_output_dir
+    from quads.diagnostics.cli_inputs import check_model_convertible, check_output_dir, check_tokenizer
     from quads.integrations.trl import POLICY_PRESETS, QuadsGRPOTrainer
     from quads.tasks import make_prompts, reward_exact_match
 
@@ -413,12 +427,20 @@ def main(argv=None) -> dict:
     print(f"  trainer side: {_describe(preset.trainer)}\n  rollout side: {_describe(preset.rollout)}")
 
     model, tok, max_len = load_models(args)  # a bad --model fails here, before any file is touched
+    where = args.model or "the embedded model"
+    check_model_convertible(model, [preset.trainer, preset.rollout], where)  # K % 16 & co., one line
+    try:
+        train_rows = make_prompts(args.train_prompts, seed=args.seed, split="train")
+        heldout = [p["prompt"] for p in make_prompts(args.eval_n, seed=args.seed, split="heldout")] if args.eval_n else []
+    except ValueError as err:  # more distinct problems asked for than the task has
+        raise UsageError(f"--train-prompts / --eval-n: {err}") from None
+    check_tokenizer(tok, model, where, [r["prompt"] for r in train_rows] + heldout)  # the prompts it will train on
     out_name = args.output_dir or f"runs/trl_grpo_{args.policy}"
     if Path(out_name).is_file():
         raise UsageError(f"output directory {out_name!r} is a file")
     out = Path(out_name)
     check_previous_run(out, args.overwrite)
-    train = Dataset.from_list(make_prompts(args.train_prompts, seed=args.seed, split="train"))
+    train = Dataset.from_list(train_rows)
     try:
         config = GRPOConfig(
             output_dir=str(out / "trainer"),
