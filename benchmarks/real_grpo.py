@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import random
-import tempfile
 import sys
 import time
 from pathlib import Path
@@ -58,6 +57,7 @@ from quads.models import find_smollm2, load_smollm2
 from quads.policies import POLICY_PRESETS, build_rollout_model, copy_model
 from quads.policies.presets import with_residual_fraction
 from quads.tasks.chain_sum import MAX_NEW_TOKENS, chat_prompt, make_problems, score_completion
+from quads.tensor.files import open_for_append, write_atomically
 
 FP8 = "fp8"
 #: configuration -> (trainer policy or None, rollout policy / FP8 / None)
@@ -188,19 +188,10 @@ def evaluate(trainer, sampler: RolloutSampler, tok, problems, device, max_new_to
 
 
 def _write_atomically(path: Path, write) -> None:
-    """``write(file)`` into a new temporary file beside ``path`` (O_EXCL), then rename it over
-    ``path``: an interrupted run leaves the old file or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # the mode an ordinary open() would give, not mkstemp's 0600
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """``write(file)`` into a new temporary file beside ``path``, then renamed over it
+    (:func:`quads.tensor.files.write_atomically`): an interrupted run leaves the old file or the
+    new one, never half of one, and a planted link is never written through."""
+    write_atomically(path, write)
 
 
 def _write_json(path: Path, obj) -> None:
@@ -296,7 +287,7 @@ def run(args) -> dict:
         sync_rollout(rollout, trainer)
         summary = json.loads(summary_path.read_text())
     else:
-        (run_dir / "metrics.jsonl").write_text("")
+        write_atomically(run_dir / "metrics.jsonl", "")
         summary = {"config": args.config, "seed": args.seed, "args": vars(args),
                    "engine": sampler.engine,
                    "heldout_before": evaluate(trainer, sampler, tok, heldout, device, args.max_new_tokens)}
@@ -306,7 +297,7 @@ def run(args) -> dict:
     target = args.total_steps or start + args.steps  # the run's last step
     end = min(start + args.steps, target)
     began = time.perf_counter()
-    with open(run_dir / "metrics.jsonl", "a") as log:
+    with open_for_append(run_dir / "metrics.jsonl") as log:
         for step in range(start, end):
             if args.time_budget_s and time.perf_counter() - began > args.time_budget_s:
                 end = step  # out of time for this call: save the state, continue with --resume

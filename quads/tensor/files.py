@@ -10,8 +10,8 @@ Every file quads, its benchmarks and its examples write goes through this module
   old file or the new one, never half of one; a symlink at the target's name is replaced, its
   destination never written; an interrupted write (Ctrl-C, a failed writer) leaves the old file
   and removes the temporary one. A missing directory is reported under its own name.
-* :func:`open_for_append`: logs that grow line by line (``metrics.jsonl``), opened with
-  ``O_NOFOLLOW``: a symlink at that name is refused, never followed.
+* :func:`open_for_append`: logs that grow line by line (``metrics.jsonl``, a child process's
+  output), opened with ``O_NOFOLLOW``: a symlink at that name is refused, never followed.
 * :func:`publish_modes`: the modes ``save_pretrained`` gives (files ``0666``, directories
   ``0777``, less the umask) for a directory tree built in a ``mkdtemp`` directory (``0700``)
   before it is renamed into place.
@@ -126,12 +126,14 @@ def atomic_path(path: str | os.PathLike, *, suffix: str | None = None, what: str
     _fsync_dir(parent)
 
 
-def open_for_append(path: str | os.PathLike, *, what: str = "append"):
-    """``path`` opened for appending text (created ``0666`` less the umask if new); a symlink
-    at ``path`` is refused (``O_NOFOLLOW``), never followed."""
+def open_for_append(path: str | os.PathLike, *, truncate: bool = False, what: str = "append"):
+    """``path`` opened for appending text (created ``0666`` less the umask if new; emptied first
+    with ``truncate``: a log a child process writes into); a symlink at ``path`` is refused
+    (``O_NOFOLLOW``), never followed."""
     existing_parent(path, what)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = os.open(path, flags, 0o666)
     except OSError as err:
         if Path(path).is_symlink():
             raise OSError(err.errno, f"{what}: {str(path)!r} is a symbolic link; refusing to write through it") from None
