@@ -378,7 +378,9 @@ def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], exact: dict[str, 
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """Refuse an existing non-empty ``out_dir`` (an export never overwrites files)."""
+    """Refuse an existing non-empty ``out_dir`` (an export never overwrites files) and a symlink."""
+    if out_dir.is_symlink():
+        raise FileExistsError(f"export: {out_dir} is a symbolic link; give a real new directory")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"export: {out_dir} exists and is not an empty directory; choose a new --out")
 
