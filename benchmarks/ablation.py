@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from quads.tensor.files import open_for_append, write_atomically
+
 POLICIES = ["bf16", "naive", "sym-qat", "w4a16-qat", "quads"]
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +42,7 @@ def run_all(args, extra) -> None:
                    "--seed", str(args.seed), "--threads", str(args.threads), *extra]
             if args.device:
                 cmd += ["--device", args.device]
-            log = open(out / f"{policy}.log", "w")
+            log = open_for_append(out / f"{policy}.log", truncate=True)  # never through a planted link
             print(f"[ablation] start {policy}: {' '.join(cmd)}", flush=True)
             procs.append((policy, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), time.time()))
         for item in list(procs):
@@ -131,7 +133,7 @@ def plots(results: dict, out: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("QUADS ablation on the embedded MoE arithmetic task")
     fig.tight_layout()
-    fig.savefig(out / "ablation.png", dpi=110)
+    write_atomically(out / "ablation.png", lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -153,8 +155,8 @@ def main() -> None:
     results = aggregate(out, args.policies)
     text = table(results)
     print(text)
-    (out / "ablation.md").write_text(text + "\n")
-    (out / "ablation.json").write_text(json.dumps(results, indent=1))
+    write_atomically(out / "ablation.md", text + "\n")
+    write_atomically(out / "ablation.json", json.dumps(results, indent=1))
     if results:
         plots(results, out)
 

@@ -72,6 +72,7 @@ from quads.kernels import fake_quantize_nvfp4 as fq  # noqa: E402
 from quads.kernels.quantize_nvfp4 import amax_rows  # noqa: E402
 from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize_weight_triton  # noqa: E402
 from quads.tensor.nvfp4_math import global_encode_scale_from_amax  # noqa: E402
+from quads.tensor.files import write_atomically  # noqa: E402
 
 DEVICE = torch.device(ARGS.device)
 CUDA = DEVICE.type == "cuda"
@@ -254,9 +255,7 @@ def main():
               f"{str(r['amax_kernel_TBps']):>8} {str(r['kernels_per_call']):>5} {r['bit_exact']}")
     if ARGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
-        with open(ARGS.out + ".tmp", "w") as f:
-            json.dump({"rows": ROWS}, f, indent=1)
-        os.replace(ARGS.out + ".tmp", ARGS.out)
+        write_atomically(ARGS.out, json.dumps({"rows": ROWS}, indent=1))
         print(f"wrote {ARGS.out} ({time.time() - START:.0f} s)")
 
 

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 import os
@@ -104,6 +105,7 @@ from quads.ops.activation_quant import activation_operands_triton, quantize_acti
 from quads.ops.humming_backend import HummingBackend, HummingWeight, dense_w4a4, dense_weight_fp16
 from quads.ops.linear import unscaled_values, w4a4_linear_reference
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
+from quads.tensor.files import write_atomically
 
 HOPPER = get_backend("hopper")
 QUADS_DEFAULT = ActivationQuant(residual_fraction=1.0)
@@ -875,17 +877,14 @@ def append_table(csv_path, out_dir) -> None:
 
 
 def write(out_dir, summ):
-    tmp = os.path.join(out_dir, "bench_humming.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"rows": ROWS, "summary": summ}, f, indent=1, default=str)
-    os.replace(tmp, os.path.join(out_dir, "bench_humming.json"))
+    write_atomically(os.path.join(out_dir, "bench_humming.json"),
+                     json.dumps({"rows": ROWS, "summary": summ}, indent=1, default=str))
     keys = sorted({k for r in ROWS for k in r})
-    tmp = os.path.join(out_dir, "bench_humming.csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=keys)
-        wr.writeheader()
-        wr.writerows(ROWS)
-    os.replace(tmp, os.path.join(out_dir, "bench_humming.csv"))
+    buf = io.StringIO(newline="")
+    wr = csv.DictWriter(buf, fieldnames=keys)
+    wr.writeheader()
+    wr.writerows(ROWS)
+    write_atomically(os.path.join(out_dir, "bench_humming.csv"), buf.getvalue())
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from quads.ops.activation_quant import activation_operands_triton  # noqa: E402
 from quads.ops.weight_quant import quantize_weight_triton  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
+from quads.tensor.files import write_atomically  # noqa: E402
 
 HOPPER = get_backend("hopper")
 ROWS: list = []
@@ -338,8 +339,7 @@ def main():
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         print(f"--- {name}: {time.time() - t:.0f}s", flush=True)
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump({"meta": meta, "rows": ROWS}, f, indent=1)
+        write_atomically(os.path.join(args.out, "bench.json"), json.dumps({"meta": meta, "rows": ROWS}, indent=1))
     if args.csv:
         import pathlib
 

@@ -38,6 +38,7 @@ import quads
 from benchmarks.timing import add_csv_argument, append_results
 from quads.policies import sync as sync_mod
 from quads.tensor.finite import check_finite
+from quads.tensor.files import write_atomically
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 SIZES = {  # (llama kwargs, qwen3-moe kwargs)
@@ -189,7 +190,7 @@ def main(argv=None) -> dict:
     path = Path(args.out) / f"sync_{args.model}_{size}_{device.type}.json" if args.out else None
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        write_atomically(path, json.dumps(result, indent=1) + "\n")
         print(f"wrote {path}")
     shape = f"{args.model} {size}: {n_params / 1e6:.0f}M parameters, {n_tensors} tensors, {backend} backend"
     append_results([{"kernel": "sync_weights_", "shape": shape, "variant": key, "us": value["median"] * 1e3}

@@ -126,6 +126,7 @@ from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize
 from quads.policies.modules import TrainerExperts, TrainerLinear, apply_gate
 from quads.ops.experts import experts_loop
 from quads.policies.ste import fake_quantize_activation, fake_quantize_weight
+from quads.tensor.files import write_atomically
 
 DEVICE = torch.device(ARGS.device)
 
@@ -632,10 +633,7 @@ def main():
         for row in table:
             print(row)
     os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
-    tmp = ARGS.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"rows": ROWS, "table": table}, f, indent=1)
-    os.replace(tmp, ARGS.out)  # never a half-written file
+    write_atomically(ARGS.out, json.dumps({"rows": ROWS, "table": table}, indent=1))  # never half, never via a link
     append_results(CSV_ROWS, raw=ARGS.out, csv_path=ARGS.csv)
     print(f"wrote {ARGS.out} ({time.time() - START:.0f} s)")
 

@@ -46,6 +46,7 @@ from quads.kernels import fake_quantize_nvfp4 as fq  # noqa: E402
 from quads.ops.backend import get_backend  # noqa: E402
 from quads.policies.modules import TrainerModule  # noqa: E402
 from quads.tensor.nvfp4_math import shared_global_encode_scale  # noqa: E402
+from quads.tensor.files import write_atomically  # noqa: E402
 
 
 class _NoLaunch:
@@ -171,10 +172,7 @@ def main(argv=None):
     report = "\n".join(lines)
     print(report)
     if args.out:
-        tmp = f"{args.out}.tmp"  # whole or not at all: write aside, then rename
-        with open(tmp, "w") as f:
-            f.write(report + "\n")
-        os.replace(tmp, args.out)
+        write_atomically(args.out, report + "\n")  # whole or not at all, never through a planted link
 
 
 if __name__ == "__main__":

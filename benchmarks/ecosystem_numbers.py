@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from quads.tensor.files import write_atomically
+
 
 def recipe_diff(sizes=(1024, 4096), seeds=(0, 1, 2)) -> list[dict]:
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor as TorchaoNVFP4
@@ -82,7 +84,7 @@ def main() -> None:
     print(text)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "ecosystem_numbers.json").write_text(text + "\n")
+        write_atomically(Path(args.out) / "ecosystem_numbers.json", text + "\n")
 
 
 if __name__ == "__main__":

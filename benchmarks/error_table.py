@@ -27,6 +27,7 @@ import torch
 import quads
 from quads.ops import ActivationQuant, quantize_activation, dequantize_activation
 from quads.policies.scale_groups import group_scale_of
+from quads.tensor.files import write_atomically
 
 CONFIGS = [
     # name, side, policy kwargs
@@ -215,9 +216,8 @@ def main():
             f"| {r['vs_w4a16_trainer_logits_rel_err']:.4f} | {r['vs_w4a16_trainer_gap_mean']:.4f} / {r['vs_w4a16_trainer_gap_max']:.4f} |"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": what, "layer": layer, "weight_global_scale": mode, "weight_rows": wt,
-                       "layer_rows": lt, "model_rows": mt}, f, indent=1)
+        write_atomically(args.json, json.dumps({"model": what, "layer": layer, "weight_global_scale": mode,
+                                                "weight_rows": wt, "layer_rows": lt, "model_rows": mt}, indent=1))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 
 
 import quads  # noqa: E402
+from quads.tensor.files import write_atomically  # noqa: E402
 from tests.tiny_models import build  # noqa: E402
 
 
@@ -72,8 +73,7 @@ def main():
         print(json.dumps(results, indent=1))
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "fsdp_saved_bytes.json"), "w") as f:
-                json.dump(results, f, indent=1)
+            write_atomically(os.path.join(args.out, "fsdp_saved_bytes.json"), json.dumps(results, indent=1))
     dist.destroy_process_group()
 
 

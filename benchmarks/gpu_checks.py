@@ -59,6 +59,7 @@ from quads.ops.linear import unscaled_values, w4a16_linear  # noqa: E402
 from quads.ops.weight_quant import quantize_weight_triton  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
+from quads.tensor.files import write_atomically  # noqa: E402
 
 RESULTS: dict = {}
 HOPPER = get_backend("hopper")
@@ -545,8 +546,7 @@ def main():
     for name in args.only.split(","):
         CHECKS[name]()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "checks.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
+    write_atomically(os.path.join(args.out, "checks.json"), json.dumps(RESULTS, indent=1))
     nfail = sum(not r["ok"] for r in RESULTS.values())
     print(f"CHECKS: {len(RESULTS) - nfail} passed, {nfail} failed", flush=True)
 

@@ -39,6 +39,7 @@ from benchmarks.rollout_throughput import DEVICE, GLUE, build_model
 from benchmarks.timing import add_csv_argument, append_results
 from quads.engine import GraphedDecoder, SamplingSpec
 from quads.policies import build_rollout_model
+from quads.tensor.files import write_atomically
 
 FAMILIES = [
     ("quads quant", r"^_(act_quant|quantize|amax|scaled_fp16)"),  # quads' Triton kernels are named _...
@@ -162,8 +163,7 @@ def main():
             torch.cuda.empty_cache()
         del base
         torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "profile_decode_step.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write_atomically(os.path.join(args.out, "profile_decode_step.json"), json.dumps(results, indent=1))
     append_results(_csv_rows(results["cases"], args), raw=os.path.join(args.out, "profile_decode_step.json"),
                    csv_path=args.csv)
 

@@ -24,6 +24,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from quads.tensor.files import write_atomically
 #: the source paper's numbers (max per-step gap, final accuracy); "-" where it gives none
 PAPER = {"bf16": ("0.74", "73.15"), "fp8": ("-", "72.88"), "naive": ("1.3", "51.37"), "quads": ("0.86", "72.86")}
 #: per-step keys, the example's (TRL log records) -> the table's
@@ -164,7 +165,7 @@ def plots(runs: dict[str, list[dict]], out: Path, prefix: str) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out / name
-        fig.savefig(path, dpi=110)
+        write_atomically(path, lambda f: fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=110))
         plt.close(fig)
         written.append(path)
     return written

@@ -61,6 +61,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from benchmarks.timing import add_csv_argument, append_results  # noqa: E402
+from quads.tensor.files import write_atomically  # noqa: E402
 
 VOCAB = 32000
 PHASES = ("step", "generate", "score", "train", "sync")
@@ -275,10 +276,10 @@ def main(argv=None) -> int:
                   f"{row['score_s']:.3f}, train {row['train_s']:.3f}, sync {row['sync_s']:.4f}; first step "
                   f"{row['first_step_s']:.1f} s; {row['decode']['decoder']}, {row['decode']['captures']} capture(s)) "
                   f"[{time.time() - t0:.0f} s]", flush=True)
-            (out / "rl_step.json").write_text(json.dumps({"args": vars(args), "rows": rows, "skipped": skipped}, indent=1))
+            write_atomically(out / "rl_step.json", json.dumps({"args": vars(args), "rows": rows, "skipped": skipped}, indent=1))
     text = table(rows) + (f"\n\nnot run (--budget-s): {', '.join(skipped)}" if skipped else "")
-    (out / "rl_step.json").write_text(json.dumps({"args": vars(args), "rows": rows, "skipped": skipped}, indent=1))
-    (out / "rl_step.md").write_text(text + "\n")
+    write_atomically(out / "rl_step.json", json.dumps({"args": vars(args), "rows": rows, "skipped": skipped}, indent=1))
+    write_atomically(out / "rl_step.md", text + "\n")
     print(text)
     shape = f"B={args.prompts}x{args.generations} prompt={args.prompt_len} new={args.new_tokens}"
     append_results([{"kernel": f"rl_step/{phase}", "shape": f"{r['model']} {shape}", "variant": r["variant"],

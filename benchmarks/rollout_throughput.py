@@ -50,6 +50,7 @@ import torch
 import quads  # noqa: E402
 from quads.engine import GraphedDecoder, SamplingSpec  # noqa: E402
 from quads.policies import build_rollout_model, copy_model  # noqa: E402
+from quads.tensor.files import write_atomically  # noqa: E402
 
 VOCAB = 32000
 VARIANTS = {
@@ -285,10 +286,8 @@ def main():
                 del model
             model = None
             _free()
-            with open(os.path.join(args.out, "rollout_throughput.json"), "w") as f:
-                json.dump(dict(meta=meta, rows=ROWS), f, indent=1)
-    with open(os.path.join(args.out, "rollout_throughput.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=ROWS), f, indent=1)
+            write_atomically(os.path.join(args.out, "rollout_throughput.json"), json.dumps(dict(meta=meta, rows=ROWS), indent=1))
+    write_atomically(os.path.join(args.out, "rollout_throughput.json"), json.dumps(dict(meta=meta, rows=ROWS), indent=1))
 
 
 if __name__ == "__main__":

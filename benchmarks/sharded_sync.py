@@ -40,6 +40,7 @@ import quads  # noqa: E402
 from benchmarks.timing import add_csv_argument, append_results  # noqa: E402
 from quads.policies.shards import trainer_masters  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
+from quads.tensor.files import write_atomically  # noqa: E402
 
 MODELS = {
     # name: (transformers config class name, kwargs)
@@ -230,8 +231,7 @@ def main():
     raw = os.path.join(args.out, "results.json") if args.out else ""
     if dist.get_rank() == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(raw, "w") as f:
-            json.dump(results, f, indent=1)
+        write_atomically(raw, json.dumps(results, indent=1))
     if dist.get_rank() == 0:
         append_results(_csv_rows(results), raw=raw, csv_path=args.csv)
     ok = all(r["packed_equals_gather"] for r in results)

@@ -111,7 +111,7 @@ def append_results(rows, raw: str, csv_path=RESULTS_CSV) -> None:
         return
     body = _csv_text(lines)
     csv_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(csv_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(csv_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # a planted link: refused
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size

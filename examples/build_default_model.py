@@ -179,14 +179,33 @@ def main() -> None:
         top_k=0,
         top_p=1.0,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    tok.save_pretrained(args.out)
-    (args.out / "build_info.json").write_text(
-        json.dumps({"command": " ".join(sys.argv), "seed": args.seed, "max_digits": MAX_DIGITS, **results}, indent=2) + "\n"
-    )
+    save_model_files(args.out, model, tok, {"command": " ".join(sys.argv), "seed": args.seed,
+                                            "max_digits": MAX_DIGITS, **results})
     size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
     print(f"saved to {args.out} ({size / 1e6:.2f} MB); total {time.time() - t0:.1f}s", flush=True)
+
+
+def save_model_files(out: Path, model, tok, info: dict) -> None:
+    """The model, tokenizer and ``build_info.json`` into ``out``: written in a fresh directory
+    beside it, then each file renamed into place (a symlink planted at one of their names in
+    ``out`` is replaced, never written through), with ``save_pretrained``'s modes."""
+    import os
+    import shutil
+    import tempfile
+
+    from quads.tensor.files import publish_modes, write_atomically
+
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tok.save_pretrained(staging)
+        write_atomically(staging / "build_info.json", json.dumps(info, indent=2) + "\n")
+        publish_modes(staging)
+        for f in sorted(staging.iterdir()):
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 if __name__ == "__main__":

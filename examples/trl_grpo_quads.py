@@ -206,6 +206,8 @@ def make_step_callback(path_jsonl, total_steps, t0, no_signal_hint: str, rows=()
     from tqdm.auto import tqdm
     from transformers import TrainerCallback
 
+    from quads.tensor.files import open_for_append
+
     class StepPrinter(TrainerCallback):
         """One compact line per step (reward, gap, IS masking, phase times) and the raw records to
         JSONL; the step's wall clock (``timing/step_s``, the device synchronized at its end) and
@@ -239,7 +241,7 @@ def make_step_callback(path_jsonl, total_steps, t0, no_signal_hint: str, rows=()
             if "reward" in logs:
                 gen, sync = logs.get("timing/quads/generate_s", 0.0), logs.get("timing/quads/sync_s", 0.0)
                 rec.update({"timing/step_s": self.step_s, "timing/train_s": self.step_s - gen - sync})
-            with open(path_jsonl, "a") as f:
+            with open_for_append(path_jsonl) as f:  # a symlink planted there is refused, not followed
                 f.write(json.dumps(rec) + "\n")
             if "reward" not in logs:
                 return
@@ -290,11 +292,16 @@ def make_time_budget(seconds: float | None):
 
 
 def write_csv(rows, path):
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(STEP_KEYS)
-        for r in rows:
-            w.writerow([r.get(k, "") for k in STEP_KEYS])
+    import io
+
+    from quads.tensor.files import write_atomically
+
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(STEP_KEYS)
+    for r in rows:
+        w.writerow([r.get(k, "") for k in STEP_KEYS])
+    write_atomically(path, buf.getvalue())
 
 
 def plot(rows, path, title):
@@ -321,8 +328,15 @@ def plot(rows, path, title):
     ax2.legend(loc="upper right")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
+
+
+def save_figure(fig, path) -> None:
+    """``fig`` as a PNG at ``path``, written atomically (never through a planted symlink)."""
+    from quads.tensor.files import write_atomically
+
+    write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 def _running_mean(xs, w):
@@ -377,7 +391,7 @@ def compare(run_dirs, out: Path):
     fig.suptitle("TRL GRPO on the embedded MoE: reward and rollout-vs-trainer gap per policy")
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "compare.png", dpi=110)
+    save_figure(fig, out / "compare.png")
     plt.close(fig)
     print(f"wrote {out / 'compare.png'}")
 
@@ -574,7 +588,7 @@ def main(argv=None) -> dict:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig
 
-    from quads.diagnostics.cli_inputs import check_output_dir
+    from quads.diagnostics.cli_inputs import check_model_convertible, check_output_dir, check_tokenizer
     from quads.integrations.trl import POLICY_PRESETS, QuadsGRPOTrainer
     from quads.tasks.grpo_tasks import no_signal_hint
 
@@ -592,6 +606,13 @@ def main(argv=None) -> dict:
     problem = preset_problem(preset, model)
     if problem:
         raise UsageError(f"--policy {args.policy}: {problem}")
+    where = args.model or "the embedded model"
+    check_model_convertible(model, [preset.trainer, preset.rollout], where)  # K % 16 & co., one line
+    try:
+        train_rows = task.rows(tok, args.train_prompts, args.seed)
+    except ValueError as err:  # more distinct problems asked for than the task has
+        raise UsageError(f"--train-prompts: {err}") from None
+    check_tokenizer(tok, model, where, [r["prompt"] for r in train_rows])  # the prompts it will train on
     out_name = args.output_dir or f"runs/trl_grpo_{args.policy}"
     if Path(out_name).is_file():
         raise UsageError(f"output directory {out_name!r} is a file")
@@ -599,7 +620,7 @@ def main(argv=None) -> dict:
     resume = paused_run(out, args) if args.resume else None
     if resume is None:
         check_previous_run(out, args.overwrite)
-    train = Dataset.from_list(task.rows(tok, args.train_prompts, args.seed))
+    train = Dataset.from_list(train_rows)
     batch = args.prompts_per_step * args.num_generations
     try:
         config = GRPOConfig(

@@ -207,7 +207,7 @@ def test_exact_encode_scales_travel_in_the_metadata(tmp_path):
     back = read_modelopt_checkpoint(tmp_path / "ck")["model.layers.0.self_attn.o_proj.weight"]
     assert torch.equal(back.dequantize(torch.bfloat16), nvfp4_fake_quantize(w.detach()))
     save_file(tensors, str(file), metadata={"format": "pt"})  # as another tool would write it
-    plain = read_modelopt_checkpoint(tmp_path / "ck")["model.layers.0.self_attn.o_proj.weight"]
+    plain = read_modelopt_checkpoint(tmp_path / "ck", verify=False)["model.layers.0.self_attn.o_proj.weight"]
     assert plain.global_encode_scale.item() != back.global_encode_scale.item()  # 1/weight_scale_2: an ulp off
 
 

@@ -3,7 +3,8 @@
 Every check runs before any work starts and fails with a :class:`UsageError` whose message is
 one line naming the culprit (the CLI prints it and exits with status 2), instead of a traceback
 from deep inside transformers or the tokenizer, or an error after a long run. Nothing here
-changes the user's files: an output path is probed and the probe removed again.
+changes the user's files: an output path is probed with a fresh temporary file in its
+directory (``O_EXCL``: no planted name, no symlink is opened), removed again.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "seed_int",
     "thread_count",
     "check_tokenizer",
+    "check_model_convertible",
     "atomic_write_text",
 ]
 
@@ -156,18 +158,18 @@ def _check_model_dir(path: Path) -> None:
         raise UsageError(f"{str(path)!r} has no weights (none of {', '.join(_WEIGHT_FILES)})")
 
 
-def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, set_pad: bool = True,
-                         probe_prompts=None, prompts_source: str | None = None):
+def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, set_pad: bool = True, prompts=None,
+                         prompts_source: str | None = None):
     """``(model, tokenizer)`` from a local Hugging Face causal-LM directory, never the hub.
 
-    The tokenizer gets a pad token (its EOS) when it has none, and must encode a probe prompt
-    to ids inside the model's vocabulary (:func:`check_tokenizer`). Raises UsageError for a
+    The tokenizer gets a pad token (its EOS) when it has none, and must encode ``prompts`` (the
+    ones the caller will run; without them a probe prompt) to ids inside the model's vocabulary
+    (:func:`check_tokenizer`). Raises UsageError for a
     missing, empty or corrupt directory (no config, unreadable config or weights, weights that
     leave parameters missing) or tokenizer, naming the path and the underlying error in one
     line. ``require_tokenizer=False``: a directory without a usable tokenizer gives ``None``.
     ``set_pad=False`` leaves the tokenizer as stored (``quads export`` saves it unchanged).
-    ``probe_prompts``: the user's prompts to probe with instead (``prompts_source``: the file
-    they came from, named in the error).
+    ``prompts_source``: the file ``prompts`` came from, named in the errors.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -198,7 +200,7 @@ def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, se
             if tok.eos_token is None:
                 raise UsageError(f"the tokenizer in {str(where)!r} has neither a pad nor an EOS token")
             tok.pad_token = tok.eos_token
-        check_tokenizer(tok, model, where, *((probe_prompts,) if probe_prompts else ()), source=prompts_source)
+        check_tokenizer(tok, model, where, prompts, source=prompts_source)
     except UsageError:
         if require_tokenizer:
             raise
@@ -211,21 +213,49 @@ def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, se
     return model, tok
 
 
-def check_tokenizer(tok, model, where, prompts=("1 + 2 =",), source: str | None = None) -> None:
-    """Raise UsageError unless every prompt tokenizes to at least one id the model's embedding has.
+#: what :func:`check_tokenizer` encodes when the caller has no prompts of its own
+PROBE_PROMPTS = ("1 + 2 =",)
+
+
+def _prompt_name(prompts: list[str], i: int, source: str | None) -> str:
+    return f"{prompts[i][:40]!r}" + (f" (prompt {i + 1} of {source!r})" if source else "")
+
+
+def _encode_all(tok, prompts: list[str], where, source: str | None = None) -> list[list[int]]:
+    try:
+        return tok(prompts, add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001 - find the prompt it fails on, below
+        pass
+    out = []
+    for i, prompt in enumerate(prompts):
+        try:
+            out.append(tok(prompt, add_special_tokens=False)["input_ids"])
+        except Exception as err:  # noqa: BLE001 - a tokenizer that cannot encode is reported as such
+            raise UsageError(f"the tokenizer in {str(where)!r} cannot encode {_prompt_name(prompts, i, source)}: "
+                             f"{_one_line(err)}") from err
+    return out
+
+
+def check_tokenizer(tok, model, where, prompts=None, *, allow_unknown: bool = False, source: str | None = None) -> None:
+    """Raise UsageError unless every prompt of ``prompts`` (the user's own: a tokenizer must be
+    checked on the text it will see; :data:`PROBE_PROMPTS` when None) tokenizes to at least one
+    id the model's embedding has, and, unless ``allow_unknown`` (a tool's own default prompts,
+    the probe), without any part of one becoming the unknown token (the model would see
+    mangled text).
 
     transformers builds a tokenizer even from a directory without tokenizer files (a vocabulary
     of one special token); it encodes every prompt to nothing, and generation then fails deep
-    inside ``generate`` with an IndexError. Checked up front, naming the directory (and
-    ``source``, the file the prompts came from).
+    inside ``generate`` with an IndexError. A tokenizer of another vocabulary (a word-level one
+    without digits, say) encodes the user's data to ``[UNK]`` and every number downstream is
+    meaningless. Checked up front, naming the directory and the prompt (and ``source``, the file
+    the prompts came from).
     """
+    strict = prompts is not None and not allow_unknown
+    prompts = [str(p) for p in (PROBE_PROMPTS if prompts is None else prompts)]
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    for i, prompt in enumerate(prompts):
-        what = f"{prompt[:40]!r}" + (f" (prompt {i + 1} of {source!r})" if source else "")
-        try:
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        except Exception as err:  # noqa: BLE001 - a tokenizer that cannot encode is reported as such
-            raise UsageError(f"the tokenizer in {str(where)!r} cannot encode {what}: {_one_line(err)}") from err
+    unk, unk_text = getattr(tok, "unk_token_id", None), getattr(tok, "unk_token", None)
+    for i, (prompt, ids) in enumerate(zip(prompts, _encode_all(tok, prompts, where, source))):
+        what = _prompt_name(prompts, i, source)
         if not ids:
             raise UsageError(
                 f"the tokenizer in {str(where)!r} encodes {what} to no tokens (vocabulary of {len(tok)}; "
@@ -236,22 +266,42 @@ def check_tokenizer(tok, model, where, prompts=("1 + 2 =",), source: str | None 
                 f"the tokenizer in {str(where)!r} gives token id {max(ids)} for {what}, "
                 f"outside the model's vocabulary of {vocab}"
             )
+        if strict and unk is not None and unk in ids and not (unk_text and unk_text in prompt):
+            raise UsageError(
+                f"the tokenizer in {str(where)!r} encodes part of {what} as its unknown token {unk_text!r}: "
+                "the model would see mangled text (is it the model's own tokenizer?)"
+            )
+
+
+def check_model_convertible(model, policies, where) -> None:
+    """Raise UsageError (one line, naming the layer) unless ``quantize_`` can convert ``model``
+    with every policy of ``policies`` (K a multiple of 16, dtypes, expert layouts, ties): checked
+    on metadata only, before any work, instead of a traceback once sampling has started."""
+    from quads.policies.quantize import check_convertible
+
+    seen = set()
+    for policy in policies:
+        if policy is None or policy in seen:
+            continue
+        seen.add(policy)
+        try:
+            check_convertible(model, policy)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            raise UsageError(f"{where}: cannot quantize this model ({policy.side} side): {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def atomic_write_text(path, text: str) -> None:
-    """Write ``path`` atomically: a new uniquely named file in the same directory (created with
-    O_EXCL by :func:`tempfile.mkstemp`, so a planted ``path.tmp`` symlink is never followed),
-    then :func:`os.replace`. A reader sees the old or the new content, never half; on failure
-    the temporary file is removed."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``path`` atomically and symlink-safely, mode 0666 less the umask
+    (:func:`quads.tensor.files.write_atomically`): a reader sees the old or the new content,
+    never half; a symlink at ``path`` is replaced, never written through."""
+    from quads.tensor.files import write_atomically
+
+    write_atomically(path, text)
 
 
 def regex(text: str) -> str:
@@ -301,19 +351,27 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def _probe_dir(directory: Path) -> None:
+    """Create and remove a fresh temporary file in ``directory`` (OSError if it cannot be written)."""
+    fd, probe = tempfile.mkstemp(prefix=".quads-write-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_output_file(path: str) -> None:
-    """Raise UsageError unless ``path`` can be written (probed by opening it; a new file is removed)."""
+    """Raise UsageError unless ``path`` can be written: its directory exists and takes a new file
+    (probed; the file is later written atomically beside and renamed over ``path``, so ``path``
+    itself is never opened: a symlink there, dangling or not, is replaced, not followed)."""
     target = Path(path)
     if target.is_dir():
         raise UsageError(f"output {path!r} is a directory, expected a file path")
-    existed = target.exists()
+    parent = target.absolute().parent
+    if not parent.is_dir():
+        raise UsageError(f"cannot write {path!r}: the directory {str(parent)!r} does not exist")
     try:
-        with open(target, "a"):
-            pass
+        _probe_dir(parent)
     except OSError as err:
         raise UsageError(f"cannot write {path!r}: {_one_line(err)}") from None
-    if not existed:
-        target.unlink()
 
 
 def check_output_dir(path: str) -> Path:
@@ -323,9 +381,7 @@ def check_output_dir(path: str) -> Path:
         raise UsageError(f"output directory {path!r} is a file")
     try:
         target.mkdir(parents=True, exist_ok=True)
-        probe = target / f".quads-write-probe-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        _probe_dir(target)
     except OSError as err:
         raise UsageError(f"cannot write into output directory {path!r}: {_one_line(err)}") from None
     return target

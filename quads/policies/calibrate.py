@@ -16,6 +16,7 @@ import torch.nn as nn
 from quads.ops.activation_quant import num_residual_channels
 from quads.policies.modules import RolloutExperts, RolloutLinear
 from quads.policies.quantize import quantized_modules
+from quads.tensor.finite import check_all_finite
 from quads.tensor.nvfp4_math import nvfp4_dequantize, nvfp4_quantize
 
 __all__ = ["calibrate_residual_channels"]
@@ -49,7 +50,8 @@ def calibrate_residual_channels(model: nn.Module, batches: Iterable[dict | torch
 
     ``batches`` yields model inputs (a dict of kwargs or an ``input_ids`` tensor). Layers use
     the masks only if their policy has ``residual_selection="static"``. Returns the number of
-    layers calibrated. Layers that saw no token (unrouted experts' inputs) raise.
+    layers calibrated. Layers that saw no token (unrouted experts' inputs) raise, and so do
+    NaN/Inf activations (naming the layers; checked once, at the end, before any mask is set).
     """
     layers = {n: m for n, m in quantized_modules(model).items() if isinstance(m, (RolloutLinear, RolloutExperts))}
     if not layers:
@@ -74,6 +76,9 @@ def calibrate_residual_channels(model: nn.Module, batches: Iterable[dict | torch
             module.quads_policy = policies[name]
             if isinstance(module, RolloutExperts):
                 module.quads_observer = None
+    # a NaN/Inf activation makes its layer's sums non-finite: one check for all, before any mask is set
+    check_all_finite(stats.sums.items(), "calibrate_residual_channels: non-finite calibration activations (no mask "
+                     "was set); the inputs of these layers held NaN/Inf")
     for name, module in layers.items():
         fraction = module.quads_policy.residual_fraction
         if isinstance(module, RolloutLinear):

@@ -69,6 +69,8 @@ def fuse_projections_(model: nn.Module) -> int:
     the number of groups made (sets already grouped are left as they are; dormant groups of
     :func:`sibling_groups_` are replaced). Modules that do not qualify (not rollout linears, a
     calibrated residual mask, different backends or configurations) are left as they are."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fuse_projections_ takes an nn.Module (a quads rollout model), got {type(model).__name__}")
     groups = 0
     for members in _sibling_sets(model):
         if _groupable(members) and not all(m.quads_group is not None and m.quads_group.enabled for m in members):

@@ -145,6 +145,7 @@ class QuadsPolicy:
                 ActivationQuant(**{act_field: getattr(self, policy_field)})
             except ValueError as err:
                 raise ValueError(f"QuadsPolicy.{policy_field} (side={self.side!r}): {err}") from None
+        object.__setattr__(self, "residual_fraction", float(self.residual_fraction))  # e.g. numpy.float32
 
     @property
     def all_skip_patterns(self) -> tuple[str, ...]:

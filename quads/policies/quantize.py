@@ -5,7 +5,9 @@ float dtype, a supported experts layout, values present (not meta) for the rollo
 weights, finiteness of every weight in one fused pass), then quantizes every rollout weight
 into new NVFP4Tensors, and only then swaps classes and parameters. An error at any point
 names the module and leaves the model exactly as it was (the same parameter objects, bit for
-bit); a failure during the final swap is rolled back.
+bit); a failure during the final swap is rolled back, and so is any exception after it, Ctrl-C
+included, up to the last step (hooks, attributes, the refused ``save_pretrained``):
+:class:`~quads.policies.transaction.ModuleTreeSnapshot`.
 
 Tied weights: on the trainer side a tied weight stays one parameter (the class swap does not
 touch parameters). On the rollout side a weight shared by several converted modules of the same
@@ -24,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from quads.ops.backend import Backend, select_backend
+from quads.policies.load_check import RolloutLoadCheck
 from quads.policies.modules import (
     QuadsModule,
     RolloutExperts,
@@ -33,13 +36,14 @@ from quads.policies.modules import (
 )
 from quads.policies.policy import QuadsPolicy
 from quads.policies.scale_groups import GroupScaleLoadCheck, ScaleGroup, sibling_groups
+from quads.policies.transaction import ModuleTreeSnapshot
 from quads.policies.walk import ConversionTarget, FilterFn, policy_targets
 from quads.tensor.finite import check_all_finite, check_dequantized_range, check_finite
 from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
-__all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "convert_targets", "refuse_save_pretrained",
-           "SavePretrainedRefused"]
+__all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "check_convertible", "convert_targets",
+           "refuse_save_pretrained", "SavePretrainedRefused"]
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
 _QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -267,6 +271,9 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
     Meta-device trainer models are accepted (the class swap needs no values; nothing can be
     checked for finiteness there).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_ takes an nn.Module as its model, got {type(model).__name__}"
+                        + (" (a state dict? load it into a model first)" if isinstance(model, dict) else ""))
     if not isinstance(policy, QuadsPolicy):
         raise TypeError(f"quantize_ takes a QuadsPolicy, got {type(policy).__name__}")
     already = quantized_modules(model)
@@ -282,9 +289,15 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
             + (" and accepted by filter_fn" if filter_fn else "")
             + ")"
         )
-    convert_targets(targets, policy, model)
-    if policy.side == "rollout":
-        refuse_save_pretrained(model)
+    snapshot = ModuleTreeSnapshot(model)
+    try:
+        convert_targets(targets, policy, model)
+        if policy.side == "rollout":
+            model.register_load_state_dict_pre_hook(RolloutLoadCheck())  # every value checked before any loads
+            refuse_save_pretrained(model)
+    except BaseException:  # Ctrl-C included: every class, attribute and hook back as it was
+        snapshot.restore()
+        raise
     return model
 
 
@@ -317,6 +330,21 @@ def check_target(target: ConversionTarget, policy: QuadsPolicy) -> None:
     t = _Target(*target)
     _check_target(t, policy.side)
     check_all_finite({id(w): (q, w) for q, w in t.weights()}.values(), "quantize_")
+
+
+def check_convertible(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None = None) -> int:
+    """Raise what ``quantize_(model, policy, filter_fn)`` would raise for the modules' kinds,
+    shapes (K % 16), dtypes, layouts and ties, naming the module, without converting anything or
+    reading a value (finiteness is not checked); returns the number of modules it would convert.
+    For command-line tools, which must refuse a model before any work."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_ takes an nn.Module as its model, got {type(model).__name__}")
+    staged = [_Target(*t) for t in policy_targets(model, policy, filter_fn)]
+    for t in staged:
+        _check_target(t, policy.side)
+    if policy.side == "rollout":
+        _check_ties(model, staged)
+    return len(staged)
 
 
 def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy, model: nn.Module | None = None) -> None:

@@ -12,6 +12,7 @@ from quads.policies.fused_projections import fuse_projections_
 from quads.policies.quantize import quantize_
 from quads.policies.shards import is_dtensor
 from quads.policies.sync import sync_weights_
+from quads.policies.walk import conversion_targets
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["copy_model", "build_rollout_model"]
@@ -84,6 +85,8 @@ def build_rollout_model(
     """
     if policy is not None and policy.side != "rollout":
         raise ValueError(f"build_rollout_model needs a rollout-side policy, got side={policy.side!r}")
+    if policy is not None:  # what the copy (built from the config) would drop: an instance-level forward
+        conversion_targets(trainer_model, policy.skips)
     rollout = copy_model(trainer_model, dtype, device)
     if policy is not None:
         quantize_(rollout, policy)

@@ -209,8 +209,8 @@ class GroupScaleLoadCheck:
                 scale = shared_global_encode_scale(present[k].detach() for k in keys)
                 for k in keys:
                     w = present[k].detach()
-                    state_dict[k] = NVFP4Tensor(*nvfp4_quantize(w, "tensor", scale.clone()), orig_dtype=w.dtype,
-                                                check_values=False)
+                    parts = nvfp4_quantize(w, "tensor", scale.clone(), check_values=False)
+                    state_dict[k] = NVFP4Tensor(*parts, orig_dtype=w.dtype, check_values=False)
                 continue
             scales.update({k: v.global_encode_scale for k, v in present.items()})
         check_group_scales(groups, scales, "load_state_dict")

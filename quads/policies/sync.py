@@ -20,6 +20,10 @@ never leave the rollout half-updated while it still produces plausible numbers:
 Any error in 1-3 leaves the rollout bit for bit as it was and names the parameter(s); an
 exception in 4, KeyboardInterrupt included, restores every tensor already written from a
 per-tensor snapshot (:func:`_write`), so no weight is ever left torn (new codes, old scales).
+
+Two syncs into one rollout never interleave: each holds the rollout's lock
+(:func:`quads.policies.sync_lock.rollout_write_lock`) from plan to write, so a second one waits
+and then writes whole.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from quads.ops.backend import Backend, select_backend
 from quads.policies.modules import QuadsModule, rollout_owners
 from quads.policies.scope import conversion_mismatch
 from quads.policies.shards import has_sharded_parameters
+from quads.policies.sync_lock import rollout_write_lock
 from quads.tensor.finite import check_all_finite, check_dequantized_range
 from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
@@ -283,12 +288,21 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict:
 
     A sharded trainer (FSDP2 / DTensor parameters) makes this a collective: every rank calls it
     with its own full rollout replica (:func:`quads.policies.sharded_sync.sync_sharded_weights_`).
+
+    Concurrent syncs into one rollout (two trainer threads) take turns: each holds the
+    rollout's lock for the whole transaction (see the module doc).
     """
     for what, model in (("rollout_model", rollout_model), ("trainer_model", trainer_model)):
         if not isinstance(model, nn.Module):
             raise TypeError(f"sync_weights_: {what} must be an nn.Module, got {type(model).__name__}"
                             + (" (to sync from a state dict, load it into a trainer model first)"
                                if isinstance(model, dict) else ""))
+    with rollout_write_lock(rollout_model):
+        return _sync(rollout_model, trainer_model, strict)
+
+
+def _sync(rollout_model: nn.Module, trainer_model: nn.Module, strict: bool) -> int:
+    """The transaction of :func:`sync_weights_`, under the rollout's lock."""
     mismatch = conversion_mismatch(rollout_model, trainer_model)
     if mismatch:
         raise ValueError(f"sync_weights_: nothing was written; {mismatch}")

@@ -11,6 +11,10 @@ A subclass of ``nn.Linear`` that overrides ``forward`` (``super().forward(x) * 2
 transformers' ``DeepseekV4GroupedLinear``, which reshapes) is refused, naming it: converting
 it would replace its forward with a plain linear one on both sides, a different model with no
 error. Skip it (``QuadsPolicy(extra_skip_patterns=...)`` or ``filter_fn``) to keep it dense.
+An instance-level override (``m.forward = f``, or an accelerate hook's wrapper) is refused the
+same way, for any module the walk would convert: the instance's ``forward`` shadows the class
+quads swaps in, so the layer would silently stay unquantized on one side while a rollout built
+from the config (which has no ``f``) is quantized on the other.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from quads.policies.modules import QuadsModule, is_fused_experts
 from quads.policies.policy import QuadsPolicy
 from quads.policies.scope import policy_skips
 
-__all__ = ["ConversionTarget", "FilterFn", "conversion_targets", "policy_targets", "target_kind", "overridden_forward"]
+__all__ = ["ConversionTarget", "FilterFn", "conversion_targets", "policy_targets", "target_kind", "overridden_forward",
+           "instance_forward"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -47,6 +52,21 @@ def overridden_forward(module: nn.Module) -> bool:
     """True for an ``nn.Linear`` subclass with its own ``forward`` (quads' modules excepted)."""
     return (isinstance(module, nn.Linear) and not isinstance(module, QuadsModule)
             and type(module).forward is not nn.Linear.forward)
+
+
+def instance_forward(module: nn.Module) -> bool:
+    """True if ``module`` has its own ``forward`` attribute (``m.forward = f``), shadowing its class's."""
+    return "forward" in vars(module)
+
+
+def _refuse_instance_forward(name: str, module: nn.Module) -> None:
+    hooked = " (an accelerate hook: load the model on one device, without offloading)" \
+        if hasattr(module, "_hf_hook") else ""
+    raise TypeError(
+        f"{name or '<root>'} has an instance-level forward ({name or 'module'}.forward = ...){hooked}; quads converts "
+        "a module by its class, which that forward would shadow: the layer would stay unquantized. Remove the "
+        f"override, or keep the module dense: QuadsPolicy(extra_skip_patterns=[{name!r}]) or a filter_fn"
+    )
 
 
 def conversion_targets(
@@ -74,6 +94,8 @@ def conversion_targets(
                 "forward; quads would replace that forward with a plain linear one (a different model). "
                 f"Keep it dense: QuadsPolicy(extra_skip_patterns=[{name!r}]) or a filter_fn"
             )
+        if instance_forward(module):
+            _refuse_instance_forward(name, module)
         targets.append(ConversionTarget(name, module, kind))
     return targets
 

@@ -21,7 +21,7 @@ import torch
 
 from quads.tensor.nvfp4_math import nvfp4_max_abs
 
-__all__ = ["check_finite", "nonfinite_names", "check_all_finite", "check_dequantized_range"]
+__all__ = ["check_finite", "nonfinite_names", "check_all_finite", "check_dequantized_range", "check_fits_dtype"]
 
 
 def _extremes(x: torch.Tensor) -> torch.Tensor:
@@ -118,4 +118,38 @@ def check_dequantized_range(named: Iterable[tuple[str, object, torch.dtype]], wh
         raise ValueError(
             f"{what}: {len(bad)} NVFP4 weight(s) would dequantize to Inf in the rollout's dtype: {shown}{more}. "
             "Every logit would be NaN; refusing (use a bfloat16/float32 rollout, or fix the weight)"
+        )
+
+
+def check_fits_dtype(named: Iterable[tuple[str, torch.Tensor, torch.dtype]], what: str) -> None:
+    """Raise ValueError naming every tensor of ``named`` (``(name, tensor, dtype)``) that holds a
+    NaN/Inf or a value that rounds to Inf when cast to ``dtype`` (float16: ``|x| >= 65520``).
+
+    For writes of dense weights into a 16-bit model or file: a float32 master of 1e6 cast to
+    float16 is Inf. One reduction per tensor (``aminmax``), one host sync per device; float32 and
+    float64 targets are checked for finiteness only.
+    """
+    by_device: dict[torch.device, list[tuple[str, torch.dtype, torch.Tensor]]] = {}
+    for name, x, dtype in named:
+        if x.device.type == "meta" or not x.is_floating_point():
+            continue
+        lo_hi = torch.stack(torch.aminmax(x.detach())).to(torch.float64) if x.numel() else \
+            torch.zeros(2, dtype=torch.float64, device=x.device)
+        by_device.setdefault(x.device, []).append((name, dtype, lo_hi))
+    bad = []
+    for items in by_device.values():
+        values = torch.stack([m for _, _, m in items]).tolist()  # the one sync
+        for (name, dtype, _), (lo, hi) in zip(items, values):
+            top = max(abs(lo), abs(hi))
+            limit = _overflow_threshold(dtype) if torch.finfo(dtype).bits <= 16 else float("inf")
+            if not (top < limit) or lo != lo or hi != hi:
+                bad.append((name, dtype, top))
+    if bad:
+        shown = ", ".join(f"{n} (max |x| {t:.3g}" + (f" > {str(d).replace('torch.', '')} max {torch.finfo(d).max:.6g})"
+                                                     if t == t and t != float('inf') else ")")
+                          for n, d, t in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ValueError(
+            f"{what}: {len(bad)} tensor(s) would hold Inf/NaN in their target dtype: {shown}{more}; refusing "
+            "(use a bfloat16/float32 target, or fix the weight)"
         )

@@ -20,10 +20,22 @@ the exact ``S_enc`` also goes into the safetensors header metadata (:data:`ENCOD
 a JSON map from ``X.weight_scale_2`` to ``S_enc.hex()``): loaders ignore it, and
 :func:`read_modelopt_checkpoint` uses it, so a quads read-back dequantizes bit for bit like the
 trainer's fake quantizer. Checkpoints without it read back with ``S_enc = 1/weight_scale_2``.
+
+Checksums: ``quads export`` records a SHA-256 of every file it writes in ``quads_export.json``
+(:data:`EXPORT_REPORT`, key ``"checksums"``); :func:`read_modelopt_checkpoint` verifies the files
+it reads against them when the checkpoint has them (another tool's checkpoint has none), so one
+flipped bit in a shard fails the read, naming the file. ``verify=False`` skips it (one more read
+of every byte, about a second per GB).
+
+Symlinks: shard names must stay inside the checkpoint directory; a shard that is a symlink is
+followed only to a file inside the directory or, in the Hugging Face cache layout
+(``models--org--name/snapshots/<revision>/``, every file a link into ``../../blobs/``), inside the
+repository's ``blobs`` directory. Any other link is refused with its path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -40,12 +52,18 @@ __all__ = [
     "modelopt_weight_tensors",
     "exact_encode_scales",
     "read_modelopt_checkpoint",
+    "EXPORT_REPORT",
+    "file_sha256",
+    "recorded_checksums",
+    "verify_checksums",
 ]
 
 #: safetensors metadata key holding the exact quads encode scales (see the module doc)
 ENCODE_SCALE_KEY = "quads.global_encode_scale"
 INDEX_FILE = "model.safetensors.index.json"
 QUANT_CONFIG_FILE = "hf_quant_config.json"
+#: the export's report, which also holds the files' checksums (``"checksums"``: name -> ``sha256:<hex>``)
+EXPORT_REPORT = "quads_export.json"
 
 _PARTS = ("weight", "weight_scale", "weight_scale_2")
 
@@ -83,16 +101,77 @@ def exact_encode_scales(tensors: dict[str, torch.Tensor], encode_scales: dict[st
     return out
 
 
-def _confined(path: Path, name, index: Path) -> Path:
-    """``path / name`` if it names a file inside the checkpoint directory, else ValueError: an
-    index file must not make the reader open ``../`` or absolute paths (or follow a symlink out)."""
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
-        raise ValueError(f"{index}: shard {name!r} is not a file name inside the checkpoint directory")
+def _allowed_roots(path: Path) -> list[Path]:
+    """Where the files of checkpoint directory ``path`` may resolve to: the directory itself, and
+    in the Hugging Face cache layout (``<repo>/snapshots/<revision>``) the repository's ``blobs``."""
     root = path.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def _confined(path: Path, name, where) -> Path:
+    """``path / name`` if it names a file inside the checkpoint directory (see the module doc),
+    else ValueError: an index or report must not make the reader open ``../`` or absolute paths,
+    nor follow a symlink out (other than into the Hugging Face cache's ``blobs``)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ValueError(f"{where}: file {name!r} is not a file name inside the checkpoint directory")
     target = (path / name).resolve()
-    if not target.is_relative_to(root):
-        raise ValueError(f"{index}: shard {name!r} resolves to {target}, outside the checkpoint directory {root}")
+    roots = _allowed_roots(path)
+    if not any(target.is_relative_to(r) for r in roots):
+        raise ValueError(f"{where}: {name!r} resolves to {target}, outside the checkpoint directory {roots[0]}"
+                         + (f" and the cache's {roots[1]}" if len(roots) > 1 else ""))
     return path / name
+
+
+def file_sha256(path: Path) -> str:
+    """``sha256:<hex>`` of a file's bytes, read in 16 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return f"sha256:{h.hexdigest()}"
+
+
+def recorded_checksums(path: str | Path) -> dict[str, str] | None:
+    """The ``file -> sha256:<hex>`` map of an export's report, or None (no report, or a report
+    without checksums); ValueError for an unreadable report."""
+    report = Path(path) / EXPORT_REPORT
+    if not report.is_file():
+        return None
+    try:
+        checksums = json.loads(report.read_text()).get("checksums")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
+        raise ValueError(f"{report}: not a readable export report ({type(err).__name__}: {err})") from None
+    if checksums is None:
+        return None
+    if not isinstance(checksums, dict) or not all(isinstance(v, str) for v in checksums.values()):
+        raise ValueError(f"{report}: 'checksums' must be an object of file name -> 'sha256:<hex>'")
+    return checksums
+
+
+def verify_checksums(path: str | Path, files: list[str] | None = None) -> int:
+    """Check ``files`` (default: every file the report lists) against the export's report;
+    ValueError naming the first file that is missing or whose bytes changed. Returns how many
+    files were checked (0 when the checkpoint records no checksums)."""
+    path = Path(path)
+    checksums = recorded_checksums(path)
+    if checksums is None:
+        return 0
+    where = path / EXPORT_REPORT
+    names = sorted(checksums) if files is None else files
+    for name in names:
+        if name not in checksums:
+            raise ValueError(f"{where}: no checksum for {name!r}, which the checkpoint holds; it was changed "
+                             "after the export (pass verify=False to read it unchecked)")
+        file = _confined(path, name, where)
+        if not file.is_file():
+            raise ValueError(f"{path}: {name} is missing (the export wrote it, {where} lists it)")
+        if file_sha256(file) != checksums[name]:
+            raise ValueError(f"{file}: checksum mismatch: its bytes changed since the export wrote it; the "
+                             "checkpoint is corrupt (pass verify=False to read it unchecked)")
+    return len(names)
 
 
 def _shard_files(path: Path) -> list[Path]:
@@ -108,26 +187,62 @@ def _shard_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
-    return files
+    return [_confined(path, f.name, path) for f in files]
 
 
-def read_modelopt_checkpoint(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> dict[str, torch.Tensor]:
+def _encode_scale(path: Path, name: str, raw: dict[str, torch.Tensor], exact: dict) -> torch.Tensor:
+    """``S_enc`` of checkpoint weight ``name`` from its ``weight_scale_2`` (or the exact value in
+    the metadata); ValueError naming the tensor unless it is one finite positive number."""
+    key = f"{name}.weight_scale_2"
+    stored = raw[key]
+    if stored.numel() != 1 or not stored.is_floating_point():
+        raise ValueError(f"{path}: {key} must be one floating-point number, got {stored.dtype} of shape "
+                         f"{tuple(stored.shape)}")
+    if key in exact:
+        try:
+            s_enc = torch.tensor(float.fromhex(exact[key]), dtype=torch.float32)
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: the exact encode scale of {key} is {exact[key]!r}, not a hex float") from None
+    else:
+        s_enc = torch.ones(()) / stored.to(torch.float32).reshape(()).cpu()
+    value = float(s_enc)
+    if not (0 < value < float("inf")) or not 0 < float(stored.reshape(())) < float("inf"):
+        raise ValueError(f"{path}: {key} is {float(stored.reshape(())):g} (encode scale {value:g}); a weight "
+                         "scale must be finite and > 0; the checkpoint is corrupt")
+    return s_enc
+
+
+def read_modelopt_checkpoint(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", *,
+                             verify: bool = True) -> dict[str, torch.Tensor]:
     """Read a ModelOpt NVFP4 checkpoint directory into checkpoint-named tensors.
 
     Every ``X.weight`` stored as NVFP4 (uint8 with ``X.weight_scale`` and ``X.weight_scale_2``
     beside it) becomes one 2-D :class:`~quads.NVFP4Tensor` of logical dtype ``dtype`` under
     ``X.weight``; ``X.input_scale`` and all unquantized tensors are returned as stored.
+    ``verify``: check the files read against the checksums a ``quads export`` recorded, when the
+    checkpoint has them (see the module doc).
     """
     from safetensors import safe_open
 
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
     raw: dict[str, torch.Tensor] = {}
     exact: dict[str, str] = {}
-    for file in _shard_files(path):
-        with safe_open(str(file), framework="pt", device=device) as f:
-            exact.update(json.loads((f.metadata() or {}).get(ENCODE_SCALE_KEY, "{}")))
-            for key in f.keys():
-                raw[key] = f.get_tensor(key)
+    shards = _shard_files(path)
+    if verify:
+        verify_checksums(path, [f.name for f in shards] + ([INDEX_FILE] if (path / INDEX_FILE).exists() else []))
+    for file in shards:
+        try:
+            with safe_open(str(file), framework="pt", device=device) as f:
+                exact.update(json.loads((f.metadata() or {}).get(ENCODE_SCALE_KEY, "{}")))
+                for key in f.keys():
+                    raw[key] = f.get_tensor(key)
+        except OSError:
+            raise
+        except Exception as err:  # noqa: BLE001 - safetensors' and json's own errors for a damaged shard
+            raise ValueError(f"{file}: not a readable safetensors shard ({type(err).__name__}: "
+                             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
     out: dict[str, torch.Tensor] = {}
     packed = {k[: -len(".weight_scale_2")] for k in raw if k.endswith(".weight_scale_2")}
     for name in packed:
@@ -139,10 +254,11 @@ def read_modelopt_checkpoint(path: str | Path, dtype: torch.dtype = torch.bfloat
             raise ValueError(f"{path}: {name}.weight must be uint8 and .weight_scale float8_e4m3fn, got {qdata.dtype}, {scale.dtype}")
         if scale.shape[-1] * BLOCK_SIZE != qdata.shape[-1] * 2:
             raise ValueError(f"{path}: {name}.weight_scale {tuple(scale.shape)} does not fit weight {tuple(qdata.shape)} (group size 16)")
-        key = f"{name}.weight_scale_2"
-        p = raw[key].to(torch.float32).reshape(())
-        s_enc = torch.tensor(float.fromhex(exact[key]), dtype=torch.float32) if key in exact else torch.ones(()) / p
-        out[f"{name}.weight"] = NVFP4Tensor(qdata, scale, s_enc.to(qdata.device), orig_dtype=dtype)
+        s_enc = _encode_scale(path, name, raw, exact)
+        try:
+            out[f"{name}.weight"] = NVFP4Tensor(qdata, scale, s_enc.to(qdata.device), orig_dtype=dtype)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {name}: {err}") from None
     for key, value in raw.items():
         name, _, part = key.rpartition(".")
         if name in packed and part in _PARTS:

@@ -40,6 +40,7 @@ __all__ = [
     "shared_global_encode_scale",
     "default_granularity",
     "GLOBAL_SCALE_GRANULARITIES",
+    "check_global_encode_scale",
     "nvfp4_quantize",
     "nvfp4_dequantize",
     "nvfp4_fake_quantize",
@@ -190,10 +191,43 @@ def _broadcast_group(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return s.unsqueeze(-1).unsqueeze(-1)  # (..., 1, 1) against (..., K/16, 16)
 
 
+def _group_shape(x: torch.Tensor, granularity: str) -> tuple[int, ...]:
+    if granularity == "tensor":
+        return ()
+    if granularity == "expert":
+        return tuple(x.shape[:1])
+    return tuple(x.shape[:-1])
+
+
+def check_global_encode_scale(x: torch.Tensor, granularity: str, global_encode_scale, check_values: bool) -> None:
+    """Refuse a given ``S_enc`` that cannot quantize ``x``: not a floating tensor, a shape that
+    does not broadcast (leading dims first) to the groups of ``granularity`` (a wrong shape
+    would silently broadcast per row), and, with ``check_values``, a value that is not finite
+    and > 0 (0, NaN, -1 or inf give garbage codes). The value check is one reduction and one
+    host read, so callers on hot paths that pass scales they computed themselves skip it."""
+    if not isinstance(global_encode_scale, torch.Tensor) or not global_encode_scale.is_floating_point():
+        raise TypeError(f"nvfp4_quantize: global_encode_scale must be a floating-point tensor, got "
+                        f"{getattr(global_encode_scale, 'dtype', type(global_encode_scale).__name__)}")
+    groups, shape = _group_shape(x, granularity), tuple(global_encode_scale.shape)
+    fits = (global_encode_scale.numel() == 1 if not groups
+            else len(shape) <= len(groups) and all(s in (1, g) for s, g in zip(shape, groups)))
+    if not fits:
+        raise ValueError(f"nvfp4_quantize: global_encode_scale of shape {shape} does not fit {granularity!r} global "
+                         f"scales of a {tuple(x.shape)} tensor (groups {groups})")
+    if check_values and global_encode_scale.numel():
+        lo, hi = torch.aminmax(global_encode_scale.detach().to(torch.float32).reshape(-1))
+        lo, hi = float(lo), float(hi)
+        if not (lo > 0 and hi < float("inf")):
+            raise ValueError(f"nvfp4_quantize: global_encode_scale must be finite and > 0 (S_enc = 448*6/amax), "
+                             f"got values in [{lo}, {hi}]")
+
+
 def nvfp4_quantize(
     x: torch.Tensor,
     granularity: str | None = None,
     global_encode_scale: torch.Tensor | None = None,
+    *,
+    check_values: bool = True,
 ) -> NVFP4Parts:
     """Quantize ``x`` (..., K) to NVFP4 per the recipe.
 
@@ -203,7 +237,9 @@ def nvfp4_quantize(
             (default for 3-D: one scale per ``x[e]``) or ``"row"`` (one per row, i.e. per
             token, for activations: keeps a row's result independent of the other rows).
         global_encode_scale: use this ``S_enc`` instead of computing it from amax (shape of
-            the groups, or broadcastable to it).
+            the groups, or broadcastable to it; finite and > 0, checked).
+        check_values: check the given ``global_encode_scale``'s values (one host read);
+            ``False`` for scales the caller just computed (quads' own hot paths).
 
     Returns:
         NVFP4Parts(qdata, scale, global_encode_scale).
@@ -213,6 +249,7 @@ def nvfp4_quantize(
     if global_encode_scale is None:
         global_encode_scale = global_encode_scale_from_amax(global_amax(x, granularity))
     else:
+        check_global_encode_scale(x, granularity, global_encode_scale, check_values)
         global_encode_scale = global_encode_scale.to(device=x.device, dtype=torch.float32)
 
     xf = x.detach().to(torch.float32)
@@ -248,13 +285,34 @@ def nvfp4_dequantize(
     The product ``e2m1(q) * f32(s)`` is exact in float32 (at most 6 significant bits), so
     the only float32 rounding is the division by ``S_enc``. This is the dequantization every
     path uses; the trainer's forward weight is this function's output in the weight dtype.
+    The parts' dtypes and shapes are checked (metadata only): ``scale`` exactly ``(..., K/16)``
+    for ``qdata`` ``(..., K/2)``, never broadcast.
     """
+    _check_parts(qdata, scale, global_encode_scale)
     codes = unpack_e2m1(qdata)
     vals = e2m1_decode(codes)
     blocks = vals.reshape(*vals.shape[:-1], vals.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
     s_enc = _broadcast_group(global_encode_scale.to(torch.float32), vals)
     out = (blocks * scale.to(torch.float32).unsqueeze(-1)) / s_enc
     return out.reshape(vals.shape).to(dtype)
+
+
+def _check_parts(qdata: torch.Tensor, scale: torch.Tensor, global_encode_scale: torch.Tensor) -> None:
+    """Dtypes and shapes of NVFP4 parts (metadata only: no device work)."""
+    if qdata.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"nvfp4_dequantize: qdata must be uint8 and scale float8_e4m3fn, got {qdata.dtype} and "
+                        f"{scale.dtype}")
+    if qdata.dim() < 1 or (qdata.shape[-1] * 2) % BLOCK_SIZE:
+        raise ValueError(f"nvfp4_dequantize: qdata of shape {tuple(qdata.shape)} is not (..., K/2) with K a multiple "
+                         f"of {BLOCK_SIZE}")
+    want = tuple(qdata.shape[:-1]) + (qdata.shape[-1] * 2 // BLOCK_SIZE,)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"nvfp4_dequantize: scale has shape {tuple(scale.shape)}, qdata {tuple(qdata.shape)} needs "
+                         f"{want} (one E4M3 scale per 16 elements)")
+    lead, shape = tuple(qdata.shape[:-1]), tuple(global_encode_scale.shape)
+    if not (len(shape) <= len(lead) and all(s in (1, g) for s, g in zip(shape, lead))):
+        raise ValueError(f"nvfp4_dequantize: global_encode_scale of shape {shape} fits no global-scale groups of "
+                         f"qdata {tuple(qdata.shape)}")
 
 
 def nvfp4_max_abs(scale: torch.Tensor, global_encode_scale: torch.Tensor) -> torch.Tensor:
@@ -276,8 +334,11 @@ def nvfp4_fake_quantize(
     granularity: str | None = None,
     dtype: torch.dtype | None = None,
     global_encode_scale: torch.Tensor | None = None,
+    *,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """``DQ(Q(x))`` in ``dtype`` (default ``x.dtype``), with ``global_encode_scale`` if given (e.g.
-    a sibling group's); no gradient logic (see policies.ste)."""
-    parts = nvfp4_quantize(x, granularity, global_encode_scale)
+    a sibling group's; ``check_values`` as in :func:`nvfp4_quantize`); no gradient logic (see
+    policies.ste)."""
+    parts = nvfp4_quantize(x, granularity, global_encode_scale, check_values=check_values)
     return nvfp4_dequantize(*parts, dtype=dtype or x.dtype)

@@ -22,8 +22,16 @@ with the structural checks only: every NVFP4 entry's metadata, part shapes and d
 finite, non-negative block scales and finite, positive global scales (:class:`NVFP4Tensor`);
 there a flipped bit in ``qdata`` changes one element silently, as in any unchecked file.
 
-The file is written to a unique temporary file in the target directory (O_EXCL) and moved into
-place with :func:`os.replace`: an interrupted save leaves the previous file, never half a file.
+Tied entries (``lm_head.weight`` and ``model.embed_tokens.weight`` of a model with
+``tie_word_embeddings``: the same storage under two names, which safetensors refuses to write)
+are stored once, under the first name, and ``quads.ties`` maps each other name to it;
+:func:`load_safetensors` gives every name back, the tied ones as one tensor. Entries that share
+storage without being the same tensor (views of one buffer) are stored as copies.
+
+The file is written through :func:`quads.tensor.files.atomic_path`: a fresh temporary file in
+the target directory (O_EXCL, never a planted link), synced, given the usual mode (``0644``
+under umask ``022``) and moved into place with :func:`os.replace`: an interrupted save leaves
+the previous file, never half a file.
 """
 
 from __future__ import annotations
@@ -31,12 +39,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 
 import torch
 
+from quads.tensor.files import atomic_path
 from quads.tensor.nvfp4_tensor import LOGICAL_DTYPES, NVFP4Tensor
 
 __all__ = [
@@ -50,6 +58,7 @@ __all__ = [
 _META_KEY = "quads.nvfp4"
 _CRC_KEY = "quads.crc32"
 _HEADER_CRC_KEY = "quads.header_crc32"
+_TIES_KEY = "quads.ties"
 _PENDING = "00000000"  # the header CRC's placeholder while the file is written (8 hex digits)
 _PARTS = ("qdata", "scale", "global_encode_scale")
 _DTYPES = {str(d).removeprefix("torch."): d for d in LOGICAL_DTYPES}
@@ -61,13 +70,46 @@ def tensor_crc32(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(flat.numpy()))
 
 
+def _storage_key(t: torch.Tensor) -> tuple:
+    """What makes two plain tensors the same tensor: storage, offset, shape, strides and dtype."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _tie_key(value: torch.Tensor) -> tuple:
+    """Equal for the entries of one tensor under several names (``state_dict`` detaches each)."""
+    if isinstance(value, NVFP4Tensor):
+        return ("nvfp4", value.orig_dtype, value.transposed) + tuple(_storage_key(p) for p in value.parts)
+    return ("dense",) + _storage_key(value)
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every tensor that shares storage with an earlier one (a view of one
+    buffer, not a tie) replaced by a copy: safetensors refuses shared storage."""
+    seen: set[tuple] = set()
+    out = {}
+    for name, t in tensors.items():
+        key = (t.device, t.untyped_storage().data_ptr())
+        out[name] = t.clone() if key in seen and t.numel() else t
+        seen.add(key)
+    return out
+
+
 def flatten_nvfp4_state_dict(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Plain tensors and safetensors metadata for a state dict (see the module doc)."""
     tensors: dict[str, torch.Tensor] = {}
     nvfp4: dict[str, dict] = {}
+    ties: dict[str, str] = {}
+    first: dict[tuple, str] = {}
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state dict entry {name!r} is {type(value).__name__}, not a tensor; safetensors stores tensors")
+        if not isinstance(name, str):
+            raise TypeError(f"state dict key {name!r} is {type(name).__name__}, not a string")
+        key = _tie_key(value)
+        if key in first and value.numel():
+            ties[name] = first[key]  # a tied weight: stored once
+            continue
+        first.setdefault(key, name)
         if isinstance(value, NVFP4Tensor):
             clash = [f"{name}.{p}" for p in _PARTS if f"{name}.{p}" in state_dict]
             if clash:
@@ -79,8 +121,12 @@ def flatten_nvfp4_state_dict(state_dict: dict) -> tuple[dict[str, torch.Tensor],
             nvfp4[name] = {"dtype": str(value.orig_dtype).removeprefix("torch."), "transposed": value.transposed}
         else:
             tensors[name] = value.contiguous()
+    tensors = _unshared(tensors)
     crc = {k: tensor_crc32(v) for k, v in tensors.items()}
-    return tensors, {_META_KEY: json.dumps(nvfp4), _CRC_KEY: json.dumps(crc)}
+    metadata = {_META_KEY: json.dumps(nvfp4), _CRC_KEY: json.dumps(crc)}
+    if ties:
+        metadata[_TIES_KEY] = json.dumps(ties)
+    return tensors, metadata
 
 
 def _json_metadata(metadata: dict[str, str], key: str, what: str) -> dict:
@@ -147,6 +193,13 @@ def unflatten_nvfp4_state_dict(
     out = {k: v for k, v in tensors.items() if k not in parts}
     for name, info in nvfp4.items():
         out[name] = _nvfp4_entry(name, info, tensors, what)
+    for alias, name in _json_metadata(metadata, _TIES_KEY, what).items():
+        if not isinstance(name, str) or name not in out:
+            raise ValueError(f"{what}: tied entry {alias!r} refers to {name!r}, which the file does not hold; "
+                             "the file is corrupt")
+        if alias in out:
+            raise ValueError(f"{what}: tied entry {alias!r} is also stored as a tensor; the file is corrupt")
+        out[alias] = out[name]  # the tie, restored: one tensor under both names
     return out
 
 
@@ -190,12 +243,9 @@ def save_safetensors(state_dict: dict, path: str) -> None:
 
     tensors, metadata = flatten_nvfp4_state_dict(state_dict)
     metadata[_HEADER_CRC_KEY] = _PENDING
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        raw, header = _read_header(tmp)
+    with atomic_path(path, what="save_safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+        raw, header = _read_header(str(tmp))
         needle = json.dumps(_HEADER_CRC_KEY).encode() + b":" + json.dumps(_PENDING).encode()
         at = raw.find(needle)
         if at < 0 or raw.find(needle, at + 1) >= 0:
@@ -203,12 +253,6 @@ def save_safetensors(state_dict: dict, path: str) -> None:
         with open(tmp, "r+b") as f:
             f.seek(8 + at + len(needle) - 1 - len(_PENDING))
             f.write(f"{header_crc32(header):08x}".encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _verify_header(path: str, metadata: dict, verify: bool) -> None:

@@ -63,7 +63,7 @@ def _cmd(args: argparse.Namespace) -> int:
         _progress(f"note: {stale} is an unfinished export's temporary directory (its process is alive)")
     _progress(f"loading {args.model}")
     model, tokenizer = load_local_causal_lm(args.model, "auto", require_tokenizer=prompts is not None,
-                                            set_pad=False, probe_prompts=prompts, prompts_source=args.calib)
+                                            set_pad=False, prompts=prompts, prompts_source=args.calib)
     model.eval()
     calibration = None
     if prompts is not None:

@@ -40,9 +40,11 @@ What is exported
 * **Files**: ``config.json`` with ``quantization_config`` (ModelOpt >= 0.31's layout, which
   vLLM reads first), ``hf_quant_config.json`` (the older layout), safetensors shards
   (``model.safetensors`` or ``model-XXXXX-of-XXXXX.safetensors`` + index), generation config,
-  tokenizer, and ``quads_export.json`` (the report). Everything is written to a temporary
-  directory beside ``out_dir`` and moved into place at the end: an error leaves no partial
-  checkpoint, and an existing non-empty ``out_dir`` is refused. Modes are ``save_pretrained``'s:
+  tokenizer, and ``quads_export.json`` (the report, with a SHA-256 of every other file:
+  ``load_exported`` and ``read_modelopt_checkpoint`` verify them). Everything is written to a
+  temporary directory beside ``out_dir`` and moved into place at the end: an error leaves no
+  partial checkpoint, and an existing non-empty ``out_dir`` is refused, also when another export
+  fills it while this one runs (``FileExistsError``; that export's folder stays whole). Modes are ``save_pretrained``'s:
   files ``0666`` and the directory ``0777``, both less the process umask (``0644`` / ``0755``
   under the usual ``022``), so a server running as another user can read the checkpoint.
 * **Dtype of the tensors that are not quantized** (embeddings, norms, routers, ``lm_head``):
@@ -53,12 +55,15 @@ What is exported
   ``config.json``'s ``dtype`` states and vLLM computes in (no per-tensor cast warnings);
   ``"bfloat16"`` / ``"float16"`` / ``"float32"`` force one.
   Integer buffers are written as stored. :func:`quads.integrations.modelopt.load_exported`
-  reads such a checkpoint back into a transformers model.
+  reads such a checkpoint back into a transformers model. A value that would be Inf in that
+  dtype (a master of 1e6 in a ``float16`` checkpoint, dense or quantized) is refused, naming the
+  tensor, before anything is written: an engine computing in that dtype would produce NaN.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import json
 import os
@@ -76,12 +81,16 @@ from quads.integrations.modelopt.calibrate import ExpertsAmax, activation_amax
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import quantized_modules
 from quads.policies.walk import ConversionTarget, policy_targets, target_kind
+from quads.tensor.files import atomic_path, publish_modes, write_atomically
+from quads.tensor.finite import check_dequantized_range, check_fits_dtype
 from quads.tensor.modelopt_format import (
     ENCODE_SCALE_KEY,
+    EXPORT_REPORT,
     INDEX_FILE,
     QUANT_CONFIG_FILE,
     decode_scale,
     exact_encode_scales,
+    file_sha256,
     modelopt_weight_tensors,
 )
 from quads.tensor.nvfp4_math import (
@@ -120,6 +129,7 @@ class ExportReport:
     mismatched_fused_groups: list[list[str]]  # "separate": groups vLLM would mis-scale
     exclude_modules: list[str]
     files: list[str]
+    checksums: dict[str, str] = dataclasses.field(default_factory=dict)  # file -> sha256:<hex> (not the report's)
 
     def summary(self) -> str:
         lines = [
@@ -168,7 +178,7 @@ def _parts(param: torch.Tensor, qualified: str, global_encode_scale: torch.Tenso
         return param.parts
     check_quantizable(param, qualified)
     check_finite(param, qualified)
-    return nvfp4_quantize(param.detach(), None, global_encode_scale)
+    return nvfp4_quantize(param.detach(), None, global_encode_scale, check_values=False)  # from checked masters
 
 
 def _group_scales(targets: list[ConversionTarget], policy: QuadsPolicy, converted: bool) -> dict[str, torch.Tensor]:
@@ -245,7 +255,7 @@ def _share_group_scales(
             if torch.equal(old.global_encode_scale, shared):
                 continue
             forward = nvfp4_dequantize(*old, dtype=dtypes[name])
-            new = nvfp4_quantize(forward, global_encode_scale=shared)
+            new = nvfp4_quantize(forward, global_encode_scale=shared, check_values=False)
             diff = (nvfp4_dequantize(*new, dtype=dtypes[name]).float() - forward.float()).abs()
             errors[name] = {
                 "max_abs_error": diff.max().item(),
@@ -363,17 +373,21 @@ def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], exact: dict[str, 
         mine = {k: v for k, v in exact.items() if k in shard}
         if mine:
             meta[ENCODE_SCALE_KEY] = json.dumps(mine)
-        save_file(shard, str(tmp / file), metadata=meta)
+        with atomic_path(tmp / file, what="export") as part:
+            save_file(shard, str(part), metadata=meta)
         weight_map.update({k: file for k in shard})
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        write_atomically(tmp / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                      indent=2), what="export")
         files.append(INDEX_FILE)
     return files
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """Refuse an existing non-empty ``out_dir`` (an export never overwrites files)."""
+    """Refuse an existing non-empty ``out_dir`` (an export never overwrites files) and a symlink."""
+    if out_dir.is_symlink():
+        raise FileExistsError(f"export: {out_dir} is a symbolic link; give a real new directory")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"export: {out_dir} exists and is not an empty directory; choose a new --out")
 
@@ -421,20 +435,40 @@ def _temp_dir_beside(out_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{_TEMP_TAG}-{os.getpid()}.", dir=out_dir.parent))
 
 
-def _umask() -> int:
-    """The process umask (read by setting it and restoring it at once: POSIX has no getter)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def _check_fits(parts: dict[str, NVFP4Parts], rest: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Refuse (naming the tensors) weights that would be Inf in the checkpoint's dtype: dense ones
+    cast to it, quantized ones dequantized in it (bounded from their scales)."""
+    check_fits_dtype([(k, v, dtype) for k, v in rest.items() if v.is_floating_point()],
+                     f"export (dtype {str(dtype).removeprefix('torch.')}; nothing was written)")
+    check_dequantized_range([(k, p, dtype) for k, p in parts.items()],
+                            f"export (dtype {str(dtype).removeprefix('torch.')}; nothing was written)")
 
 
-def _publish_modes(tmp: Path) -> None:
-    """``save_pretrained``'s modes on everything in ``tmp`` (files 0666, directories 0777, less
-    the umask): ``mkdtemp`` makes a 0700 directory and safetensors' writer may make 0600 files."""
-    mask = _umask()
-    for path in sorted(tmp.rglob("*"), reverse=True):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
-    tmp.chmod(0o777 & ~mask)
+def _checksums(tmp: Path) -> dict[str, str]:
+    """``sha256`` of every file written into ``tmp`` (relative names), the report excepted."""
+    return {str(f.relative_to(tmp)): file_sha256(f) for f in sorted(tmp.rglob("*"))
+            if f.is_file() and f.name != EXPORT_REPORT}
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished ``tmp`` to ``out_dir`` (absent or empty); FileExistsError if another
+    process filled ``out_dir`` meanwhile (its checkpoint is left as it is)."""
+    taken = FileExistsError(f"export: {out_dir} was created by another process (another export to the same --out?) "
+                            "while this export ran; it is left as it is and this export is discarded")
+    try:
+        out_dir.rmdir()  # empty (checked before the work), or gone
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise taken from None
+        raise
+    try:
+        os.replace(tmp, out_dir)
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise taken from None
+        raise
 
 
 def _rest_dtype(dtype: str, dtypes: dict[str, torch.dtype]) -> torch.dtype:
@@ -580,6 +614,7 @@ def export_modelopt(
     if clash:
         raise ValueError(f"export: checkpoint names {sorted(clash)[:3]} are produced twice")
     exclude = _excluded(model, targets)
+    _check_fits(parts, rest, rest_dtype)
     tensors.update({k: (v.to(rest_dtype) if v.is_floating_point() else v).detach().cpu() for k, v in rest.items()})
     tensors = {k: v.detach().cpu() for k, v in tensors.items()}
 
@@ -592,8 +627,8 @@ def export_modelopt(
         config["quantization_config"] = in_config
         config["dtype"] = str(rest_dtype).removeprefix("torch.")
         config.pop("torch_dtype", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        (tmp / QUANT_CONFIG_FILE).write_text(json.dumps(legacy, indent=2) + "\n")
+        write_atomically(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n", what="export")
+        write_atomically(tmp / QUANT_CONFIG_FILE, json.dumps(legacy, indent=2) + "\n", what="export")
         files += ["config.json", QUANT_CONFIG_FILE]
         generation = getattr(model, "generation_config", None)
         if generation is not None:
@@ -601,12 +636,11 @@ def export_modelopt(
             files.append("generation_config.json")
         if tokenizer is not None:
             files += [Path(f).name for f in tokenizer.save_pretrained(tmp)]
-        report = ExportReport(format, quant_algo, len(sources), exact, requantized, mismatched, exclude, sorted(set(files)))
-        (tmp / "quads_export.json").write_text(json.dumps(dataclasses.asdict(report), indent=2) + "\n")
-        _publish_modes(tmp)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above)
-        os.replace(tmp, out_dir)
+        report = ExportReport(format, quant_algo, len(sources), exact, requantized, mismatched, exclude,
+                              sorted(set(files)), _checksums(tmp))
+        write_atomically(tmp / EXPORT_REPORT, json.dumps(dataclasses.asdict(report), indent=2) + "\n", what="export")
+        publish_modes(tmp)
+        _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

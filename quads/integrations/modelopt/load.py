@@ -25,6 +25,11 @@ are placed by the same row mapping the export used (:func:`~quads.integrations.m
 so any layout transformers' conversion produces maps back. Fused-layer shards re-quantized to
 their group's scale (``fused_scales="shared"``, listed in ``quads_export.json``) come back as
 exported, not as the trainer's weights.
+
+Before anything is read, every file the export wrote is checked against the SHA-256 checksums in
+its ``quads_export.json`` (``verify=True``, the default): one flipped bit anywhere fails the load,
+naming the file; a directory without them (another tool's, or an older quads) is refused unless
+``verify=False``.
 """
 
 from __future__ import annotations
@@ -42,12 +47,26 @@ from quads.integrations.modelopt.export import _row_sources
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import quantize_
 from quads.policies.scale_groups import check_group_scales
-from quads.tensor.modelopt_format import read_modelopt_checkpoint
+from quads.tensor.files import atomic_path, write_atomically
+from quads.tensor.modelopt_format import EXPORT_REPORT, read_modelopt_checkpoint, recorded_checksums, verify_checksums
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["load_exported"]
 
 SIDES = ("trainer", "rollout")
+
+
+def _read_config(config_file: Path) -> dict:
+    """``config.json`` of an export (ValueError naming the file if it is not one)."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"load_exported: {config_file} is not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"load_exported: {config_file} is not a JSON object")
+    if (config.get("quantization_config") or {}).get("quant_method") != "modelopt":
+        raise ValueError(f"load_exported: {config_file} has no ModelOpt quantization_config (not a `quads export`)")
+    return config
 
 
 def _checkpoint_dtype(config: dict) -> torch.dtype:
@@ -68,8 +87,9 @@ def _dense_model(path: Path, tensors: dict[str, torch.Tensor], config: dict, dty
     tmp = Path(tempfile.mkdtemp(prefix=".quads-load-"))
     try:
         plain = {k: v for k, v in config.items() if k != "quantization_config"}
-        (tmp / "config.json").write_text(json.dumps(plain))
-        save_file(dense, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_atomically(tmp / "config.json", json.dumps(plain), what="load_exported")
+        with atomic_path(tmp / "model.safetensors", what="load_exported") as part:
+            save_file(dense, str(part), metadata={"format": "pt"})
         if (path / "generation_config.json").is_file():
             shutil.copy(path / "generation_config.json", tmp / "generation_config.json")
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, local_files_only=True, device_map=device)
@@ -120,6 +140,7 @@ def load_exported(
     *,
     policy: QuadsPolicy | None = None,
     device: str = "cpu",
+    verify: bool = True,
 ) -> nn.Module:
     """A transformers causal LM from a ``quads export`` directory (see the module doc).
 
@@ -129,6 +150,7 @@ def load_exported(
         side: ``"trainer"`` (plain model, the trainer's forward weights) or ``"rollout"``.
         policy: the rollout policy (default ``QuadsPolicy(side="rollout")``).
         device: where the model is built.
+        verify: check every file against the export's checksums first (see the module doc).
     """
     if side not in SIDES:
         raise ValueError(f"load_exported: side must be one of {SIDES}, got {side!r}")
@@ -136,11 +158,14 @@ def load_exported(
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"load_exported: {path} has no config.json (not an exported checkpoint)")
-    config = json.loads(config_file.read_text())
-    if (config.get("quantization_config") or {}).get("quant_method") != "modelopt":
-        raise ValueError(f"load_exported: {config_file} has no ModelOpt quantization_config (not a `quads export`)")
+    if verify and recorded_checksums(path) is not None:
+        verify_checksums(path)  # before anything is parsed: a flipped bit is named as such
+    config = _read_config(config_file)
+    if verify and recorded_checksums(path) is None:
+        raise ValueError(f"load_exported: {path} records no checksums ({EXPORT_REPORT} with 'checksums', written "
+                         "by quads export); pass verify=False to load it unchecked")
     dtype = _checkpoint_dtype(config)
-    tensors = read_modelopt_checkpoint(path, dtype=dtype)
+    tensors = read_modelopt_checkpoint(path, dtype=dtype, verify=False)  # verified above
     tensors = {k: v for k, v in tensors.items() if not k.endswith(".input_scale")}
     model = _dense_model(path, tensors, config, dtype, device)
     if side == "trainer":
