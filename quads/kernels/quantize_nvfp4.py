@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from quads.kernels._interpreter import interpreter_safe_input, interpreting
-from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts, global_encode_scale_from_amax
+from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts, check_block_scaling, global_encode_scale_from_amax
 
 __all__ = [
     "QuantizedRows",
@@ -132,13 +132,56 @@ def _e2m1_mag_code(a):
 
 @triton.jit
 def _quant_blocks(x, s_enc):
-    """Quantize blocks ``x`` (B, 16) float32 with per-block global scale ``s_enc`` (B,).
+    """Quantize blocks ``x`` (B, 16) float32 with per-block global scale ``s_enc`` (B,), each
+    block's max mapped to 6 (the recipe's ``S_enc * f32(1/6)``).
 
     Returns (codes (B,16) int32 with sign bit 8, magnitude value qv (B,16) fp32 (unsigned),
     negative mask (B,16), scale byte (B,) int32, f32(scale) (B,)).
     """
+    return _quant_blocks_to(x, s_enc, 0.1666666716337204)
+
+
+@triton.jit
+def _quant_blocks_4over6(x, s_enc):
+    """``_quant_blocks`` with Four Over Six block scaling (nvfp4_math, ``block_scaling="4over6"``):
+    each block quantized with its max mapped to 6 and to 4, keeping the candidate of smaller
+    squared error (``block_squared_error``'s units and pairwise order; a tie keeps 6). Bit-exact
+    with the reference only without FMA contraction: launch with ``enable_fp_fusion=False``."""
+    codes, qv, neg, s_code, s_f32 = _quant_blocks_to(x, s_enc, 0.1666666716337204)
+    codes4, qv4, neg4, s_code4, s_f32_4 = _quant_blocks_to(x, s_enc, 0.25)
+    target = x * s_enc[:, None]
+    err6 = _pairwise_block_sum(_squared(_with_sign(qv, neg) * s_f32[:, None] - target))
+    err4 = _pairwise_block_sum(_squared(_with_sign(qv4, neg4) * s_f32_4[:, None] - target))
+    pick4 = err4 < err6
+    p2 = pick4[:, None]
+    return (tl.where(p2, codes4, codes), tl.where(p2, qv4, qv), tl.where(p2, neg4, neg),
+            tl.where(pick4, s_code4, s_code), tl.where(pick4, s_f32_4, s_f32))
+
+
+@triton.jit
+def _squared(d):
+    return d * d
+
+
+@triton.jit
+def _pairwise_block_sum(e):
+    """Per row of ``e`` (B, 16): ((e0 + e1) + (e2 + e3)) + ... , the reference's fixed order."""
+    b: tl.constexpr = e.shape[0]
+    lo, hi = tl.split(tl.reshape(e, (b, 8, 2)))
+    e = lo + hi
+    lo, hi = tl.split(tl.reshape(e, (b, 4, 2)))
+    e = lo + hi
+    lo, hi = tl.split(tl.reshape(e, (b, 2, 2)))
+    e = lo + hi
+    lo, hi = tl.split(e)
+    return lo + hi
+
+
+@triton.jit
+def _quant_blocks_to(x, s_enc, INV_MAX: tl.constexpr):
+    """``_quant_blocks`` with each block's max mapped to ``1 / INV_MAX`` (6 or 4)."""
     blk_amax = tl.max(_abs_bits(x), axis=1).to(tl.float32, bitcast=True)
-    t = s_enc * 0.1666666716337204
+    t = s_enc * INV_MAX
     sc = blk_amax * t
     sc = tl.where(sc > 448.0, 448.0, sc)
     s_code = _e4m3_encode(sc)
@@ -350,9 +393,10 @@ def _quant_given_scale_kernel(
     Q, S, D,
     n_rows,
     BR: tl.constexpr, BB: tl.constexpr,
-    WRITE_PACKED: tl.constexpr, WRITE_DQ: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_DQ: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
 ):
-    """Quantize a (BR rows) x (BB blocks of 16) tile with global scale GS[row // rows_per_group]."""
+    """Quantize a (BR rows) x (BB blocks of 16) tile with global scale GS[row // rows_per_group]
+    (FOUR_OVER_SIX: each block's max to 4 or 6, see ``_quant_blocks_4over6``)."""
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
@@ -367,7 +411,10 @@ def _quant_given_scale_kernel(
     s_enc = tl.load(GS + rows // rows_per_group, mask=rmask, other=1.0)
     x2 = tl.reshape(x, (BR * BB, 16))
     s2 = tl.reshape(tl.broadcast_to(s_enc[:, None], (BR, BB)), (BR * BB,))
-    codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
+    if FOUR_OVER_SIX:
+        codes, qv, neg, s_code, s_f32 = _quant_blocks_4over6(x2, s2)
+    else:
+        codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
     if WRITE_PACKED:
         c3 = tl.reshape(codes, (BR, BB, 8, 2))
         lo, hi = tl.split(c3)
@@ -503,11 +550,14 @@ def quantize_given_scale(
     rows_per_group: int,
     write_packed: bool = True,
     write_operand: bool = False,
+    block_scaling: str = "6",
 ):
-    """Quantize rows of ``x2d`` (R, K) with ``S_enc = global_encode_scale[row // rows_per_group]``.
+    """Quantize rows of ``x2d`` (R, K) with ``S_enc = global_encode_scale[row // rows_per_group]``
+    and ``block_scaling`` (``"6"`` or ``"4over6"``, :data:`~quads.tensor.nvfp4_math.BLOCK_SCALINGS`).
 
     Returns (qdata uint8 (R,K/2), scale uint8 (R,K/16), operand fp16 (R,K)), None where not asked.
     """
+    four_over_six = check_block_scaling(block_scaling) == "4over6"
     x2d = interpreter_safe_input(x2d)
     n_rows, k = x2d.shape
     dev = x2d.device
@@ -522,9 +572,17 @@ def quantize_given_scale(
     _quant_given_scale_kernel[grid](
         x2d, x2d.stride(0), k, gs, rows_per_group,
         q if q is not None else dummy, s if s is not None else dummy, d if d is not None else dummy,
-        n_rows, BR=br, BB=bb, WRITE_PACKED=write_packed, WRITE_DQ=write_operand, num_warps=nw,
+        n_rows, BR=br, BB=bb, WRITE_PACKED=write_packed, WRITE_DQ=write_operand, FOUR_OVER_SIX=four_over_six,
+        num_warps=nw, **_no_fp_fusion(four_over_six),
     )
     return q, s, d
+
+
+def _no_fp_fusion(four_over_six: bool) -> dict:
+    """Launch options of a 4over6 kernel: no FMA contraction (``a * b + c`` kept as two roundings),
+    since its error comparison must round as the reference does; the standard path keeps the
+    default (its results do not depend on contraction, see the module doc)."""
+    return {"enable_fp_fusion": False} if four_over_six else {}
 
 
 def quantize_rows(
