@@ -171,19 +171,21 @@ def _fake_quantize_rows():
 
 
 @torch.library.custom_op("quads::quantize_weight", mutates_args=())
-def quantize_weight_op(x: torch.Tensor, granularity: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_weight_op(x: torch.Tensor, granularity: str, backend: str,
+                       block_scaling: str = "6") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A weight's NVFP4 parts (the sync op) through the backend, as an op opaque to ``torch.compile``."""
-    return tuple(get_backend(backend).quantize_weight(x, granularity))
+    return tuple(get_backend(backend).quantize_weight(x, granularity, None, block_scaling))
 
 
 @quantize_weight_op.register_fake
-def _(x, granularity, backend):
+def _(x, granularity, backend, block_scaling="6"):
     lead, k = x.shape[:-1], x.shape[-1]
     gs_shape = {"tensor": (), "expert": x.shape[:1], "row": lead}[granularity]
     return (x.new_empty(*lead, k // 2, dtype=torch.uint8), x.new_empty(*lead, k // 16, dtype=torch.float8_e4m3fn),
             x.new_empty(gs_shape, dtype=torch.float32))
 
 
-def quantize_weight(x: torch.Tensor, granularity: str | None = None, backend: Backend | None = None) -> NVFP4Parts:
+def quantize_weight(x: torch.Tensor, granularity: str | None = None, backend: Backend | None = None,
+                    block_scaling: str = "6") -> NVFP4Parts:
     """NVFP4 parts of a weight; identical bits whichever backend runs (None: picked for ``x``'s device)."""
-    return (backend or select_backend(x.device)).quantize_weight(x, granularity)
+    return (backend or select_backend(x.device)).quantize_weight(x, granularity, None, block_scaling)

@@ -7,14 +7,18 @@ from dataclasses import dataclass, field, fields
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import KERNEL_PREFERENCES
+from quads.tensor.nvfp4_math import BLOCK_SCALINGS
 
-__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES", "WEIGHT_GLOBAL_SCALES"]
+__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES", "WEIGHT_GLOBAL_SCALES",
+           "WEIGHT_BLOCK_SCALINGS"]
 
 SIDES = ("trainer", "rollout")
 _UNSET = object()
 ACTIVATION_MODES = ("bf16", "nvfp4")
 #: ``QuadsPolicy.weight_global_scale``: one NVFP4 global scale per sibling group, or per weight
 WEIGHT_GLOBAL_SCALES = ("group", "tensor")
+#: ``QuadsPolicy.weight_block_scaling``: NVIDIA's (every block's max to 6) or Four Over Six
+WEIGHT_BLOCK_SCALINGS = BLOCK_SCALINGS
 
 # The activation defaults live in one place: ActivationQuant's fields.
 _ACT_DEFAULTS = {f.name: f.default for f in fields(ActivationQuant)}
@@ -78,6 +82,14 @@ class QuadsPolicy:
         the trained weights unchanged. ``"tensor"``: one per weight. Fused MoE experts keep one
         per expert either way (their fused ``gate_up_proj`` already shares it between gate and
         up). Trainer and rollout must use the same value (``sync_weights_`` checks).
+    weight_block_scaling: ``"6"`` (default: NVIDIA's recipe, every 16-element block's max
+        mapped to E2M1's 6) or ``"4over6"`` (Four Over Six, arXiv 2512.02010: each block maps its
+        max to 4 or 6, whichever quantizes it with less squared error; the global scale maps the
+        amax to 256 instead of 448). The weights stay standard NVFP4 (packing, scales and
+        dequantization unchanged), so GEMMs and ``quads export`` are unchanged. Weights only:
+        activations and the residual keep the standard recipe. Applies to the trainer's forward
+        weights, the rollout's packed weights, every sync and the export alike; trainer and
+        rollout must use the same value (``sync_weights_`` checks).
 
     Defaults of the three activation fields are :class:`~quads.ops.ActivationQuant`'s.
     """
@@ -91,11 +103,15 @@ class QuadsPolicy:
     extra_skip_patterns: tuple[str, ...] = field(default_factory=tuple)
     kernel: str = "exact"
     weight_global_scale: str = "group"
+    weight_block_scaling: str = "6"
 
     def __post_init__(self):
         if self.weight_global_scale not in WEIGHT_GLOBAL_SCALES:
             raise ValueError(f"QuadsPolicy.weight_global_scale must be one of {WEIGHT_GLOBAL_SCALES}, "
                              f"got {self.weight_global_scale!r}")
+        if not isinstance(self.weight_block_scaling, str) or self.weight_block_scaling not in WEIGHT_BLOCK_SCALINGS:
+            raise ValueError(f"QuadsPolicy.weight_block_scaling must be one of {WEIGHT_BLOCK_SCALINGS}, "
+                             f"got {self.weight_block_scaling!r}")
         if self.kernel not in KERNEL_PREFERENCES:
             raise ValueError(f"QuadsPolicy.kernel must be one of {KERNEL_PREFERENCES}, got {self.kernel!r}")
         if not isinstance(self.side, str) or self.side not in SIDES:
@@ -144,6 +160,16 @@ class QuadsPolicy:
                 cached = ActivationQuant(fraction, self.residual_selection, self.activation_granularity)
             object.__setattr__(self, "_activation_quant", cached)
         return cached
+
+    def weight_mismatch(self, trainer: "QuadsPolicy") -> str | None:
+        """Why this (rollout) policy's packed weights would not be ``trainer``'s forward weights
+        (a weight field differs: ``weight_global_scale``, ``weight_block_scaling``), or None."""
+        for name in ("weight_global_scale", "weight_block_scaling"):
+            mine, theirs = getattr(self, name), getattr(trainer, name)
+            if mine != theirs:
+                return (f"the rollout quantizes with {name}={mine!r}, the trainer with {theirs!r}; the rollout's "
+                        "weights would not be the trainer's forward weights (use one value on both sides)")
+        return None
 
     def skips(self, module_name: str) -> bool:
         return any(re.search(p, module_name) for p in self.all_skip_patterns)

@@ -38,12 +38,16 @@ POLICY_PRESETS: dict[str, PolicyPreset] = {
                      "symmetric QAT (W4A4 trainer, ablation), NVFP4 W4A4 rollout without compensation"),
         PolicyPreset("quads", _W4A16_QAT, QuadsPolicy(side="rollout"),
                      "QUADS: W4A16 QAT trainer, NVFP4 W4A4 rollout + residual compensation (policy default)"),
+        PolicyPreset("quads-4over6", QuadsPolicy(side="trainer", weight_block_scaling="4over6"),
+                     QuadsPolicy(side="rollout", weight_block_scaling="4over6"),
+                     "QUADS with Four Over Six weight block scaling (each block's max to 4 or 6) on both sides"),
     )
 }
 
 
 def get_preset(policy: str | PolicyPreset) -> PolicyPreset:
-    """A :class:`PolicyPreset` by name (``bf16``, ``naive``, ``w4a16-qat``, ``sym-qat``, ``quads``)."""
+    """A :class:`PolicyPreset` by name (``bf16``, ``naive``, ``w4a16-qat``, ``sym-qat``, ``quads``,
+    ``quads-4over6``)."""
     if isinstance(policy, PolicyPreset):
         return policy
     try:

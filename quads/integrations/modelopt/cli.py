@@ -5,7 +5,8 @@
 
 ``--model`` holds the BF16 masters (``save_pretrained`` of the trainer model; quads' trainer
 layers keep the parameter names). The model is converted with ``QuadsPolicy(side="trainer",
-weight_global_scale=--weight-global-scale)`` (the value the model was trained with)
+weight_global_scale=--weight-global-scale, weight_block_scaling=--weight-block-scaling)`` (the
+values the model was trained with)
 (so ``--calib`` runs the training forward, W4A16) and the weights written are that forward's
 weights (see :mod:`quads.integrations.modelopt.export` for the fused-layer rule and formats).
 
@@ -68,7 +69,7 @@ def _cmd(args: argparse.Namespace) -> int:
         check_tokenizer(tokenizer, model, args.model, prompts)
         calibration = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
     policy = QuadsPolicy(side="trainer", extra_skip_patterns=tuple(args.extra_skip),
-                         weight_global_scale=args.weight_global_scale)
+                         weight_global_scale=args.weight_global_scale, weight_block_scaling=args.weight_block_scaling)
     try:
         _progress("converting to the training forward (W4A16)")
         quantize_(model, policy)  # the training forward, which calibration then runs
@@ -102,6 +103,9 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-global-scale", choices=("group", "tensor"), default="group",
                    help="the trainer's QuadsPolicy.weight_global_scale: group (one global scale per q/k/v and "
                         "gate/up group: fused layers are written exactly) or tensor (one per weight)")
+    p.add_argument("--weight-block-scaling", choices=("6", "4over6"), default="6",
+                   help="the trainer's QuadsPolicy.weight_block_scaling: 6 (NVIDIA's recipe) or 4over6 (Four Over "
+                        "Six: each block's max to 4 or 6); the checkpoint is standard NVFP4 either way")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="dtype of the tensors not quantized (embeddings, norms, routers, lm_head); auto: the masters' dtype")
     p.add_argument("--extra-skip", action="append", default=[], metavar="REGEX", type=regex,

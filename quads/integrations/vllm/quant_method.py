@@ -8,7 +8,7 @@ Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
 
     {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 1.0,
      "residual_selection": "per_token", "activation_granularity": "row",
-     "extra_skip_patterns": [], "weight_global_scale": "group"}
+     "extra_skip_patterns": [], "weight_global_scale": "group", "weight_block_scaling": "6"}
 
 The keys are the rollout side of :class:`quads.QuadsPolicy`; :func:`quads_quantization_config`
 builds the dict.
@@ -97,6 +97,7 @@ QUADS_CONFIG_KEYS: dict[str, Any] = {
     "extra_skip_patterns": list(_ROLLOUT_DEFAULTS.extra_skip_patterns),
     "kernel": _ROLLOUT_DEFAULTS.kernel,  # "exact" | "fast" (humming on sm_90: docs/humming.md)
     "weight_global_scale": _ROLLOUT_DEFAULTS.weight_global_scale,
+    "weight_block_scaling": _ROLLOUT_DEFAULTS.weight_block_scaling,  # "6" | "4over6" (the trainer's)
 }
 
 
@@ -124,6 +125,7 @@ class QuadsConfig(QuantizationConfig):
         extra_skip_patterns: tuple[str, ...] | list[str] = (),
         kernel: str = QUADS_CONFIG_KEYS["kernel"],
         weight_global_scale: str = QUADS_CONFIG_KEYS["weight_global_scale"],
+        weight_block_scaling: str = QUADS_CONFIG_KEYS["weight_block_scaling"],
     ) -> None:
         super().__init__()
         if residual_selection != "per_token":
@@ -140,6 +142,7 @@ class QuadsConfig(QuantizationConfig):
             extra_skip_patterns=tuple(extra_skip_patterns),
             kernel=kernel,
             weight_global_scale=weight_global_scale,
+            weight_block_scaling=weight_block_scaling,
         )
 
     # -- QuantizationConfig interface ----------------------------------------------------
@@ -183,6 +186,7 @@ class QuadsConfig(QuantizationConfig):
             "extra_skip_patterns": list(p.extra_skip_patterns),
             "kernel": p.kernel,
             "weight_global_scale": p.weight_global_scale,
+            "weight_block_scaling": p.weight_block_scaling,
         }
 
     @property
@@ -301,9 +305,10 @@ class QuadsLinearMethod(LinearMethodBase):
         prefix = getattr(layer, "prefix", "linear")
         shards = weight.split(layer.quads_output_partition_sizes, dim=0)
         # group mode: a merged layer's shards (q/k/v, gate/up) are one sibling group, one global scale
-        group_scale = (shared_global_encode_scale(shards)
+        block_scaling = self.config.policy.weight_block_scaling
+        group_scale = (shared_global_encode_scale(shards, block_scaling)
                        if self.config.policy.weight_global_scale == "group" and len(shards) > 1 else None)
-        packed = [pack_weight(shard, layer.quads_backend, f"{prefix} shard {i}", group_scale)
+        packed = [pack_weight(shard, layer.quads_backend, f"{prefix} shard {i}", group_scale, block_scaling)
                   for i, shard in enumerate(shards)]
         _replace(layer, "weight", torch.cat([p.qdata for p in packed]))
         _replace(layer, "weight_scale", torch.cat([p.scale for p in packed]))
@@ -466,7 +471,8 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             if weight.dtype == torch.uint8:
                 continue  # already packed
             layer.quads_backend = select_backend(weight.device, self.config.policy.kernel)
-            packed = pack_weight(weight, layer.quads_backend, f"MoE {name}")  # 3-D: one global scale per expert
+            packed = pack_weight(weight, layer.quads_backend, f"MoE {name}",  # 3-D: one global scale per expert
+                                 block_scaling=self.config.policy.weight_block_scaling)
             _replace(layer, name, packed.qdata)
             _replace(layer, f"{name}_scale", packed.scale)
             _replace(layer, f"{name}_global_scale", packed.global_encode_scale)
