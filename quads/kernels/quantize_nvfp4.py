@@ -26,7 +26,11 @@ Bit-exactness notes (all float32, as the recipe):
   NaN either way.
 * ``DQ = (e2m1 * s) / S_enc`` is computed as ``2^e * div_rn(f * s, S_enc)`` with ``e2m1 = 2^e * f``,
   ``f in {1, 1.5}``: exact because scaling by a power of two commutes with rounding while the
-  results stay normal; rows where a result could be subnormal take the per-element ``div_rn``.
+  results stay normal; rows where a result could be subnormal take the per-element ``div_rn``;
+* the weight tile kernel's Four Over Six branch (``FOUR_OVER_SIX``, ``_quant_blocks_4over6``)
+  compares float32 sums of squared errors, whose bits depend on every rounding: it sums in the
+  reference's pairwise order and is launched with ``enable_fp_fusion=False`` (no FMA
+  contraction); the other paths' results do not depend on contraction.
 """
 
 from __future__ import annotations
