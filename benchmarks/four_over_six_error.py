@@ -14,8 +14,8 @@ Four measurements, all through the recipe (:func:`quads.tensor.nvfp4_math.nvfp4_
 4. **model**: teacher-forced token log-prob gaps (mean / p99 / max over the tokens) of the model
    with NVFP4 forward weights against the BF16 model (the trainer's weight error), and of each
    activation configuration against those forward weights with unquantized activations (the
-   rollout's activation part, what ``quads diagnose`` measures), computed in float32 with the
-   activations replaced through forward pre-hooks.
+   rollout's activation part, what ``quads diagnose`` measures; on the standard forward weights),
+   computed in float32 with the activations replaced through forward pre-hooks.
 
 The text is the model's own greedy continuation of ``quads diagnose``'s prompts (BF16, 96 tokens).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -85,6 +86,7 @@ def weight_table(weights: dict[str, torch.Tensor]) -> dict:
                              "frac_4": f / b})
                 if mode == "group":
                     forward.setdefault(bs, {})[name] = w_hat
+            progress(f"weights: {mode} / {bs}: {err / norm:.5f}")
             totals[f"{mode}/{bs}"] = {"rel_sq_err": err / norm, "frac_4": four / blocks,
                                       "mean_per_weight": sum(r["rel_sq_err"] for r in rows
                                                              if r["global_scale"] == mode and r["block_scaling"] == bs)
@@ -164,32 +166,38 @@ def gap_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def model_table(model, ids, forward: dict[str, dict[str, torch.Tensor]]) -> dict:
-    """Log-prob gaps in float32: forward weights vs BF16 weights; quantized vs BF16 activations."""
+    """Log-prob gaps in float32: forward weights (each block scaling) vs BF16 weights; then, on the
+    standard forward weights, each activation configuration vs unquantized activations."""
     model = model.float()
     params = dict(model.named_parameters())
     masters = {n: params[n].detach().clone() for n in forward["6"]}
     base = token_logprobs(model, ids)
     modules = dict(model.named_modules())
     out = {"weights": {}, "activations": {}}
-    for bs, weights in forward.items():
+    for bs in ("4over6", "6"):  # the standard weights last: the activation rows run on them
         with torch.no_grad():
-            for n, w_hat in weights.items():
+            for n, w_hat in forward[bs].items():
                 params[n].copy_(w_hat)
         trainer = token_logprobs(model, ids)
         out["weights"][f"forward weights {bs} vs BF16"] = gap_stats(trainer, base)
-        out["activations"][bs] = {}
-        for name, main, residual in ACT_CONFIGS:
-            hooks = [modules[n.removesuffix(".weight")].register_forward_pre_hook(
-                lambda m, a, main=main, residual=residual: (
-                    simulated_activation(a[0].reshape(-1, a[0].shape[-1]), main, residual).reshape(a[0].shape),))
-                for n in weights]
-            out["activations"][bs][name] = gap_stats(token_logprobs(model, ids), trainer)
-            for h in hooks:
-                h.remove()
+        progress(f"model: forward weights {bs}")
+    for name, main, residual in ACT_CONFIGS:
+        hooks = [modules[n.removesuffix(".weight")].register_forward_pre_hook(
+            lambda m, a, main=main, residual=residual: (
+                simulated_activation(a[0].reshape(-1, a[0].shape[-1]), main, residual).reshape(a[0].shape),))
+            for n in forward["6"]]
+        out["activations"][name] = gap_stats(token_logprobs(model, ids), trainer)
+        for h in hooks:
+            h.remove()
+        progress(f"model: {name}")
     with torch.no_grad():
         for n, w in masters.items():
             params[n].copy_(w)
     return out
+
+
+def progress(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
 def text_batch(model, tok, new_tokens: int) -> torch.Tensor:
@@ -221,9 +229,8 @@ def print_report(report: dict) -> None:
     print("\n| model (float32, teacher-forced) | gap mean | gap p99 | gap max |\n|---|---|---|---|")
     for name, g in report["model_gaps"]["weights"].items():
         print(f"| {name} | {g['mean']:.4f} | {g['p99']:.4f} | {g['max']:.4f} |")
-    for bs, rows in report["model_gaps"]["activations"].items():
-        for name, g in rows.items():
-            print(f"| weights {bs}: {name} vs W4A16 | {g['mean']:.4f} | {g['p99']:.4f} | {g['max']:.4f} |")
+    for name, g in report["model_gaps"]["activations"].items():
+        print(f"| weights 6, activations {name} vs W4A16 | {g['mean']:.4f} | {g['p99']:.4f} | {g['max']:.4f} |")
 
 
 def main(argv=None) -> int:
@@ -238,11 +245,16 @@ def main(argv=None) -> int:
     model.eval()
     weights = linear_weights(model)
     ids = text_batch(model, tok, args.new_tokens)
-    wt, forward = weight_table(weights)
-    inputs = capture_inputs(model, ids, [n.removesuffix(".weight") for n in weights])
+    progress(f"text: {tuple(ids.shape)}")
     report = {"model_path": args.model, "model_name": type(model).__name__, "weights_count": len(weights),
-              "tokens": int(ids.numel()), "weights": wt, "gaussian": gaussian_table(weights),
-              "activations": activation_table(inputs), "model_gaps": model_table(model, ids, forward)}
+              "tokens": int(ids.numel())}
+    report["weights"], forward = weight_table(weights)
+    progress("weights")
+    report["gaussian"] = gaussian_table(weights)
+    progress("gaussian")
+    report["activations"] = activation_table(capture_inputs(model, ids, [n.removesuffix(".weight") for n in weights]))
+    progress("activations")
+    report["model_gaps"] = model_table(model, ids, forward)
     report["seconds"] = time.time() - start
     print_report(report)
     if args.json:
