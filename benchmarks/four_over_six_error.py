@@ -17,7 +17,8 @@ Four measurements, all through the recipe (:func:`quads.tensor.nvfp4_math.nvfp4_
    rollout's activation part, what ``quads diagnose`` measures; on the standard forward weights),
    computed in float32 with the activations replaced through forward pre-hooks.
 
-The text is the model's own greedy continuation of ``quads diagnose``'s prompts (BF16, 96 tokens).
+The text: the completions ``quads diagnose`` samples (its 8 prompts, BF16 model, T = 1, seed 0,
+120 new tokens), prompts included.
 
     python -m benchmarks.four_over_six_error --model ~/.cache/quads/smollm2-135m-instruct \\
         --json benchmarks/results/four_over_six_cpu_2026-12-03/error.json
@@ -33,7 +34,8 @@ import time
 import torch
 
 from quads.diagnostics.cli_inputs import load_local_causal_lm
-from quads.diagnostics.diagnose import GENERIC_PROMPTS
+from quads.diagnostics.diagnose import GENERIC_PROMPTS, sample_completions
+from quads.diagnostics.scoring import positions_from_mask
 from quads.policies.scale_groups import sibling_groups
 from quads.tensor.nvfp4_math import (
     BLOCK_SCALINGS,
@@ -127,17 +129,24 @@ def simulated_activation(x: torch.Tensor, main: str, residual: str | None) -> to
     return x_hat + nvfp4_dequantize(*nvfp4_quantize(r, "row", parts.global_encode_scale, residual))
 
 
-def capture_inputs(model, ids, names) -> dict[str, torch.Tensor]:
+def forward(model, batch):
+    ids, mask = batch
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask))
+
+
+def capture_inputs(model, batch, names) -> dict[str, torch.Tensor]:
+    """The inputs of the linears ``names`` on the batch's real (unpadded) tokens."""
     modules = dict(model.named_modules())
     seen, hooks = {}, []
+    real = batch[1].reshape(-1).bool()
 
     def keep(name, x):
-        seen[name] = x.detach().reshape(-1, x.shape[-1]).float()
+        seen[name] = x.detach().reshape(-1, x.shape[-1])[real].float()
 
     for n in names:
         hooks.append(modules[n].register_forward_pre_hook(lambda m, a, n=n: keep(n, a[0])))
     with torch.no_grad():
-        model(input_ids=ids)
+        forward(model, batch)
     for h in hooks:
         h.remove()
     return seen
@@ -154,10 +163,13 @@ def activation_table(inputs: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def token_logprobs(model, ids) -> torch.Tensor:
+def token_logprobs(model, batch) -> torch.Tensor:
+    """Log-probs of the batch's real tokens (after the first of each row) under ``model``."""
+    ids, mask = batch
     with torch.no_grad():
-        logits = model(input_ids=ids).logits.float()
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1).reshape(-1)
+        logits = forward(model, batch).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return lp[mask[:, 1:].bool()]
 
 
 def gap_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -165,28 +177,28 @@ def gap_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"mean": float(d.mean()), "p99": float(d.quantile(0.99)), "max": float(d.max())}
 
 
-def model_table(model, ids, forward: dict[str, dict[str, torch.Tensor]]) -> dict:
+def model_table(model, batch, forward_weights: dict[str, dict[str, torch.Tensor]]) -> dict:
     """Log-prob gaps in float32: forward weights (each block scaling) vs BF16 weights; then, on the
     standard forward weights, each activation configuration vs unquantized activations."""
     model = model.float()
     params = dict(model.named_parameters())
-    masters = {n: params[n].detach().clone() for n in forward["6"]}
-    base = token_logprobs(model, ids)
+    masters = {n: params[n].detach().clone() for n in forward_weights["6"]}
+    base = token_logprobs(model, batch)
     modules = dict(model.named_modules())
     out = {"weights": {}, "activations": {}}
     for bs in ("4over6", "6"):  # the standard weights last: the activation rows run on them
         with torch.no_grad():
-            for n, w_hat in forward[bs].items():
+            for n, w_hat in forward_weights[bs].items():
                 params[n].copy_(w_hat)
-        trainer = token_logprobs(model, ids)
+        trainer = token_logprobs(model, batch)
         out["weights"][f"forward weights {bs} vs BF16"] = gap_stats(trainer, base)
         progress(f"model: forward weights {bs}")
     for name, main, residual in ACT_CONFIGS:
         hooks = [modules[n.removesuffix(".weight")].register_forward_pre_hook(
             lambda m, a, main=main, residual=residual: (
                 simulated_activation(a[0].reshape(-1, a[0].shape[-1]), main, residual).reshape(a[0].shape),))
-            for n in forward["6"]]
-        out["activations"][name] = gap_stats(token_logprobs(model, ids), trainer)
+            for n in forward_weights["6"]]
+        out["activations"][name] = gap_stats(token_logprobs(model, batch), trainer)
         for h in hooks:
             h.remove()
         progress(f"model: {name}")
@@ -200,16 +212,11 @@ def progress(what: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
-def text_batch(model, tok, new_tokens: int) -> torch.Tensor:
-    """The model's greedy continuation of each prompt, cut to one common length (no padding)."""
-    seqs = []
-    for prompt in GENERIC_PROMPTS:
-        ids = tok(prompt, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
-        seqs.append(out[0])
-    n = min(len(s) for s in seqs)
-    return torch.stack([s[:n] for s in seqs])
+def text_batch(model, tok, new_tokens: int):
+    """``(ids, attention mask)``: the completions ``quads diagnose`` samples (its prompts, T = 1,
+    seed 0, left padding, the tokens after an EOS masked)."""
+    ids, mask, _ = sample_completions(model, tok, GENERIC_PROMPTS, new_tokens, 1.0, 0)
+    return ids, mask
 
 
 def print_report(report: dict) -> None:
@@ -225,7 +232,7 @@ def print_report(report: dict) -> None:
         print(f"| N(0, 0.02^2), same shapes | tensor | {bs} | {t['rel_sq_err']:.5f} | | {t['frac_4']:.1%} |")
     print("\n| activations (per-token scale) | rel. sq. error |\n|---|---|")
     for name, e in report["activations"].items():
-        print(f"| {name} | {e:.5f} |")
+        print(f"| {name} | {e:.3e} |")
     print("\n| model (float32, teacher-forced) | gap mean | gap p99 | gap max |\n|---|---|---|---|")
     for name, g in report["model_gaps"]["weights"].items():
         print(f"| {name} | {g['mean']:.4f} | {g['p99']:.4f} | {g['max']:.4f} |")
@@ -236,7 +243,7 @@ def print_report(report: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="a local Hugging Face causal LM directory")
-    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--new-tokens", type=int, default=120, help="as quads diagnose --max-new-tokens")
     ap.add_argument("--json", default=None, help="write the full report (every weight's row) here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -244,17 +251,17 @@ def main(argv=None) -> int:
     model, tok = load_local_causal_lm(args.model, torch.bfloat16)
     model.eval()
     weights = linear_weights(model)
-    ids = text_batch(model, tok, args.new_tokens)
-    progress(f"text: {tuple(ids.shape)}")
+    batch = text_batch(model, tok, args.new_tokens)
+    progress(f"text: {tuple(batch[0].shape)}, {int(batch[1].sum())} tokens")
     report = {"model_path": args.model, "model_name": type(model).__name__, "weights_count": len(weights),
-              "tokens": int(ids.numel())}
-    report["weights"], forward = weight_table(weights)
+              "tokens": int(batch[1].sum())}
+    report["weights"], forward_weights = weight_table(weights)
     progress("weights")
     report["gaussian"] = gaussian_table(weights)
     progress("gaussian")
-    report["activations"] = activation_table(capture_inputs(model, ids, [n.removesuffix(".weight") for n in weights]))
+    report["activations"] = activation_table(capture_inputs(model, batch, [n.removesuffix(".weight") for n in weights]))
     progress("activations")
-    report["model_gaps"] = model_table(model, ids, forward)
+    report["model_gaps"] = model_table(model, batch, forward_weights)
     report["seconds"] = time.time() - start
     print_report(report)
     if args.json:

@@ -535,10 +535,10 @@ def check_humming():
 
 @check("four_over_six")
 def check_four_over_six():
-    """``block_scaling="4over6"``: the weight quantizer and the fused fake-quant pass (compiled
-    without FMA contraction) against the torch reference run on the same GPU, bit for bit, on the
-    benchmark models' shapes, SmolLM2's, 3-D experts, adversarial rows and a group's amax bits;
-    the standard path's bits unchanged beside it."""
+    """``block_scaling="4over6"``: the weight quantizer, the fused fake-quant pass and the
+    activation row kernel (compiled without FMA contraction) against the torch reference run on
+    the same GPU, bit for bit, on the benchmark models' shapes, SmolLM2's, 3-D experts,
+    adversarial rows and a group's amax bits; the standard path's bits unchanged beside it."""
     from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize_weight_triton, group_amax_bits_triton
     from quads.tensor.nvfp4_math import nvfp4_fake_quantize, shared_global_encode_scale
 
@@ -574,6 +574,13 @@ def check_four_over_six():
         ok &= bits_equal(gs.reshape(()), shared) and bits_equal(got, nvfp4_fake_quantize(w, global_encode_scale=shared,
                                                                                          block_scaling=fos))
     record("4over6 fused fake-quant from a group's amax bits (q/k/v)", ok)
+    xa = adversarial(4096, 4096)
+    for cfg in (ActivationQuant(block_scaling=fos), ActivationQuant(0.5, block_scaling=fos),
+                ActivationQuant(0.0, block_scaling=fos), ActivationQuant(granularity="tensor", block_scaling=fos)):
+        got = HOPPER.quantize_activation(xa, cfg)
+        ref = quantize_activation_reference(xa, cfg)
+        ok = parts_equal(got.main, ref.main) and (ref.residual is None or parts_equal(got.residual, ref.residual))
+        record(f"4over6 activations {cfg.residual_fraction}/{cfg.granularity} 4096x4096", ok)
 
 
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)

@@ -168,30 +168,36 @@ def layer_activation_errors(model, input_ids, attention_mask, fractions=(0.0, 0.
     return rows
 
 
-def rows_with_weight_global_scale(mode: str, block_scaling: str = "6") -> list[DiagnoseRow]:
-    """:data:`ROWS` with every quads policy's ``weight_global_scale`` set to ``mode`` and its
-    ``weight_block_scaling`` to ``block_scaling``."""
+def rows_with_weight_global_scale(mode: str, block_scaling: str = "6",
+                                  activation_block_scaling: str = "6") -> list[DiagnoseRow]:
+    """:data:`ROWS` with every quads policy's ``weight_global_scale`` set to ``mode``, its
+    ``weight_block_scaling`` to ``block_scaling`` and its ``activation_block_scaling`` to
+    ``activation_block_scaling``."""
     def set_mode(policy):
         if not isinstance(policy, QuadsPolicy):
             return policy
-        return dataclasses.replace(policy, weight_global_scale=mode, weight_block_scaling=block_scaling)
+        return dataclasses.replace(policy, weight_global_scale=mode, weight_block_scaling=block_scaling,
+                                   activation_block_scaling=activation_block_scaling)
 
     return [dataclasses.replace(r, rollout=set_mode(r.rollout), trainer=set_mode(r.trainer)) for r in ROWS]
 
 
 def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, seed=0,
                  progress: Callable | None = None, tokens_per_step: int = 16,
-                 weight_global_scale: str = "group", weight_block_scaling: str = "6") -> dict:
+                 weight_global_scale: str = "group", weight_block_scaling: str = "6",
+                 activation_block_scaling: str = "6") -> dict:
     """The whole report as a dict (see module doc). Derived weights are cached for the run
     (``weight_cache_enabled``: the models' weights only change by quads' own in-place writes).
     ``weight_global_scale``: the policies' (``"group"``, the default, or ``"tensor"``);
-    ``weight_block_scaling``: the policies' (``"6"``, the default, or ``"4over6"``)."""
-    rows = rows_with_weight_global_scale(weight_global_scale, weight_block_scaling)
+    ``weight_block_scaling`` / ``activation_block_scaling``: the policies' (``"6"``, the default,
+    or ``"4over6"``)."""
+    rows = rows_with_weight_global_scale(weight_global_scale, weight_block_scaling, activation_block_scaling)
     with weight_cache_enabled():
         report = _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress,
                                tokens_per_step, rows)
     report["weight_global_scale"] = weight_global_scale
     report["weight_block_scaling"] = weight_block_scaling
+    report["activation_block_scaling"] = activation_block_scaling
     return report
 
 
@@ -233,7 +239,9 @@ def format_report(report: dict) -> str:
     lines = [f"{report['num_prompts']} prompts, {report['completion_tokens']} completion tokens, "
              f"T={report['temperature']}{took}"
              + (f", weight_global_scale={report['weight_global_scale']}" if "weight_global_scale" in report else "")
-             + (f", weight_block_scaling={report['weight_block_scaling']}" if "weight_block_scaling" in report else ""),
+             + (f", weight_block_scaling={report['weight_block_scaling']}" if "weight_block_scaling" in report else "")
+             + (f", activation_block_scaling={report['activation_block_scaling']}"
+                if "activation_block_scaling" in report else ""),
              "",
              f"{'config':<11} {'gap mean':>9} {'gap p99':>9} {'gap max':>9} {'max/floor':>9} {'k3 KL':>10}  description"]
     for r in report["rows"]:
@@ -281,7 +289,8 @@ def _cmd(args: argparse.Namespace) -> int:
     report = run_diagnose(model, tok, prompts, args.max_new_tokens, args.temperature, args.seed,
                           progress=lambda total: tqdm(total=total, desc="scoring configs", file=sys.stderr),
                           tokens_per_step=args.tokens_per_step, weight_global_scale=args.weight_global_scale,
-                          weight_block_scaling=args.weight_block_scaling)
+                          weight_block_scaling=args.weight_block_scaling,
+                          activation_block_scaling=args.activation_block_scaling)
     report["seconds"] = round(time.perf_counter() - started, 2)
     report["model"] = args.model or "embedded tiny-moe-arith"
     print(format_report(report))
@@ -314,5 +323,7 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-block-scaling", choices=("6", "4over6"), default="6",
                    help="QuadsPolicy.weight_block_scaling of every quads row: 6 (NVIDIA's recipe) or 4over6 "
                         "(Four Over Six: each 16-element block's max to 4 or 6, whichever errs less)")
+    p.add_argument("--activation-block-scaling", choices=("6", "4over6"), default="6",
+                   help="QuadsPolicy.activation_block_scaling of every quads row (activations and residual)")
     p.add_argument("--json", default=None, help="also write the report as JSON here (checked before the run)")
     p.set_defaults(func=_cmd)

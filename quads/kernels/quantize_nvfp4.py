@@ -27,7 +27,7 @@ Bit-exactness notes (all float32, as the recipe):
 * ``DQ = (e2m1 * s) / S_enc`` is computed as ``2^e * div_rn(f * s, S_enc)`` with ``e2m1 = 2^e * f``,
   ``f in {1, 1.5}``: exact because scaling by a power of two commutes with rounding while the
   results stay normal; rows where a result could be subnormal take the per-element ``div_rn``;
-* the weight tile kernel's Four Over Six branch (``FOUR_OVER_SIX``, ``_quant_blocks_4over6``)
+* the Four Over Six branches (``FOUR_OVER_SIX``, ``_quant_blocks_4over6``) of both kernels
   compares float32 sums of squared errors, whose bits depend on every rounding: it sums in the
   reference's pairwise order and is launched with ``enable_fp_fusion=False`` (no FMA
   contraction); the other paths' results do not depend on contraction.
@@ -109,9 +109,10 @@ def _e4m3_decode(code):
 
 
 @triton.jit
-def _global_scale(amax):
-    """S_enc = 2688 / amax, clamped to FLT_MAX; 1 where amax == 0 or S_enc == 0 (NaN stays)."""
-    s = tl.math.div_rn(2688.0 + tl.zeros_like(amax), amax)
+def _global_scale(amax, NUMERATOR: tl.constexpr = 2688.0):
+    """S_enc = 2688 / amax (1536 / amax under 4over6), clamped to FLT_MAX; 1 where amax == 0 or
+    S_enc == 0 (NaN stays)."""
+    s = tl.math.div_rn(NUMERATOR + tl.zeros_like(amax), amax)
     s = tl.where(s > 3.4028234663852886e38, 3.4028234663852886e38, s)
     return tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
 
@@ -320,6 +321,7 @@ def _act_quant_row_kernel(
     PACKED_SEARCH: tl.constexpr,
     FULL: tl.constexpr,  # > 0: this program quantizes blocks [c*NB, (c+1)*NB) of a row of <= FULL elements
     LAUNCH_DEPENDENTS: tl.constexpr,  # let a programmatic dependent GEMM start prefetching its weights now
+    FOUR_OVER_SIX: tl.constexpr = False,  # 4over6 block scaling of the main term and the residual
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -343,12 +345,16 @@ def _act_quant_row_kernel(
     elif FULL > 0:  # a chunk of the row: every program takes the whole row's amax (one cheap pass)
         kk = tl.arange(0, FULL)
         xr = tl.load(X + src * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        s_main = _global_scale(tl.max(_abs_bits(xr), axis=0).to(tl.float32, bitcast=True))
+        s_main = _global_scale(tl.max(_abs_bits(xr), axis=0).to(tl.float32, bitcast=True),
+                               1536.0 if FOUR_OVER_SIX else 2688.0)
     else:
         amax = tl.max(tl.max(_abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
-        s_main = _global_scale(amax)
+        s_main = _global_scale(amax, 1536.0 if FOUR_OVER_SIX else 2688.0)
     s_vec = s_main + tl.zeros((NB,), dtype=tl.float32)
-    codes, qv, neg, s_code, s_f32 = _quant_blocks(x, s_vec)
+    if FOUR_OVER_SIX:
+        codes, qv, neg, s_code, s_f32 = _quant_blocks_4over6(x, s_vec)
+    else:
+        codes, qv, neg, s_code, s_f32 = _quant_blocks(x, s_vec)
 
     q_off = row * (K // 2)
     s_off = row * (K // 16)
@@ -377,7 +383,10 @@ def _act_quant_row_kernel(
         rs = tl.where(sel, r, 0.0)
         # the residual shares the row's (or tensor's) global scale: its E4M3 block scales cover the
         # ~10x smaller range (measured: same error as an own global scale, docs/design.md)
-        rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks(rs, s_vec)
+        if FOUR_OVER_SIX:
+            rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks_4over6(rs, s_vec)
+        else:
+            rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks(rs, s_vec)
         if WRITE_PACKED:
             _pack_store(rcodes, QR, SR, rs_code, q_off, s_off, blk, jj8, bmask, NB)
         if WRITE_DQ or WRITE_SUM:
@@ -604,6 +613,7 @@ def quantize_rows(
     stacked: bool = False,
     row_chunk: int | None = None,
     write_sum: bool = False,
+    block_scaling: str = "6",
 ) -> RowQuantization:
     """One pass per row: main NVFP4 quantization (+ residual compensation), see module doc.
 
@@ -620,8 +630,10 @@ def quantize_rows(
     ``write_sum``: also (or, without ``write_operand``, only) the *summed* operand
     ``fp16(main + residual)`` (R, K) in the same pass: both terms are exact fp16 values, so it has
     the bits of an fp32 add of the two fp16 operands and one rounding (relative error <= 2^-11 of
-    the sum). Without a residual it is the main operand itself.
+    the sum). Without a residual it is the main operand itself. ``block_scaling``: ``"6"`` or
+    ``"4over6"`` (main term and residual; :data:`~quads.tensor.nvfp4_math.BLOCK_SCALINGS`).
     """
+    four_over_six = check_block_scaling(block_scaling) == "4over6"
     if x2d.dim() != 2 or x2d.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"quantize_rows expects (M, K) with K % 16 == 0, got {tuple(x2d.shape)}")
     if residual not in RESIDUAL_MODES:
@@ -650,7 +662,7 @@ def quantize_rows(
     if granularity == "tensor":
         src = x2d if row_idx is None else x2d[row_idx.long()]
         amax = amax_rows(src).amax() if n_rows else torch.zeros((), **f32)
-        s_main = global_encode_scale_from_amax(amax).reshape(1).contiguous()
+        s_main = global_encode_scale_from_amax(amax, block_scaling).reshape(1).contiguous()
         gx = s_main.reshape(())
     else:
         s_main = None
@@ -698,8 +710,10 @@ def quantize_rows(
             WRITE_SUM=dsum is not None,
             PACKED_SEARCH=_packed_search(topk_search, n_rows, k),
             LAUNCH_DEPENDENTS=not interpreting(),
+            FOUR_OVER_SIX=four_over_six,
             num_warps=num_warps or (max(4, min(16, triton.next_power_of_2(k) // 1024)) if chunks > 1
                                     else _num_warps_for(k, n_rows)),
+            **_no_fp_fusion(four_over_six),
         )
     e4m3 = lambda t: None if t is None else t.view(torch.float8_e4m3fn)  # noqa: E731
     main = QuantizedRows(qx, e4m3(sx), gx, dx)

@@ -25,7 +25,7 @@ _ACT_DEFAULTS = {f.name: f.default for f in fields(ActivationQuant)}
 
 # QuadsPolicy field -> the ActivationQuant field that validates it
 _ACT_FIELDS = {"residual_fraction": "residual_fraction", "residual_selection": "selection",
-               "activation_granularity": "granularity"}
+               "activation_granularity": "granularity", "activation_block_scaling": "block_scaling"}
 
 # Module-name regexes never quantized by default: embeddings, the LM head, MoE routers /
 # gates (the routing decision is discrete, a flipped expert is a large log-prob error) and
@@ -86,12 +86,15 @@ class QuadsPolicy:
         mapped to E2M1's 6) or ``"4over6"`` (Four Over Six, arXiv 2512.02010: each block maps its
         max to 4 or 6, whichever quantizes it with less squared error; the global scale maps the
         amax to 256 instead of 448). The weights stay standard NVFP4 (packing, scales and
-        dequantization unchanged), so GEMMs and ``quads export`` are unchanged. Weights only:
-        activations and the residual keep the standard recipe. Applies to the trainer's forward
-        weights, the rollout's packed weights, every sync and the export alike; trainer and
+        dequantization unchanged), so GEMMs and ``quads export`` are unchanged. Weights only
+        (activations: ``activation_block_scaling``). Applies to the trainer's forward weights, the rollout's packed weights, every sync and the export alike; trainer and
         rollout must use the same value (``sync_weights_`` checks).
+    activation_block_scaling: ``"6"`` (default) or ``"4over6"``: the block scaling of the
+        quantized activations and of the residual (which shares the row's global scale). A
+        rollout-side choice (and the symmetric-QAT trainer's): it changes no weight, so the sides
+        need not agree. Measured: docs/results.md section 4.
 
-    Defaults of the three activation fields are :class:`~quads.ops.ActivationQuant`'s.
+    Defaults of the four activation fields are :class:`~quads.ops.ActivationQuant`'s.
     """
 
     side: str
@@ -104,6 +107,7 @@ class QuadsPolicy:
     kernel: str = "exact"
     weight_global_scale: str = "group"
     weight_block_scaling: str = "6"
+    activation_block_scaling: str = _ACT_DEFAULTS["block_scaling"]
 
     def __post_init__(self):
         if self.weight_global_scale not in WEIGHT_GLOBAL_SCALES:
@@ -157,7 +161,8 @@ class QuadsPolicy:
             cached = None
             if self.activations != "bf16":
                 fraction = self.residual_fraction if self.side == "rollout" else 0.0
-                cached = ActivationQuant(fraction, self.residual_selection, self.activation_granularity)
+                cached = ActivationQuant(fraction, self.residual_selection, self.activation_granularity,
+                                         self.activation_block_scaling)
             object.__setattr__(self, "_activation_quant", cached)
         return cached
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 from quads.kernels import fake_quantize_nvfp4 as fq_kernel  # noqa: E402
 from quads.kernels.quantize_nvfp4 import _pairwise_block_sum  # noqa: E402
 from quads.ops import weight_quant  # noqa: E402
-from quads.tensor.nvfp4_math import block_squared_error, nvfp4_fake_quantize, nvfp4_quantize  # noqa: E402
+from quads.tensor.nvfp4_math import block_squared_error, nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize  # noqa: E402
 
 from tests.kernels.test_kernel_fake_quantize import _fused_vs_recipe, _master, _tie_sweep_rows, assert_same_bits  # noqa: E402
 from tests.kernels.test_kernel_quantize import DEV, adversarial, assert_parts_equal  # noqa: E402
@@ -152,3 +152,84 @@ def test_kernel_sums_squared_errors_in_the_reference_order():
     _pairwise_probe_kernel[(1,)]((d * d).to(DEV), out, B=64)
     assert torch.equal(out.cpu(), ref)
     assert not torch.equal(ref, (d * d).cumsum(-1)[:, -1])  # the data does tell orders apart
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations and the residual (QuadsPolicy.activation_block_scaling): the row kernel's branch
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_act(x, cfg, static_mask=None, nan=False, **kw):
+    """The row kernel (packed parts, fp16 operands, or the summed operand) against the reference."""
+    from quads.kernels.quantize_nvfp4 import quantize_rows
+    from quads.ops.activation_quant import _kernel_residual_args, quantize_activation_reference
+
+    ref = quantize_activation_reference(x.cpu(), cfg, None if static_mask is None else static_mask.cpu())
+    residual, k_top, mask = _kernel_residual_args(x, cfg, static_mask)
+    out = quantize_rows(x, residual=residual, k_top=k_top, static_mask=mask, granularity=cfg.granularity,
+                        write_packed=True, write_operand=True, block_scaling=cfg.block_scaling, **kw)
+    nan_elems = torch.isnan(x.cpu()) if nan else None
+    assert_parts_equal(out.main.parts(), ref.main, nan_elems)
+    one = torch.ones((), dtype=torch.float32)
+    want = nvfp4_dequantize(ref.main.qdata, ref.main.scale, one).to(torch.float16)
+    assert torch.equal(out.main.operand.cpu().nan_to_num(7.0), want.nan_to_num(7.0))
+    if ref.residual is not None:
+        assert_parts_equal(out.residual.parts(), ref.residual, nan_elems)
+    return ref
+
+
+@pytest.mark.parametrize("fraction,gran", [(1.0, "row"), (0.5, "row"), (0.0, "row"), (1.0, "tensor")], ids=str)
+def test_activation_row_kernel_bit_exact(fraction, gran):
+    from quads.ops.activation_quant import ActivationQuant
+
+    cfg = ActivationQuant(fraction, granularity=gran, block_scaling=FOS)
+    x = adversarial(m=9, k=80, seed=8)
+    if gran == "row":
+        x[8, 3] = float("nan")  # its own row only
+    ref = _check_act(x, cfg, nan=gran == "row")
+    if gran == "row":  # the global scale's numerator is 256 * 6
+        assert ref.main.global_encode_scale[0].item() == torch.tensor(1536.0).div(x[0].abs().max().cpu()).item()
+
+
+def test_activation_row_kernel_static_mask_bf16_chunks_gather_and_sum():
+    from quads.kernels.quantize_nvfp4 import quantize_rows
+    from quads.ops.activation_quant import ActivationQuant, quantize_activation_reference, summed_operand_triton
+
+    x = adversarial(m=6, k=96, seed=9)
+    mask = (torch.rand(96, generator=torch.Generator().manual_seed(2)) > 0.5).to(DEV)
+    _check_act(x, ActivationQuant(selection="static", block_scaling=FOS), static_mask=mask)
+    _check_act(x.to(torch.bfloat16), ActivationQuant(block_scaling=FOS))
+    _check_act(x, ActivationQuant(block_scaling=FOS), row_chunk=32)  # a row cut into programs
+    idx = torch.tensor([4, 0, 0, 5], dtype=torch.int32, device=DEV)
+    cfg = ActivationQuant(block_scaling=FOS)
+    out = quantize_rows(x, residual="all", row_idx=idx, write_packed=True, block_scaling=FOS)
+    ref = quantize_activation_reference(x.cpu()[idx.long().cpu()], cfg)
+    assert_parts_equal(out.main.parts(), ref.main)
+    assert_parts_equal(out.residual.parts(), ref.residual)
+    summed, _ = summed_operand_triton(x, cfg)
+    full = quantize_activation_reference(x.cpu(), cfg)
+    one = torch.ones((), dtype=torch.float32)
+    want = (nvfp4_dequantize(full.main.qdata, full.main.scale, one).to(torch.float16).float()
+            + nvfp4_dequantize(full.residual.qdata, full.residual.scale, one).to(torch.float16).float()).to(torch.float16)
+    assert torch.equal(summed.cpu().nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_activation_policy_field_reaches_the_rollout_linear():
+    import quads
+    from tests.tiny_models import build
+
+    with pytest.raises(ValueError, match="activation_block_scaling"):
+        quads.QuadsPolicy(side="rollout", activation_block_scaling="4/6")
+    model = build("llama")
+    quads.quantize_(model, quads.QuadsPolicy(side="rollout", activation_block_scaling=FOS))
+    layer = model.model.layers[0].self_attn.o_proj
+    assert layer.quads_act.block_scaling == FOS
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x)
+    from quads.ops.activation_quant import ActivationQuant
+    from quads.ops.linear import linear_reference
+
+    parts = layer.weight.parts
+    assert torch.equal(y, linear_reference(x, parts, layer.bias, ActivationQuant(block_scaling=FOS)))
+    assert not torch.equal(y, linear_reference(x, parts, layer.bias, ActivationQuant()))

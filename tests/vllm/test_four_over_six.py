@@ -31,6 +31,8 @@ def test_config_key_round_trips_and_is_validated():
     cfg = QuadsConfig.from_config({"quant_method": "quads", "weight_block_scaling": FOS})
     assert cfg.policy.weight_block_scaling == FOS and cfg.to_dict()["weight_block_scaling"] == FOS
     assert quads_quantization_config()["weight_block_scaling"] == "6"
+    act = QuadsConfig.from_config({"quant_method": "quads", "activation_block_scaling": FOS})
+    assert act.activation_quant.block_scaling == FOS and act.to_dict()["activation_block_scaling"] == FOS
     with pytest.raises(ValueError, match="weight_block_scaling"):
         quads_quantization_config(weight_block_scaling="4/6")
 

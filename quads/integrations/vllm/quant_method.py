@@ -8,7 +8,8 @@ Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
 
     {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 1.0,
      "residual_selection": "per_token", "activation_granularity": "row",
-     "extra_skip_patterns": [], "weight_global_scale": "group", "weight_block_scaling": "6"}
+     "extra_skip_patterns": [], "weight_global_scale": "group", "weight_block_scaling": "6",
+     "activation_block_scaling": "6"}
 
 The keys are the rollout side of :class:`quads.QuadsPolicy`; :func:`quads_quantization_config`
 builds the dict.
@@ -98,6 +99,7 @@ QUADS_CONFIG_KEYS: dict[str, Any] = {
     "kernel": _ROLLOUT_DEFAULTS.kernel,  # "exact" | "fast" (humming on sm_90: docs/humming.md)
     "weight_global_scale": _ROLLOUT_DEFAULTS.weight_global_scale,
     "weight_block_scaling": _ROLLOUT_DEFAULTS.weight_block_scaling,  # "6" | "4over6" (the trainer's)
+    "activation_block_scaling": _ROLLOUT_DEFAULTS.activation_block_scaling,  # "6" | "4over6"
 }
 
 
@@ -126,6 +128,7 @@ class QuadsConfig(QuantizationConfig):
         kernel: str = QUADS_CONFIG_KEYS["kernel"],
         weight_global_scale: str = QUADS_CONFIG_KEYS["weight_global_scale"],
         weight_block_scaling: str = QUADS_CONFIG_KEYS["weight_block_scaling"],
+        activation_block_scaling: str = QUADS_CONFIG_KEYS["activation_block_scaling"],
     ) -> None:
         super().__init__()
         if residual_selection != "per_token":
@@ -143,6 +146,7 @@ class QuadsConfig(QuantizationConfig):
             kernel=kernel,
             weight_global_scale=weight_global_scale,
             weight_block_scaling=weight_block_scaling,
+            activation_block_scaling=activation_block_scaling,
         )
 
     # -- QuantizationConfig interface ----------------------------------------------------
@@ -187,6 +191,7 @@ class QuadsConfig(QuantizationConfig):
             "kernel": p.kernel,
             "weight_global_scale": p.weight_global_scale,
             "weight_block_scaling": p.weight_block_scaling,
+            "activation_block_scaling": p.activation_block_scaling,
         }
 
     @property
