@@ -5,6 +5,7 @@ call, host time; a tile sweep; and an ``ncu`` mode (issue 23, the dense 0.62 TB/
         [--shapes dense,moe] [--reps 20] [--tiles 4x16x4,8x16x4] [--amax-tiles 8x512x4]
     ncu --clock-control none --set full -k regex:fake_quant -c 4 -o fq_dense python3 -m benchmarks.bench_fake_quant --ncu
     python -m benchmarks.bench_fake_quant --device cpu --out /tmp/fq.json  # smoke (interpreter, tiny)
+    python -m benchmarks.bench_fake_quant --block-scaling 6,4over6 --tiles 8x16x4 --amax-tiles 8x512x4 --out fq46.json
 
 Shapes: the weights of ``bench_trainer.py``'s models (FP32 masters, BF16 forward weights, as
 under autocast): dense (Qwen3-4B layer) q 4096x2560, k/v 1024x2560, o 2560x4096, gate/up
@@ -54,6 +55,9 @@ def parse_args(argv=None):
                    help="fused-pass tiles: rows x blocks-of-16 x warps (the first is the shipped one)")
     p.add_argument("--amax-tiles", default="8x512x4,4x1024x1",
                    help="amax-pass tiles: rows x columns x column-iterations (the first is the shipped one)")
+    p.add_argument("--block-scaling", default="6",
+                   help="comma list of QuadsPolicy.weight_block_scaling values timed with the shipped tiles "
+                        "(6, 4over6); the tile sweep runs 6")
     p.add_argument("--ncu", action="store_true", help="only the dense gate/up and down passes, for ncu")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = p.parse_args(argv)
@@ -191,17 +195,17 @@ def _glue_host_us(fn, reps):
         fq._fake_quant_kernel, fq._fake_quant_amax_kernel = saved
 
 
-def bench_shape(model, name, shape, fused, amax, glues, per_kernel=True):
+def bench_shape(model, name, shape, fused, amax, glues, per_kernel=True, block_scaling="6"):
     torch.manual_seed(0)
     w = torch.randn(shape, device=DEVICE) * 0.02
     n = w.numel()
     set_tiles(fused, amax)
-    ref, gs_ref = fake_quantize_weight_reference(w, torch.bfloat16)
-    got, gs = fake_quantize_weight_triton(w, torch.bfloat16)
+    ref, gs_ref = fake_quantize_weight_reference(w, torch.bfloat16, None, block_scaling)
+    got, gs = fake_quantize_weight_triton(w, torch.bfloat16, None, block_scaling)
     exact = torch.equal(got.view(torch.int16), ref.view(torch.int16)) and torch.equal(gs, gs_ref)
     del ref, got
-    calls = {"fwd": lambda: fake_quantize_weight_triton(w, torch.bfloat16),
-             "bwd": lambda: fake_quantize_weight_triton(w, torch.bfloat16, gs)}
+    calls = {"fwd": lambda: fake_quantize_weight_triton(w, torch.bfloat16, None, block_scaling),
+             "bwd": lambda: fake_quantize_weight_triton(w, torch.bfloat16, gs, block_scaling)}
     if "old" in glues:
         calls["fwd-old-glue"] = lambda: old_glue(w)
         calls["cast-bf16"] = lambda: w.to(torch.bfloat16)  # the BF16 peer's autocast cast: the ceiling
@@ -215,7 +219,7 @@ def bench_shape(model, name, shape, fused, amax, glues, per_kernel=True):
         fused_us = sum(v for k, v in kern.items() if k.startswith("_fake_quant_kernel"))
         amax_us = sum(v for k, v in kern.items() if "amax" in k)
         record(model=model, weight=name, shape=list(shape), call=what, fused_tile=fused, amax_tile=amax,
-               bit_exact=exact,
+               block_scaling=block_scaling, bit_exact=exact,
                gpu_us=round(gpu, 1), wall_us=round(wall, 1), host_us=round(host, 1),
                glue_host_us=glue,
                gpu_TBps=round(nbytes / (gpu * 1e-6) / 1e12, 3),
@@ -241,16 +245,19 @@ def main():
     for model in ARGS.shapes.split(","):
         for name, shape in shapes[model]:
             bench_shape(model, name, shape, tiles[0], amax_tiles[0], ("old",))
+            for bs in (b for b in ARGS.block_scaling.split(",") if b != "6"):  # 4over6: the same calls, its branch
+                bench_shape(model, name, shape, tiles[0], amax_tiles[0], (), block_scaling=bs)
             for t in tiles[1:]:  # the sweep: GPU time only (no profiler session)
                 bench_shape(model, name, shape, t, amax_tiles[0], (), per_kernel=False)
             for a in amax_tiles[1:]:
                 bench_shape(model, name, shape, tiles[0], a, (), per_kernel=False)
     set_tiles(tiles[0], amax_tiles[0])
     rows = [r for r in ROWS if "call" in r]
-    print(f"{'model':6} {'weight':16} {'call':12} {'fused':8} {'amax':9} {'gpu_us':>8} {'wall_us':>8} {'host_us':>8} "
-          f"{'glue_us':>8} {'TB/s':>6} {'fusedTB/s':>9} {'amaxTB/s':>8} {'kern':>5} exact")
+    print(f"{'model':6} {'weight':16} {'call':12} {'blocks':6} {'fused':8} {'amax':9} {'gpu_us':>8} {'wall_us':>8} "
+          f"{'host_us':>8} {'glue_us':>8} {'TB/s':>6} {'fusedTB/s':>9} {'amaxTB/s':>8} {'kern':>5} exact")
     for r in rows:
-        print(f"{r['model']:6} {r['weight']:16} {r['call']:12} {r['fused_tile']:8} {r['amax_tile']:9} {r['gpu_us']:8} "
+        print(f"{r['model']:6} {r['weight']:16} {r['call']:12} {r['block_scaling']:6} {r['fused_tile']:8} {r['amax_tile']:9} "
+              f"{r['gpu_us']:8} "
               f"{r['wall_us']:8} {r['host_us']:8} {str(r['glue_host_us']):>8} {r['gpu_TBps']:6} {str(r['fused_kernel_TBps']):>9} "
               f"{str(r['amax_kernel_TBps']):>8} {str(r['kernels_per_call']):>5} {r['bit_exact']}")
     if ARGS.out:

@@ -20,7 +20,10 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
   product, the in-place refresh bit-exact against a layout built from scratch (same addresses),
   the packed parts derived back from the layout, one layout per rollout module (<= 1.1x);
 * W4A16 decode vs the dense bf16 product; MoE experts (E=128 top-8 and E=8 top-2) vs the torch
-  reference loop, grouped rows == dense decode bits, the whole experts op captured in a CUDA graph.
+  reference loop, grouped rows == dense decode bits, the whole experts op captured in a CUDA graph;
+* Four Over Six (``block_scaling="4over6"``): the weight quantizer and the fused fake-quant pass
+  bit-exact against the reference on the GPU (benchmark and SmolLM2 shapes, experts, adversarial
+  rows, a group's amax bits), the standard pass unchanged.
 """
 
 from __future__ import annotations
@@ -531,10 +534,60 @@ def check_humming():
            lin.weight.parts_released and ratio <= 1.1, f"{ratio:.5f}x")
 
 
+@check("four_over_six")
+def check_four_over_six():
+    """``block_scaling="4over6"``: the weight quantizer, the fused fake-quant pass and the
+    activation row kernel (compiled without FMA contraction) against the torch reference run on
+    the same GPU, bit for bit, on the benchmark models' shapes, SmolLM2's, 3-D experts,
+    adversarial rows and a group's amax bits; the standard path's bits unchanged beside it."""
+    from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize_weight_triton, group_amax_bits_triton
+    from quads.tensor.nvfp4_math import nvfp4_fake_quantize, shared_global_encode_scale
+
+    fos = "4over6"
+    g = torch.Generator(device="cuda").manual_seed(7)
+    shapes = [(4096, 4096), (9728, 2560), (2560, 9728), (1536, 576), (576, 1536), (64, 2816, 2048), (64, 2048, 1408)]
+    for shape in shapes:
+        w = (torch.randn(shape, device="cuda", generator=g) * 0.02).bfloat16()
+        record(f"4over6 weight quantizer {shape}", parts_equal(quantize_weight_triton(w, None, None, fos),
+                                                                nvfp4_quantize(w, None, None, fos)))
+        got, gs = fake_quantize_weight_triton(w.float(), torch.bfloat16, None, fos)  # FP32 masters (autocast)
+        ref, gs_ref = fake_quantize_weight_reference(w.float(), torch.bfloat16, None, fos)
+        again, _ = fake_quantize_weight_triton(w.float(), torch.bfloat16, gs, fos)  # the backward's recomputation
+        record(f"4over6 fused fake-quant {shape}", bits_equal(got, ref) and bits_equal(gs, gs_ref)
+               and bits_equal(again, ref))
+        six, _ = fake_quantize_weight_triton(w.float(), torch.bfloat16)
+        record(f"standard fused fake-quant unchanged {shape}",
+               bits_equal(six, nvfp4_fake_quantize(w.float(), dtype=torch.bfloat16)) and not bits_equal(six, got))
+    x = adversarial(256, 4096, dtype=torch.float32)
+    for gran in ("row", "tensor"):
+        record(f"4over6 weight quantizer adversarial {gran}",
+               parts_equal(quantize_weight_triton(x, gran, None, fos), nvfp4_quantize(x, gran, None, fos)))
+    e = x.reshape(256, 1, 4096)  # one expert per adversarial row: every row its own global scale
+    got, _ = fake_quantize_weight_triton(e, torch.float32, None, fos)
+    record("4over6 fused fake-quant adversarial rows", bits_equal(got, nvfp4_fake_quantize(e, block_scaling=fos)))
+    members = [(torch.randn(n, 2048, device="cuda", generator=g) * 0.02 * (i + 1)).bfloat16()
+               for i, n in enumerate((2048, 512, 512))]
+    bits = group_amax_bits_triton(members)
+    shared = shared_global_encode_scale(members, fos)
+    ok = True
+    for w in members:
+        got, gs = fake_quantize_weight_triton(w, None, bits, fos)
+        ok &= bits_equal(gs.reshape(()), shared) and bits_equal(got, nvfp4_fake_quantize(w, global_encode_scale=shared,
+                                                                                         block_scaling=fos))
+    record("4over6 fused fake-quant from a group's amax bits (q/k/v)", ok)
+    xa = adversarial(4096, 4096)
+    for cfg in (ActivationQuant(block_scaling=fos), ActivationQuant(0.5, block_scaling=fos),
+                ActivationQuant(0.0, block_scaling=fos), ActivationQuant(granularity="tensor", block_scaling=fos)):
+        got = HOPPER.quantize_activation(xa, cfg)
+        ref = quantize_activation_reference(xa, cfg)
+        ok = parts_equal(got.main, ref.main) and (ref.residual is None or parts_equal(got.residual, ref.residual))
+        record(f"4over6 activations {cfg.residual_fraction}/{cfg.granularity} 4096x4096", ok)
+
+
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
-          "humming": check_humming}
+          "humming": check_humming, "four_over_six": check_four_over_six}
 
 
 def main():

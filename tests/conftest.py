@@ -35,7 +35,7 @@ def memo_weight_kernel(monkeypatch):
     """Under the interpreter, the hopper/humming backends' weight quantizer
     (``quantize_weight_triton``: an amax pass + the tile quantizer, the bulk of every model-level
     test's time there) runs once per distinct input for the whole session; a repeated call with
-    the same input bytes, dtype, shape, strides, granularity and given global scale gets clones of
+    the same input bytes, dtype, shape, strides, granularity, given global scale and block scaling gets clones of
     the kernel's own outputs of the first call. The kernel is a deterministic function of exactly
     these, so every test sees the bits the kernel returns (tests/kernels test the kernel itself,
     against the reference, without this). Opt-in per module (``pytest.mark.usefixtures``)."""
@@ -45,13 +45,13 @@ def memo_weight_kernel(monkeypatch):
     from quads.ops.weight_quant import quantize_weight_triton
     from quads.tensor.nvfp4_math import NVFP4Parts
 
-    def memo(x, granularity=None, global_encode_scale=None):
+    def memo(x, granularity=None, global_encode_scale=None, block_scaling="6"):
         if x.numel() > _MEMO_MAX_NUMEL:
-            return quantize_weight_triton(x, granularity, global_encode_scale)
-        key = (_tensor_key(x), granularity, _tensor_key(global_encode_scale))
+            return quantize_weight_triton(x, granularity, global_encode_scale, block_scaling)
+        key = (_tensor_key(x), granularity, _tensor_key(global_encode_scale), block_scaling)
         hit = _WEIGHT_KERNEL_RESULTS.get(key)
         if hit is None:
-            out = quantize_weight_triton(x, granularity, global_encode_scale)
+            out = quantize_weight_triton(x, granularity, global_encode_scale, block_scaling)
             with torch.inference_mode(False):
                 hit = _WEIGHT_KERNEL_RESULTS[key] = NVFP4Parts(*(t.clone() for t in out))
             return out

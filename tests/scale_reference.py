@@ -1,7 +1,7 @@
 """The trainer's forward weights computed independently of quads' group bookkeeping: the recipe
 (``nvfp4_quantize``/``nvfp4_dequantize``) with the global scale the policy's
 ``weight_global_scale`` gives, the group scale written out here as ``448*6 / max amax`` over the
-siblings' masters (what ModelOpt computes for a fused layer)."""
+siblings' masters (what ModelOpt computes for a fused layer; ``256*6`` under 4over6 block scaling)."""
 
 import torch
 
@@ -22,17 +22,19 @@ def siblings_of(name: str, names) -> list[str]:
     return [name]
 
 
-def group_encode_scale(weights) -> torch.Tensor:
+def group_encode_scale(weights, block_scaling: str = "6") -> torch.Tensor:
     amax = max(float(w.detach().abs().float().max()) for w in weights)
-    return torch.tensor(448.0 * 6.0, dtype=torch.float32) / torch.tensor(amax, dtype=torch.float32)
+    numerator = 448.0 * 6.0 if block_scaling == "6" else 256.0 * 6.0
+    return torch.tensor(numerator, dtype=torch.float32) / torch.tensor(amax, dtype=torch.float32)
 
 
-def reference_forward_weight(masters: dict, name: str, mode: str = "group", dtype=None) -> torch.Tensor:
+def reference_forward_weight(masters: dict, name: str, mode: str = "group", dtype=None,
+                             block_scaling: str = "6") -> torch.Tensor:
     """``DQ(Q(masters[name]))`` in ``dtype`` (default the master's) with its ``mode`` global scale."""
     w = masters[name].detach()
     scale = None
     if mode == "group":
         members = siblings_of(name, masters)
         if len(members) > 1:
-            scale = group_encode_scale([masters[m] for m in members])
-    return nvfp4_dequantize(*nvfp4_quantize(w, None, scale), dtype=dtype or w.dtype)
+            scale = group_encode_scale([masters[m] for m in members], block_scaling)
+    return nvfp4_dequantize(*nvfp4_quantize(w, None, scale, block_scaling), dtype=dtype or w.dtype)

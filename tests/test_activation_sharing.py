@@ -224,7 +224,7 @@ def test_custom_op_bodies_do_not_share(launches):
     (prepared,) = layer.quads_prepared_weights()
     w = layer.weight.parts
     args = (w.qdata, w.scale, w.global_encode_scale, None, prepared.values, prepared.scales, True, 1.0,
-            "per_token", "row", None, "hopper")
+            "per_token", "row", "6", None, "hopper")
     with share_quantization(model), torch.no_grad():
         a = torch.ops.quads.linear(x, *args)
         b = torch.ops.quads.linear(x, *args)

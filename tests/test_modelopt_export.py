@@ -25,13 +25,13 @@ def _calib(n=4):
     return [torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
-def _forward_weights(model, mode="group"):
-    """Checkpoint name -> the trainer's forward weight (quads targets, ``weight_global_scale=mode``)
-    or the stored tensor."""
+def _forward_weights(model, mode="group", block_scaling="6"):
+    """Checkpoint name -> the trainer's forward weight (quads targets, ``weight_global_scale=mode``,
+    ``weight_block_scaling=block_scaling``) or the stored tensor."""
     targets = {f"{n}.weight" if k == "linear" else f"{n}.{p}" for n, _, k in conversion_targets(model, quads.QuadsPolicy(side="trainer").skips)
                for p in (("weight",) if k == "linear" else ("gate_up_proj", "down_proj"))}
     masters = {k: v.detach() for k, v in model.state_dict().items() if k in targets}
-    state = {k: reference_forward_weight(masters, k, mode) if k in targets else v.detach()
+    state = {k: reference_forward_weight(masters, k, mode, block_scaling=block_scaling) if k in targets else v.detach()
              for k, v in model.state_dict().items()}
     return revert_weight_conversion(model, state)
 

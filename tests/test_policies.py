@@ -81,9 +81,9 @@ def test_experts_fake_quant_runs_once_per_forward(monkeypatch):
 
     original = ste.fake_quantize_weight_reference
 
-    def counting(w, dtype=None, global_encode_scale=None):
+    def counting(w, dtype=None, global_encode_scale=None, block_scaling="6"):
         calls.append((tuple(w.shape), global_encode_scale is not None))
-        return original(w, dtype, global_encode_scale)
+        return original(w, dtype, global_encode_scale, block_scaling)
 
     monkeypatch.setattr(ste, "fake_quantize_weight_reference", counting)
     layers = model.config.num_hidden_layers

@@ -205,10 +205,19 @@ def layer_activation_errors(model, input_ids, attention_mask, fractions=(0.0, 0.
     return rows
 
 
-def rows_with_weight_global_scale(mode: str) -> list[DiagnoseRow]:
-    """:data:`ROWS` with every quads policy's ``weight_global_scale`` set to ``mode``."""
+def rows_with_weight_global_scale(mode: str, block_scaling: str | None = None,
+                                  activation_block_scaling: str | None = None) -> list[DiagnoseRow]:
+    """:data:`ROWS` with every quads policy's ``weight_global_scale`` set to ``mode`` and, where
+    given (not None), its ``weight_block_scaling`` / ``activation_block_scaling``."""
     def set_mode(policy):
-        return dataclasses.replace(policy, weight_global_scale=mode) if isinstance(policy, QuadsPolicy) else policy
+        if not isinstance(policy, QuadsPolicy):
+            return policy
+        fields = {"weight_global_scale": mode}
+        if block_scaling is not None:
+            fields["weight_block_scaling"] = block_scaling
+        if activation_block_scaling is not None:
+            fields["activation_block_scaling"] = activation_block_scaling
+        return dataclasses.replace(policy, **fields)
 
     return [dataclasses.replace(r, rollout=set_mode(r.rollout), trainer=set_mode(r.trainer)) for r in ROWS]
 
@@ -239,12 +248,15 @@ def target_hardware(device: torch.device) -> tuple[str, ...]:
 
 def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, seed=0,
                  progress: Callable | None = None, tokens_per_step: int = 16,
-                 weight_global_scale: str = "group") -> dict:
+                 weight_global_scale: str = "group", weight_block_scaling: str | None = None,
+                 activation_block_scaling: str | None = None) -> dict:
     """The whole report as a dict (see module doc). Derived weights are cached for the run
     (``weight_cache_enabled``: the models' weights only change by quads' own in-place writes).
-    ``weight_global_scale``: the policies' (``"group"``, the default, or ``"tensor"``)."""
+    ``weight_global_scale``: the policies' (``"group"``, the default, or ``"tensor"``);
+    ``weight_block_scaling`` / ``activation_block_scaling``: ``"6"`` or ``"4over6"`` for every
+    quads row, or None (default) to keep each plan's own (the ``quads-4over6`` row's is ``4over6``)."""
     rows, skipped = [], []
-    for row in rows_with_weight_global_scale(weight_global_scale):
+    for row in rows_with_weight_global_scale(weight_global_scale, weight_block_scaling, activation_block_scaling):
         problem = row_problem(row, model)
         if problem:
             skipped.append({"config": row.name, "reason": problem})
@@ -254,6 +266,8 @@ def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, 
         report = _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress,
                                tokens_per_step, rows)
     report["weight_global_scale"] = weight_global_scale
+    report["weight_block_scaling"] = weight_block_scaling
+    report["activation_block_scaling"] = activation_block_scaling
     report["not_run"] = skipped
     report["model_kind"] = kind = model_kind(model)
     hardware = target_hardware(next(model.parameters()).device)
@@ -301,7 +315,11 @@ def format_report(report: dict) -> str:
     took = f", {report['seconds']:.1f} s" if "seconds" in report else ""
     lines = [f"{report['num_prompts']} prompts, {report['completion_tokens']} completion tokens, "
              f"T={report['temperature']}{took}"
-             + (f", weight_global_scale={report['weight_global_scale']}" if "weight_global_scale" in report else ""), "",
+             + (f", weight_global_scale={report['weight_global_scale']}" if "weight_global_scale" in report else "")
+             + (f", weight_block_scaling={report['weight_block_scaling']}" if report.get("weight_block_scaling") else "")
+             + (f", activation_block_scaling={report['activation_block_scaling']}"
+                if report.get("activation_block_scaling") else ""),
+             "",
              f"{'config':<14} {'gap mean':>9} {'mean/floor':>10} {'gap p99':>9} {'gap max':>9} {'max/floor':>9} "
              f"{'k3 KL':>10}  description"]
 
@@ -366,7 +384,9 @@ def _cmd(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     report = run_diagnose(model, tok, prompts, args.max_new_tokens, args.temperature, args.seed,
                           progress=lambda total: tqdm(total=total, desc="scoring configs", file=sys.stderr),
-                          tokens_per_step=args.tokens_per_step, weight_global_scale=args.weight_global_scale)
+                          tokens_per_step=args.tokens_per_step, weight_global_scale=args.weight_global_scale,
+                          weight_block_scaling=args.weight_block_scaling,
+                          activation_block_scaling=args.activation_block_scaling)
     report["seconds"] = round(time.perf_counter() - started, 2)
     report["model"] = args.model or "embedded tiny-moe-arith"
     print(format_report(report))
@@ -396,5 +416,12 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-global-scale", choices=("group", "tensor"), default="group",
                    help="QuadsPolicy.weight_global_scale of every quads row: one NVFP4 global weight scale per "
                         "q/k/v and gate/up group, or per weight")
+    p.add_argument("--weight-block-scaling", choices=("6", "4over6"), default=None,
+                   help="QuadsPolicy.weight_block_scaling of every quads row: 6 (NVIDIA's recipe) or 4over6 "
+                        "(Four Over Six: each 16-element block's max to 4 or 6, whichever errs less); "
+                        "default: each plan's own")
+    p.add_argument("--activation-block-scaling", choices=("6", "4over6"), default=None,
+                   help="QuadsPolicy.activation_block_scaling of every quads row (activations and residual); "
+                        "default: each plan's own")
     p.add_argument("--json", default=None, help="also write the report as JSON here (checked before the run)")
     p.set_defaults(func=_cmd)

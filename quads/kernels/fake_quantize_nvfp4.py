@@ -51,8 +51,8 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreter_safe_input, interpreting
-from quads.kernels.quantize_nvfp4 import _abs_bits
-from quads.tensor.nvfp4_math import BLOCK_SIZE
+from quads.kernels.quantize_nvfp4 import _abs_bits, _pairwise_block_sum, _squared
+from quads.tensor.nvfp4_math import BLOCK_SIZE, check_block_scaling
 
 __all__ = ["fake_quantize_rows", "shared_amax_bits", "FAKE_QUANT_OUT_DTYPES", "TILE_ROWS", "TILE_BLOCKS", "AMAX_ROWS", "AMAX_COLS",
            "AMAX_ITERS"]
@@ -100,10 +100,11 @@ def _fake_quant_amax_kernel(
 
 
 @triton.jit
-def _s_enc_from_amax_bits(bits):
-    """global_encode_scale_from_amax (nvfp4_math) on float32 amax bit patterns, bit for bit."""
+def _s_enc_from_amax_bits(bits, NUMERATOR: tl.constexpr):
+    """global_encode_scale_from_amax (nvfp4_math) on float32 amax bit patterns, bit for bit
+    (``NUMERATOR``: 448 * 6, or 256 * 6 under 4over6)."""
     amax = bits.to(tl.float32, bitcast=True)
-    s = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
+    s = tl.math.div_rn(tl.full(amax.shape, NUMERATOR, tl.float32), amax)
     s = tl.where(s > 3.4028234663852886e38, 3.4028234663852886e38, s)  # clamp(max=FLT_MAX), NaN kept
     return tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
 
@@ -144,8 +145,40 @@ def _lean_quant_blocks(x, s_enc, r_enc):
       may come out +0.)
     * Dequantization as ``_dequant_blocks``: FAST ``2^e * div_rn(f * s, S_enc)`` (f in {1, 1.5}).
     """
+    return _lean_quant_blocks_to(x, s_enc, r_enc, 0.1666666716337204)
+
+
+@triton.jit
+def _lean_quant_blocks_4over6(x, s_enc, r_enc):
+    """``_lean_quant_blocks`` with Four Over Six block scaling: both candidates (each block's max
+    to 6 and to 4), the one of smaller squared error kept (``block_squared_error`` of nvfp4_math:
+    ``e2m1 * s`` against ``x * S_enc``, pairwise order, a tie keeps 6). ``e2m1 * s`` is the
+    value's sign bit on ``qv * s`` (exact); where ``enc == 0`` the lean ``qv`` of an infinite ``x``
+    is 6, not the reference's 0, but its target ``x * S_enc`` is infinite, so both candidates'
+    errors are +inf either way. Bit-exact only without FMA contraction (``enable_fp_fusion=False``)."""
+    qv, vb, s_f32, z = _lean_quant_blocks_to(x, s_enc, r_enc, 0.1666666716337204)
+    qv4, vb4, s_f32_4, z4 = _lean_quant_blocks_to(x, s_enc, r_enc, 0.25)
+    target = x * s_enc[:, None]
+    err6 = _pairwise_block_sum(_squared(_signed_product(qv, s_f32, vb) - target))
+    err4 = _pairwise_block_sum(_squared(_signed_product(qv4, s_f32_4, vb4) - target))
+    pick4 = err4 < err6
+    p2 = pick4[:, None]
+    return (tl.where(p2, qv4, qv), tl.where(p2, vb4, vb), tl.where(pick4, s_f32_4, s_f32),
+            tl.where(pick4, z4, z))
+
+
+@triton.jit
+def _signed_product(qv, s_f32, vb):
+    """``qv * s`` (exact) with the sign bit of ``vb`` (the value's bits): ``e2m1 * s``."""
+    mag = qv * s_f32[:, None]
+    return (mag.to(tl.int32, bitcast=True) | (vb & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _lean_quant_blocks_to(x, s_enc, r_enc, INV_MAX: tl.constexpr):
+    """``_lean_quant_blocks`` with each block's max mapped to ``1 / INV_MAX`` (6 or 4)."""
     blk_amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
-    t = s_enc * 0.1666666716337204
+    t = s_enc * INV_MAX
     sc = blk_amax * t
     sc = tl.where(sc > 448.0, 448.0, sc)
     # E4M3 round trip (RNE) of sc in float
@@ -192,11 +225,12 @@ def _lean_dequant_blocks(qv, vb, s_f32, z, s_enc, FAST: tl.constexpr):
 def _fake_quant_kernel(
     X, stride_xm, K, GS, GA, rows_per_group,
     OUT, n_rows,
-    BR: tl.constexpr, BB: tl.constexpr, FROM_AMAX: tl.constexpr,
+    BR: tl.constexpr, BB: tl.constexpr, FROM_AMAX: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
 ):
     """OUT[r, :] = DQ(Q(X[r, :])) with S_enc = GS[r // rows_per_group], for a BR x (BB*16) tile.
     FROM_AMAX: S_enc from the group amax bits GA instead, written to GS by the programs holding a
-    group's first row in their first column tile."""
+    group's first row in their first column tile. FOUR_OVER_SIX: 4over6 block scaling (its S_enc
+    numerator 256 * 6 and ``_lean_quant_blocks_4over6``)."""
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
@@ -208,7 +242,8 @@ def _fake_quant_kernel(
     offs = rows[:, None, None] * stride_xm + blks[None, :, None] * 16 + jj[None, None, :]
     x = tl.load(X + offs, mask=m3, other=0.0).to(tl.float32)
     if FROM_AMAX:
-        s_enc = _s_enc_from_amax_bits(tl.load(GA + rows // rows_per_group, mask=rmask, other=0))
+        s_enc = _s_enc_from_amax_bits(tl.load(GA + rows // rows_per_group, mask=rmask, other=0),
+                                      1536.0 if FOUR_OVER_SIX else 2688.0)
         if pid_b == 0:
             tl.store(GS + rows // rows_per_group, s_enc, mask=rmask & (rows % rows_per_group == 0))
     else:
@@ -218,7 +253,10 @@ def _fake_quant_kernel(
     # 1 / S_enc once per row; no E2M1 codes or scale byte (_lean_quant_blocks)
     r_enc = tl.math.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)
     r2 = tl.reshape(tl.broadcast_to(r_enc[:, None], (BR, BB)), (BR * BB,))
-    qv, vb, s_f32, z = _lean_quant_blocks(x2, s2, r2)
+    if FOUR_OVER_SIX:
+        qv, vb, s_f32, z = _lean_quant_blocks_4over6(x2, s2, r2)
+    else:
+        qv, vb, s_f32, z = _lean_quant_blocks(x2, s2, r2)
     # fast exact dequantization unless some result of the tile could be subnormal (a quotient
     # below 2^-125 times the smallest E2M1 power, 2^-1)
     q1 = tl.math.div_rn(s_f32, s2)
@@ -276,6 +314,7 @@ def fake_quantize_rows(
     global_encode_scale: torch.Tensor | None = None,
     out_shape: tuple | None = None,
     amax_bits: torch.Tensor | None = None,
+    block_scaling: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``DQ(Q(x))`` of the rows of ``x2d`` (R, K) in ``out_dtype``; groups of ``rows_per_group``
     consecutive rows share one global scale (all rows: "tensor"; N rows of (E, N, K): "expert").
@@ -285,6 +324,7 @@ def fake_quantize_rows(
     from which the fused pass derives ``S_enc`` as it does from its own amax pass. Returns ``(out
     (R, K), global_encode_scale (R // rows_per_group,))``; ``out_shape`` (``R * K`` elements): the
     output is allocated in that shape instead (the caller's weight shape: no view on the way out).
+    ``block_scaling``: ``"6"`` or ``"4over6"`` (:data:`~quads.tensor.nvfp4_math.BLOCK_SCALINGS`).
     """
     if x2d.dim() != 2 or x2d.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"fake_quantize_rows expects (R, K) with K % {BLOCK_SIZE} == 0, got {tuple(x2d.shape)}")
@@ -293,6 +333,9 @@ def fake_quantize_rows(
     n_rows, k = x2d.shape
     if rows_per_group < 1 or n_rows % rows_per_group:
         raise ValueError(f"fake_quantize_rows: {n_rows} rows do not split into groups of {rows_per_group}")
+    four_over_six = block_scaling == "4over6"
+    if not four_over_six and block_scaling != "6":
+        check_block_scaling(block_scaling)  # raises, naming the choices
     interp = interpreting()  # one environment lookup per call (a microsecond each)
     x2d = _rows_2d(x2d, interp)
     groups = n_rows // rows_per_group
@@ -323,8 +366,14 @@ def fake_quantize_rows(
         if amax_pass:
             _fake_quant_amax_kernel[agrid](x2d, x2d.stride(0), k, ga, rows_per_group, n_rows, **amax_meta,
                                            num_warps=_AMAX_WARPS)
-        _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, ga, rows_per_group, out, n_rows,
-                                 BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, num_warps=_NUM_WARPS)
+        if four_over_six:  # no FMA contraction: the error comparison rounds as the reference's
+            _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, ga, rows_per_group, out, n_rows,
+                                     BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, FOUR_OVER_SIX=True,
+                                     num_warps=_NUM_WARPS, enable_fp_fusion=False)
+        else:
+            _fake_quant_kernel[grid](x2d, x2d.stride(0), k, gs, ga, rows_per_group, out, n_rows,
+                                     BR=TILE_ROWS, BB=bb, FROM_AMAX=from_amax, FOUR_OVER_SIX=False,
+                                     num_warps=_NUM_WARPS)
     return (out if out.dtype == out_dtype else out.to(out_dtype)), gs
 
 

@@ -26,7 +26,11 @@ Bit-exactness notes (all float32, as the recipe):
   NaN either way.
 * ``DQ = (e2m1 * s) / S_enc`` is computed as ``2^e * div_rn(f * s, S_enc)`` with ``e2m1 = 2^e * f``,
   ``f in {1, 1.5}``: exact because scaling by a power of two commutes with rounding while the
-  results stay normal; rows where a result could be subnormal take the per-element ``div_rn``.
+  results stay normal; rows where a result could be subnormal take the per-element ``div_rn``;
+* the Four Over Six branches (``FOUR_OVER_SIX``, ``_quant_blocks_4over6``) of both kernels
+  compares float32 sums of squared errors, whose bits depend on every rounding: it sums in the
+  reference's pairwise order and is launched with ``enable_fp_fusion=False`` (no FMA
+  contraction); the other paths' results do not depend on contraction.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from quads.kernels._interpreter import interpreter_safe_input, interpreting
-from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts, global_encode_scale_from_amax
+from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts, check_block_scaling, global_encode_scale_from_amax
 
 __all__ = [
     "QuantizedRows",
@@ -105,9 +109,10 @@ def _e4m3_decode(code):
 
 
 @triton.jit
-def _global_scale(amax):
-    """S_enc = 2688 / amax, clamped to FLT_MAX; 1 where amax == 0 or S_enc == 0 (NaN stays)."""
-    s = tl.math.div_rn(2688.0 + tl.zeros_like(amax), amax)
+def _global_scale(amax, NUMERATOR: tl.constexpr = 2688.0):
+    """S_enc = 2688 / amax (1536 / amax under 4over6), clamped to FLT_MAX; 1 where amax == 0 or
+    S_enc == 0 (NaN stays)."""
+    s = tl.math.div_rn(NUMERATOR + tl.zeros_like(amax), amax)
     s = tl.where(s > 3.4028234663852886e38, 3.4028234663852886e38, s)
     return tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
 
@@ -132,13 +137,56 @@ def _e2m1_mag_code(a):
 
 @triton.jit
 def _quant_blocks(x, s_enc):
-    """Quantize blocks ``x`` (B, 16) float32 with per-block global scale ``s_enc`` (B,).
+    """Quantize blocks ``x`` (B, 16) float32 with per-block global scale ``s_enc`` (B,), each
+    block's max mapped to 6 (the recipe's ``S_enc * f32(1/6)``).
 
     Returns (codes (B,16) int32 with sign bit 8, magnitude value qv (B,16) fp32 (unsigned),
     negative mask (B,16), scale byte (B,) int32, f32(scale) (B,)).
     """
+    return _quant_blocks_to(x, s_enc, 0.1666666716337204)
+
+
+@triton.jit
+def _quant_blocks_4over6(x, s_enc):
+    """``_quant_blocks`` with Four Over Six block scaling (nvfp4_math, ``block_scaling="4over6"``):
+    each block quantized with its max mapped to 6 and to 4, keeping the candidate of smaller
+    squared error (``block_squared_error``'s units and pairwise order; a tie keeps 6). Bit-exact
+    with the reference only without FMA contraction: launch with ``enable_fp_fusion=False``."""
+    codes, qv, neg, s_code, s_f32 = _quant_blocks_to(x, s_enc, 0.1666666716337204)
+    codes4, qv4, neg4, s_code4, s_f32_4 = _quant_blocks_to(x, s_enc, 0.25)
+    target = x * s_enc[:, None]
+    err6 = _pairwise_block_sum(_squared(_with_sign(qv, neg) * s_f32[:, None] - target))
+    err4 = _pairwise_block_sum(_squared(_with_sign(qv4, neg4) * s_f32_4[:, None] - target))
+    pick4 = err4 < err6
+    p2 = pick4[:, None]
+    return (tl.where(p2, codes4, codes), tl.where(p2, qv4, qv), tl.where(p2, neg4, neg),
+            tl.where(pick4, s_code4, s_code), tl.where(pick4, s_f32_4, s_f32))
+
+
+@triton.jit
+def _squared(d):
+    return d * d
+
+
+@triton.jit
+def _pairwise_block_sum(e):
+    """Per row of ``e`` (B, 16): ((e0 + e1) + (e2 + e3)) + ... , the reference's fixed order."""
+    b: tl.constexpr = e.shape[0]
+    lo, hi = tl.split(tl.reshape(e, (b, 8, 2)))
+    e = lo + hi
+    lo, hi = tl.split(tl.reshape(e, (b, 4, 2)))
+    e = lo + hi
+    lo, hi = tl.split(tl.reshape(e, (b, 2, 2)))
+    e = lo + hi
+    lo, hi = tl.split(e)
+    return lo + hi
+
+
+@triton.jit
+def _quant_blocks_to(x, s_enc, INV_MAX: tl.constexpr):
+    """``_quant_blocks`` with each block's max mapped to ``1 / INV_MAX`` (6 or 4)."""
     blk_amax = tl.max(_abs_bits(x), axis=1).to(tl.float32, bitcast=True)
-    t = s_enc * 0.1666666716337204
+    t = s_enc * INV_MAX
     sc = blk_amax * t
     sc = tl.where(sc > 448.0, 448.0, sc)
     s_code = _e4m3_encode(sc)
@@ -273,6 +321,7 @@ def _act_quant_row_kernel(
     PACKED_SEARCH: tl.constexpr,
     FULL: tl.constexpr,  # > 0: this program quantizes blocks [c*NB, (c+1)*NB) of a row of <= FULL elements
     LAUNCH_DEPENDENTS: tl.constexpr,  # let a programmatic dependent GEMM start prefetching its weights now
+    FOUR_OVER_SIX: tl.constexpr = False,  # 4over6 block scaling of the main term and the residual
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -296,12 +345,16 @@ def _act_quant_row_kernel(
     elif FULL > 0:  # a chunk of the row: every program takes the whole row's amax (one cheap pass)
         kk = tl.arange(0, FULL)
         xr = tl.load(X + src * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        s_main = _global_scale(tl.max(_abs_bits(xr), axis=0).to(tl.float32, bitcast=True))
+        s_main = _global_scale(tl.max(_abs_bits(xr), axis=0).to(tl.float32, bitcast=True),
+                               1536.0 if FOUR_OVER_SIX else 2688.0)
     else:
         amax = tl.max(tl.max(_abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
-        s_main = _global_scale(amax)
+        s_main = _global_scale(amax, 1536.0 if FOUR_OVER_SIX else 2688.0)
     s_vec = s_main + tl.zeros((NB,), dtype=tl.float32)
-    codes, qv, neg, s_code, s_f32 = _quant_blocks(x, s_vec)
+    if FOUR_OVER_SIX:
+        codes, qv, neg, s_code, s_f32 = _quant_blocks_4over6(x, s_vec)
+    else:
+        codes, qv, neg, s_code, s_f32 = _quant_blocks(x, s_vec)
 
     q_off = row * (K // 2)
     s_off = row * (K // 16)
@@ -330,7 +383,10 @@ def _act_quant_row_kernel(
         rs = tl.where(sel, r, 0.0)
         # the residual shares the row's (or tensor's) global scale: its E4M3 block scales cover the
         # ~10x smaller range (measured: same error as an own global scale, docs/design.md)
-        rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks(rs, s_vec)
+        if FOUR_OVER_SIX:
+            rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks_4over6(rs, s_vec)
+        else:
+            rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks(rs, s_vec)
         if WRITE_PACKED:
             _pack_store(rcodes, QR, SR, rs_code, q_off, s_off, blk, jj8, bmask, NB)
         if WRITE_DQ or WRITE_SUM:
@@ -350,9 +406,10 @@ def _quant_given_scale_kernel(
     Q, S, D,
     n_rows,
     BR: tl.constexpr, BB: tl.constexpr,
-    WRITE_PACKED: tl.constexpr, WRITE_DQ: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_DQ: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
 ):
-    """Quantize a (BR rows) x (BB blocks of 16) tile with global scale GS[row // rows_per_group]."""
+    """Quantize a (BR rows) x (BB blocks of 16) tile with global scale GS[row // rows_per_group]
+    (FOUR_OVER_SIX: each block's max to 4 or 6, see ``_quant_blocks_4over6``)."""
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
@@ -367,7 +424,10 @@ def _quant_given_scale_kernel(
     s_enc = tl.load(GS + rows // rows_per_group, mask=rmask, other=1.0)
     x2 = tl.reshape(x, (BR * BB, 16))
     s2 = tl.reshape(tl.broadcast_to(s_enc[:, None], (BR, BB)), (BR * BB,))
-    codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
+    if FOUR_OVER_SIX:
+        codes, qv, neg, s_code, s_f32 = _quant_blocks_4over6(x2, s2)
+    else:
+        codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
     if WRITE_PACKED:
         c3 = tl.reshape(codes, (BR, BB, 8, 2))
         lo, hi = tl.split(c3)
@@ -503,11 +563,14 @@ def quantize_given_scale(
     rows_per_group: int,
     write_packed: bool = True,
     write_operand: bool = False,
+    block_scaling: str = "6",
 ):
-    """Quantize rows of ``x2d`` (R, K) with ``S_enc = global_encode_scale[row // rows_per_group]``.
+    """Quantize rows of ``x2d`` (R, K) with ``S_enc = global_encode_scale[row // rows_per_group]``
+    and ``block_scaling`` (``"6"`` or ``"4over6"``, :data:`~quads.tensor.nvfp4_math.BLOCK_SCALINGS`).
 
     Returns (qdata uint8 (R,K/2), scale uint8 (R,K/16), operand fp16 (R,K)), None where not asked.
     """
+    four_over_six = check_block_scaling(block_scaling) == "4over6"
     x2d = interpreter_safe_input(x2d)
     n_rows, k = x2d.shape
     dev = x2d.device
@@ -522,9 +585,17 @@ def quantize_given_scale(
     _quant_given_scale_kernel[grid](
         x2d, x2d.stride(0), k, gs, rows_per_group,
         q if q is not None else dummy, s if s is not None else dummy, d if d is not None else dummy,
-        n_rows, BR=br, BB=bb, WRITE_PACKED=write_packed, WRITE_DQ=write_operand, num_warps=nw,
+        n_rows, BR=br, BB=bb, WRITE_PACKED=write_packed, WRITE_DQ=write_operand, FOUR_OVER_SIX=four_over_six,
+        num_warps=nw, **_no_fp_fusion(four_over_six),
     )
     return q, s, d
+
+
+def _no_fp_fusion(four_over_six: bool) -> dict:
+    """Launch options of a 4over6 kernel: no FMA contraction (``a * b + c`` kept as two roundings),
+    since its error comparison must round as the reference does; the standard path keeps the
+    default (its results do not depend on contraction, see the module doc)."""
+    return {"enable_fp_fusion": False} if four_over_six else {}
 
 
 def quantize_rows(
@@ -542,6 +613,7 @@ def quantize_rows(
     stacked: bool = False,
     row_chunk: int | None = None,
     write_sum: bool = False,
+    block_scaling: str = "6",
 ) -> RowQuantization:
     """One pass per row: main NVFP4 quantization (+ residual compensation), see module doc.
 
@@ -558,8 +630,10 @@ def quantize_rows(
     ``write_sum``: also (or, without ``write_operand``, only) the *summed* operand
     ``fp16(main + residual)`` (R, K) in the same pass: both terms are exact fp16 values, so it has
     the bits of an fp32 add of the two fp16 operands and one rounding (relative error <= 2^-11 of
-    the sum). Without a residual it is the main operand itself.
+    the sum). Without a residual it is the main operand itself. ``block_scaling``: ``"6"`` or
+    ``"4over6"`` (main term and residual; :data:`~quads.tensor.nvfp4_math.BLOCK_SCALINGS`).
     """
+    four_over_six = check_block_scaling(block_scaling) == "4over6"
     if x2d.dim() != 2 or x2d.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"quantize_rows expects (M, K) with K % 16 == 0, got {tuple(x2d.shape)}")
     if residual not in RESIDUAL_MODES:
@@ -588,7 +662,7 @@ def quantize_rows(
     if granularity == "tensor":
         src = x2d if row_idx is None else x2d[row_idx.long()]
         amax = amax_rows(src).amax() if n_rows else torch.zeros((), **f32)
-        s_main = global_encode_scale_from_amax(amax).reshape(1).contiguous()
+        s_main = global_encode_scale_from_amax(amax, block_scaling).reshape(1).contiguous()
         gx = s_main.reshape(())
     else:
         s_main = None
@@ -636,8 +710,10 @@ def quantize_rows(
             WRITE_SUM=dsum is not None,
             PACKED_SEARCH=_packed_search(topk_search, n_rows, k),
             LAUNCH_DEPENDENTS=not interpreting(),
+            FOUR_OVER_SIX=four_over_six,
             num_warps=num_warps or (max(4, min(16, triton.next_power_of_2(k) // 1024)) if chunks > 1
                                     else _num_warps_for(k, n_rows)),
+            **_no_fp_fusion(four_over_six),
         )
     e4m3 = lambda t: None if t is None else t.view(torch.float8_e4m3fn)  # noqa: E731
     main = QuantizedRows(qx, e4m3(sx), gx, dx)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from quads.ops.backend import Backend, select_backend
-from quads.tensor.nvfp4_math import NVFP4Parts, check_quantizable, nvfp4_dequantize, nvfp4_quantize
+from quads.tensor.nvfp4_math import BLOCK_SCALINGS, NVFP4Parts, check_quantizable, nvfp4_dequantize, nvfp4_quantize
 
 __all__ = [
     "ActivationQuant",
@@ -59,11 +59,15 @@ class ActivationQuant:
         ``"static"`` (the layer's calibrated channel mask, see ``quads.calibrate_residual_channels``).
     granularity: global-scale groups of the activation: ``"row"`` (one NVFP4 global scale per
         token, batch invariant) or ``"tensor"``.
+    block_scaling: ``"6"`` (NVIDIA's) or ``"4over6"`` (Four Over Six, docs/nvfp4_spec.md), for
+        the main term and the residual alike (the residual shares the row's global scale, whose
+        numerator the block scaling sets).
     """
 
     residual_fraction: float = 1.0
     selection: str = "per_token"
     granularity: str = "row"
+    block_scaling: str = "6"
 
     def __post_init__(self):
         f = self.residual_fraction
@@ -74,6 +78,8 @@ class ActivationQuant:
             raise ValueError(f"selection must be one of {RESIDUAL_SELECTIONS}, got {self.selection!r}")
         if self.granularity not in ACTIVATION_GRANULARITIES:
             raise ValueError(f"granularity must be one of {ACTIVATION_GRANULARITIES}, got {self.granularity!r}")
+        if not isinstance(self.block_scaling, str) or self.block_scaling not in BLOCK_SCALINGS:
+            raise ValueError(f"block_scaling must be one of {BLOCK_SCALINGS}, got {self.block_scaling!r}")
 
     @property
     def has_residual(self) -> bool:
@@ -147,7 +153,7 @@ def quantize_activation_reference(
 ) -> QuantizedActivation:
     """Quantize a 2-D activation ``x`` (M, K) per ``config`` (torch reference: the spec)."""
     _check_2d(x)
-    main = nvfp4_quantize(x, config.granularity)
+    main = nvfp4_quantize(x, config.granularity, None, config.block_scaling)
     if not config.has_residual:
         return QuantizedActivation(main, None)
     residual = x.to(torch.float32) - nvfp4_dequantize(*main, dtype=torch.float32)
@@ -156,7 +162,8 @@ def quantize_activation_reference(
     else:
         mask = _static_mask_for(x, static_mask).expand_as(residual)
     selected = torch.where(mask, residual, torch.zeros_like(residual))
-    residual_parts = nvfp4_quantize(selected, config.granularity, main.global_encode_scale, check_values=False)
+    residual_parts = nvfp4_quantize(selected, config.granularity, main.global_encode_scale, config.block_scaling,
+                                    check_values=False)
     return QuantizedActivation(main, residual_parts)
 
 
@@ -194,7 +201,7 @@ def quantize_activation_triton(
     _check_2d(x2d)
     residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
     q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask,
-                      granularity=config.granularity, write_packed=True)
+                      granularity=config.granularity, write_packed=True, block_scaling=config.block_scaling)
     return QuantizedActivation(q.main.parts(), None if q.residual is None else q.residual.parts())
 
 
@@ -210,7 +217,7 @@ def activation_operands_triton(
 
     residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
     q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
-                      write_packed=False, write_operand=True, stacked=True)
+                      write_packed=False, write_operand=True, stacked=True, block_scaling=config.block_scaling)
     m = x2d.shape[0]
     main, main_scale = q.main.operand, _per_row(q.main.global_encode_scale, m)
     if q.residual is None:
@@ -231,7 +238,7 @@ def summed_operand_triton(
 
     residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
     q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
-                      write_packed=False, write_sum=True, row_idx=row_idx)
+                      write_packed=False, write_sum=True, row_idx=row_idx, block_scaling=config.block_scaling)
     rows = x2d.shape[0] if row_idx is None else row_idx.shape[0]
     return q.summed_operand, _per_row(q.main.global_encode_scale, rows)
 

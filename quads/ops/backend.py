@@ -55,7 +55,8 @@ class Backend:
     * ``prepare_weight(parts, out=None)``: what the backend's GEMMs read from a packed weight
       (e.g. the Hopper kernel layout; None when they read the parts). Called whenever a weight is
       written, never per forward; ``out``, an earlier result, is rewritten in place when it fits.
-    * ``quantize_weight(x, granularity, global_encode_scale)`` -> ``NVFP4Parts`` (the sync's op).
+    * ``quantize_weight(x, granularity, global_encode_scale, block_scaling="6")`` -> ``NVFP4Parts``
+      (the sync's op; ``block_scaling``: ``"6"`` or ``"4over6"``, ``QuadsPolicy.weight_block_scaling``).
     * ``quantize_activation(x2d, act, static_mask)`` -> ``QuantizedActivation`` (packed parts).
     * ``activation_operands(x2d, act, static_mask)``: the input in the form this backend's GEMMs
       read (computed once and passed to several ``linear`` calls by a
@@ -68,9 +69,9 @@ class Backend:
     * ``grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared)``:
       the experts' grouped linear (:mod:`quads.ops.grouped_linear`).
 
-    Trainer side: ``group_scale(masters)``, a sibling group's shared global scale in the form
-    this backend's weight fake quantizer (:func:`~quads.policies.ste.fake_quantizer`) takes as
-    its ``global_encode_scale``.
+    Trainer side: ``group_scale(masters, block_scaling="6")``, a sibling group's shared global
+    scale in the form this backend's weight fake quantizer (:func:`~quads.policies.ste.fake_quantizer`)
+    takes as its ``global_encode_scale``.
     """
 
     name = "abstract"
@@ -87,7 +88,7 @@ class Backend:
             held = (None,) * len(weights)
         return tuple(self.prepare_weight(w, out) for w, out in zip(weights, held))
 
-    def quantize_weight(self, x, granularity=None, global_encode_scale=None):
+    def quantize_weight(self, x, granularity=None, global_encode_scale=None, block_scaling="6"):
         raise NotImplementedError
 
     def quantize_activation(self, x2d, act, static_mask=None):
@@ -112,14 +113,14 @@ class Backend:
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
         raise NotImplementedError
 
-    def group_scale(self, masters: Sequence[torch.Tensor]):
+    def group_scale(self, masters: Sequence[torch.Tensor], block_scaling: str = "6"):
         """The shared global scale of a sibling group's whole 2-D ``masters`` (trainer group
         mode, once per forward of their parent), as this backend's fake quantizer takes it: here
         ``S_enc`` itself (shape ``()``, :func:`~quads.tensor.nvfp4_math.shared_global_encode_scale`,
         which every fake quantizer accepts); the kernel backends return the group's amax bits
         instead (:class:`~quads.ops.weight_quant.GroupAmaxBits`: the same ``S_enc`` derived in
         their fused pass, without the torch reduction and elementwise ops on the host)."""
-        return shared_global_encode_scale(masters)
+        return shared_global_encode_scale(masters, block_scaling)
 
     def __repr__(self) -> str:
         return f"quads.Backend({self.name!r})"

@@ -32,8 +32,8 @@ class TorchBackend(Backend):
     def prepare_weight(self, weight, out=None):
         return None  # the reference reads the packed parts
 
-    def quantize_weight(self, x, granularity=None, global_encode_scale=None):
-        return quantize_weight_reference(x, granularity, global_encode_scale)
+    def quantize_weight(self, x, granularity=None, global_encode_scale=None, block_scaling="6"):
+        return quantize_weight_reference(x, granularity, global_encode_scale, block_scaling)
 
     def quantize_activation(self, x2d, act, static_mask=None):
         return quantize_activation_reference(x2d, act, static_mask)
@@ -51,15 +51,15 @@ class HopperBackend(Backend):
     def prepare_weight(self, weight, out=None):
         return prepare_weight_hopper(weight, out)
 
-    def quantize_weight(self, x, granularity=None, global_encode_scale=None):
-        return quantize_weight_triton(x, granularity, global_encode_scale)
+    def quantize_weight(self, x, granularity=None, global_encode_scale=None, block_scaling="6"):
+        return quantize_weight_triton(x, granularity, global_encode_scale, block_scaling)
 
     def quantize_activation(self, x2d, act, static_mask=None):
         return quantize_activation_triton(x2d, act, static_mask)
 
-    def group_scale(self, masters):
+    def group_scale(self, masters, block_scaling="6"):
         """The group's amax bits (one amax kernel pass per master into one buffer); the fused
-        fake quantizer derives ``S_enc`` from them."""
+        fake quantizer derives ``S_enc`` from them (with the numerator of its block scaling)."""
         return group_amax_bits_triton(masters)
 
     activation_operands = staticmethod(hopper_operands)

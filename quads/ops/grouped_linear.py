@@ -130,6 +130,7 @@ def grouped_linear_op(
     residual_fraction: float,
     selection: str,
     granularity: str,
+    act_block_scaling: str,
     static_mask: torch.Tensor | None,
     num_rows: int,
     backend: str,
@@ -139,13 +140,15 @@ def grouped_linear_op(
     n, k = qdata.shape[1], qdata.shape[2] * 2
     return get_backend(backend).grouped_linear(
         x, rows, offsets, NVFP4Parts(qdata, scale, global_encode_scale), bias,
-        act_from_fields(quantize_activations, residual_fraction, selection, granularity), static_mask, num_rows,
+        act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling),
+        static_mask, num_rows,
         prepared=prepared_from_fields(prepared_values, prepared_scales, n, k))
 
 
 @grouped_linear_op.register_fake
 def _(x, rows, offsets, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scales,
-      quantize_activations, residual_fraction, selection, granularity, static_mask, num_rows, backend):
+      quantize_activations, residual_fraction, selection, granularity, act_block_scaling, static_mask, num_rows,
+      backend):
     align_this_compile()
     return x.new_empty(num_rows, qdata.shape[1])
 

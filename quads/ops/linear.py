@@ -249,15 +249,16 @@ def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None
 # ---------------------------------------------------------------------------------------------
 
 
-def act_fields(act: ActivationQuant | None) -> tuple[bool, float, str, str]:
-    """``ActivationQuant`` (or None: weight-only) as a custom op's four plain arguments."""
+def act_fields(act: ActivationQuant | None) -> tuple[bool, float, str, str, str]:
+    """``ActivationQuant`` (or None: weight-only) as a custom op's five plain arguments."""
     if act is None:
-        return False, 0.0, "per_token", "row"
-    return True, float(act.residual_fraction), act.selection, act.granularity
+        return False, 0.0, "per_token", "row", "6"
+    return True, float(act.residual_fraction), act.selection, act.granularity, act.block_scaling
 
 
-def act_from_fields(quantize_activations: bool, residual_fraction: float, selection: str, granularity: str):
-    return ActivationQuant(residual_fraction, selection, granularity) if quantize_activations else None
+def act_from_fields(quantize_activations: bool, residual_fraction: float, selection: str, granularity: str,
+                    block_scaling: str = "6"):
+    return ActivationQuant(residual_fraction, selection, granularity, block_scaling) if quantize_activations else None
 
 
 def prepared_fields(prepared) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -288,6 +289,7 @@ def linear_op(
     residual_fraction: float,
     selection: str,
     granularity: str,
+    act_block_scaling: str,
     static_mask: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
@@ -299,13 +301,13 @@ def linear_op(
     n, k = qdata.shape[0], qdata.shape[1] * 2
     return get_backend(backend).linear(
         x, NVFP4Parts(qdata, scale, global_encode_scale), bias,
-        act_from_fields(quantize_activations, residual_fraction, selection, granularity), static_mask,
+        act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling), static_mask,
         prepared_from_fields(prepared_values, prepared_scales, n, k))
 
 
 @linear_op.register_fake
 def _(x, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scales, quantize_activations,
-      residual_fraction, selection, granularity, static_mask, backend):
+      residual_fraction, selection, granularity, act_block_scaling, static_mask, backend):
     align_this_compile()
     return x.new_empty(x.shape[0], qdata.shape[0])
 
@@ -348,6 +350,7 @@ def linear_held_op(
     residual_fraction: float,
     selection: str,
     granularity: str,
+    act_block_scaling: str,
     static_mask: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
@@ -358,13 +361,13 @@ def linear_held_op(
     parts = prepared.shape_parts
     weight = NVFP4Parts(parts.qdata, parts.scale, global_encode_scale)
     return get_backend(backend).linear(
-        x, weight, bias, act_from_fields(quantize_activations, residual_fraction, selection, granularity),
+        x, weight, bias, act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling),
         static_mask, prepared)
 
 
 @linear_held_op.register_fake
 def _(x, global_encode_scale, bias, handle, n, quantize_activations, residual_fraction, selection, granularity,
-      static_mask, backend):
+      act_block_scaling, static_mask, backend):
     align_this_compile()
     return x.new_empty(x.shape[0], n)
 

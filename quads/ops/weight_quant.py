@@ -16,6 +16,7 @@ import torch
 from quads.tensor.nvfp4_math import (
     GLOBAL_SCALE_GRANULARITIES,
     NVFP4Parts,
+    check_block_scaling,
     check_quantizable,
     default_granularity,
     global_encode_scale_from_amax,
@@ -31,20 +32,24 @@ __all__ = ["quantize_weight", "quantize_weight_op", "quantize_weight_reference",
 
 
 def quantize_weight_reference(
-    x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None
+    x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None,
+    block_scaling: str = "6",
 ) -> NVFP4Parts:
-    """The NVFP4 parts of a weight (the recipe); ``global_encode_scale`` (group-shaped) skips the amax."""
-    return nvfp4_quantize(x, granularity, global_encode_scale, check_values=False)  # quads' own scales
+    """The NVFP4 parts of a weight (the recipe); ``global_encode_scale`` (group-shaped) skips the
+    amax; ``block_scaling``: ``"6"`` or ``"4over6"`` (:func:`~quads.tensor.nvfp4_math.nvfp4_quantize`)."""
+    return nvfp4_quantize(x, granularity, global_encode_scale, block_scaling, check_values=False)  # quads' own scales
 
 
 def quantize_weight_triton(
-    x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None
+    x: torch.Tensor, granularity: str | None = None, global_encode_scale: torch.Tensor | None = None,
+    block_scaling: str = "6",
 ) -> NVFP4Parts:
     """Kernel twin of :func:`quantize_weight_reference` (same bits): amax pass + quantization pass
     (the amax pass is skipped when ``global_encode_scale`` is given)."""
     from quads.kernels.quantize_nvfp4 import amax_rows, quantize_given_scale
 
     check_quantizable(x, "weight")
+    check_block_scaling(block_scaling)
     gran = granularity or default_granularity(x)
     if gran not in GLOBAL_SCALE_GRANULARITIES:
         raise ValueError(f"unknown global-scale granularity {gran!r}; use one of {GLOBAL_SCALE_GRANULARITIES}")
@@ -64,14 +69,14 @@ def quantize_weight_triton(
         per_group, groups = 1, lead
     if global_encode_scale is None:
         amax = amax_rows(x2).reshape(groups + (-1,)).amax(dim=-1) if rows else x2.new_zeros(groups, dtype=torch.float32)
-        gs = global_encode_scale_from_amax(amax)
+        gs = global_encode_scale_from_amax(amax, block_scaling)
     else:
         gs = global_encode_scale.to(dtype=torch.float32, device=x.device).expand(groups).contiguous()
     if rows == 0:
         q = torch.empty(lead + (k // 2,), dtype=torch.uint8, device=x.device)
         s = torch.empty(lead + (k // 16,), dtype=torch.float8_e4m3fn, device=x.device)
         return NVFP4Parts(q, s, gs)
-    q, s, _ = quantize_given_scale(x2, gs.reshape(-1), per_group)
+    q, s, _ = quantize_given_scale(x2, gs.reshape(-1), per_group, block_scaling=block_scaling)
     return NVFP4Parts(q.view(lead + (k // 2,)), s.view(torch.float8_e4m3fn).view(lead + (k // 16,)), gs)
 
 
@@ -107,21 +112,24 @@ def _fake_quant_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype
 
 
 def fake_quantize_weight_reference(
-    x: torch.Tensor, dtype: torch.dtype | None = None, global_encode_scale: torch.Tensor | None = None
+    x: torch.Tensor, dtype: torch.dtype | None = None, global_encode_scale: torch.Tensor | None = None,
+    block_scaling: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(DQ(Q(x)) in dtype, S_enc)`` of a weight (``dtype`` default ``x.dtype``): the recipe
     (:func:`~quads.tensor.nvfp4_math.nvfp4_fake_quantize`; one global scale per 2-D weight, one
     per expert of a 3-D one); the float32 result is cast to ``dtype`` once. Passing back the
-    returned ``global_encode_scale`` skips the amax (the backward's recomputation does)."""
+    returned ``global_encode_scale`` skips the amax (the backward's recomputation does).
+    ``block_scaling``: ``"6"`` or ``"4over6"``."""
     check_quantizable(x, "weight")
     dtype = _fake_quant_dtype(x, dtype)
-    parts = nvfp4_quantize(x.detach(), None, global_encode_scale, check_values=False)  # quads' own scales
+    parts = nvfp4_quantize(x.detach(), None, global_encode_scale, block_scaling, check_values=False)  # quads' own scales
     return nvfp4_dequantize(*parts, dtype=dtype), parts.global_encode_scale
 
 
 def fake_quantize_weight_triton(
     x: torch.Tensor, dtype: torch.dtype | None = None,
     global_encode_scale: torch.Tensor | GroupAmaxBits | None = None,
+    block_scaling: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel twin of :func:`fake_quantize_weight_reference` (same bits): an amax pass (skipped
     when ``global_encode_scale`` is given), then one fused pass that reads the master once and
@@ -143,9 +151,9 @@ def fake_quantize_weight_triton(
         gs = torch.ones(groups, dtype=torch.float32, device=x.device)
         return torch.empty(shape, dtype=dtype, device=x.device), gs
     if type(global_encode_scale) is GroupAmaxBits:
-        out, gs = _fake_quantize_rows()(x2, per_group, dtype, None, shape, global_encode_scale.bits)
+        out, gs = _fake_quantize_rows()(x2, per_group, dtype, None, shape, global_encode_scale.bits, block_scaling)
     else:
-        out, gs = _fake_quantize_rows()(x2, per_group, dtype, global_encode_scale, shape)
+        out, gs = _fake_quantize_rows()(x2, per_group, dtype, global_encode_scale, shape, None, block_scaling)
     return out, (gs if nd == 3 else gs.view(()))  # (E,) per expert, () per tensor
 
 
@@ -164,13 +172,14 @@ def _fake_quantize_rows():
 
 
 @torch.library.custom_op("quads::quantize_weight", mutates_args=())
-def quantize_weight_op(x: torch.Tensor, granularity: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_weight_op(x: torch.Tensor, granularity: str, backend: str,
+                       block_scaling: str = "6") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A weight's NVFP4 parts (the sync op) through the backend, as an op opaque to ``torch.compile``."""
-    return tuple(get_backend(backend).quantize_weight(x, granularity))
+    return tuple(get_backend(backend).quantize_weight(x, granularity, None, block_scaling))
 
 
 @quantize_weight_op.register_fake
-def _(x, granularity, backend):
+def _(x, granularity, backend, block_scaling="6"):
     align_this_compile()
     lead, k = x.shape[:-1], x.shape[-1]
     gs_shape = {"tensor": (), "expert": x.shape[:1], "row": lead}[granularity]
@@ -178,6 +187,7 @@ def _(x, granularity, backend):
             x.new_empty(gs_shape, dtype=torch.float32))
 
 
-def quantize_weight(x: torch.Tensor, granularity: str | None = None, backend: Backend | None = None) -> NVFP4Parts:
+def quantize_weight(x: torch.Tensor, granularity: str | None = None, backend: Backend | None = None,
+                    block_scaling: str = "6") -> NVFP4Parts:
     """NVFP4 parts of a weight; identical bits whichever backend runs (None: picked for ``x``'s device)."""
-    return (backend or select_backend(x.device)).quantize_weight(x, granularity)
+    return (backend or select_backend(x.device)).quantize_weight(x, granularity, None, block_scaling)

@@ -69,6 +69,8 @@ class QuadsModule:
         base = super().extra_repr()
         p = self.quads_policy
         extra = f"quads={p.side}, activations={p.activations}"
+        if p.weight_block_scaling != "6":
+            extra += f", weight_block_scaling={p.weight_block_scaling}"
         if p.side == "rollout" and p.activations == "nvfp4":
             extra += f", residual={p.residual_fraction}/{p.residual_selection}"
         backend = self.__dict__.get("quads_backend")
@@ -204,13 +206,15 @@ class TrainerLinear(TrainerModule):
         """The weight this module's forward multiplies by (no gradient): ``DQ(Q(master))`` with
         the group's global scale in group mode."""
         with torch.no_grad():
-            return fake_quantize_weight(self.weight, self.quads_trainer_backend(), None, self.quads_global_scale())
+            return fake_quantize_weight(self.weight, self.quads_trainer_backend(), None, self.quads_global_scale(),
+                                        self.quads_policy.weight_block_scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.quads_trainer_backend()
         if self.quads_act is not None:
             x = fake_quantize_activation(x, self.quads_act, backend)
-        return fake_quant_linear(x, self.weight, self.bias, backend, self.quads_global_scale())
+        return fake_quant_linear(x, self.weight, self.bias, backend, self.quads_global_scale(),
+                                 self.quads_policy.weight_block_scaling)
 
 
 class RolloutLinear(RolloutModule):
@@ -273,8 +277,9 @@ class TrainerExperts(TrainerModule):
                 and (act is None or act.granularity == "row") and grouped_mm_available(hidden_states.device)):
             return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights, apply_gate, backend)
         # the per-expert loop (expert biases, per-tensor activation scales, no grouped GEMM)
-        gate_up = fake_quantize_weight(self.gate_up_proj, backend)  # once per forward, all experts
-        down = fake_quantize_weight(self.down_proj, backend)
+        block_scaling = self.quads_policy.weight_block_scaling
+        gate_up = fake_quantize_weight(self.gate_up_proj, backend, block_scaling=block_scaling)  # once, all experts
+        down = fake_quantize_weight(self.down_proj, backend, block_scaling=block_scaling)
 
         def mlp(rows: torch.Tensor, e: int) -> torch.Tensor:
             if act is not None:

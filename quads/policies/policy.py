@@ -7,8 +7,10 @@ from dataclasses import dataclass, field, fields
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend import KERNEL_PREFERENCES
+from quads.tensor.nvfp4_math import BLOCK_SCALINGS
 
-__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES", "WEIGHT_GLOBAL_SCALES", "SCOPES"]
+__all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES", "WEIGHT_GLOBAL_SCALES", "SCOPES",
+           "WEIGHT_BLOCK_SCALINGS"]
 
 SIDES = ("trainer", "rollout")
 _UNSET = object()
@@ -17,13 +19,15 @@ ACTIVATION_MODES = ("bf16", "nvfp4")
 WEIGHT_GLOBAL_SCALES = ("group", "tensor")
 #: ``QuadsPolicy.scope``: which modules a policy quantizes (see :mod:`quads.policies.scope`)
 SCOPES = ("all", "routed_experts")
+#: ``QuadsPolicy.weight_block_scaling``: NVIDIA's (every block's max to 6) or Four Over Six
+WEIGHT_BLOCK_SCALINGS = BLOCK_SCALINGS
 
 # The activation defaults live in one place: ActivationQuant's fields.
 _ACT_DEFAULTS = {f.name: f.default for f in fields(ActivationQuant)}
 
 # QuadsPolicy field -> the ActivationQuant field that validates it
 _ACT_FIELDS = {"residual_fraction": "residual_fraction", "residual_selection": "selection",
-               "activation_granularity": "granularity"}
+               "activation_granularity": "granularity", "activation_block_scaling": "block_scaling"}
 
 # Module-name regexes never quantized by default: embeddings, the LM head, MoE routers /
 # gates (the routing decision is discrete, a flipped expert is a large log-prob error) and
@@ -89,8 +93,19 @@ class QuadsPolicy:
         experts (verl's Qwen3 recipe keeps the first 2 and last 4 MLP layers in BF16).
         :mod:`quads.policies.scope` numbers the layers; a model without a decoder-layer list is
         refused. Trainer and rollout must convert the same modules (``sync_weights_`` checks).
+    weight_block_scaling: ``"6"`` (default: NVIDIA's recipe, every 16-element block's max
+        mapped to E2M1's 6) or ``"4over6"`` (Four Over Six, arXiv 2512.02010: each block maps its
+        max to 4 or 6, whichever quantizes it with less squared error; the global scale maps the
+        amax to 256 instead of 448). The weights stay standard NVFP4 (packing, scales and
+        dequantization unchanged), so GEMMs and ``quads export`` are unchanged. Weights only
+        (activations: ``activation_block_scaling``). Applies to the trainer's forward weights, the rollout's packed weights, every sync and the export alike; trainer and
+        rollout must use the same value (``sync_weights_`` checks).
+    activation_block_scaling: ``"6"`` (default) or ``"4over6"``: the block scaling of the
+        quantized activations and of the residual (which shares the row's global scale). A
+        rollout-side choice (and the symmetric-QAT trainer's): it changes no weight, so the sides
+        need not agree. Measured: docs/results.md section 4.
 
-    Defaults of the three activation fields are :class:`~quads.ops.ActivationQuant`'s.
+    Defaults of the four activation fields are :class:`~quads.ops.ActivationQuant`'s.
     """
 
     side: str
@@ -105,6 +120,8 @@ class QuadsPolicy:
     scope: str = "all"
     skip_first_layers: int = 0
     skip_last_layers: int = 0
+    weight_block_scaling: str = "6"
+    activation_block_scaling: str = _ACT_DEFAULTS["block_scaling"]
 
     def __post_init__(self):
         if not isinstance(self.scope, str) or self.scope not in SCOPES:
@@ -117,6 +134,9 @@ class QuadsPolicy:
         if self.weight_global_scale not in WEIGHT_GLOBAL_SCALES:
             raise ValueError(f"QuadsPolicy.weight_global_scale must be one of {WEIGHT_GLOBAL_SCALES}, "
                              f"got {self.weight_global_scale!r}")
+        if not isinstance(self.weight_block_scaling, str) or self.weight_block_scaling not in WEIGHT_BLOCK_SCALINGS:
+            raise ValueError(f"QuadsPolicy.weight_block_scaling must be one of {WEIGHT_BLOCK_SCALINGS}, "
+                             f"got {self.weight_block_scaling!r}")
         if self.kernel not in KERNEL_PREFERENCES:
             raise ValueError(f"QuadsPolicy.kernel must be one of {KERNEL_PREFERENCES}, got {self.kernel!r}")
         if not isinstance(self.side, str) or self.side not in SIDES:
@@ -163,7 +183,8 @@ class QuadsPolicy:
             cached = None
             if self.activations != "bf16":
                 fraction = self.residual_fraction if self.side == "rollout" else 0.0
-                cached = ActivationQuant(fraction, self.residual_selection, self.activation_granularity)
+                cached = ActivationQuant(fraction, self.residual_selection, self.activation_granularity,
+                                         self.activation_block_scaling)
             object.__setattr__(self, "_activation_quant", cached)
         return cached
 
@@ -177,6 +198,15 @@ class QuadsPolicy:
         """Whether the policy converts less than every linear outside the skip patterns (a
         ``scope`` or boundary layers, which need the model to decide: :mod:`quads.policies.scope`)."""
         return self.scope != "all" or self.skips_boundary_layers
+    def weight_mismatch(self, trainer: "QuadsPolicy") -> str | None:
+        """Why this (rollout) policy's packed weights would not be ``trainer``'s forward weights
+        (a weight field differs: ``weight_global_scale``, ``weight_block_scaling``), or None."""
+        for name in ("weight_global_scale", "weight_block_scaling"):
+            mine, theirs = getattr(self, name), getattr(trainer, name)
+            if mine != theirs:
+                return (f"the rollout quantizes with {name}={mine!r}, the trainer with {theirs!r}; the rollout's "
+                        "weights would not be the trainer's forward weights (use one value on both sides)")
+        return None
 
     def skips(self, module_name: str) -> bool:
         """Whether the skip patterns keep ``module_name`` in high precision (by name alone; the

@@ -75,6 +75,9 @@ POLICY_PRESETS: dict[str, PolicyPreset] = {
                      "W4A16 (QAT trainer, BF16-activation rollout) on the routed experts only (MoE)"),
         PolicyPreset("quads-boundary", _scoped(_W4A16_QAT, BOUNDARY_LAYERS), _scoped(_QUADS_ROLLOUT, BOUNDARY_LAYERS),
                      "QUADS with the first 2 and last 4 decoder layers in BF16"),
+        PolicyPreset("quads-4over6", QuadsPolicy(side="trainer", weight_block_scaling="4over6"),
+                     QuadsPolicy(side="rollout", weight_block_scaling="4over6"),
+                     "QUADS with Four Over Six weight block scaling (each block's max to 4 or 6) on both sides"),
     )
 }
 

@@ -60,22 +60,24 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     module.__class__ = _CLASS_CACHE[key]
 
 
-def _pack(weight: torch.Tensor, backend: Backend, global_encode_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+def _pack(weight: torch.Tensor, backend: Backend, global_encode_scale: torch.Tensor | None = None,
+          block_scaling: str = "6") -> NVFP4Tensor:
     """Quantize a weight already checked finite (no host sync), with its own global scale or
-    ``global_encode_scale`` (its sibling group's)."""
+    ``global_encode_scale`` (its sibling group's), and ``block_scaling`` (the policy's)."""
     granularity = None
     if global_encode_scale is not None:  # each member its own tensor: parts are written in place
         granularity, global_encode_scale = "tensor", global_encode_scale.clone()
-    return NVFP4Tensor(*backend.quantize_weight(weight.detach(), granularity, global_encode_scale),
-                       orig_dtype=weight.dtype, check_values=False)
+    return NVFP4Tensor(*backend.quantize_weight(weight.detach(), granularity, global_encode_scale, block_scaling),
+                       orig_dtype=weight.dtype, check_values=False, block_scaling=block_scaling)
 
 
 def pack_weight(weight: torch.Tensor, backend: Backend, what: str = "weight",
-                global_encode_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+                global_encode_scale: torch.Tensor | None = None, block_scaling: str = "6") -> NVFP4Tensor:
     """A dense 2-D/3-D weight as an NVFP4Tensor, quantized by ``backend`` (same bits on any
-    backend); ``global_encode_scale`` (shape ``()``): a sibling group's shared ``S_enc``."""
+    backend); ``global_encode_scale`` (shape ``()``): a sibling group's shared ``S_enc``;
+    ``block_scaling``: ``QuadsPolicy.weight_block_scaling``."""
     check_finite(weight, what)
-    return _pack(weight, backend, global_encode_scale)
+    return _pack(weight, backend, global_encode_scale, block_scaling)
 
 
 @dataclass
@@ -160,12 +162,13 @@ def _check_ties(model: nn.Module, targets: list[_Target]) -> None:
                 )
 
 
-def _stage_packed(targets: list[_Target], kernel: str = "exact") -> None:
+def _stage_packed(targets: list[_Target], policy: QuadsPolicy) -> None:
     """Rollout side: quantize every weight into a new NVFP4Tensor; shared weights are packed once."""
     done: dict[int, NVFP4Tensor] = {}
     group_scales: dict[int, torch.Tensor] = {}
+    block_scaling = policy.weight_block_scaling
     for t in targets:
-        t.backend = select_backend(getattr(t.module, t.weight_names[0]).device, kernel)
+        t.backend = select_backend(getattr(t.module, t.weight_names[0]).device, policy.kernel)
         scale = None
         if t.scale_group is not None:  # the dense masters of every member, before any is packed
             key = id(t.scale_group)
@@ -175,7 +178,7 @@ def _stage_packed(targets: list[_Target], kernel: str = "exact") -> None:
         for pname in t.weight_names:
             weight = getattr(t.module, pname)
             if id(weight) not in done:
-                done[id(weight)] = nn.Parameter(_pack(weight, t.backend, scale), requires_grad=False)
+                done[id(weight)] = nn.Parameter(_pack(weight, t.backend, scale, block_scaling), requires_grad=False)
             t.packed[pname] = done[id(weight)]
 
 
@@ -186,7 +189,7 @@ def _form_scale_groups(targets: list[_Target], policy: QuadsPolicy) -> list[Scal
     linears = {t.name: t for t in targets if t.kind == "linear"}
     groups = []
     for names in sibling_groups(linears):
-        group = ScaleGroup([linears[n].module for n in names], names)
+        group = ScaleGroup([linears[n].module for n in names], names, policy.weight_block_scaling)
         for n in names:
             linears[n].scale_group = group
         groups.append(group)
@@ -362,12 +365,13 @@ def convert_targets(targets: list[ConversionTarget], policy: QuadsPolicy, model:
     check_all_finite(weights.values(), "quantize_")
     with torch.no_grad():
         if policy.side == "rollout":
-            _stage_packed(staged, policy.kernel)
+            _stage_packed(staged, policy)
             check_dequantized_range(
                 {id(p): (f"{t.name}.{n}" if t.name else n, p.parts, p.orig_dtype)
                  for t in staged for n, p in t.packed.items()}.values(), "quantize_")
         _commit_all(staged, policy)
     if groups and policy.side == "rollout" and model is not None:
-        model.register_load_state_dict_pre_hook(GroupScaleLoadCheck([g.names for g in groups]))
+        model.register_load_state_dict_pre_hook(GroupScaleLoadCheck([g.names for g in groups],
+                                                                    policy.weight_block_scaling))
     if policy.side == "trainer":
         _attach_trainer_groups(groups, model)

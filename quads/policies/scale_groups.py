@@ -55,7 +55,8 @@ class ScaleGroup:
 
     ``members`` are the modules (not registered as submodules: a plain attribute holding them
     makes no module-tree cycle), ``names`` their qualified names in the model they were
-    converted in (for messages and checks).
+    converted in (for messages and checks), ``block_scaling`` the policy's
+    ``weight_block_scaling`` (the shared ``S_enc``'s numerator depends on it).
 
     Trainer side: ``quantize_`` calls :meth:`attach` with the members' parent, whose forward
     then computes the scale once for all members (``forward_scale``, set only while that forward
@@ -68,9 +69,13 @@ class ScaleGroup:
     #: by its pre-hook, dropped by its forward hook), else None
     forward_scale = None
 
-    def __init__(self, members: Iterable[nn.Module], names: Iterable[str]):
+    #: the members' ``QuadsPolicy.weight_block_scaling``
+    block_scaling = "6"
+
+    def __init__(self, members: Iterable[nn.Module], names: Iterable[str], block_scaling: str = "6"):
         self.members = tuple(members)
         self.names = tuple(names)
+        self.block_scaling = block_scaling
         self.hooks: tuple = ()
 
     def __repr__(self) -> str:
@@ -79,7 +84,7 @@ class ScaleGroup:
     def encode_scale(self) -> torch.Tensor:
         """``S_enc`` of the members' current dense weights (the trainer's masters), shape ``()``:
         what sync, export and rollout quantize the members with."""
-        return shared_global_encode_scale(self._masters())
+        return shared_global_encode_scale(self._masters(), self.block_scaling)
 
     def scale(self):
         """The global scale a member's forward quantizes with, in the form its backend's fake
@@ -92,7 +97,7 @@ class ScaleGroup:
     def _forward_scale_now(self):
         """The group's scale from the masters as they are now, by the members' backend (the
         trainer stores one per module; the members of a group share a device, hence one)."""
-        return self.members[0].quads_trainer_backend().group_scale(self._masters())
+        return self.members[0].quads_trainer_backend().group_scale(self._masters(), self.block_scaling)
 
     def _masters(self) -> list[torch.Tensor]:
         """The members' dense weights; refuses a distributed one (the scale needs each whole)."""
@@ -139,11 +144,14 @@ def group_scale_of(module: nn.Module) -> torch.Tensor | None:
 def trainer_forward_weight(model: nn.Module, name: str) -> torch.Tensor:
     """The forward weight of the quantized parameter ``name`` of a quads trainer (or plain)
     ``model``: ``DQ(Q(master))`` by the recipe, with the sibling group's global scale where the
-    module has one; what a synced rollout's ``param.dequantize(master.dtype)`` equals."""
+    module has one and the module policy's block scaling (a plain module: ``"6"``); what a
+    synced rollout's ``param.dequantize(master.dtype)`` equals."""
     module_name, _, pname = name.rpartition(".")
     module = model.get_submodule(module_name)
     scale = group_scale_of(module) if pname == "weight" else None
-    return nvfp4_fake_quantize(getattr(module, pname).detach(), global_encode_scale=scale)
+    policy = getattr(module, "quads_policy", None)
+    block_scaling = "6" if policy is None else policy.weight_block_scaling
+    return nvfp4_fake_quantize(getattr(module, pname).detach(), global_encode_scale=scale, block_scaling=block_scaling)
 
 
 def sibling_groups(names: Iterable[str]) -> list[list[str]]:
@@ -188,8 +196,9 @@ class GroupScaleLoadCheck:
     scale (in the copy of the state dict ``load_state_dict`` hands its hooks); a group given
     partly dense, or partly at all, is refused."""
 
-    def __init__(self, groups: Iterable[Iterable[str]]):
+    def __init__(self, groups: Iterable[Iterable[str]], block_scaling: str = "6"):
         self.groups = [list(g) for g in groups]
+        self.block_scaling = block_scaling
 
     def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         scales, groups = {}, []
@@ -206,10 +215,11 @@ class GroupScaleLoadCheck:
             if dense:
                 for k in keys:
                     check_finite(present[k], f"load_state_dict {k}")
-                scale = shared_global_encode_scale(present[k].detach() for k in keys)
+                block_scaling = getattr(self, "block_scaling", "6")
+                scale = shared_global_encode_scale((present[k].detach() for k in keys), block_scaling)
                 for k in keys:
                     w = present[k].detach()
-                    parts = nvfp4_quantize(w, "tensor", scale.clone(), check_values=False)
+                    parts = nvfp4_quantize(w, "tensor", scale.clone(), block_scaling, check_values=False)
                     state_dict[k] = NVFP4Tensor(*parts, orig_dtype=w.dtype, check_values=False)
                 continue
             scales.update({k: v.global_encode_scale for k, v in present.items()})

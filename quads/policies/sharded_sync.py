@@ -61,6 +61,7 @@ class _Entry:
     master: Master
     holders: list[RolloutModule] = field(default_factory=list)  # rollout modules holding it (ties: several)
     granularity: str | None = None  # packed entries: "tensor" or "expert"
+    block_scaling: str = "6"  # packed entries: the holders' QuadsPolicy.weight_block_scaling
     group: int | None = None  # group mode: id of the sibling group sharing its global scale
     # filled while validating / staging
     global_scale: torch.Tensor | None = None
@@ -119,6 +120,8 @@ def plan_sharded_sync(rollout_model: nn.Module, trainer_model: nn.Module) -> tup
             if not master.forward_dtype.is_floating_point:
                 raise TypeError(f"sync_weights_: cannot quantize the {master.forward_dtype} master {name}")
             entry.granularity = default_granularity(param)
+            entry.block_scaling = (entry.holders[0].quads_policy.weight_block_scaling if entry.holders
+                                   else param.block_scaling)
             scale_group = next((getattr(m, "quads_scale_group", None) for m in entry.holders), None)
             if scale_group is not None:
                 entry.group = id(scale_group)
@@ -126,6 +129,13 @@ def plan_sharded_sync(rollout_model: nn.Module, trainer_model: nn.Module) -> tup
         entries.append(entry)
     if mesh is None:
         raise ValueError("sync_sharded_weights_: the trainer model has no sharded (FSDP2/DTensor) parameter; use quads.sync_weights_")
+    trainer_modules = dict(trainer_model.named_modules())
+    for name, module in rollout_model.named_modules():
+        trainer = trainer_modules.get(name)
+        if isinstance(module, RolloutModule) and hasattr(trainer, "quads_policy"):
+            mismatch = module.quads_policy.weight_mismatch(trainer.quads_policy)
+            if mismatch:
+                raise ValueError(f"sync_weights_: nothing was written; {name}: {mismatch}")
     for group, names in grouped.values():
         if len(names) != len(group.members):
             raise ValueError(f"sync_weights_: only {names} of the sibling group {list(group.names)} are synced; its "
@@ -136,7 +146,8 @@ def plan_sharded_sync(rollout_model: nn.Module, trainer_model: nn.Module) -> tup
 def _plan_signature(entries: list[_Entry]) -> int:
     """A checksum of what this rank plans to sync (names, shapes, kinds, dtypes): ranks must agree."""
     text = ";".join(
-        f"{e.name}:{e.master.shape}:{e.packed}:{e.master.sharded}:{e.param.dtype}:{e.master.forward_dtype}" for e in entries
+        f"{e.name}:{e.master.shape}:{e.packed}:{e.master.sharded}:{e.param.dtype}:{e.master.forward_dtype}:"
+        f"{e.block_scaling}" for e in entries
     )
     return zlib.crc32(text.encode())
 
@@ -233,7 +244,7 @@ def validate_sharded_sync(entries: list[_Entry], comm: _Comm) -> None:
     for e, amax in zip(packed, per_entry):
         if e.group is not None:
             amax = group_amax[e.group]
-        scale = global_encode_scale_from_amax(amax)
+        scale = global_encode_scale_from_amax(amax, e.block_scaling)
         e.global_scale = (scale if e.granularity == "expert" else scale.reshape(())).to(e.param.device)
 
 
@@ -253,9 +264,10 @@ def _stage_local(e: _Entry, comm: _Comm) -> None:
             start, stop = e.rows_of(comm.rank, comm.world)
             scale = scale[start:stop]
         if e.holders:
-            qdata, block_scale, _ = e.holders[0].quads_backend.quantize_weight(src, e.granularity, scale)
+            qdata, block_scale, _ = e.holders[0].quads_backend.quantize_weight(src, e.granularity, scale,
+                                                                               e.block_scaling)
         else:  # an NVFP4Tensor outside a quads rollout module: the recipe itself
-            qdata, block_scale, _ = quantize_weight_reference(src, e.granularity, scale)
+            qdata, block_scale, _ = quantize_weight_reference(src, e.granularity, scale, e.block_scaling)
         parts = [qdata, block_scale]
     else:
         parts = [src.to(e.param.dtype)]

@@ -50,15 +50,16 @@ def forward_weight_dtype(weight: torch.Tensor) -> torch.dtype:
 
 class _FakeQuantWeightSTE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, backend: Backend, dtype: torch.dtype, global_scale: torch.Tensor | None):
+    def forward(ctx, weight: torch.Tensor, backend: Backend, dtype: torch.dtype, global_scale: torch.Tensor | None,
+                block_scaling: str):
         ctx.master_dtype = weight.dtype
-        out, scale = fake_quantizer(backend)(weight, dtype, global_scale)
+        out, scale = fake_quantizer(backend)(weight, dtype, global_scale, block_scaling)
         ctx.mark_non_differentiable(scale)
         return out, scale
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _grad_scale):
-        return grad.to(ctx.master_dtype), None, None, None
+        return grad.to(ctx.master_dtype), None, None, None, None
 
 
 class _FakeQuantLinear(torch.autograd.Function):
@@ -73,9 +74,10 @@ class _FakeQuantLinear(torch.autograd.Function):
     attribute (the quantizer, not the backend: no lookup per backward)."""
 
     @staticmethod
-    def forward(ctx, x, master, bias, backend: Backend, dtype: torch.dtype, global_scale: torch.Tensor | None):
+    def forward(ctx, x, master, bias, backend: Backend, dtype: torch.dtype, global_scale: torch.Tensor | None,
+                block_scaling: str):
         quantize = fake_quantizer(backend)
-        w, scale = quantize(master, dtype, global_scale)
+        w, scale = quantize(master, dtype, global_scale, block_scaling)
         x_dtype, bias_dtype = x.dtype, None if bias is None else bias.dtype
         x2 = x.reshape(-1, x.shape[-1])
         if x_dtype != dtype:
@@ -84,26 +86,26 @@ class _FakeQuantLinear(torch.autograd.Function):
             bias = bias.to(dtype)
         y = torch.nn.functional.linear(x2, w, bias)
         ctx.save_for_backward(x2, master, scale)
-        ctx.state = (quantize, dtype, x_dtype, bias_dtype)
+        ctx.state = (quantize, dtype, x_dtype, bias_dtype, block_scaling)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         x2, master, scale = ctx.saved_tensors
-        quantize, dtype, x_dtype, bias_dtype = ctx.state
+        quantize, dtype, x_dtype, bias_dtype, block_scaling = ctx.state
         g2 = grad.reshape(-1, grad.shape[-1])
         if g2.dtype != dtype:
             g2 = g2.to(dtype)
         grad_x = grad_w = grad_b = None
         needs = ctx.needs_input_grad
         if needs[0]:
-            w, _ = quantize(master, dtype, scale)  # the forward's bits again
+            w, _ = quantize(master, dtype, scale, block_scaling)  # the forward's bits again
             grad_x = g2.mm(w).reshape(*grad.shape[:-1], w.shape[-1]).to(x_dtype)
         if needs[1]:
             grad_w = g2.t().mm(x2).to(master.dtype)
         if bias_dtype is not None and needs[2]:
             grad_b = g2.sum(0).to(bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class _FakeQuantActivationSTE(torch.autograd.Function):
@@ -139,18 +141,19 @@ def _check_whole(weight: torch.Tensor) -> None:
 
 def fake_quantize_weight_parts(
     weight: torch.Tensor, backend: Backend | None = None, dtype: torch.dtype | None = None,
-    global_encode_scale: torch.Tensor | None = None,
+    global_encode_scale: torch.Tensor | None = None, block_scaling: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(forward weight, global encode scale)``: :func:`fake_quantize_weight` plus the scale
     (``()`` or ``(E,)``), which lets a backward recompute the forward weight without an amax."""
     _check_whole(weight)
     backend = backend or select_backend(weight.device)
-    return _FakeQuantWeightSTE.apply(weight, backend, dtype or forward_weight_dtype(weight), global_encode_scale)
+    return _FakeQuantWeightSTE.apply(weight, backend, dtype or forward_weight_dtype(weight), global_encode_scale,
+                                     block_scaling)
 
 
 def fake_quantize_weight(
     weight: torch.Tensor, backend: Backend | None = None, dtype: torch.dtype | None = None,
-    global_encode_scale: torch.Tensor | None = None,
+    global_encode_scale: torch.Tensor | None = None, block_scaling: str = "6",
 ) -> torch.Tensor:
     """NVFP4 fake-quant of a 2-D weight (one global scale) or 3-D experts (one per expert),
     straight-through; in ``dtype`` (default :func:`forward_weight_dtype`), by ``backend`` (default:
@@ -162,14 +165,15 @@ def fake_quantize_weight(
     outside its FSDP root's forward, or a tensor-parallel weight: its global scale would need a
     collective the forward must not issue, so this refuses. ``global_encode_scale``: quantize
     with this ``S_enc`` (a sibling group's: ``Backend.group_scale``, whose kernel form is the
-    group's amax bits) instead of the weight's own.
+    group's amax bits) instead of the weight's own. ``block_scaling``: ``"6"`` or ``"4over6"``
+    (``QuadsPolicy.weight_block_scaling``).
     """
-    return fake_quantize_weight_parts(weight, backend, dtype, global_encode_scale)[0]
+    return fake_quantize_weight_parts(weight, backend, dtype, global_encode_scale, block_scaling)[0]
 
 
 def fake_quant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: Backend | None = None,
-    global_encode_scale: torch.Tensor | None = None,
+    global_encode_scale: torch.Tensor | None = None, block_scaling: str = "6",
 ) -> torch.Tensor:
     """``F.linear(x, fake_quantize_weight(weight), bias)`` (same values and gradients) without
     keeping the forward weight alive for the backward: a transient, recomputed there.
@@ -188,7 +192,8 @@ def fake_quant_linear(
             raise TypeError(f"quads trainer linear: input dtype {x.dtype} differs from the weight's {w_dtype}")
         if bias is not None and bias.dtype != w_dtype:
             raise TypeError(f"quads trainer linear: bias dtype {bias.dtype} differs from the weight's {w_dtype}")
-    return _FakeQuantLinear.apply(x, weight, bias, backend or select_backend(weight.device), dtype, global_encode_scale)
+    return _FakeQuantLinear.apply(x, weight, bias, backend or select_backend(weight.device), dtype, global_encode_scale,
+                                  block_scaling)
 
 
 def fake_quantize_activation(x: torch.Tensor, config: ActivationQuant, backend: Backend | None = None) -> torch.Tensor:

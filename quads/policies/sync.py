@@ -56,6 +56,7 @@ class _Write:
     param: torch.Tensor  # the rollout parameter (NVFP4Tensor for packed ones)
     source: torch.Tensor  # the trainer's master, detached
     backend: Backend | None = None  # packed only: the owning module's backend
+    block_scaling: str = "6"  # packed only: the owning module policy's weight_block_scaling
     staged: NVFP4Parts | torch.Tensor | None = None
     group: tuple["_Write", ...] | None = None  # group mode: the writes of its sibling group (itself included)
 
@@ -122,6 +123,7 @@ def _plan(rollout_model: nn.Module, trainer_model: nn.Module, strict: bool) -> l
         if write.packed:
             holders = owners.get(id(param))
             write.backend = holders[0].quads_backend if holders else select_backend(param.device)
+            write.block_scaling = holders[0].quads_policy.weight_block_scaling if holders else param.block_scaling
         writes.append(write)
     unexpected = [n for n in masters if n not in rollout_names]
     if strict and missing:
@@ -161,11 +163,9 @@ def _plan_scale_groups(writes: list[_Write], rollout_model: nn.Module, trainer_m
             continue
         trainer = trainer_modules.get(name)
         if isinstance(trainer, QuadsModule):
-            mine, theirs = module.quads_policy.weight_global_scale, trainer.quads_policy.weight_global_scale
-            if mine != theirs:
-                problems.append(f"{name}: the rollout quantizes with weight_global_scale={mine!r}, the trainer with "
-                                f"{theirs!r}; the rollout's weights would not be the trainer's forward weights "
-                                "(use one value on both sides)")
+            mismatch = module.quads_policy.weight_mismatch(trainer.quads_policy)
+            if mismatch:
+                problems.append(f"{name}: {mismatch}")
                 continue
             if _group_names(module, rollout_names) != _group_names(trainer, trainer_names):
                 problems.append(f"{name}: shares its global scale with {_group_names(module, rollout_names)} in the "
@@ -196,10 +196,11 @@ def _stage(writes: list[_Write]) -> None:
             if w.group is not None:  # one S_enc from every member's master
                 key = id(w.group[0])
                 if key not in group_scales:
-                    group_scales[key] = shared_global_encode_scale(m.source.to(w.param.device) for m in w.group)
+                    group_scales[key] = shared_global_encode_scale((m.source.to(w.param.device) for m in w.group),
+                                                                   w.block_scaling)
                 granularity, scale = "tensor", group_scales[key].to(w.param.device)
             parts = w.backend.quantize_weight(dense.transpose(-2, -1) if w.param.transposed else dense,
-                                              granularity, scale)
+                                              granularity, scale, w.block_scaling)
             for part, new, old in zip(NVFP4Parts._fields, parts, w.param.parts):
                 if new.shape != old.shape or new.dtype != old.dtype:
                     raise ValueError(

@@ -67,18 +67,19 @@ class _FakeQuantGroupedMM(torch.autograd.Function):
     ``keep``, the forward weight instead (no recomputation in the backward)."""
 
     @staticmethod
-    def forward(ctx, x, master, ends, backend: Backend, dtype: torch.dtype, keep: bool = False):
+    def forward(ctx, x, master, ends, backend: Backend, dtype: torch.dtype, keep: bool = False,
+                block_scaling: str = "6"):
         quantize = fake_quantizer(backend)
-        w, scale = quantize(master, dtype)
+        w, scale = quantize(master, dtype, None, block_scaling)
         y = _GROUPED_MM(x, w.transpose(-2, -1), offs=ends)
         ctx.save_for_backward(x, w if keep else master, scale, ends)
-        ctx.state = (quantize, dtype, keep, master.dtype)  # one ctx attribute: host time per call
+        ctx.state = (quantize, dtype, keep, master.dtype, block_scaling)  # one ctx attribute: host time per call
         return y
 
     @staticmethod
     def backward(ctx, grad):
         x, saved_w, scale, ends = ctx.saved_tensors
-        quantize, dtype, keep, master_dtype = ctx.state
+        quantize, dtype, keep, master_dtype, block_scaling = ctx.state
         grad = grad.contiguous()
         grad_x = grad_w = None
         needs = ctx.needs_input_grad
@@ -86,7 +87,7 @@ class _FakeQuantGroupedMM(torch.autograd.Function):
             if keep:
                 w = saved_w
             else:
-                w, _ = quantize(saved_w, dtype, scale)  # the forward's bits again
+                w, _ = quantize(saved_w, dtype, scale, block_scaling)  # the forward's bits again
             grad_x = _GROUPED_MM(grad, w, offs=ends)
         if needs[1]:  # straight through: d/dW of the forward weight, to the master
             # grad^T @ x per group gives (E, N, K) in the master's layout: a transposed result
@@ -94,7 +95,7 @@ class _FakeQuantGroupedMM(torch.autograd.Function):
             # (a FP32 pass over every expert weight), which the BF16 peer's grouped_mm backward
             # does not pay
             grad_w = _GROUPED_MM(grad.t(), x, offs=ends).to(master_dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def grouped_experts_forward(
@@ -108,6 +109,7 @@ def grouped_experts_forward(
     """A trainer experts module's forward with grouped GEMMs (no expert biases; activation
     quantization per row only: the caller falls back to the loop otherwise)."""
     act = module.quads_policy.activation_quant
+    block_scaling = module.quads_policy.weight_block_scaling
     gate_up, down = module.gate_up_proj, module.down_proj
     dtype = forward_weight_dtype(gate_up)
     keep = bool(getattr(module, "quads_keep_forward_weight", False))
@@ -130,11 +132,12 @@ def grouped_experts_forward(
         x = x.to(dtype)
     if outside is not None:
         x = x.masked_fill(outside, 0)
-    h = _FakeQuantGroupedMM.apply(x, gate_up, ends, backend, dtype, keep)
+    h = _FakeQuantGroupedMM.apply(x, gate_up, ends, backend, dtype, keep, block_scaling)
     h = apply_gate(module, h)
     if act is not None:
         h = fake_quantize_activation(h, act, backend)
-    y = _FakeQuantGroupedMM.apply(h if h.dtype == dtype else h.to(dtype), down, ends, backend, dtype, keep)
+    y = _FakeQuantGroupedMM.apply(h if h.dtype == dtype else h.to(dtype), down, ends, backend, dtype, keep,
+                                  block_scaling)
     if outside is not None:
         y = y.masked_fill(outside, 0)
     # back to the flat (token, choice) order: one gather each way (not zeros + index_copy)

@@ -16,6 +16,16 @@ Layout conventions
 * ``global_encode_scale``: float32 ``S_enc = 448*6/amax``; multiply to encode, divide to
   decode. Its shape is the "global-scale group" shape: ``()`` for one scale per tensor,
   ``(E,)`` for one per expert of a 3-D weight, ``x.shape[:-1]`` for one per row (token).
+
+Block scaling (``block_scaling``)
+---------------------------------
+* ``"6"`` (default): every block's max maps to E2M1's 6, NVIDIA's recipe.
+* ``"4over6"``: Four Over Six (Cook et al., arXiv 2512.02010): each block is quantized twice,
+  its max mapped to 6 and to 4, and keeps the candidate with the smaller sum of squared errors
+  (measured in units of ``1/S_enc``, summed in a fixed pairwise order: :func:`block_squared_error`;
+  a tie keeps 6). The global scale maps the group's amax to 256 instead of 448 (``S_enc =
+  256*6/amax``), so the max-to-4 block scale (at most 384) fits E4M3. The format is standard
+  NVFP4: dequantization is unchanged.
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ __all__ = [
     "default_granularity",
     "GLOBAL_SCALE_GRANULARITIES",
     "check_global_encode_scale",
+    "BLOCK_SCALINGS",
+    "check_block_scaling",
+    "block_squared_error",
     "nvfp4_quantize",
     "nvfp4_dequantize",
     "nvfp4_fake_quantize",
@@ -58,6 +71,12 @@ _SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Global-scale granularity names accepted by `nvfp4_quantize`.
 GLOBAL_SCALE_GRANULARITIES = ("tensor", "expert", "row")
+
+#: Block-scale rules accepted by `nvfp4_quantize` (module doc): "6" (NVIDIA's) or "4over6".
+BLOCK_SCALINGS = ("6", "4over6")
+# S_enc = numerator / amax: the group's amax maps to E4M3 448 (x 6), or to 256 under 4over6,
+# which leaves room for the max-to-4 candidate's 1.5x larger block scale (256 * 1.5 = 384).
+_GLOBAL_SCALE_NUMERATORS = {"6": E4M3_MAX * E2M1_MAX, "4over6": 256.0 * E2M1_MAX}
 
 
 class NVFP4Parts(NamedTuple):
@@ -128,15 +147,24 @@ def unpack_e2m1(qdata: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def global_encode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """``S_enc = 448*6/amax``, clamped to FLT_MAX; 1 where amax == 0 or S_enc == 0.
+def check_block_scaling(block_scaling: str) -> str:
+    """``block_scaling`` if it is one of :data:`BLOCK_SCALINGS`, else a ValueError naming them."""
+    if block_scaling not in BLOCK_SCALINGS:
+        raise ValueError(f"unknown NVFP4 block scaling {block_scaling!r}; use one of {BLOCK_SCALINGS}")
+    return block_scaling
+
+
+def global_encode_scale_from_amax(amax: torch.Tensor, block_scaling: str = "6") -> torch.Tensor:
+    """``S_enc = 448*6/amax`` (``256*6/amax`` under ``block_scaling="4over6"``), clamped to
+    FLT_MAX; 1 where amax == 0 or S_enc == 0.
 
     amax = +inf gives S_enc = 0 and therefore 1 (the recipe's guard); amax = NaN gives NaN,
     which poisons every scale of that group (see the spec's NaN/Inf section).
     """
+    numerator = _GLOBAL_SCALE_NUMERATORS[check_block_scaling(block_scaling)]
     amax = amax.to(torch.float32)
     # Tensor / tensor: `scalar / tensor` in torch is reciprocal-then-multiply (two roundings).
-    s = torch.clamp(torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax, max=FLT_MAX)
+    s = torch.clamp(torch.full_like(amax, numerator) / amax, max=FLT_MAX)
     bad = (amax == 0) | (s == 0)
     return torch.where(bad, 1.0, s)  # a scalar 1 (float32 result): no ones_like kernel
 
@@ -155,7 +183,7 @@ def global_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
     raise ValueError(f"unknown global-scale granularity {granularity!r}; use one of {GLOBAL_SCALE_GRANULARITIES}")
 
 
-def shared_global_encode_scale(tensors) -> torch.Tensor:
+def shared_global_encode_scale(tensors, block_scaling: str = "6") -> torch.Tensor:
     """One ``S_enc`` (shape ``()``) for weights quantized with one global scale: sibling
     projections that an engine fuses into one layer (q/k/v, gate/up). It comes from the largest
     amax of the group, as ModelOpt computes a fused layer's ``weight_scale_2``, so no member
@@ -165,7 +193,7 @@ def shared_global_encode_scale(tensors) -> torch.Tensor:
         raise ValueError("shared_global_encode_scale needs at least one tensor")
     device = tensors[0].device
     amax = torch.stack([_max_abs(t).to(device) for t in tensors]).amax()
-    return global_encode_scale_from_amax(amax)
+    return global_encode_scale_from_amax(amax, block_scaling)
 
 
 def _max_abs(t: torch.Tensor) -> torch.Tensor:
@@ -226,6 +254,7 @@ def nvfp4_quantize(
     x: torch.Tensor,
     granularity: str | None = None,
     global_encode_scale: torch.Tensor | None = None,
+    block_scaling: str = "6",
     *,
     check_values: bool = True,
 ) -> NVFP4Parts:
@@ -238,6 +267,9 @@ def nvfp4_quantize(
             token, for activations: keeps a row's result independent of the other rows).
         global_encode_scale: use this ``S_enc`` instead of computing it from amax (shape of
             the groups, or broadcastable to it; finite and > 0, checked).
+        block_scaling: ``"6"`` (NVIDIA's: every block's max maps to 6) or ``"4over6"`` (each
+            block maps its max to 4 or 6, whichever quantizes it with less squared error; see
+            the module doc). A given ``global_encode_scale`` is used as it is under either.
         check_values: check the given ``global_encode_scale``'s values (one host read);
             ``False`` for scales the caller just computed (quads' own hot paths).
 
@@ -245,9 +277,10 @@ def nvfp4_quantize(
         NVFP4Parts(qdata, scale, global_encode_scale).
     """
     check_quantizable(x)
+    check_block_scaling(block_scaling)
     granularity = granularity or default_granularity(x)
     if global_encode_scale is None:
-        global_encode_scale = global_encode_scale_from_amax(global_amax(x, granularity))
+        global_encode_scale = global_encode_scale_from_amax(global_amax(x, granularity), block_scaling)
     else:
         check_global_encode_scale(x, granularity, global_encode_scale, check_values)
         global_encode_scale = global_encode_scale.to(device=x.device, dtype=torch.float32)
@@ -257,21 +290,62 @@ def nvfp4_quantize(
     s_enc = _broadcast_group(global_encode_scale, x)  # (..., 1, 1)
 
     block_amax = blocks.abs().amax(dim=-1, keepdim=True)  # (..., K/16, 1)
-    scale_f32 = torch.clamp(block_amax * (s_enc * _ONE_SIXTH), max=E4M3_MAX)
-    scale_e4m3 = scale_f32.to(torch.float8_e4m3fn)
-
-    # enc = min(1 / (f32(s) * (1/S_enc)), FLT_MAX); a zero block scale gives FLT_MAX.
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    decode_scale = scale_e4m3.to(torch.float32) * (one / s_enc)
-    enc = torch.clamp(one / decode_scale, max=FLT_MAX)
-    scaled = torch.clamp(blocks * enc, min=-E2M1_MAX, max=E2M1_MAX)
-    codes = e2m1_codes_rne(scaled).reshape(xf.shape)
+    scale_e4m3, codes = _encode_blocks(blocks, block_amax, s_enc, _ONE_SIXTH)
+    if block_scaling == "4over6":
+        scale_4, codes_4 = _encode_blocks(blocks, block_amax, s_enc, 0.25)
+        target = blocks * s_enc  # x in the units of e2m1 * s
+        error_6 = block_squared_error(_unscaled_values(codes, scale_e4m3), target)
+        error_4 = block_squared_error(_unscaled_values(codes_4, scale_4), target)
+        pick_4 = (error_4 < error_6).unsqueeze(-1)  # (..., K/16, 1); a tie (and NaN) keeps 6
+        scale_e4m3 = torch.where(pick_4, scale_4, scale_e4m3)
+        codes = torch.where(pick_4, codes_4, codes)
 
     return NVFP4Parts(
-        qdata=pack_e2m1(codes),
+        qdata=pack_e2m1(codes.reshape(xf.shape)),
         scale=scale_e4m3.squeeze(-1),
         global_encode_scale=global_encode_scale,
     )
+
+
+def _encode_blocks(blocks, block_amax, s_enc, inv_max):
+    """The block scales (e4m3, (..., K/16, 1)) and E2M1 codes ((..., K/16, 16)) of ``blocks``
+    with each block's max mapped to ``1 / inv_max`` (``inv_max`` is float32(1/6) or 1/4)."""
+    scale_f32 = torch.clamp(block_amax * (s_enc * inv_max), max=E4M3_MAX)
+    scale_e4m3 = scale_f32.to(torch.float8_e4m3fn)
+    # enc = min(1 / (f32(s) * (1/S_enc)), FLT_MAX); a zero block scale gives FLT_MAX.
+    one = torch.ones((), dtype=torch.float32, device=blocks.device)
+    decode_scale = scale_e4m3.to(torch.float32) * (one / s_enc)
+    enc = torch.clamp(one / decode_scale, max=FLT_MAX)
+    scaled = torch.clamp(blocks * enc, min=-E2M1_MAX, max=E2M1_MAX)
+    return scale_e4m3, e2m1_codes_rne(scaled)
+
+
+def _unscaled_values(codes, scale_e4m3):
+    """``e2m1(codes) * f32(s)`` on blocks (..., K/16, 16) (exact in float32)."""
+    return e2m1_decode(codes) * scale_e4m3.to(torch.float32)
+
+
+def _decode_blocks(codes, scale_e4m3, s_enc):
+    """``(e2m1(codes) * f32(s)) / S_enc`` in float32 on blocks (..., K/16, 16): dequantization."""
+    return _unscaled_values(codes, scale_e4m3) / s_enc
+
+
+def block_squared_error(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per block (last dim 16), the float32 sum of ``(values - target)^2`` in a fixed pairwise
+    order: elements (0, 1), (2, 3), ... first, then neighbouring pair sums, four levels in all.
+
+    4over6 compares its candidates with it in the units of ``e2m1 * s`` (``values``, exact)
+    against ``x * S_enc`` (``target``, one rounding): the dequantization error times ``S_enc``,
+    the same factor for every block of a group, and of the order of 1 whatever the tensor's
+    magnitude (no overflow or underflow of the squares). Each difference, square and sum is one
+    float32 rounding, and the fixed order makes the choice reproducible bit for bit (the Triton
+    kernels sum in this order)."""
+    e = values - target
+    e = e * e
+    while e.shape[-1] > 1:
+        e = e.reshape(*e.shape[:-1], e.shape[-1] // 2, 2)
+        e = e[..., 0] + e[..., 1]
+    return e.squeeze(-1)
 
 
 def nvfp4_dequantize(
@@ -290,11 +364,10 @@ def nvfp4_dequantize(
     """
     _check_parts(qdata, scale, global_encode_scale)
     codes = unpack_e2m1(qdata)
-    vals = e2m1_decode(codes)
-    blocks = vals.reshape(*vals.shape[:-1], vals.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
-    s_enc = _broadcast_group(global_encode_scale.to(torch.float32), vals)
-    out = (blocks * scale.to(torch.float32).unsqueeze(-1)) / s_enc
-    return out.reshape(vals.shape).to(dtype)
+    blocks = codes.reshape(*codes.shape[:-1], codes.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    s_enc = _broadcast_group(global_encode_scale.to(torch.float32), codes)
+    out = _decode_blocks(blocks, scale.unsqueeze(-1), s_enc)
+    return out.reshape(codes.shape).to(dtype)
 
 
 def _check_parts(qdata: torch.Tensor, scale: torch.Tensor, global_encode_scale: torch.Tensor) -> None:
@@ -334,11 +407,12 @@ def nvfp4_fake_quantize(
     granularity: str | None = None,
     dtype: torch.dtype | None = None,
     global_encode_scale: torch.Tensor | None = None,
+    block_scaling: str = "6",
     *,
     check_values: bool = True,
 ) -> torch.Tensor:
     """``DQ(Q(x))`` in ``dtype`` (default ``x.dtype``), with ``global_encode_scale`` if given (e.g.
     a sibling group's; ``check_values`` as in :func:`nvfp4_quantize`); no gradient logic (see
     policies.ste)."""
-    parts = nvfp4_quantize(x, granularity, global_encode_scale, check_values=check_values)
+    parts = nvfp4_quantize(x, granularity, global_encode_scale, block_scaling, check_values=check_values)
     return nvfp4_dequantize(*parts, dtype=dtype or x.dtype)

@@ -38,6 +38,7 @@ from quads.tensor.finite import check_finite
 from quads.tensor.nvfp4_math import (
     BLOCK_SIZE,
     NVFP4Parts,
+    check_block_scaling,
     check_quantizable,
     nvfp4_dequantize,
     nvfp4_quantize,
@@ -173,6 +174,9 @@ class NVFP4Tensor(torch.Tensor):
     global_encode_scale: torch.Tensor
     orig_dtype: torch.dtype
     transposed: bool
+    #: the block-scale rule of the recipe its parts come from (``"6"`` or ``"4over6"``,
+    #: ``nvfp4_quantize``'s ``block_scaling``): what a dense ``copy_`` into it quantizes with
+    block_scaling: str = "6"
 
     # -- the packed parts, stored here or held in a backend's layout ----------------------
     #
@@ -319,6 +323,7 @@ class NVFP4Tensor(torch.Tensor):
         transposed: bool = False,
         *,
         check_values: bool = True,
+        block_scaling: str = "6",
     ):
         check_nvfp4_layout(qdata, scale, global_encode_scale, orig_dtype, transposed)
         return torch.Tensor._make_wrapper_subclass(
@@ -326,10 +331,13 @@ class NVFP4Tensor(torch.Tensor):
         )
 
     def __init__(
-        self, qdata, scale, global_encode_scale, orig_dtype=torch.bfloat16, transposed=False, *, check_values=True
+        self, qdata, scale, global_encode_scale, orig_dtype=torch.bfloat16, transposed=False, *, check_values=True,
+        block_scaling="6",
     ):
         if check_values:
             check_nvfp4_values(scale, global_encode_scale)
+        if block_scaling != "6":
+            self.block_scaling = check_block_scaling(block_scaling)
         self.qdata = qdata
         self.scale = scale
         self.global_encode_scale = global_encode_scale
@@ -339,8 +347,9 @@ class NVFP4Tensor(torch.Tensor):
     # -- construction / conversion -------------------------------------------------------
 
     @classmethod
-    def from_float(cls, x: torch.Tensor, granularity: str | None = None) -> "NVFP4Tensor":
-        """Quantize a 2-D (one global scale) or 3-D (one per expert) weight with the recipe.
+    def from_float(cls, x: torch.Tensor, granularity: str | None = None, block_scaling: str = "6") -> "NVFP4Tensor":
+        """Quantize a 2-D (one global scale) or 3-D (one per expert) weight with the recipe
+        (``block_scaling``: ``"6"`` or ``"4over6"``).
 
         (The rollout side quantizes through its backend, whose kernels give the same bits, and
         wraps the parts: ``NVFP4Tensor(*parts, orig_dtype=...)``.)
@@ -349,7 +358,8 @@ class NVFP4Tensor(torch.Tensor):
         if x.dim() not in (2, 3):
             raise ValueError(f"NVFP4Tensor holds 2-D or 3-D weights, got shape {tuple(x.shape)}")
         check_finite(x, "NVFP4Tensor.from_float")
-        return cls(*nvfp4_quantize(x, granularity), orig_dtype=x.dtype, check_values=False)
+        return cls(*nvfp4_quantize(x, granularity, None, block_scaling), orig_dtype=x.dtype, check_values=False,
+                   block_scaling=block_scaling)
 
     @property
     def granularity(self) -> str:
@@ -375,6 +385,7 @@ class NVFP4Tensor(torch.Tensor):
             self.orig_dtype if orig_dtype is None else orig_dtype,
             self.transposed if transposed is None else transposed,
             check_values=False,  # views and copies of parts that were checked
+            block_scaling=self.block_scaling,
         )
 
     def __repr__(self) -> str:
@@ -516,7 +527,7 @@ def _copy_(func, args, kwargs):
       (a loaded state dict is user data); both need the same orientation and part shapes (the
       same global-scale granularity), so nothing is broadcast.
     * dense -> NVFP4Tensor: the dense tensor (finite) is quantized with the recipe at the
-      destination's granularity.
+      destination's granularity and block scaling.
     * NVFP4Tensor -> dense: the destination receives the dequantized weight.
     """
     dst, src = args[0], args[1]
@@ -538,7 +549,7 @@ def _copy_(func, args, kwargs):
     else:
         dense = src.transpose(-2, -1) if dst.transposed else src
         check_finite(dense, "NVFP4Tensor.copy_")
-        parts = nvfp4_quantize(dense, dst.granularity)
+        parts = nvfp4_quantize(dense, dst.granularity, None, dst.block_scaling)
     dst.qdata.copy_(parts.qdata)
     dst.scale.copy_(parts.scale)
     dst.global_encode_scale.copy_(parts.global_encode_scale)

@@ -160,7 +160,7 @@ _TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _S_ENC_OVERFLOW = 448.0 / 3.4028234663852886e38
 
 
-def _fused_vs_recipe(x2, rows_per_group, out_dtype=torch.float32, gs=None):
+def _fused_vs_recipe(x2, rows_per_group, out_dtype=torch.float32, gs=None, block_scaling="6"):
     """The fused pass on rows ``x2`` (groups of ``rows_per_group`` rows, S_enc from the amax or
     ``gs``) against the recipe: the same S_enc and the same bits. One documented exception, only
     for a given S_enc below ``_S_ENC_OVERFLOW`` (unreachable from an amax): in a block holding
@@ -170,13 +170,14 @@ def _fused_vs_recipe(x2, rows_per_group, out_dtype=torch.float32, gs=None):
     2^-126, equally unreachable): the GPU flushes subnormal operands to zero, so a result the
     recipe gives as -0 may come out +0 (measured on the H200, 2026-12-02: the rows of S_enc 1e-40
     and 1e-38, all zeros; the sign of a zero only)."""
-    out, gs_got = fq_kernel.fake_quantize_rows(x2.to(DEV), rows_per_group, out_dtype, gs)
+    out, gs_got = fq_kernel.fake_quantize_rows(x2.to(DEV), rows_per_group, out_dtype, gs, block_scaling=block_scaling)
     groups = x2.shape[0] // rows_per_group
     e = x2.cpu().reshape(groups, rows_per_group, -1)
-    gs_ref = nvfp4_quantize(e, "expert", None if gs is None else gs.cpu()).global_encode_scale
+    gs_ref = nvfp4_quantize(e, "expert", None if gs is None else gs.cpu(), block_scaling).global_encode_scale
     gs_ref = gs_ref.reshape(-1).expand(groups)
     assert torch.equal(gs_got.cpu().reshape(-1).nan_to_num(-1), gs_ref.nan_to_num(-1))
-    want = nvfp4_fake_quantize(e, granularity="expert", dtype=out_dtype, global_encode_scale=gs_ref).reshape(x2.shape)
+    want = nvfp4_fake_quantize(e, granularity="expert", dtype=out_dtype, global_encode_scale=gs_ref,
+                               block_scaling=block_scaling).reshape(x2.shape)
     got = out.cpu()
     if gs is not None:
         tiny = (gs_ref < _S_ENC_OVERFLOW).repeat_interleave(rows_per_group)  # (rows,)

@@ -33,15 +33,16 @@ class ExpertsAmax:
         self.seen = torch.zeros(num_experts, dtype=torch.bool)
 
 
-def _forward_weight(param: torch.Tensor) -> torch.Tensor:
+def _forward_weight(param: torch.Tensor, block_scaling: str = "6") -> torch.Tensor:
     """The weight a quads forward multiplies by: DQ of a packed weight, fake-quant of a master."""
     if isinstance(param, NVFP4Tensor):
         return param.dequantize(param.orig_dtype)
-    return nvfp4_fake_quantize(param.detach())
+    return nvfp4_fake_quantize(param.detach(), block_scaling=block_scaling)
 
 
 def _observe_experts(module: nn.Module, stats: ExpertsAmax, hidden, top_k_index) -> None:
-    gate_up = _forward_weight(module.gate_up_proj)
+    policy = getattr(module, "quads_policy", None)
+    gate_up = _forward_weight(module.gate_up_proj, "6" if policy is None else policy.weight_block_scaling)
     bias = module.gate_up_proj_bias if getattr(module, "has_bias", False) else None
     flat = top_k_index.reshape(-1)
     for e in torch.unique(flat).tolist():

@@ -5,9 +5,10 @@
 
 ``--model`` holds the BF16 masters (``save_pretrained`` of the trainer model; quads' trainer
 layers keep the parameter names). The model is converted with ``QuadsPolicy(side="trainer",
-weight_global_scale=--weight-global-scale, scope=--scope, skip_first_layers=--skip-first-layers,
-skip_last_layers=--skip-last-layers)`` (the values the model was trained with; the layers a
-scoped plan keeps in BF16 are written as stored and listed in ``exclude_modules``)
+weight_global_scale=--weight-global-scale, weight_block_scaling=--weight-block-scaling,
+scope=--scope, skip_first_layers=--skip-first-layers, skip_last_layers=--skip-last-layers)`` (the
+values the model was trained with; the layers a scoped plan keeps in BF16 are written as stored
+and listed in ``exclude_modules``)
 (so ``--calib`` runs the training forward, W4A16) and the weights written are that forward's
 weights (see :mod:`quads.integrations.modelopt.export` for the fused-layer rule and formats).
 
@@ -70,8 +71,9 @@ def _cmd(args: argparse.Namespace) -> int:
         check_tokenizer(tokenizer, model, args.model, prompts, source=args.calib)
         calibration = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
     policy = QuadsPolicy(side="trainer", extra_skip_patterns=tuple(args.extra_skip),
-                         weight_global_scale=args.weight_global_scale, scope=args.scope,
-                         skip_first_layers=args.skip_first_layers, skip_last_layers=args.skip_last_layers)
+                         weight_global_scale=args.weight_global_scale, weight_block_scaling=args.weight_block_scaling,
+                         scope=args.scope, skip_first_layers=args.skip_first_layers,
+                         skip_last_layers=args.skip_last_layers)
     try:
         _progress("converting to the training forward (W4A16)")
         quantize_(model, policy)  # the training forward, which calibration then runs
@@ -113,6 +115,9 @@ def add_parser(sub) -> None:
                    help="the trainer's QuadsPolicy.skip_first_layers: the first N decoder layers written in BF16")
     p.add_argument("--skip-last-layers", type=nonnegative_int, default=0, metavar="N",
                    help="the trainer's QuadsPolicy.skip_last_layers: the last N decoder layers written in BF16")
+    p.add_argument("--weight-block-scaling", choices=("6", "4over6"), default="6",
+                   help="the trainer's QuadsPolicy.weight_block_scaling: 6 (NVIDIA's recipe) or 4over6 (Four Over "
+                        "Six: each block's max to 4 or 6); the checkpoint is standard NVFP4 either way")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="dtype of the tensors not quantized (embeddings, norms, routers, lm_head); auto: the masters' "
                         "dtype, BF16 for float32 masters (TRL's bf16=True autocast; vLLM's NVFP4 serves 16-bit only)")

@@ -17,7 +17,9 @@ What is exported
   layer.
 * **Their values**: the codes and block scales of quads' recipe applied to the BF16 masters,
   i.e. the trainer's forward weight ``nvfp4_fake_quantize(master)`` (a rollout model's packed
-  weights are the same bits and are taken as they are). Fused experts keep one global scale per
+  weights are the same bits and are taken as they are), with the policy's block scaling:
+  ``weight_block_scaling="4over6"`` changes which block scales and codes are written, not the
+  format (the checkpoint is standard ModelOpt NVFP4, dequantized as any other). Fused experts keep one global scale per
   expert over gate and up, which is also what vLLM's fused-MoE loader uses, and are written per
   expert under the checkpoint names (``experts.{e}.gate_proj``...; Mixtral's ``w1/w3/w2``) that
   transformers' own ``save_pretrained`` writes.
@@ -169,16 +171,24 @@ def _targets(model: nn.Module, policy: QuadsPolicy) -> list[ConversionTarget]:
     return targets
 
 
-def _parts(param: torch.Tensor, qualified: str, global_encode_scale: torch.Tensor | None = None) -> NVFP4Parts:
+def _parts(param: torch.Tensor, qualified: str, global_encode_scale: torch.Tensor | None = None,
+           block_scaling: str = "6") -> NVFP4Parts:
     """NVFP4 parts of a weight: a packed one as it is, a master through the recipe (with its
-    sibling group's global scale when it has one)."""
+    sibling group's global scale when it has one, and its policy's block scaling)."""
     if isinstance(param, NVFP4Tensor):
         if param.transposed:
             raise NotImplementedError(f"{qualified}: transposed packed weights are not exported")
         return param.parts
     check_quantizable(param, qualified)
     check_finite(param, qualified)
-    return nvfp4_quantize(param.detach(), None, global_encode_scale, check_values=False)  # from checked masters
+    return nvfp4_quantize(param.detach(), None, global_encode_scale, block_scaling, check_values=False)  # from checked masters
+
+
+def _block_scaling(module: nn.Module, policy: QuadsPolicy) -> str:
+    """The block scaling a target's weights are quantized with: its own policy's (a quads
+    module), else ``policy``'s (a plain model)."""
+    own = getattr(module, "quads_policy", None)
+    return (own or policy).weight_block_scaling
 
 
 def _group_scales(targets: list[ConversionTarget], policy: QuadsPolicy, converted: bool) -> dict[str, torch.Tensor]:
@@ -203,12 +213,12 @@ def _group_scales(targets: list[ConversionTarget], policy: QuadsPolicy, converte
         for n in names:
             check_quantizable(modules[n].weight, f"{n}.weight")
             check_finite(modules[n].weight, f"{n}.weight")
-        scale = shared_global_encode_scale(modules[n].weight.detach() for n in names)
+        scale = shared_global_encode_scale((modules[n].weight.detach() for n in names), policy.weight_block_scaling)
         out.update({f"{n}.weight": scale for n in names})
     return out
 
 
-def _quantize_targets(targets: list[ConversionTarget], scales: dict[str, torch.Tensor]
+def _quantize_targets(targets: list[ConversionTarget], scales: dict[str, torch.Tensor], policy: QuadsPolicy
                       ) -> tuple[dict[str, NVFP4Parts], dict[str, torch.dtype]]:
     """``param name -> parts`` and ``-> dtype`` (of the forward weight) for every target weight."""
     out, dtypes = {}, {}
@@ -218,7 +228,7 @@ def _quantize_targets(targets: list[ConversionTarget], scales: dict[str, torch.T
         for pname in _WEIGHTS[kind]:
             qualified = f"{name}.{pname}" if name else pname
             param = getattr(module, pname)
-            out[qualified] = _parts(param, qualified, scales.get(qualified))
+            out[qualified] = _parts(param, qualified, scales.get(qualified), _block_scaling(module, policy))
             dtypes[qualified] = param.orig_dtype if isinstance(param, NVFP4Tensor) else param.dtype
     return out, dtypes
 
@@ -243,10 +253,12 @@ def _fused_groups(targets: list[ConversionTarget]) -> list[list[str]]:
 
 
 def _share_group_scales(
-    parts: dict[str, NVFP4Parts], dtypes: dict[str, torch.dtype], groups: list[list[str]]
+    parts: dict[str, NVFP4Parts], dtypes: dict[str, torch.dtype], groups: list[list[str]],
+    block_scalings: dict[str, str],
 ) -> dict[str, dict[str, float]]:
-    """Re-quantize group members to the group's smallest ``S_enc``; returns their weight errors
-    against the trainer's forward weight (the dequantized weight in the master's dtype)."""
+    """Re-quantize group members to the group's smallest ``S_enc`` (with their block scaling);
+    returns their weight errors against the trainer's forward weight (the dequantized weight in
+    the master's dtype)."""
     errors = {}
     for group in groups:
         shared = min(parts[n].global_encode_scale for n in group)
@@ -255,7 +267,8 @@ def _share_group_scales(
             if torch.equal(old.global_encode_scale, shared):
                 continue
             forward = nvfp4_dequantize(*old, dtype=dtypes[name])
-            new = nvfp4_quantize(forward, global_encode_scale=shared, check_values=False)
+            new = nvfp4_quantize(forward, global_encode_scale=shared, block_scaling=block_scalings[name],
+                                 check_values=False)
             diff = (nvfp4_dequantize(*new, dtype=dtypes[name]).float() - forward.float()).abs()
             errors[name] = {
                 "max_abs_error": diff.max().item(),
@@ -556,8 +569,9 @@ def export_modelopt(
             set the static ``input_scale`` of the ``"nvfp4"`` format.
         fused_scales: ``"shared"`` (one global scale per vLLM fused layer) or ``"separate"``.
         tokenizer: saved beside the weights when given.
-        policy: which modules a plain model's export quantizes, and its ``weight_global_scale``
-            (default ``QuadsPolicy("trainer")``: one global scale per sibling group).
+        policy: which modules a plain model's export quantizes, its ``weight_global_scale``
+            (default ``QuadsPolicy("trainer")``: one global scale per sibling group) and its
+            ``weight_block_scaling`` (a quads model's modules use their own policy's).
         max_shard_bytes: safetensors shard size limit.
         dtype: of the tensors that are not quantized: ``"auto"`` (the masters' dtype; BF16 for float32 masters) or
             ``"bfloat16"`` / ``"float16"`` / ``"float32"``.
@@ -578,12 +592,13 @@ def export_modelopt(
     check_out_dir(out_dir)
 
     targets = _targets(model, policy)
-    parts, dtypes = _quantize_targets(targets, _group_scales(targets, policy, bool(quantized_modules(model))))
+    parts, dtypes = _quantize_targets(targets, _group_scales(targets, policy, bool(quantized_modules(model))), policy)
     rest_dtype = _rest_dtype(dtype, dtypes)
     groups = _fused_groups(targets)
     requantized, mismatched = {}, []
     if fused_scales == "shared":
-        requantized = _share_group_scales(parts, dtypes, groups)
+        block_scalings = {f"{n}.{p}" if n else p: _block_scaling(m, policy) for n, m, kind in targets for p in _WEIGHTS[kind]}
+        requantized = _share_group_scales(parts, dtypes, groups, block_scalings)
     else:
         mismatched = [g for g in groups if len({float(parts[n].global_encode_scale) for n in g}) > 1]
         if mismatched:

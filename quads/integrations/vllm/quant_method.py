@@ -8,8 +8,8 @@ Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
 
     {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 1.0,
      "residual_selection": "per_token", "activation_granularity": "row",
-     "extra_skip_patterns": [], "weight_global_scale": "group",
-     "scope": "all", "skip_first_layers": 0, "skip_last_layers": 0}
+     "extra_skip_patterns": [], "weight_global_scale": "group", "weight_block_scaling": "6",
+     "activation_block_scaling": "6", "scope": "all", "skip_first_layers": 0, "skip_last_layers": 0}
 
 The keys are the rollout side of :class:`quads.QuadsPolicy`; :func:`quads_quantization_config`
 builds the dict.
@@ -109,6 +109,8 @@ QUADS_CONFIG_KEYS: dict[str, Any] = {
     "scope": _ROLLOUT_DEFAULTS.scope,
     "skip_first_layers": _ROLLOUT_DEFAULTS.skip_first_layers,
     "skip_last_layers": _ROLLOUT_DEFAULTS.skip_last_layers,
+    "weight_block_scaling": _ROLLOUT_DEFAULTS.weight_block_scaling,  # "6" | "4over6" (the trainer's)
+    "activation_block_scaling": _ROLLOUT_DEFAULTS.activation_block_scaling,  # "6" | "4over6"
 }
 
 
@@ -139,6 +141,8 @@ class QuadsConfig(QuantizationConfig):
         scope: str = QUADS_CONFIG_KEYS["scope"],
         skip_first_layers: int = QUADS_CONFIG_KEYS["skip_first_layers"],
         skip_last_layers: int = QUADS_CONFIG_KEYS["skip_last_layers"],
+        weight_block_scaling: str = QUADS_CONFIG_KEYS["weight_block_scaling"],
+        activation_block_scaling: str = QUADS_CONFIG_KEYS["activation_block_scaling"],
     ) -> None:
         super().__init__()
         if residual_selection != "per_token":
@@ -158,6 +162,8 @@ class QuadsConfig(QuantizationConfig):
             scope=scope,
             skip_first_layers=skip_first_layers,
             skip_last_layers=skip_last_layers,
+            weight_block_scaling=weight_block_scaling,
+            activation_block_scaling=activation_block_scaling,
         )
         self._num_layers: int | None = None
 
@@ -205,6 +211,8 @@ class QuadsConfig(QuantizationConfig):
             "scope": p.scope,
             "skip_first_layers": p.skip_first_layers,
             "skip_last_layers": p.skip_last_layers,
+            "weight_block_scaling": p.weight_block_scaling,
+            "activation_block_scaling": p.activation_block_scaling,
         }
 
     @property
@@ -349,9 +357,10 @@ class QuadsLinearMethod(LinearMethodBase):
         prefix = getattr(layer, "prefix", "linear")
         shards = weight.split(layer.quads_output_partition_sizes, dim=0)
         # group mode: a merged layer's shards (q/k/v, gate/up) are one sibling group, one global scale
-        group_scale = (shared_global_encode_scale(shards)
+        block_scaling = self.config.policy.weight_block_scaling
+        group_scale = (shared_global_encode_scale(shards, block_scaling)
                        if self.config.policy.weight_global_scale == "group" and len(shards) > 1 else None)
-        packed = [pack_weight(shard, layer.quads_backend, f"{prefix} shard {i}", group_scale)
+        packed = [pack_weight(shard, layer.quads_backend, f"{prefix} shard {i}", group_scale, block_scaling)
                   for i, shard in enumerate(shards)]
         _replace(layer, "weight", torch.cat([p.qdata for p in packed]))
         _replace(layer, "weight_scale", torch.cat([p.scale for p in packed]))
@@ -514,7 +523,8 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             if weight.dtype == torch.uint8:
                 continue  # already packed
             layer.quads_backend = select_backend(weight.device, self.config.policy.kernel)
-            packed = pack_weight(weight, layer.quads_backend, f"MoE {name}")  # 3-D: one global scale per expert
+            packed = pack_weight(weight, layer.quads_backend, f"MoE {name}",  # 3-D: one global scale per expert
+                                 block_scaling=self.config.policy.weight_block_scaling)
             _replace(layer, name, packed.qdata)
             _replace(layer, f"{name}_scale", packed.scale)
             _replace(layer, f"{name}_global_scale", packed.global_encode_scale)
