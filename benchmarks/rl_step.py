@@ -130,15 +130,20 @@ def resolve(variant: str):
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if masters not in dtypes:
         raise ValueError(f"variant {variant!r}: masters must be fp32 or bf16 (e.g. quads@fp32)")
-    if name == "quads-fast":
-        base = POLICY_PRESETS["quads"]
-        preset = PolicyPreset("quads-fast", base.trainer, dataclasses.replace(base.rollout, kernel="fast"),
-                              base.description + ", humming fast path")
-    elif name in POLICY_PRESETS:
-        preset = POLICY_PRESETS[name]
-    else:
-        raise ValueError(f"variant {variant!r}: unknown preset {name!r} (POLICY_PRESETS or quads-fast)")
+    base_name = name[: -len("-fast")] if name.endswith("-fast") and name not in POLICY_PRESETS else name
+    if base_name not in POLICY_PRESETS:
+        raise ValueError(f"variant {variant!r}: unknown preset {name!r} (a POLICY_PRESETS name, optionally + '-fast')")
+    preset = POLICY_PRESETS[base_name]
+    if base_name != name:
+        if preset.rollout is None:
+            raise ValueError(f"variant {variant!r}: preset {base_name!r} has no quantized rollout to run fast")
+        preset = PolicyPreset(name, preset.trainer, dataclasses.replace(preset.rollout, kernel="fast"),
+                              preset.description + ", humming fast path")
     return preset, dtypes[masters]
+
+
+class NotApplicable(Exception):
+    """The variant's plan cannot apply to the model (e.g. routed experts only on a dense model)."""
 
 
 def _sync(device: str) -> None:
@@ -186,8 +191,13 @@ def run_variant(kind: str, variant: str, args) -> dict:
 
     from quads.integrations.trl import QuadsGRPOTrainer
 
+    from quads.policies.presets import preset_problem
+
     preset, masters = resolve(variant)
     model = build_model(kind, args.tiny, args.device).to(masters)
+    problem = preset_problem(preset, model)
+    if problem:
+        raise NotApplicable(problem)
     params = sum(p.numel() for p in model.parameters())
     tok = make_tokenizer(model.config.vocab_size)
     total = args.warmup + args.steps
@@ -263,29 +273,44 @@ def main(argv=None) -> int:
             p.error(str(err))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    start, rows, skipped = time.time(), [], []
+    start, rows, skipped, failed = time.time(), [], [], []
     for kind in args.models.split(","):
         for variant in variants:
             if args.budget_s and time.time() - start > args.budget_s:
                 skipped.append(f"{kind}/{variant}")
                 continue
             t0 = time.time()
-            row = run_variant(kind, variant, args)
+            try:
+                row = run_variant(kind, variant, args)
+            except NotApplicable as err:
+                print(f"[rl_step] {kind} {variant}: not applicable ({err})", flush=True)
+                continue
+            except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others' rows
+                failed.append(f"{kind}/{variant}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                print(f"[rl_step] {kind} {variant}: FAILED {failed[-1]}", flush=True)
+                import traceback
+
+                traceback.print_exc()
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             rows.append(row)
             print(f"[rl_step] {kind} {variant}: step {row['step_s']:.3f} s (generate {row['generate_s']:.3f}, score "
                   f"{row['score_s']:.3f}, train {row['train_s']:.3f}, sync {row['sync_s']:.4f}; first step "
                   f"{row['first_step_s']:.1f} s; {row['decode']['decoder']}, {row['decode']['captures']} capture(s)) "
                   f"[{time.time() - t0:.0f} s]", flush=True)
-            write_atomically(out / "rl_step.json", json.dumps({"args": vars(args), "rows": rows, "skipped": skipped}, indent=1))
+            write_atomically(out / "rl_step.json", json.dumps({"args": vars(args), "rows": rows, "skipped": skipped, "failed": failed}, indent=1))
     text = table(rows) + (f"\n\nnot run (--budget-s): {', '.join(skipped)}" if skipped else "")
-    write_atomically(out / "rl_step.json", json.dumps({"args": vars(args), "rows": rows, "skipped": skipped}, indent=1))
+    text += "".join(f"\n\nFAILED {f}" for f in failed)
+    write_atomically(out / "rl_step.json", json.dumps({"args": vars(args), "rows": rows, "skipped": skipped, "failed": failed}, indent=1))
     write_atomically(out / "rl_step.md", text + "\n")
     print(text)
     shape = f"B={args.prompts}x{args.generations} prompt={args.prompt_len} new={args.new_tokens}"
     append_results([{"kernel": f"rl_step/{phase}", "shape": f"{r['model']} {shape}", "variant": r["variant"],
                      "us": r[f"{phase}_s"] * 1e6} for r in rows for phase in PHASES],
                    raw=os.path.abspath(out / "rl_step.json"), csv_path=args.csv)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -110,8 +110,8 @@ class ForwardWeightSpy:
     def _spy(self, backend):
         real = self._real(backend)
 
-        def spied(weight, dtype=None, global_encode_scale=None):
-            out, scale = real(weight, dtype, global_encode_scale)
+        def spied(weight, dtype=None, global_encode_scale=None, block_scaling="6"):
+            out, scale = real(weight, dtype, global_encode_scale, block_scaling)
             name, module = self._current
             pname = next((n for n, p in module.named_parameters(recurse=False) if p is weight), None)
             key = f"{name}.{pname}"
