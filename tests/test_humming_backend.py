@@ -476,3 +476,74 @@ def test_dense_prefill_is_wired_behind_a_threshold_to_be_measured(fake_humming, 
     monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "many")
     with pytest.raises(ValueError, match="QUADS_HUMMING_DENSE_FROM"):
         hb.dense_prefill_from_rows()
+
+
+# -- the shapes humming serves: the rest keep the exact kernels ------------------------------------
+
+@pytest.mark.parametrize("n,k,served", [(576, 576, False), (192, 576, False), (960, 960, False), (2880, 2880, False),
+                                        (1536, 576, True), (1408, 2048, True), (768, 1408, True), (5760, 2880, True),
+                                        (256, 200, False)])
+def test_humming_shape_rule(n, k, served):
+    assert (hb.humming_shape_problem(n, k) is None) == served
+    assert (backend_mod.get_backend("humming").shape_problem(n, k) is None) == served
+
+
+def test_select_backend_gives_shapes_humming_cannot_serve_the_exact_kernels(monkeypatch):
+    monkeypatch.setattr(backend_mod, "_kernel_backend_for", lambda d: "hopper")  # as on an H200
+    monkeypatch.setattr(hg, "import_humming", lambda: None)
+    cuda = torch.device("cuda", 0)
+    assert quads.select_backend(cuda, "fast", [(1536, 576)]).name == "humming"
+    assert quads.select_backend(cuda, "fast", [(1536, 576), (576, 1536)]).name == "hopper"  # any one: all exact
+    assert quads.select_backend(cuda, "exact", [(576, 576)]).name == "hopper"
+
+
+def _mixed_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 576, bias=False), torch.nn.Linear(576, 256, bias=False))
+
+
+def test_fast_policy_keeps_the_exact_kernels_where_humming_cannot_serve(fake_humming):
+    """``kernel="fast"``: the 576-output layer gets the exact kernels (same bits as the exact
+    path), the 256-output one humming; one warning line for the model says how many and why."""
+    x = _x(m=3, k=128)
+    exact = _mixed_model()
+    with quads.use_backend("hopper"):
+        quads.quantize_(exact, quads.QuadsPolicy(side="rollout"))
+    fast = _mixed_model()
+    with quads.use_backend("humming"), pytest.warns(UserWarning) as caught:
+        quads.quantize_(fast, quads.QuadsPolicy(side="rollout", kernel="fast"))
+    lines = [str(w.message) for w in caught if "keep the exact kernels" in str(w.message)]
+    assert len(lines) == 1 and "1 of 2 layers" in lines[0] and "576x128" in lines[0] and "'0'" not in lines[0]
+    assert "N % 128 == 0" in lines[0] and lines[0].endswith("e.g. 0)")
+    assert fast[0].quads_backend.name == "hopper" and fast[1].quads_backend.name == "humming"
+    with torch.no_grad():
+        assert torch.equal(fast[0](x), exact[0](x))  # the kept layer: the exact path's bits
+
+
+def test_fast_policy_warns_on_any_device_and_exact_policy_never():
+    import warnings
+
+    with pytest.warns(UserWarning, match="1 of 2 layers keep the exact kernels"):
+        quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout", kernel="fast"))  # CPU: says what a GPU does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout"))
+
+
+def test_warm_up_kernels_compiles_every_humming_weight_once_with_a_progress_line(fake_humming, monkeypatch):
+    from quads.policies.warmup import warm_up_kernels
+
+    warmed = []
+    monkeypatch.setattr(hb.HummingWeight, "warmup", lambda self, dtypes=(torch.float16,), ms=(1,): warmed.append(dtypes))
+    fast = _mixed_model()
+    with quads.use_backend("humming"), pytest.warns(UserWarning, match="keep the exact kernels"):
+        quads.quantize_(fast, quads.QuadsPolicy(side="rollout", kernel="fast"))
+    lines = []
+    assert warm_up_kernels(fast, log=lines.append) >= 0.0
+    assert warmed == [(torch.float16,)]  # the one humming layer (W4A4: fp16 operands); the exact one needs none
+    assert len(lines) == 2 and "1 weights" in lines[0] and "ready in" in lines[1]
+    exact = _mixed_model()
+    with quads.use_backend("hopper"):
+        quads.quantize_(exact, quads.QuadsPolicy(side="rollout"))
+    lines.clear()
+    assert warm_up_kernels(exact, log=lines.append) == 0.0 and lines == []

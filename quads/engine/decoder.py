@@ -66,6 +66,7 @@ from quads.engine.slot_cache import SlotCache, Slots
 from quads.ops.sibling_linear import enabled_groups
 from quads.policies.fused_projections import sibling_groups_
 from quads.policies.trainer_experts import grouped_mm_available
+from quads.policies.warmup import warm_up_kernels
 
 __all__ = ["GraphedDecoder", "SamplingSpec", "unsupported_reason"]
 
@@ -160,6 +161,7 @@ class GraphedDecoder:
         self._state: _DecodeState | None = None
         self._spec: SamplingSpec | None = None
         self.num_captures = 0
+        self._kernels_warm = False
         params = inspect.signature(model.forward).parameters
         self._pass_cache_position = "cache_position" in params
         self._pass_logits_to_keep = "logits_to_keep" in params
@@ -312,6 +314,9 @@ class GraphedDecoder:
                 f"{tuple(attention_mask.shape)} must be the same (batch, prompt) shape"
             )
         device = input_ids.device
+        if not self._kernels_warm:  # the JIT kernels compile here, with a progress line, not mid-capture
+            warm_up_kernels(self.model)
+            self._kernels_warm = True
         batch, width = input_ids.shape
         need = width + spec.max_new_tokens
         cache_len = -(-need // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM

@@ -38,8 +38,8 @@ import torch
 
 from quads.tensor.nvfp4_math import shared_global_encode_scale
 
-__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "backend_names", "get_backend", "register_backend",
-           "select_backend", "use_backend"]
+__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "backend_names", "gemm_shape", "get_backend",
+           "register_backend", "select_backend", "use_backend"]
 
 #: ``QuadsPolicy.kernel``: the exact Triton kernels (bit-exact, deterministic, batch invariant) or
 #: the fast path (humming: within a stated bound of the exact path, see docs/humming.md)
@@ -112,6 +112,14 @@ class Backend:
 
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
         raise NotImplementedError
+
+    #: the backend a weight this one cannot serve (:meth:`shape_problem`) gets instead, or None
+    fallback: str | None = None
+
+    def shape_problem(self, n: int, k: int) -> str | None:
+        """Why this backend's GEMMs cannot serve a weight of ``n`` outputs by ``k`` inputs (one
+        line), or None: :func:`select_backend` gives such a weight :attr:`fallback` instead."""
+        return None
 
     def group_scale(self, masters: Sequence[torch.Tensor], block_scaling: str = "6"):
         """The shared global scale of a sibling group's whole 2-D ``masters`` (trainer group
@@ -201,9 +209,26 @@ def _kernel_backend_for(device: torch.device) -> str | None:
     return "hopper" if torch.cuda.get_device_capability(device)[0] == 9 else None
 
 
-def select_backend(device: torch.device | str, kernel: str = "exact") -> Backend:
+def gemm_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """``(N, K)`` of a linear or experts weight as the GEMMs see it: the last two dims, swapped
+    for an ``NVFP4Tensor`` stored transposed (its parts hold K last)."""
+    n, k = weight.shape[-2], weight.shape[-1]
+    return (k, n) if getattr(weight, "transposed", False) else (n, k)
+
+
+def select_backend(device: torch.device | str, kernel: str = "exact",
+                   gemm_shapes: Sequence[tuple[int, int]] = ()) -> Backend:
     """The backend for tensors on ``device`` (see the module doc); ``kernel``: ``"exact"`` or
-    ``"fast"`` (the policy's preference: only ``auto`` reads it)."""
+    ``"fast"`` (the policy's preference: only ``auto`` reads it). ``gemm_shapes``: the ``(N, K)``
+    of the weights it will run; one the backend cannot serve (:meth:`Backend.shape_problem`)
+    gets its :attr:`~Backend.fallback` (humming -> hopper, the exact kernels)."""
+    backend = _select(device, kernel)
+    if backend.fallback is not None and any(backend.shape_problem(n, k) for n, k in gemm_shapes):
+        return get_backend(backend.fallback)
+    return backend
+
+
+def _select(device: torch.device | str, kernel: str) -> Backend:
     if kernel not in KERNEL_PREFERENCES:
         raise ValueError(f"kernel preference must be one of {KERNEL_PREFERENCES}, got {kernel!r}")
     device = torch.device(device)

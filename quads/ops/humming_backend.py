@@ -72,8 +72,9 @@ from quads.ops.backends import HopperBackend
 from quads.ops.linear import prepare_weight_hopper, register_held
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["DENSE_PREFILL_FROM_ROWS", "HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
-           "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16", "humming_residual_layout"]
+__all__ = ["DENSE_PREFILL_FROM_ROWS", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingWeight",
+           "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16",
+           "humming_residual_layout", "humming_shape_problem"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
 #: from this many tokens on, ``auto`` uses the summed operand (H200, 2026-12-01: stacked faster at
@@ -127,6 +128,19 @@ def humming_supports(weight: NVFP4Parts) -> bool:
     expert (else the Hopper kernels)."""
     dim = weight.qdata.dim()
     return dim in (2, 3) and weight.global_encode_scale.numel() == (1 if dim == 2 else weight.qdata.shape[0])
+
+
+#: the weight shapes humming's sm90 tile heuristics serve: an output size N that its 128-wide
+#: output tile divides (N = 576, 960 and 2880 fail an assertion inside humming on the H200,
+#: N = 768, 1408, 1536, 2048 run) and a K its 64-deep tiles divide (every real hidden size is one)
+HUMMING_N_MULTIPLE, HUMMING_K_MULTIPLE = 128, 64
+
+
+def humming_shape_problem(n: int, k: int) -> str | None:
+    """Why humming cannot serve a weight of ``n`` outputs by ``k`` inputs, or None."""
+    if n % HUMMING_N_MULTIPLE or k % HUMMING_K_MULTIPLE:
+        return f"humming needs N % {HUMMING_N_MULTIPLE} == 0 and K % {HUMMING_K_MULTIPLE} == 0, got N={n} K={k}"
+    return None
 
 
 class HummingWeight:
@@ -247,6 +261,10 @@ class HummingBackend(HopperBackend):
     ``"default"``/``"auto"``."""
 
     name = "humming"
+    fallback = "hopper"
+
+    def shape_problem(self, n: int, k: int) -> str | None:
+        return humming_shape_problem(n, k)
 
     def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
         from quads.kernels.humming_gemm import HUMMING_MODES

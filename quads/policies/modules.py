@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend import Backend, gemm_shape, select_backend
 from quads.ops.experts import experts_loop, rollout_experts
 from quads.ops.linear import rollout_linear
 from quads.policies.policy import QuadsPolicy
@@ -91,8 +91,9 @@ class RolloutModule(QuadsModule):
 
     def quads_select_backend(self) -> None:
         """(Re)pick the backend for the device the packed weights are on."""
-        device = getattr(self, self.quads_packed_names[0]).device
-        self.quads_backend = select_backend(device, getattr(self.quads_policy, "kernel", "exact"))
+        weights = [getattr(self, n) for n in self.quads_packed_names]
+        self.quads_backend = select_backend(weights[0].device, getattr(self.quads_policy, "kernel", "exact"),
+                                            [gemm_shape(w) for w in weights])
         self.quads_weights_changed()
 
     def _quads_versions(self) -> tuple:

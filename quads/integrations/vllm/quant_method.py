@@ -73,7 +73,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend import Backend, gemm_shape, select_backend
 from quads.ops.experts import rollout_experts
 from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields, rollout_linear
 from quads.ops.sibling_linear import SiblingGroup
@@ -353,9 +353,9 @@ class QuadsLinearMethod(LinearMethodBase):
         weight = layer.weight.data
         if weight.dtype == torch.uint8:
             return  # already packed
-        layer.quads_backend = select_backend(weight.device, self.config.policy.kernel)
         prefix = getattr(layer, "prefix", "linear")
         shards = weight.split(layer.quads_output_partition_sizes, dim=0)
+        layer.quads_backend = select_backend(weight.device, self.config.policy.kernel, [gemm_shape(s) for s in shards])
         # group mode: a merged layer's shards (q/k/v, gate/up) are one sibling group, one global scale
         block_scaling = self.config.policy.weight_block_scaling
         group_scale = (shared_global_encode_scale(shards, block_scaling)
@@ -518,11 +518,13 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         layer.quads_orig_dtype = params_dtype
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        for name in ("w13_weight", "w2_weight"):
-            weight = getattr(layer, name).data
+        weights = {name: getattr(layer, name).data for name in ("w13_weight", "w2_weight")}
+        dense = [w for w in weights.values() if w.dtype != torch.uint8]
+        if dense:  # one backend for both weights, chosen for both shapes
+            layer.quads_backend = select_backend(dense[0].device, self.config.policy.kernel, [gemm_shape(w) for w in dense])
+        for name, weight in weights.items():
             if weight.dtype == torch.uint8:
                 continue  # already packed
-            layer.quads_backend = select_backend(weight.device, self.config.policy.kernel)
             packed = pack_weight(weight, layer.quads_backend, f"MoE {name}",  # 3-D: one global scale per expert
                                  block_scaling=self.config.policy.weight_block_scaling)
             _replace(layer, name, packed.qdata)
