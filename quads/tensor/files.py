@@ -15,6 +15,7 @@ Every file quads, its benchmarks and its examples write goes through this module
 * :func:`publish_modes`: the modes ``save_pretrained`` gives (files ``0666``, directories
   ``0777``, less the umask) for a directory tree built in a ``mkdtemp`` directory (``0700``)
   before it is renamed into place.
+* :func:`lock_folder`: one writing process per output folder (an exclusive ``flock``).
 """
 
 from __future__ import annotations
