@@ -291,13 +291,67 @@ def test_refresh_rewrites_the_held_tensors_in_place(fake_humming):
         layer.refresh_(*_weight(n=32))
 
 
-def test_weights_humming_cannot_hold_go_to_the_hopper_layout(fake_humming, monkeypatch):
-    rowwise = nvfp4_quantize(torch.randn(64, 128), "row")
-    assert not hb.humming_supports(rowwise) and hb.humming_supports(_weight())
-    assert hb.humming_supports(nvfp4_quantize(torch.randn(2, 32, 64), "expert"))
-    assert not hb.humming_supports(nvfp4_quantize(torch.randn(2, 32, 64), "tensor"))  # one S_w for all experts
-    monkeypatch.setattr(hb, "prepare_weight_hopper", lambda w, out=None: ("hopper", w))
-    assert hb.HummingBackend().prepare_weight(rowwise)[0] == "hopper"
+def test_humming_shape_rule():
+    """humming 0.1.19's sm_90 rule as quads states it: N % 128, K % 64, one global scale per weight
+    (per expert for 3-D experts); the measured shapes on the H200 on either side of it."""
+    for n in (576, 960, 2880, 192, 64):  # measured failing (AssertionError in humming's sm_90 heuristics)
+        assert hb.humming_problem((n, 1536), 1) == ("N % 128 == 0", f"N = {n}")
+    for n in (768, 1408, 1536, 2048, 4096, 5120):  # measured running
+        assert hb.humming_problem((n, 2880), 1) is None
+    assert hb.humming_problem((1536, 592), 1) == ("K % 64 == 0", "K = 592")
+    assert hb.humming_problem((1536, 576), 1536)[0] == "one global scale per weight (per expert)"
+    assert hb.humming_problem((8, 768, 2880), 8) is None
+    assert hb.humming_problem((8, 768, 2880), 1)[0] == "one global scale per weight (per expert)"
+    assert hb.humming_problem((8, 2880, 2880), 8) == ("N % 128 == 0", "N = 2880")
+
+
+def test_kernel_choice_keeps_the_exact_kernels_where_humming_cannot_serve(fake_humming):
+    """The choice is a pure function of the weights' shapes, the device and the preference: forced
+    humming (as ``kernel="fast"`` on an H200) gives a weight it cannot serve the exact kernels."""
+    from quads.ops.backend import choose_backend
+
+    with quads.use_backend("humming"):
+        ok = choose_backend("cpu", "fast", [nvfp4_quantize(torch.randn(128, 64))])
+        assert ok.backend.name == "humming" and ok.problem is None
+        narrow = choose_backend("cpu", "fast", [nvfp4_quantize(torch.randn(128, 64)),
+                                                nvfp4_quantize(torch.randn(192, 64))])
+        assert narrow.backend.name == "hopper" and narrow.problem == ("humming", "N % 128 == 0", "N = 192")
+        rowwise = choose_backend("cpu", "fast", [nvfp4_quantize(torch.randn(128, 64), "row")])
+        assert rowwise.backend.name == "hopper"
+    assert choose_backend("cpu", "fast", [nvfp4_quantize(torch.randn(192, 64))]).backend.name == "torch"
+
+
+def _mixed_llama():
+    """hidden 64: k/v/o/down (N = 64) keep the exact kernels, q and gate/up (N = 128) do not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=64, intermediate_size=128, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+@pytest.mark.usefixtures("memo_weight_kernel")
+def test_fast_policy_warns_once_and_fallback_layers_are_bit_exact(fake_humming):
+    from quads.policies.modules import RolloutLinear, kernel_fallbacks
+
+    fast, exact = _mixed_llama(), _mixed_llama()
+    with quads.use_backend("humming"), pytest.warns(UserWarning) as caught:
+        quads.quantize_(fast, quads.QuadsPolicy(side="rollout", kernel="fast"))
+    lines = [str(w.message) for w in caught if str(w.message).startswith("quads:")]
+    assert lines == ["quads: 4 of 7 layers keep the exact kernels: humming needs N % 128 == 0 (N = 64)"]
+    with quads.use_backend("hopper"):
+        quads.quantize_(exact, quads.QuadsPolicy(side="rollout"))
+    fast_linears = {n: m for n, m in fast.named_modules() if isinstance(m, RolloutLinear)}
+    exact_linears = {n: m for n, m in exact.named_modules() if isinstance(m, RolloutLinear)}
+    on_humming = {n.rpartition(".")[2] for n, m in fast_linears.items() if m.quads_backend.name == "humming"}
+    assert on_humming == {"q_proj", "gate_proj", "up_proj"}
+    name = "model.layers.0.mlp.down_proj"  # a fallback layer: the exact path's bits
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fast_linears[name](x), exact_linears[name](x))
+    assert kernel_fallbacks(exact) is None  # the exact policy: nothing to say
 
 
 @pytest.mark.parametrize("act", [None, ActivationQuant(), ActivationQuant(residual_fraction=0.0)])

@@ -30,11 +30,11 @@ LIMIT = 1.1  # issue 24: rollout weight memory <= 1.1x the NVFP4 packed bytes
 
 
 def _llama(seed=0):
-    """Every linear's N and K multiples of 64 (humming's repack tiles, as in real models), GQA; the
-    smallest such shapes (64 or 128): the weight quantizer runs under the interpreter."""
+    """Every linear's N a multiple of 128 and K of 64 (the shapes humming serves, as in real models),
+    the smallest such shapes: the weight quantizer runs under the interpreter."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=64, intermediate_size=128, max_position_embeddings=64,
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, head_dim=128, intermediate_size=128, max_position_embeddings=64,
                       tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():

@@ -32,14 +32,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from quads.tensor.nvfp4_math import shared_global_encode_scale
 
-__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "backend_names", "get_backend", "register_backend",
-           "select_backend", "use_backend"]
+__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "KernelChoice", "backend_names", "choose_backend",
+           "get_backend", "register_backend", "select_backend", "use_backend", "weight_geometry"]
 
 #: ``QuadsPolicy.kernel``: the exact Triton kernels (bit-exact, deterministic, batch invariant) or
 #: the fast path (humming: within a stated bound of the exact path, see docs/humming.md)
@@ -75,6 +75,14 @@ class Backend:
     """
 
     name = "abstract"
+    #: the backend that serves a weight this one cannot (:meth:`cannot_serve`)
+    fallback: str | None = None
+
+    def cannot_serve(self, shape: tuple[int, ...], num_scales: int) -> tuple[str, str] | None:
+        """Why this backend cannot serve a weight of logical ``shape`` ``(N, K)`` or ``(E, N, K)``
+        with ``num_scales`` global scales: ``(rule, the value breaking it)``, e.g.
+        ``("N % 128 == 0", "N = 576")``; None when it serves it. Read once, by :func:`choose_backend`."""
+        return None
 
     def prepare_weight(self, weight, out=None):
         raise NotImplementedError
@@ -199,6 +207,37 @@ def _kernel_backend_for(device: torch.device) -> str | None:
     if device.type != "cuda" or not _triton_available():
         return None
     return "hopper" if torch.cuda.get_device_capability(device)[0] == 9 else None
+
+
+class KernelChoice(NamedTuple):
+    """The backend chosen for one module's weights, and why the preferred one was not
+    (``problem``: ``(backend name, rule, value)``, None when it was)."""
+
+    backend: Backend
+    problem: tuple[str, str, str] | None = None
+
+
+def weight_geometry(weight) -> tuple[tuple[int, ...], int]:
+    """``(logical shape, number of global scales)`` of an ``NVFP4Tensor`` (or ``NVFP4Parts``)."""
+    gs = weight.global_encode_scale
+    if hasattr(weight, "qdata") and not hasattr(weight, "orig_dtype"):  # NVFP4Parts: qdata (..., K/2)
+        shape = (*weight.qdata.shape[:-1], weight.qdata.shape[-1] * 2)
+    else:
+        shape = tuple(weight.shape)
+    return tuple(shape), gs.numel()
+
+
+def choose_backend(device: torch.device | str, kernel: str = "exact", weights: Sequence = ()) -> KernelChoice:
+    """The backend for a module whose packed ``weights`` live on ``device``: :func:`select_backend`'s,
+    unless it cannot serve one of them (:meth:`Backend.cannot_serve`: humming's shape rule), then
+    its ``fallback`` (the exact kernels), with the reason. A pure function of the weights' shapes,
+    the device and the preference (and ``QUADS_BACKEND`` / :func:`use_backend`)."""
+    backend = select_backend(device, kernel)
+    for w in weights:
+        why = backend.cannot_serve(*weight_geometry(w))
+        if why is not None and backend.fallback is not None:
+            return KernelChoice(get_backend(backend.fallback), (backend.name, *why))
+    return KernelChoice(backend)
 
 
 def select_backend(device: torch.device | str, kernel: str = "exact") -> Backend:

@@ -40,9 +40,10 @@ gathered row has the bits of the token's); W4A4 + residual uses the *summed* ope
 stacked one would need per-expert interleaving: next stage). Rows past ``offsets[E]`` (no expert)
 are zeroed as the exact path does.
 
-Not on humming (the exact Hopper kernels serve them): weights with per-row global scales, experts
-with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
-experts. The prepared object of such a weight is the Hopper layout.
+Not on humming: a weight :func:`humming_problem` names (per-row global scales, experts with one
+global scale for all, N not a multiple of 128, K not of 64) keeps the exact kernels, decided once
+per module by :func:`~quads.ops.backend.choose_backend`; per call, fp32 activations, biased experts
+and ``"tensor"`` activation scales in experts take the exact kernels too.
 
 **Prefill** (``DENSE_PREFILL_FROM_ROWS``, measured slower: off by default): from that many rows a
 W4A4 linear runs :func:`dense_w4a4` (the weight dequantized exactly to fp16 per call, cuBLAS
@@ -69,11 +70,11 @@ import torch
 from quads.ops.activation_quant import activation_operands_triton, summed_operand_triton
 from quads.ops.backend import register_backend
 from quads.ops.backends import HopperBackend
-from quads.ops.linear import prepare_weight_hopper, register_held
+from quads.ops.linear import register_held
 from quads.tensor.nvfp4_math import NVFP4Parts
 
 __all__ = ["DENSE_PREFILL_FROM_ROWS", "HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
-           "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16", "humming_residual_layout"]
+           "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16", "humming_problem", "humming_residual_layout"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
 #: from this many tokens on, ``auto`` uses the summed operand (H200, 2026-12-01: stacked faster at
@@ -122,11 +123,21 @@ def dense_prefill_from_rows() -> int | None:
     return rows
 
 
-def humming_supports(weight: NVFP4Parts) -> bool:
-    """Whether humming serves this weight: 2-D with one global scale, or 3-D experts with one per
-    expert (else the Hopper kernels)."""
-    dim = weight.qdata.dim()
-    return dim in (2, 3) and weight.global_encode_scale.numel() == (1 if dim == 2 else weight.qdata.shape[0])
+def humming_problem(shape: tuple[int, ...], num_scales: int) -> tuple[str, str] | None:
+    """Why humming cannot serve a weight of logical ``shape`` ``(N, K)`` / ``(E, N, K)`` with
+    ``num_scales`` global scales, as ``(rule, value)``; None when it can. Humming takes 2-D weights
+    with one global scale and 3-D experts with one per expert (not per-row scales, not one scale for
+    all experts), N a multiple of 128 and K of 64 (:func:`~quads.kernels.humming_gemm.humming_shape_problem`)."""
+    from quads.kernels.humming_gemm import humming_shape_problem
+
+    dim = len(shape)
+    if dim not in (2, 3):
+        return "a 2-D or 3-D weight", f"{dim}-D"
+    want = 1 if dim == 2 else shape[0]
+    if num_scales != want:
+        return ("one global scale per weight (per expert)",
+                f"{num_scales} scales for {'a linear' if dim == 2 else f'{shape[0]} experts'}")
+    return humming_shape_problem(shape[-2], shape[-1])
 
 
 class HummingWeight:
@@ -154,7 +165,7 @@ class HummingWeight:
         self._parts = None if self.can_hold_parts else weight
 
     def fits(self, weight: NVFP4Parts) -> bool:
-        return (humming_supports(weight) and tuple(weight.qdata.shape) == self.shape
+        return (tuple(weight.qdata.shape) == self.shape
                 and weight.qdata.device == self.device)
 
     def _build(self, dtype: torch.dtype, parts: NVFP4Parts):
@@ -247,6 +258,8 @@ class HummingBackend(HopperBackend):
     ``"default"``/``"auto"``."""
 
     name = "humming"
+    fallback = "hopper"
+    cannot_serve = staticmethod(humming_problem)
 
     def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
         from quads.kernels.humming_gemm import HUMMING_MODES
@@ -259,14 +272,12 @@ class HummingBackend(HopperBackend):
         self.residual_layout = residual_layout
 
     def prepare_weight(self, weight: NVFP4Parts, out=None):
-        if not humming_supports(weight):
-            return prepare_weight_hopper(weight, out if not isinstance(out, HummingWeight) else None)
         if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode:
             return out.refresh_(weight)
         return HummingWeight(weight, self.mode)
 
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
-        if (not isinstance(prepared, HummingWeight) and prepared is not None) or not humming_supports(weight) \
+        if (not isinstance(prepared, HummingWeight) and prepared is not None) \
                 or bias is not None or x.dtype not in (torch.float16, torch.bfloat16) \
                 or (act is not None and act.granularity != "row"):
             hopper = prepared if not isinstance(prepared, HummingWeight) else None
@@ -283,7 +294,7 @@ class HummingBackend(HopperBackend):
         return False
 
     def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
-        if not humming_supports(weight) or x2d.dtype not in (torch.float16, torch.bfloat16):
+        if x2d.dtype not in (torch.float16, torch.bfloat16):
             hopper = prepared if prepared is not None and not isinstance(prepared, HummingWeight) else None
             if isinstance(prepared, HummingWeight):  # the exact path reads the packed parts: derived here
                 weight = prepared.real_parts(weight)

@@ -20,6 +20,7 @@ The default skip patterns keep ``lm_head`` in high precision, which avoids the c
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ from quads.policies.modules import (
     RolloutLinear,
     TrainerExperts,
     TrainerLinear,
+    kernel_fallbacks,
 )
 from quads.policies.policy import QuadsPolicy
 from quads.policies.scale_groups import GroupScaleLoadCheck, ScaleGroup, sibling_groups
@@ -229,8 +231,7 @@ def _commit(t: _Target, policy: QuadsPolicy) -> None:
         t.module.quads_scale_group = t.scale_group
     policy.activation_quant  # built now, not inside a (compiled) forward
     if policy.side == "rollout":
-        t.module.quads_backend = t.backend
-        t.module.quads_weights_changed()
+        t.module.quads_select_backend()  # the kernels for these weights (shape, device, preference)
     else:
         t.module.quads_select_backend()  # the fake quantizer for the masters' device
 
@@ -301,6 +302,10 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
     except BaseException:  # Ctrl-C included: every class, attribute and hook back as it was
         snapshot.restore()
         raise
+    if policy.side == "rollout":
+        note = kernel_fallbacks(model)
+        if note is not None:
+            warnings.warn(note, UserWarning, stacklevel=2)
     return model
 
 

@@ -73,7 +73,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend import Backend, choose_backend, select_backend
 from quads.ops.experts import rollout_experts
 from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields, rollout_linear
 from quads.ops.sibling_linear import SiblingGroup
@@ -365,6 +365,9 @@ class QuadsLinearMethod(LinearMethodBase):
         _replace(layer, "weight", torch.cat([p.qdata for p in packed]))
         _replace(layer, "weight_scale", torch.cat([p.scale for p in packed]))
         _replace(layer, "weight_global_scale", torch.stack([p.global_encode_scale for p in packed]))
+        # the kernels for these shards (a shard humming cannot serve keeps the layer on the exact kernels)
+        layer.quads_backend, layer.quads_kernel_problem = choose_backend(weight.device, self.config.policy.kernel,
+                                                                         [p.parts for p in packed])
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
@@ -530,6 +533,8 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             _replace(layer, f"{name}_global_scale", packed.global_encode_scale)
         if layer.w13_weight.dtype == torch.uint8 and layer.w2_weight.dtype == torch.uint8:
             gate_up, down = self.packed_weights(layer)
+            layer.quads_backend, layer.quads_kernel_problem = choose_backend(
+                gate_up.device, self.config.policy.kernel, [gate_up.parts, down.parts])
             layer.quads_prepared = layer.quads_backend.refresh_prepared(
                 getattr(layer, "quads_prepared", ()), [gate_up.parts, down.parts])
 
