@@ -53,8 +53,8 @@ Weight memory: one humming layout per weight (1.0x the packed NVFP4 bytes): the 
 shared by the bf16 layer when its bits agree (checked on the tensors: humming's repack depends on
 the activation width only), and nothing else: :class:`HummingWeight` keeps no reference to the
 packed parts, :meth:`HummingWeight.packed_parts` derives them from the layout (the inverse of the
-repack, :mod:`quads.kernels.humming_layout`), and a rollout module drops its own copy
-(``NVFP4Tensor.hold_parts_in_``, :mod:`quads.policies.modules`). The exact-path fallbacks and the
+repack, :mod:`quads.kernels.humming_layout`), and the layout is the rollout module's weight storage
+(``NVFP4Tensor.to_layout_``; a sync writes it through ``NVFP4Tensor.write_parts_``). The exact-path fallbacks and the
 dense prefill path get the parts per call (:meth:`HummingWeight.real_parts`). Under
 ``torch.compile`` the weight goes through ``quads::linear_held`` by its handle
 (:func:`quads.ops.linear.register_held`).
@@ -147,8 +147,8 @@ class HummingWeight:
     before graph capture: a first forward or :meth:`warmup` does it.
 
     Holds no reference to the packed parts it was built from: :meth:`packed_parts` derives them
-    back from the layout (the module then drops its own copy: ``NVFP4Tensor.hold_parts_in_``,
-    one layout per weight, 1.0x the packed bytes)."""
+    back from the layout, which is then the weight's storage (``NVFP4Tensor.to_layout_``: one
+    layout per weight, 1.0x the packed bytes)."""
 
     backend_name = "humming"
 
@@ -232,7 +232,8 @@ class HummingWeight:
             seen.update(layer.storages())
         return sum(seen.values())
 
-    def refresh_(self, weight: NVFP4Parts) -> "HummingWeight":
+    def write_parts_(self, weight: NVFP4Parts) -> "HummingWeight":
+        """Rewrite the layouts from new parts of the same shapes, in place (a sync, ``load_state_dict``)."""
         self.global_encode_scale = weight.global_encode_scale
         if self._parts is not None:
             self._parts = weight
@@ -273,7 +274,7 @@ class HummingBackend(HopperBackend):
 
     def prepare_weight(self, weight: NVFP4Parts, out=None):
         if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode:
-            return out.refresh_(weight)
+            return out.write_parts_(weight)
         return HummingWeight(weight, self.mode)
 
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
