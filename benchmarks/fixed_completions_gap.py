@@ -14,6 +14,7 @@ import argparse
 import json
 
 import torch
+from quads.tensor.files import write_atomically
 
 PRESETS = ("bf16", "naive", "w4a16-qat", "sym-qat", "quads")
 KEYS = ("logp_gap_mean", "logp_gap_p99", "logp_gap_max", "k3_kl")
@@ -48,8 +49,7 @@ def main(argv=None) -> int:
                  f"{t[p]['k3_kl']:.1e}" for t in table.values()]
         print(f"| `{p}` | " + " | ".join(cells) + " |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(table, f, indent=1)
+        write_atomically(args.json, json.dumps(table, indent=1))
     return 0
 
 

@@ -37,6 +37,7 @@ from quads.diagnostics.cli_inputs import load_local_causal_lm
 from quads.diagnostics.diagnose import GENERIC_PROMPTS, sample_completions
 from quads.diagnostics.scoring import positions_from_mask
 from quads.policies.scale_groups import sibling_groups
+from quads.tensor.files import write_atomically
 from quads.tensor.nvfp4_math import (
     BLOCK_SCALINGS,
     nvfp4_dequantize,
@@ -265,8 +266,7 @@ def main(argv=None) -> int:
     report["seconds"] = time.time() - start
     print_report(report)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_atomically(args.json, json.dumps(report, indent=1))
     return 0
 
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from quads.tensor.files import open_for_append
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "trl_grpo_quads.py"
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         for preset in presets:
             cmd = run_command(args, preset, seed, extra)
-            log = open(out / f"{preset}-s{seed}.log", "a")
+            log = open_for_append(out / f"{preset}-s{seed}.log")
             log.write(f"\n$ {' '.join(cmd)}\n")
             log.flush()
             procs.append((f"{preset}-s{seed}", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), log))

@@ -45,7 +45,6 @@ Writes ``<out>/rl_step.json`` (every row, the configuration, peak memory per var
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -124,7 +123,8 @@ def dummy_reward(completions, **kwargs):
 
 def resolve(variant: str):
     """``<preset>@<masters>`` -> (PolicyPreset, masters dtype)."""
-    from quads.policies import POLICY_PRESETS, PolicyPreset
+    from quads.policies import POLICY_PRESETS
+    from quads.policies.presets import with_kernel
 
     name, _, masters = variant.partition("@")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -135,10 +135,10 @@ def resolve(variant: str):
         raise ValueError(f"variant {variant!r}: unknown preset {name!r} (a POLICY_PRESETS name, optionally + '-fast')")
     preset = POLICY_PRESETS[base_name]
     if base_name != name:
-        if preset.rollout is None:
-            raise ValueError(f"variant {variant!r}: preset {base_name!r} has no quantized rollout to run fast")
-        preset = PolicyPreset(name, preset.trainer, dataclasses.replace(preset.rollout, kernel="fast"),
-                              preset.description + ", humming fast path")
+        try:
+            preset = with_kernel(preset, "fast")
+        except ValueError as err:
+            raise ValueError(f"variant {variant!r}: {err}") from None
     return preset, dtypes[masters]
 
 

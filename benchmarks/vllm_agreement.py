@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from quads.tensor.files import write_atomically
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
             rows.append(_engine_vs_trainer(stand_in, quads_quantization_config(residual_fraction=fraction),
                                            f"embedded-config stand-in: engine (residual {fraction}) vs W4A16 QAT trainer"))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "agreement.json").write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
+    write_atomically(args.out / "agreement.json", json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
     print(f"wrote {args.out / 'agreement.json'}")
     return 0
 

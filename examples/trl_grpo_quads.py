@@ -116,6 +116,9 @@ def parse_args(argv=None):
     from quads.tasks.grpo_tasks import TASKS
 
     ap.add_argument("--policy", choices=sorted(POLICY_PRESETS), default="quads")
+    ap.add_argument("--kernel", choices=["exact", "fast"], default="exact",
+                    help="the rollout's kernels (QuadsPolicy.kernel): exact (bit-exact Triton) or fast (humming, "
+                         "sm_90; layers humming cannot serve keep the exact kernels)")
     ap.add_argument("--max-steps", type=positive_int, default=30)
     ap.add_argument("--model", default=None, help="local HF causal LM directory (default: quads' embedded tiny MoE)")
     ap.add_argument("--task", choices=["auto", *sorted(TASKS)], default="auto",
@@ -595,7 +598,12 @@ def main(argv=None) -> dict:
     if args.compare:
         compare(args.compare, check_output_dir(args.output_dir or "runs/compare"))
         return {}
-    preset = POLICY_PRESETS[args.policy]
+    from quads.policies.presets import with_kernel
+
+    try:
+        preset = with_kernel(POLICY_PRESETS[args.policy], args.kernel)
+    except ValueError as err:
+        raise UsageError(f"--kernel {args.kernel}: {err}") from None
     print(f"quads GRPO | policy {preset.name}: {preset.description}")
     print(f"  trainer side: {_describe(preset.trainer)}\n  rollout side: {_describe(preset.rollout)}")
 

@@ -20,7 +20,6 @@ from quads.policies import (
     quantize_,
     quantized_modules,
     sync_weights_,
-    warm_up_kernels,
 )
 from quads.tensor import NVFP4Tensor, nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize
 from quads.integration_hooks import install as _install_integration_hooks
@@ -45,5 +44,4 @@ __all__ = [
     "select_backend",
     "sync_weights_",
     "use_backend",
-    "warm_up_kernels",
 ]

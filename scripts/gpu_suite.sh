@@ -9,7 +9,8 @@
 #   tests     pytest -m gpu tests/gpu (the GPU checks' own test file excepted: `checks` runs them)
 #   checks    python -m benchmarks.gpu_checks (the kernels at real shapes, bit-exact / bounded)
 #   examples  the main example (examples/trl_grpo_quads.py, TRL through QuadsGRPOTrainer) on CUDA for
-#             every preset of POLICY_PRESETS x {embedded MoE, SmolLM2-135M, the MoE upcycled from it},
+#             every preset of POLICY_PRESETS (and quads with --kernel fast) x {embedded MoE, SmolLM2-135M,
+#             the MoE upcycled from it},
 #             STEPS (default 3) steps each, one model's presets side by side; a run passes when it
 #             finishes; the decoder says in one line why it did not capture a model, if it did not
 #             (EXAMPLE_MODELS="embedded smollm2 moe" by default: a subset runs part of it; EXAMPLE_ARGS
@@ -77,7 +78,7 @@ PY
 
 run_examples() {
   local presets models model dir
-  presets=$($PY -c "from quads.policies import POLICY_PRESETS; print(' '.join(POLICY_PRESETS))")
+  presets="$($PY -c "from quads.policies import POLICY_PRESETS; print(' '.join(POLICY_PRESETS))") quads-fast"
   local real; real=$(quads_real_model_status)
   [ "$real" = built ] && say "real model: built (SmolLM2-135M-Instruct and its upcycled 8-expert MoE in $QUADS_CACHE)"
   models=""
@@ -98,12 +99,19 @@ run_examples() {
     for preset in $presets; do
       local name="$model-$preset" run="$W/examples/$model-$preset"
       mkdir -p "$W/examples"
-      $PY examples/trl_grpo_quads.py --device "$DEVICE" --policy "$preset" ${dir:+--model "$dir"} --max-steps "$STEPS" \
+      local how="--policy $preset"
+      [ "$preset" = quads-fast ] && how="--policy quads --kernel fast"
+      # shellcheck disable=SC2086
+      $PY examples/trl_grpo_quads.py --device "$DEVICE" $how ${dir:+--model "$dir"} --max-steps "$STEPS" \
         --eval-n 8 --threads 1 --output-dir "$run" --overwrite ${EXAMPLE_ARGS:-} > "$W/examples/$name.log" 2>&1 &
       pids+=($!); names+=("$name")
     done
     for i in "${!pids[@]}"; do
       wait "${pids[$i]}"; local rc=$?
+      local na; na=$(grep -o "error: --policy [^:]*: preset .*" "$W/examples/${names[$i]}.log" | head -n 1)
+      if [ "$rc" != 0 ] && [ -n "$na" ]; then  # a plan that cannot apply to this model, refused up front
+        say "example ${names[$i]}: N/A (${na#error: })"; continue
+      fi
       example_report "${names[$i]}" "$rc" "$W/examples/${names[$i]}/summary.json" | tee -a "$SUMMARY"
       [ $rc = 0 ] || { failed=1; tail -n 5 "$W/examples/${names[$i]}.log" | sed 's/^/    /' | tee -a "$SUMMARY"; }
     done

@@ -42,10 +42,10 @@ def amax_calls(monkeypatch):
     calls = []
     real = scale_groups.shared_global_encode_scale
 
-    def counted(weights):
+    def counted(weights, *args, **kwargs):
         weights = list(weights)
         calls.append(len(weights))
-        return real(weights)
+        return real(weights, *args, **kwargs)
 
     monkeypatch.setattr(scale_groups, "shared_global_encode_scale", counted)  # encode_scale (sync, export)
     monkeypatch.setattr(quads.ops.backend, "shared_global_encode_scale", counted)  # Backend.group_scale (forward)

@@ -291,67 +291,13 @@ def test_refresh_rewrites_the_held_tensors_in_place(fake_humming):
         layer.refresh_(*_weight(n=32))
 
 
-def test_humming_shape_rule():
-    """humming 0.1.19's sm_90 rule as quads states it: N % 128, K % 64, one global scale per weight
-    (per expert for 3-D experts); the measured shapes on the H200 on either side of it."""
-    for n in (576, 960, 2880, 192, 64):  # measured failing (AssertionError in humming's sm_90 heuristics)
-        assert hb.humming_problem((n, 1536), 1) == ("N % 128 == 0", f"N = {n}")
-    for n in (768, 1408, 1536, 2048, 4096, 5120):  # measured running
-        assert hb.humming_problem((n, 2880), 1) is None
-    assert hb.humming_problem((1536, 592), 1) == ("K % 64 == 0", "K = 592")
-    assert hb.humming_problem((1536, 576), 1536)[0] == "one global scale per weight (per expert)"
-    assert hb.humming_problem((8, 768, 2880), 8) is None
-    assert hb.humming_problem((8, 768, 2880), 1)[0] == "one global scale per weight (per expert)"
-    assert hb.humming_problem((8, 2880, 2880), 8) == ("N % 128 == 0", "N = 2880")
-
-
-def test_kernel_choice_keeps_the_exact_kernels_where_humming_cannot_serve(fake_humming):
-    """The choice is a pure function of the weights' shapes, the device and the preference: forced
-    humming (as ``kernel="fast"`` on an H200) gives a weight it cannot serve the exact kernels."""
-    from quads.ops.backend import choose_backend
-
-    with quads.use_backend("humming"):
-        ok = choose_backend("cpu", "fast", [nvfp4_quantize(torch.randn(128, 64))])
-        assert ok.backend.name == "humming" and ok.problem is None
-        narrow = choose_backend("cpu", "fast", [nvfp4_quantize(torch.randn(128, 64)),
-                                                nvfp4_quantize(torch.randn(192, 64))])
-        assert narrow.backend.name == "hopper" and narrow.problem == ("humming", "N % 128 == 0", "N = 192")
-        rowwise = choose_backend("cpu", "fast", [nvfp4_quantize(torch.randn(128, 64), "row")])
-        assert rowwise.backend.name == "hopper"
-    assert choose_backend("cpu", "fast", [nvfp4_quantize(torch.randn(192, 64))]).backend.name == "torch"
-
-
-def _mixed_llama():
-    """hidden 64: k/v/o/down (N = 64) keep the exact kernels, q and gate/up (N = 128) do not."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=64, intermediate_size=128, max_position_embeddings=32,
-                      tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16)
-
-
-@pytest.mark.usefixtures("memo_weight_kernel")
-def test_fast_policy_warns_once_and_fallback_layers_are_bit_exact(fake_humming):
-    from quads.policies.modules import RolloutLinear, kernel_fallbacks
-
-    fast, exact = _mixed_llama(), _mixed_llama()
-    with quads.use_backend("humming"), pytest.warns(UserWarning) as caught:
-        quads.quantize_(fast, quads.QuadsPolicy(side="rollout", kernel="fast"))
-    lines = [str(w.message) for w in caught if str(w.message).startswith("quads:")]
-    assert lines == ["quads: 4 of 7 layers keep the exact kernels: humming needs N % 128 == 0 (N = 64)"]
-    with quads.use_backend("hopper"):
-        quads.quantize_(exact, quads.QuadsPolicy(side="rollout"))
-    fast_linears = {n: m for n, m in fast.named_modules() if isinstance(m, RolloutLinear)}
-    exact_linears = {n: m for n, m in exact.named_modules() if isinstance(m, RolloutLinear)}
-    on_humming = {n.rpartition(".")[2] for n, m in fast_linears.items() if m.quads_backend.name == "humming"}
-    assert on_humming == {"q_proj", "gate_proj", "up_proj"}
-    name = "model.layers.0.mlp.down_proj"  # a fallback layer: the exact path's bits
-    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    with torch.no_grad():
-        assert torch.equal(fast_linears[name](x), exact_linears[name](x))
-    assert kernel_fallbacks(exact) is None  # the exact policy: nothing to say
+def test_weights_humming_cannot_hold_go_to_the_hopper_layout(fake_humming, monkeypatch):
+    rowwise = nvfp4_quantize(torch.randn(64, 128), "row")
+    assert not hb.humming_supports(rowwise) and hb.humming_supports(_weight())
+    assert hb.humming_supports(nvfp4_quantize(torch.randn(2, 32, 64), "expert"))
+    assert not hb.humming_supports(nvfp4_quantize(torch.randn(2, 32, 64), "tensor"))  # one S_w for all experts
+    monkeypatch.setattr(hb, "prepare_weight_hopper", lambda w, out=None: ("hopper", w))
+    assert hb.HummingBackend().prepare_weight(rowwise)[0] == "hopper"
 
 
 @pytest.mark.parametrize("act", [None, ActivationQuant(), ActivationQuant(residual_fraction=0.0)])
@@ -530,3 +476,74 @@ def test_dense_prefill_is_wired_behind_a_threshold_to_be_measured(fake_humming, 
     monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "many")
     with pytest.raises(ValueError, match="QUADS_HUMMING_DENSE_FROM"):
         hb.dense_prefill_from_rows()
+
+
+# -- the shapes humming serves: the rest keep the exact kernels ------------------------------------
+
+@pytest.mark.parametrize("n,k,served", [(576, 576, False), (192, 576, False), (960, 960, False), (2880, 2880, False),
+                                        (1536, 576, True), (1408, 2048, True), (768, 1408, True), (5760, 2880, True),
+                                        (256, 200, False)])
+def test_humming_shape_rule(n, k, served):
+    assert (hb.humming_shape_problem(n, k) is None) == served
+    assert (backend_mod.get_backend("humming").shape_problem(n, k) is None) == served
+
+
+def test_select_backend_gives_shapes_humming_cannot_serve_the_exact_kernels(monkeypatch):
+    monkeypatch.setattr(backend_mod, "_kernel_backend_for", lambda d: "hopper")  # as on an H200
+    monkeypatch.setattr(hg, "import_humming", lambda: None)
+    cuda = torch.device("cuda", 0)
+    assert quads.select_backend(cuda, "fast", [(1536, 576)]).name == "humming"
+    assert quads.select_backend(cuda, "fast", [(1536, 576), (576, 1536)]).name == "hopper"  # any one: all exact
+    assert quads.select_backend(cuda, "exact", [(576, 576)]).name == "hopper"
+
+
+def _mixed_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 576, bias=False), torch.nn.Linear(576, 256, bias=False))
+
+
+def test_fast_policy_keeps_the_exact_kernels_where_humming_cannot_serve(fake_humming):
+    """``kernel="fast"``: the 576-output layer gets the exact kernels (same bits as the exact
+    path), the 256-output one humming; one warning line for the model says how many and why."""
+    x = _x(m=3, k=128)
+    exact = _mixed_model()
+    with quads.use_backend("hopper"):
+        quads.quantize_(exact, quads.QuadsPolicy(side="rollout"))
+    fast = _mixed_model()
+    with quads.use_backend("humming"), pytest.warns(UserWarning) as caught:
+        quads.quantize_(fast, quads.QuadsPolicy(side="rollout", kernel="fast"))
+    lines = [str(w.message) for w in caught if "keep the exact kernels" in str(w.message)]
+    assert len(lines) == 1 and "1 of 2 layers" in lines[0] and "576x128" in lines[0] and "'0'" not in lines[0]
+    assert "N % 128 == 0" in lines[0] and lines[0].endswith("e.g. 0)")
+    assert fast[0].quads_backend.name == "hopper" and fast[1].quads_backend.name == "humming"
+    with torch.no_grad():
+        assert torch.equal(fast[0](x), exact[0](x))  # the kept layer: the exact path's bits
+
+
+def test_fast_policy_warns_on_any_device_and_exact_policy_never():
+    import warnings
+
+    with pytest.warns(UserWarning, match="1 of 2 layers keep the exact kernels"):
+        quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout", kernel="fast"))  # CPU: says what a GPU does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout"))
+
+
+def test_warm_up_kernels_compiles_every_humming_weight_once_with_a_progress_line(fake_humming, monkeypatch):
+    from quads.policies.warmup import warm_up_kernels
+
+    warmed = []
+    monkeypatch.setattr(hb.HummingWeight, "warmup", lambda self, dtypes=(torch.float16,), ms=(1,): warmed.append(dtypes))
+    fast = _mixed_model()
+    with quads.use_backend("humming"), pytest.warns(UserWarning, match="keep the exact kernels"):
+        quads.quantize_(fast, quads.QuadsPolicy(side="rollout", kernel="fast"))
+    lines = []
+    assert warm_up_kernels(fast, log=lines.append) >= 0.0
+    assert warmed == [(torch.float16,)]  # the one humming layer (W4A4: fp16 operands); the exact one needs none
+    assert len(lines) == 2 and "1 weights" in lines[0] and "ready in" in lines[1]
+    exact = _mixed_model()
+    with quads.use_backend("hopper"):
+        quads.quantize_(exact, quads.QuadsPolicy(side="rollout"))
+    lines.clear()
+    assert warm_up_kernels(exact, log=lines.append) == 0.0 and lines == []

@@ -376,7 +376,8 @@ def _cmd(args: argparse.Namespace) -> int:
     bad = nonfinite_names(model.named_parameters())
     if bad:
         raise UsageError(f"{where}: non-finite weights (NaN/Inf) in {len(bad)} tensor(s), e.g. {bad[0]}")
-    rows = rows_with_weight_global_scale(args.weight_global_scale)  # K % 16 & co. of every row, before sampling
+    # K % 16 & co. of every row that applies to this model (run_diagnose reports the others), before sampling
+    rows = [r for r in rows_with_weight_global_scale(args.weight_global_scale) if not row_problem(r, model)]
     check_model_convertible(model, [p for r in rows for p in (r.rollout, r.trainer) if isinstance(p, QuadsPolicy)],
                             where)
     model.to(device)

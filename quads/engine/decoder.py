@@ -65,8 +65,8 @@ from quads.engine.sampling import SamplingSpec, sample_tokens, unsupported_reaso
 from quads.engine.slot_cache import SlotCache, Slots
 from quads.ops.sibling_linear import enabled_groups
 from quads.policies.fused_projections import sibling_groups_
-from quads.policies.modules import warm_up_kernels
 from quads.policies.trainer_experts import grouped_mm_available
+from quads.policies.warmup import warm_up_kernels
 
 __all__ = ["GraphedDecoder", "SamplingSpec", "unsupported_reason"]
 
@@ -161,6 +161,7 @@ class GraphedDecoder:
         self._state: _DecodeState | None = None
         self._spec: SamplingSpec | None = None
         self.num_captures = 0
+        self._kernels_warm = False
         params = inspect.signature(model.forward).parameters
         self._pass_cache_position = "cache_position" in params
         self._pass_logits_to_keep = "logits_to_keep" in params
@@ -171,7 +172,6 @@ class GraphedDecoder:
         self.capture_blocker: str | None = None
         self._plan: CapturePlan | None = None  # decided on the first CUDA call
         self._experts_switch: CapturePlan | None = None  # the plan applied in this call's forwards
-        self._kernels_warm = False  # JIT-compiled kernels (humming) built before the first capture
 
     def _glue(self):
         """The forward's context: the GQA attention switched in, sibling linears sharing one
@@ -262,9 +262,6 @@ class GraphedDecoder:
         """Capture one step; the warm-up runs on copies of the buffers' values, restored after,
         and its random draws are undone (the generator state is restored after the capture).
         Raises :class:`_CaptureRefused` (nothing captured) when the warm-up synchronizes."""
-        if not self._kernels_warm:  # the JIT cost once, with a progress line, never inside a capture
-            warm_up_kernels(self.model, rows=(state.batch,))
-            self._kernels_warm = True
         buffers = (state.token, state.slot, state.position, state.key_valid, state.finished)
         saved = [t.clone() for t in buffers]
         rng = torch.cuda.get_rng_state(state.device)
@@ -317,6 +314,9 @@ class GraphedDecoder:
                 f"{tuple(attention_mask.shape)} must be the same (batch, prompt) shape"
             )
         device = input_ids.device
+        if not self._kernels_warm:  # the JIT kernels compile here, with a progress line, not mid-capture
+            warm_up_kernels(self.model)
+            self._kernels_warm = True
         batch, width = input_ids.shape
         need = width + spec.max_new_tokens
         cache_len = -(-need // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM

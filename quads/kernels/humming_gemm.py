@@ -70,7 +70,6 @@ __all__ = [
     "direct_repack",
     "humming_tensors",
     "humming_cache_root",
-    "humming_shape_problem",
     "import_humming",
     "modelopt_tensors",
     "output_shift",
@@ -79,10 +78,6 @@ __all__ = [
 
 HUMMING_REQUIREMENT = "humming-kernels==0.1.19"
 HUMMING_MODES = ("default", "no_stream_k", "batch_invariant")
-#: output size N a humming layer serves: a multiple of this (sm_90 tile rule, :func:`humming_shape_problem`)
-HUMMING_N_MULTIPLE = 128
-#: input size K a humming layer serves: a multiple of this
-HUMMING_K_MULTIPLE = 64
 GROUPED = "grouped_contiguous"  # humming's MoE GEMM over rows sorted by expert (quads' Routing)
 E2M1_BLOCK_L1_MAX = 96.0  # 16 values of |e2m1| <= 6 per block
 FP16_OUTPUT_LIMIT = 2.0**15  # keep the bound of |o| below this (fp16 max 65504)
@@ -96,26 +91,6 @@ def humming_cache_root() -> Path:
         return Path(env).expanduser() / "humming"
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "quads" / "humming"
-
-
-def humming_shape_problem(n: int, k: int) -> tuple[str, str] | None:
-    """Why humming 0.1.19 cannot serve an (N, K) weight on sm_90 with 16-bit activations, or None.
-
-    N: its sm_90 heuristics (``tune/sm90_policies.py``, ``build_sm90_seed_config``) start the block
-    N at 128 or 256 (512 for wide MoE tiles) and halve it until it divides N, asserting it stays at
-    least four warps of 32 columns (``block_shape_n >= min_warp_shape_n * 4``, 128 for 16-bit
-    activations): N must be a multiple of 128 (measured on the H200: N = 576, 960, 2880 fail there,
-    768, 1408, 1536, 2048, 4096, 5120 run). K: the block K halves until it divides K and the
-    kernel checks a warp K of at least 32 (``kernel/humming.py``, ``check_shape``); quads' in-place
-    refresh and its read-back of the packed parts restate humming's repack on 64 x 64 tiles
-    (:mod:`quads.kernels.humming_layout`): K must be a multiple of 64.
-
-    Returns ``(rule, value)``, e.g. ``("N % 128 == 0", "N = 576")``."""
-    if n % HUMMING_N_MULTIPLE:
-        return f"N % {HUMMING_N_MULTIPLE} == 0", f"N = {n}"
-    if k % HUMMING_K_MULTIPLE:
-        return f"K % {HUMMING_K_MULTIPLE} == 0", f"K = {k}"
-    return None
 
 
 def import_humming():

@@ -11,7 +11,7 @@ one stacked GEMM for q/k/v, gate/up), :mod:`.grouped_linear` and :mod:`.experts`
 """
 
 from quads.ops.activation_quant import ActivationQuant, QuantizedActivation, dequantize_activation, quantize_activation
-from quads.ops.backend import Backend, choose_backend, get_backend, register_backend, select_backend, use_backend
+from quads.ops.backend import Backend, get_backend, register_backend, select_backend, use_backend
 from quads.ops.backends import BlackwellBackend, HopperBackend, TorchBackend  # registers the three
 from quads.ops.experts import rollout_experts
 from quads.ops.linear import rollout_linear, w4a4_matmul_reference
@@ -26,7 +26,6 @@ __all__ = [
     "QuantizedActivation",
     "SiblingGroup",
     "TorchBackend",
-    "choose_backend",
     "dequantize_activation",
     "get_backend",
     "quantize_activation",

@@ -32,14 +32,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from quads.tensor.nvfp4_math import shared_global_encode_scale
 
-__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "KernelChoice", "backend_names", "choose_backend",
-           "get_backend", "register_backend", "select_backend", "use_backend", "weight_geometry"]
+__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "backend_names", "gemm_shape", "get_backend",
+           "register_backend", "select_backend", "use_backend"]
 
 #: ``QuadsPolicy.kernel``: the exact Triton kernels (bit-exact, deterministic, batch invariant) or
 #: the fast path (humming: within a stated bound of the exact path, see docs/humming.md)
@@ -75,14 +75,6 @@ class Backend:
     """
 
     name = "abstract"
-    #: the backend that serves a weight this one cannot (:meth:`cannot_serve`)
-    fallback: str | None = None
-
-    def cannot_serve(self, shape: tuple[int, ...], num_scales: int) -> tuple[str, str] | None:
-        """Why this backend cannot serve a weight of logical ``shape`` ``(N, K)`` or ``(E, N, K)``
-        with ``num_scales`` global scales: ``(rule, the value breaking it)``, e.g.
-        ``("N % 128 == 0", "N = 576")``; None when it serves it. Read once, by :func:`choose_backend`."""
-        return None
 
     def prepare_weight(self, weight, out=None):
         raise NotImplementedError
@@ -120,6 +112,14 @@ class Backend:
 
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
         raise NotImplementedError
+
+    #: the backend a weight this one cannot serve (:meth:`shape_problem`) gets instead, or None
+    fallback: str | None = None
+
+    def shape_problem(self, n: int, k: int) -> str | None:
+        """Why this backend's GEMMs cannot serve a weight of ``n`` outputs by ``k`` inputs (one
+        line), or None: :func:`select_backend` gives such a weight :attr:`fallback` instead."""
+        return None
 
     def group_scale(self, masters: Sequence[torch.Tensor], block_scaling: str = "6"):
         """The shared global scale of a sibling group's whole 2-D ``masters`` (trainer group
@@ -209,40 +209,26 @@ def _kernel_backend_for(device: torch.device) -> str | None:
     return "hopper" if torch.cuda.get_device_capability(device)[0] == 9 else None
 
 
-class KernelChoice(NamedTuple):
-    """The backend chosen for one module's weights, and why the preferred one was not
-    (``problem``: ``(backend name, rule, value)``, None when it was)."""
-
-    backend: Backend
-    problem: tuple[str, str, str] | None = None
-
-
-def weight_geometry(weight) -> tuple[tuple[int, ...], int]:
-    """``(logical shape, number of global scales)`` of an ``NVFP4Tensor`` (or ``NVFP4Parts``)."""
-    gs = weight.global_encode_scale
-    if hasattr(weight, "qdata") and not hasattr(weight, "orig_dtype"):  # NVFP4Parts: qdata (..., K/2)
-        shape = (*weight.qdata.shape[:-1], weight.qdata.shape[-1] * 2)
-    else:
-        shape = tuple(weight.shape)
-    return tuple(shape), gs.numel()
+def gemm_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """``(N, K)`` of a linear or experts weight as the GEMMs see it: the last two dims, swapped
+    for an ``NVFP4Tensor`` stored transposed (its parts hold K last)."""
+    n, k = weight.shape[-2], weight.shape[-1]
+    return (k, n) if getattr(weight, "transposed", False) else (n, k)
 
 
-def choose_backend(device: torch.device | str, kernel: str = "exact", weights: Sequence = ()) -> KernelChoice:
-    """The backend for a module whose packed ``weights`` live on ``device``: :func:`select_backend`'s,
-    unless it cannot serve one of them (:meth:`Backend.cannot_serve`: humming's shape rule), then
-    its ``fallback`` (the exact kernels), with the reason. A pure function of the weights' shapes,
-    the device and the preference (and ``QUADS_BACKEND`` / :func:`use_backend`)."""
-    backend = select_backend(device, kernel)
-    for w in weights:
-        why = backend.cannot_serve(*weight_geometry(w))
-        if why is not None and backend.fallback is not None:
-            return KernelChoice(get_backend(backend.fallback), (backend.name, *why))
-    return KernelChoice(backend)
-
-
-def select_backend(device: torch.device | str, kernel: str = "exact") -> Backend:
+def select_backend(device: torch.device | str, kernel: str = "exact",
+                   gemm_shapes: Sequence[tuple[int, int]] = ()) -> Backend:
     """The backend for tensors on ``device`` (see the module doc); ``kernel``: ``"exact"`` or
-    ``"fast"`` (the policy's preference: only ``auto`` reads it)."""
+    ``"fast"`` (the policy's preference: only ``auto`` reads it). ``gemm_shapes``: the ``(N, K)``
+    of the weights it will run; one the backend cannot serve (:meth:`Backend.shape_problem`)
+    gets its :attr:`~Backend.fallback` (humming -> hopper, the exact kernels)."""
+    backend = _select(device, kernel)
+    if backend.fallback is not None and any(backend.shape_problem(n, k) for n, k in gemm_shapes):
+        return get_backend(backend.fallback)
+    return backend
+
+
+def _select(device: torch.device | str, kernel: str) -> Backend:
     if kernel not in KERNEL_PREFERENCES:
         raise ValueError(f"kernel preference must be one of {KERNEL_PREFERENCES}, got {kernel!r}")
     device = torch.device(device)

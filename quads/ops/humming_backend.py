@@ -40,10 +40,9 @@ gathered row has the bits of the token's); W4A4 + residual uses the *summed* ope
 stacked one would need per-expert interleaving: next stage). Rows past ``offsets[E]`` (no expert)
 are zeroed as the exact path does.
 
-Not on humming: a weight :func:`humming_problem` names (per-row global scales, experts with one
-global scale for all, N not a multiple of 128, K not of 64) keeps the exact kernels, decided once
-per module by :func:`~quads.ops.backend.choose_backend`; per call, fp32 activations, biased experts
-and ``"tensor"`` activation scales in experts take the exact kernels too.
+Not on humming (the exact Hopper kernels serve them): weights with per-row global scales, experts
+with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
+experts. The prepared object of such a weight is the Hopper layout.
 
 **Prefill** (``DENSE_PREFILL_FROM_ROWS``, measured slower: off by default): from that many rows a
 W4A4 linear runs :func:`dense_w4a4` (the weight dequantized exactly to fp16 per call, cuBLAS
@@ -70,11 +69,12 @@ import torch
 from quads.ops.activation_quant import activation_operands_triton, summed_operand_triton
 from quads.ops.backend import register_backend
 from quads.ops.backends import HopperBackend
-from quads.ops.linear import register_held
+from quads.ops.linear import prepare_weight_hopper, register_held
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["DENSE_PREFILL_FROM_ROWS", "HummingBackend", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
-           "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16", "humming_problem", "humming_residual_layout"]
+__all__ = ["DENSE_PREFILL_FROM_ROWS", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingWeight",
+           "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16",
+           "humming_residual_layout", "humming_shape_problem"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
 #: from this many tokens on, ``auto`` uses the summed operand (H200, 2026-12-01: stacked faster at
@@ -123,21 +123,32 @@ def dense_prefill_from_rows() -> int | None:
     return rows
 
 
-def humming_problem(shape: tuple[int, ...], num_scales: int) -> tuple[str, str] | None:
-    """Why humming cannot serve a weight of logical ``shape`` ``(N, K)`` / ``(E, N, K)`` with
-    ``num_scales`` global scales, as ``(rule, value)``; None when it can. Humming takes 2-D weights
-    with one global scale and 3-D experts with one per expert (not per-row scales, not one scale for
-    all experts), N a multiple of 128 and K of 64 (:func:`~quads.kernels.humming_gemm.humming_shape_problem`)."""
-    from quads.kernels.humming_gemm import humming_shape_problem
+def humming_supports(weight: NVFP4Parts) -> bool:
+    """Whether humming serves this weight: 2-D with one global scale, or 3-D experts with one per
+    expert (else the Hopper kernels)."""
+    dim = weight.qdata.dim()
+    return dim in (2, 3) and weight.global_encode_scale.numel() == (1 if dim == 2 else weight.qdata.shape[0])
 
-    dim = len(shape)
-    if dim not in (2, 3):
-        return "a 2-D or 3-D weight", f"{dim}-D"
-    want = 1 if dim == 2 else shape[0]
-    if num_scales != want:
-        return ("one global scale per weight (per expert)",
-                f"{num_scales} scales for {'a linear' if dim == 2 else f'{shape[0]} experts'}")
-    return humming_shape_problem(shape[-2], shape[-1])
+
+#: the weight shapes humming's sm90 tile heuristics serve: an output size N that its 128-wide
+#: output tile divides (N = 576, 960 and 2880 fail an assertion inside humming on the H200,
+#: N = 768, 1408, 1536, 2048 run) and a K its 64-deep tiles divide (every real hidden size is one)
+HUMMING_N_MULTIPLE, HUMMING_K_MULTIPLE = 128, 64
+
+
+def humming_shape_problem(n: int, k: int) -> str | None:
+    """Why humming cannot serve a weight of ``n`` outputs by ``k`` inputs, or None.
+
+    Read off humming 0.1.19: its sm_90 heuristics (``tune/sm90_policies.py``,
+    ``build_sm90_seed_config``) start the block N at 128 or 256 (512 for wide MoE tiles) and halve
+    it until it divides N, asserting it stays four warps of 32 columns for 16-bit activations
+    (``block_shape_n >= min_warp_shape_n * 4``): N a multiple of 128. Its block K halves until it
+    divides K with a warp K of at least 32 (``kernel/humming.py``, ``check_shape``), and quads'
+    in-place refresh and parts read-back restate its repack on 64 x 64 tiles
+    (:mod:`quads.kernels.humming_layout`): K a multiple of 64."""
+    if n % HUMMING_N_MULTIPLE or k % HUMMING_K_MULTIPLE:
+        return f"humming needs N % {HUMMING_N_MULTIPLE} == 0 and K % {HUMMING_K_MULTIPLE} == 0, got N={n} K={k}"
+    return None
 
 
 class HummingWeight:
@@ -165,7 +176,7 @@ class HummingWeight:
         self._parts = None if self.can_hold_parts else weight
 
     def fits(self, weight: NVFP4Parts) -> bool:
-        return (tuple(weight.qdata.shape) == self.shape
+        return (humming_supports(weight) and tuple(weight.qdata.shape) == self.shape
                 and weight.qdata.device == self.device)
 
     def _build(self, dtype: torch.dtype, parts: NVFP4Parts):
@@ -260,7 +271,9 @@ class HummingBackend(HopperBackend):
 
     name = "humming"
     fallback = "hopper"
-    cannot_serve = staticmethod(humming_problem)
+
+    def shape_problem(self, n: int, k: int) -> str | None:
+        return humming_shape_problem(n, k)
 
     def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
         from quads.kernels.humming_gemm import HUMMING_MODES
@@ -273,12 +286,14 @@ class HummingBackend(HopperBackend):
         self.residual_layout = residual_layout
 
     def prepare_weight(self, weight: NVFP4Parts, out=None):
+        if not humming_supports(weight):
+            return prepare_weight_hopper(weight, out if not isinstance(out, HummingWeight) else None)
         if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode:
             return out.write_parts_(weight)
         return HummingWeight(weight, self.mode)
 
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
-        if (not isinstance(prepared, HummingWeight) and prepared is not None) \
+        if (not isinstance(prepared, HummingWeight) and prepared is not None) or not humming_supports(weight) \
                 or bias is not None or x.dtype not in (torch.float16, torch.bfloat16) \
                 or (act is not None and act.granularity != "row"):
             hopper = prepared if not isinstance(prepared, HummingWeight) else None
@@ -295,7 +310,7 @@ class HummingBackend(HopperBackend):
         return False
 
     def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
-        if x2d.dtype not in (torch.float16, torch.bfloat16):
+        if not humming_supports(weight) or x2d.dtype not in (torch.float16, torch.bfloat16):
             hopper = prepared if prepared is not None and not isinstance(prepared, HummingWeight) else None
             if isinstance(prepared, HummingWeight):  # the exact path reads the packed parts: derived here
                 weight = prepared.real_parts(weight)

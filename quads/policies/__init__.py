@@ -2,7 +2,6 @@
 named presets and rollout copies. Imports ``tensor``, ``kernels`` (through ``ops``) and ``ops``."""
 
 from quads.policies.calibrate import calibrate_residual_channels
-from quads.policies.modules import warm_up_kernels
 from quads.policies.fused_projections import fuse_projections_, unfuse_projections_
 from quads.policies.policy import DEFAULT_SKIP_PATTERNS, QuadsPolicy
 from quads.policies.presets import POLICY_PRESETS, PolicyPreset, get_preset
@@ -24,5 +23,4 @@ __all__ = [
     "quantized_modules",
     "sync_weights_",
     "unfuse_projections_",
-    "warm_up_kernels",
 ]

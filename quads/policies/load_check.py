@@ -74,9 +74,11 @@ class RolloutLoadCheck:
         for key, src, dst in to_pack:
             w = src.detach().to(dst.device)
             try:
-                parts = nvfp4_quantize(w.transpose(-2, -1) if dst.transposed else w, dst.granularity)
+                parts = nvfp4_quantize(w.transpose(-2, -1) if dst.transposed else w, dst.granularity,
+                                       block_scaling=dst.block_scaling)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{_WHAT}: {key}: {err}") from None
-            state_dict[key] = NVFP4Tensor(*parts, orig_dtype=w.dtype, transposed=dst.transposed, check_values=False)
+            state_dict[key] = NVFP4Tensor(*parts, orig_dtype=w.dtype, transposed=dst.transposed, check_values=False,
+                                          block_scaling=dst.block_scaling)
             packed.append((key, state_dict[key], dst))
         check_dequantized_range([(k, s.parts, d.orig_dtype) for k, s, d in packed], _WHAT)

@@ -18,14 +18,12 @@ backends, the recipe on ``torch``; the same bits).
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, choose_backend, select_backend
+from quads.ops.backend import Backend, gemm_shape, select_backend
 from quads.ops.experts import experts_loop, rollout_experts
 from quads.ops.linear import rollout_linear
 from quads.policies.policy import QuadsPolicy
@@ -43,8 +41,6 @@ __all__ = [
     "is_fused_experts",
     "apply_gate",
     "rollout_owners",
-    "kernel_fallbacks",
-    "warm_up_kernels",
 ]
 
 
@@ -92,16 +88,12 @@ class RolloutModule(QuadsModule):
     #: per packed parameter, what the backend's kernels read (``backend.prepare_weight``)
     quads_prepared: tuple = ()
     _quads_prepared_versions: tuple | None = None
-    #: why the preferred backend does not serve these weights (``(backend, rule, value)``), or None
-    quads_kernel_problem: tuple[str, str, str] | None = None
 
     def quads_select_backend(self) -> None:
-        """(Re)pick the backend for the packed weights: their device, the policy's kernel
-        preference and their shapes (:func:`~quads.ops.backend.choose_backend`: a weight humming
-        cannot serve keeps the exact kernels)."""
+        """(Re)pick the backend for the device the packed weights are on."""
         weights = [getattr(self, n) for n in self.quads_packed_names]
-        choice = choose_backend(weights[0].device, getattr(self.quads_policy, "kernel", "exact"), weights)
-        self.quads_backend, self.quads_kernel_problem = choice
+        self.quads_backend = select_backend(weights[0].device, getattr(self.quads_policy, "kernel", "exact"),
+                                            [gemm_shape(w) for w in weights])
         self.quads_weights_changed()
 
     def _quads_versions(self) -> tuple:
@@ -163,70 +155,6 @@ def rollout_owners(model: nn.Module) -> dict[int, list[RolloutModule]]:
     return out
 
 
-
-
-def kernel_fallbacks(model: nn.Module) -> str | None:
-    """One line naming the rollout modules of ``model`` whose preferred backend could not serve
-    their weights (they keep the exact kernels) and why, or None when there are none."""
-    modules = [m for m in model.modules() if isinstance(m, RolloutModule)]
-    problems: dict[tuple[str, str], list[str]] = {}
-    count = 0
-    for m in modules:
-        problem = m.__dict__.get("quads_kernel_problem")
-        if problem is not None:
-            count += 1
-            values = problems.setdefault(problem[:2], [])
-            if problem[2] not in values:
-                values.append(problem[2])
-    if not count:
-        return None
-    why = "; ".join(f"{backend} needs {rule} ({_join_values(values)})" for (backend, rule), values in problems.items())
-    return f"quads: {count} of {len(modules)} layers keep the exact kernels: {why}"
-
-
-def _join_values(values: list[str]) -> str:
-    """``["N = 576", "N = 192"]`` -> ``"N = 576, 192"``."""
-    names = {v.partition(" = ")[0] for v in values}
-    if len(names) == 1 and all(" = " in v for v in values):
-        return f"{names.pop()} = " + ", ".join(v.partition(" = ")[2] for v in values)
-    return ", ".join(values)
-
-
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def warm_up_kernels(model: nn.Module, rows=(1,), log=_progress) -> int:
-    """Compile (JIT) the kernels of every rollout module whose backend compiles them on first use
-    (humming: its M-interval table, once per shape, cached on disk under
-    :func:`~quads.kernels.humming_gemm.humming_cache_root`) and run each once per row count in
-    ``rows``: the cost is paid here, with a progress line, not inside a first forward or a CUDA-graph
-    capture. Each weight is warmed for the activation dtype its forward feeds it (fp16 operands for
-    W4A4, the weight's 16-bit dtype for W4A16). Returns the number of weights warmed (0: nothing
-    to compile, nothing printed)."""
-    import time
-
-    from quads.ops.humming_backend import HummingWeight  # registered only where humming is used
-
-    todo = []
-    for m in model.modules():
-        if isinstance(m, RolloutModule):
-            for name, p in zip(m.quads_packed_names, m.quads_prepared):
-                if isinstance(p, HummingWeight):
-                    w16 = getattr(m, name).orig_dtype
-                    todo.append((p, torch.float16 if m.quads_act is not None or w16 not in (torch.bfloat16, torch.float16)
-                                 else w16))
-    if not todo:
-        return 0
-    from quads.kernels.humming_gemm import humming_cache_root
-
-    log(f"quads: compiling humming kernels for {len(todo)} weights before capture (a fresh cache takes seconds "
-        f"per shape; cached in {humming_cache_root()})")
-    start = time.perf_counter()
-    for p, dtype in todo:
-        p.warmup((dtype,), tuple(rows))
-    log(f"quads: humming kernels ready in {time.perf_counter() - start:.1f} s")
-    return len(todo)
 
 
 class TrainerModule(QuadsModule):

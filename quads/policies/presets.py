@@ -30,7 +30,7 @@ from quads.policies.policy import QuadsPolicy
 from quads.policies.scope import scope_problem
 
 __all__ = ["PolicyPreset", "POLICY_PRESETS", "get_preset", "preset_from_pair", "preset_problem",
-           "weight_only_rollout", "with_residual_fraction", "BOUNDARY_LAYERS"]
+           "weight_only_rollout", "with_kernel", "with_residual_fraction", "BOUNDARY_LAYERS"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,24 @@ def weight_only_rollout(policy: QuadsPolicy) -> QuadsPolicy:
     """The rollout policy with BF16 activations that holds the weights ``policy`` (either side)
     quantizes: the same modules (scope, boundary layers, skip patterns) and global scales."""
     return dataclasses.replace(policy, side="rollout", activations="bf16")
+
+
+def with_kernel(preset: PolicyPreset, kernel: str) -> PolicyPreset:
+    """``preset`` with its rollout on ``kernel`` (``QuadsPolicy.kernel``: ``"exact"`` or ``"fast"``);
+    named ``<preset>-fast`` for the fast path. Raises for a preset without a quantized rollout."""
+    if kernel == preset_kernel(preset):
+        return preset
+    if preset.rollout is None:
+        raise ValueError(f"preset {preset.name!r} has no quantized rollout to run on kernel={kernel!r}")
+    rollout = dataclasses.replace(preset.rollout, kernel=kernel)
+    name = f"{preset.name}-fast" if kernel == "fast" else preset.name.removesuffix("-fast")
+    how = ", humming fast path" if kernel == "fast" else ", exact kernels"
+    return PolicyPreset(name, preset.trainer, rollout, preset.description + how)
+
+
+def preset_kernel(preset: PolicyPreset) -> str:
+    """The rollout kernel preference of ``preset`` (``"exact"`` for a BF16 rollout)."""
+    return preset.rollout.kernel if preset.rollout is not None else "exact"
 
 
 def with_residual_fraction(preset: PolicyPreset, fraction: float, name: str | None = None) -> PolicyPreset:

@@ -20,13 +20,14 @@ The default skip patterns keep ``lm_head`` in high precision, which avoids the c
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
+
+import warnings
 
 import torch
 import torch.nn as nn
 
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend import Backend, gemm_shape, select_backend
 from quads.policies.load_check import RolloutLoadCheck
 from quads.policies.modules import (
     QuadsModule,
@@ -34,7 +35,6 @@ from quads.policies.modules import (
     RolloutLinear,
     TrainerExperts,
     TrainerLinear,
-    kernel_fallbacks,
 )
 from quads.policies.policy import QuadsPolicy
 from quads.policies.scale_groups import GroupScaleLoadCheck, ScaleGroup, sibling_groups
@@ -231,7 +231,7 @@ def _commit(t: _Target, policy: QuadsPolicy) -> None:
         t.module.quads_scale_group = t.scale_group
     policy.activation_quant  # built now, not inside a (compiled) forward
     if policy.side == "rollout":
-        t.module.quads_select_backend()  # the kernels for these weights (shape, device, preference)
+        t.module.quads_select_backend()  # the kernels for the packed weights' device and shapes
     else:
         t.module.quads_select_backend()  # the fake quantizer for the masters' device
 
@@ -302,11 +302,34 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
     except BaseException:  # Ctrl-C included: every class, attribute and hook back as it was
         snapshot.restore()
         raise
-    if policy.side == "rollout":
-        note = kernel_fallbacks(model)
-        if note is not None:
-            warnings.warn(note, UserWarning, stacklevel=2)
+    if policy.side == "rollout" and policy.kernel == "fast":
+        warn_exact_kernel_layers(targets)
     return model
+
+
+def exact_kernel_layers(targets: list[ConversionTarget]) -> list[tuple[str, tuple[int, int]]]:
+    """``(name, (N, K))`` of every target that ``kernel="fast"`` runs on the exact kernels
+    because the fast backend cannot serve that weight's shape (on any device: the rule is the
+    fast backend's own, :func:`~quads.ops.humming_backend.humming_shape_problem`)."""
+    from quads.ops.humming_backend import humming_shape_problem
+
+    out = []
+    for t in targets:
+        shapes = [gemm_shape(getattr(t.module, pname)) for pname in t.module.quads_packed_names]
+        out += [(t.name, shape) for shape in shapes if humming_shape_problem(*shape)][:1]
+    return out
+
+
+def warn_exact_kernel_layers(targets: list[ConversionTarget]) -> None:
+    """One warning line for the whole model: how many layers keep the exact kernels, and why."""
+    from quads.ops.humming_backend import HUMMING_K_MULTIPLE, HUMMING_N_MULTIPLE
+
+    kept = exact_kernel_layers(targets)
+    if kept:
+        shapes = [f"{n}x{k}" for n, k in dict.fromkeys(shape for _, shape in kept)]
+        warnings.warn(f"quads: kernel='fast': {len(kept)} of {len(targets)} layers keep the exact kernels: humming "
+                      f"needs N % {HUMMING_N_MULTIPLE} == 0 and K % {HUMMING_K_MULTIPLE} == 0 (N x K here: "
+                      f"{', '.join(shapes[:4])}{', ...' if len(shapes) > 4 else ''}; e.g. {kept[0][0]})", stacklevel=3)
 
 
 def refuse_save_pretrained(model: nn.Module) -> None:

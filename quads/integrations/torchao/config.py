@@ -177,7 +177,7 @@ def _apply_during_load(module: nn.Module, load: tuple[nn.Module, str, object], p
     _convert_experts_after_load(quantizer)
     together = _load_siblings_together(module, load, policy)
     if together is None:
-        targets = [t for t in _targets_in(module, name, policy) if not isinstance(t.module, QuadsModule)]
+        targets = [t for t in _targets_in(module, name, policy, model) if not isinstance(t.module, QuadsModule)]
         convert_targets(targets, policy, model)
         return
     convert_targets(together, policy, model)

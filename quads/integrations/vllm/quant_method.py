@@ -73,7 +73,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, choose_backend, select_backend
+from quads.ops.backend import Backend, gemm_shape, select_backend
 from quads.ops.experts import rollout_experts
 from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields, rollout_linear
 from quads.ops.sibling_linear import SiblingGroup
@@ -353,9 +353,9 @@ class QuadsLinearMethod(LinearMethodBase):
         weight = layer.weight.data
         if weight.dtype == torch.uint8:
             return  # already packed
-        layer.quads_backend = select_backend(weight.device, self.config.policy.kernel)
         prefix = getattr(layer, "prefix", "linear")
         shards = weight.split(layer.quads_output_partition_sizes, dim=0)
+        layer.quads_backend = select_backend(weight.device, self.config.policy.kernel, [gemm_shape(s) for s in shards])
         # group mode: a merged layer's shards (q/k/v, gate/up) are one sibling group, one global scale
         block_scaling = self.config.policy.weight_block_scaling
         group_scale = (shared_global_encode_scale(shards, block_scaling)
@@ -365,9 +365,6 @@ class QuadsLinearMethod(LinearMethodBase):
         _replace(layer, "weight", torch.cat([p.qdata for p in packed]))
         _replace(layer, "weight_scale", torch.cat([p.scale for p in packed]))
         _replace(layer, "weight_global_scale", torch.stack([p.global_encode_scale for p in packed]))
-        # the kernels for these shards (a shard humming cannot serve keeps the layer on the exact kernels)
-        layer.quads_backend, layer.quads_kernel_problem = choose_backend(weight.device, self.config.policy.kernel,
-                                                                         [p.parts for p in packed])
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
@@ -521,11 +518,13 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         layer.quads_orig_dtype = params_dtype
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        for name in ("w13_weight", "w2_weight"):
-            weight = getattr(layer, name).data
+        weights = {name: getattr(layer, name).data for name in ("w13_weight", "w2_weight")}
+        dense = [w for w in weights.values() if w.dtype != torch.uint8]
+        if dense:  # one backend for both weights, chosen for both shapes
+            layer.quads_backend = select_backend(dense[0].device, self.config.policy.kernel, [gemm_shape(w) for w in dense])
+        for name, weight in weights.items():
             if weight.dtype == torch.uint8:
                 continue  # already packed
-            layer.quads_backend = select_backend(weight.device, self.config.policy.kernel)
             packed = pack_weight(weight, layer.quads_backend, f"MoE {name}",  # 3-D: one global scale per expert
                                  block_scaling=self.config.policy.weight_block_scaling)
             _replace(layer, name, packed.qdata)
@@ -533,8 +532,6 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             _replace(layer, f"{name}_global_scale", packed.global_encode_scale)
         if layer.w13_weight.dtype == torch.uint8 and layer.w2_weight.dtype == torch.uint8:
             gate_up, down = self.packed_weights(layer)
-            layer.quads_backend, layer.quads_kernel_problem = choose_backend(
-                gate_up.device, self.config.policy.kernel, [gate_up.parts, down.parts])
             layer.quads_prepared = layer.quads_backend.refresh_prepared(
                 getattr(layer, "quads_prepared", ()), [gate_up.parts, down.parts])
 
