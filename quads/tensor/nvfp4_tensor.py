@@ -237,6 +237,7 @@ class NVFP4Tensor(torch.Tensor):
         q.copy_(parts.qdata)
         s.copy_(parts.scale)
         self.global_encode_scale.copy_(parts.global_encode_scale)
+        self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
         # Inside __torch_dispatch__ in-place writes do not bump the version counters (that happens
         # above this dispatch level); bump them so version-keyed caches see the write.
         torch.autograd.graph.increment_version((q, s, self.global_encode_scale))
@@ -248,8 +249,8 @@ class NVFP4Tensor(torch.Tensor):
         if self.__dict__.get("_layout") is not None:
             return ("layout", writes)
         q, s = self.__dict__["_qdata"], self.__dict__["_scale"]
-        if q.is_inference() or s.is_inference():  # no counters: assume written
-            return (writes, object())
+        if q.is_inference() or s.is_inference():  # no counters: only writes through write_parts_ count
+            return (writes, None)
         return (writes, q._version, s._version)
 
     def stored_parts(self) -> NVFP4Parts:
