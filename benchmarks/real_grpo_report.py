@@ -1,6 +1,6 @@
 """Table and plots of the real-model GRPO ablation (``benchmarks/real_grpo.py`` runs).
 
-    python -m benchmarks.real_grpo_report runs/real_grpo [--out docs/img] [--prefix real_grpo_trl]
+    python -m benchmarks.real_grpo_report runs/real_grpo [--out docs/img] [--prefix real_grpo_trl] [--from-logs]
 
 Reads every run directory under the folder: the main example's (``<preset>-s<seed>/``:
 ``summary.json`` and TRL's log records in ``metrics.jsonl``, the runs of ``benchmarks/real_grpo.py``)
@@ -14,12 +14,16 @@ configuration: the mean over seeds, the band between the seeds' min and max). Ru
 early count in the per-step columns with the steps they have (the ``steps`` column says how
 many); held-out "after" needs a finished run. "after (trainer)" is the trainer's own greedy
 forward (the example's; QAT presets: the fake-quantized forward), or the BF16 masters (the old loop).
+``--from-logs`` reads the runs' console logs instead (``<preset>-s<seed>.log``, appended by every
+call of ``real_grpo.py``): each step's first line and the first run's held-out lines, so a run
+whose folder a later start overwrote is still reported as it ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -78,6 +82,36 @@ def load(runs: Path) -> dict[str, list[dict]]:
         r = _normalize(summary, records)
         if r is not None:
             out[r["config"]].append(r)
+    return out
+
+
+_STEP = re.compile(r"^step +(\d+)/\d+ +reward (\S+) +gap mean (\S+) p99 (\S+) max (\S+) +k3 (\S+) +IS raw "
+                   r"\[(\S+), (\S+)\] masked (\S+) +\((\S+)s: generate (\S+) train (\S+) sync (\S+)\)")
+_BEFORE = re.compile(r"^held-out greedy accuracy before .*: rollout engine (\S+), trainer forward (\S+)")
+_AFTER = re.compile(r"^held-out acc +rollout engine (\S+) -> (\S+) +trainer forward (\S+) -> (\S+)")
+
+
+def load_logs(runs: Path) -> dict[str, list[dict]]:
+    """The runs as their console logs tell them (see the module doc): per step number its first
+    line; held-out accuracy from the first finished run's summary lines."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for log in sorted(runs.glob("*-s*.log")):
+        config, _, seed = log.stem.rpartition("-s")
+        steps, before, after = {}, None, None
+        for line in log.read_text(errors="replace").splitlines():
+            if m := _STEP.match(line):
+                v = [float(x) for x in m.groups()]
+                steps.setdefault(int(v[0]), {"reward": v[1], "gap_mean": v[2], "gap_p99": v[3], "gap_max": v[4],
+                                             "k3": v[5], "is_max": v[7], "masked": v[8], "generate": v[10],
+                                             "train": v[11], "sync": v[12]})
+            elif (m := _BEFORE.match(line)) and before is None:
+                before = float(m.group(1))
+            elif (m := _AFTER.match(line)) and after is None:
+                after = (float(m.group(2)), float(m.group(4)))
+        if steps:
+            out[config].append({"config": config, "seed": int(seed), "finished": after is not None, "before": before,
+                                "after": after and after[0], "after_trainer": after and after[1],
+                                "steps": [steps[k] for k in sorted(steps)]})
     return out
 
 
@@ -176,8 +210,9 @@ def main(argv=None) -> int:
     p.add_argument("runs", type=Path)
     p.add_argument("--out", type=Path, default=None, help="folder for the PNG plots (default: the runs folder)")
     p.add_argument("--prefix", default="real_grpo_trl", help="file name prefix of the plots")
+    p.add_argument("--from-logs", action="store_true", help="read the runs' console logs (see the module doc)")
     args = p.parse_args(argv)
-    runs = load(args.runs)
+    runs = load_logs(args.runs) if args.from_logs else load(args.runs)
     if not runs:
         raise SystemExit(f"no runs with summary.json under {args.runs}")
     print(table(runs))

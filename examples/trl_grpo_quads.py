@@ -594,6 +594,7 @@ def main(argv=None) -> dict:
     from quads.diagnostics.cli_inputs import check_model_convertible, check_output_dir, check_tokenizer
     from quads.integrations.trl import POLICY_PRESETS, QuadsGRPOTrainer
     from quads.tasks.grpo_tasks import no_signal_hint
+    from quads.tensor.files import FolderInUse, lock_folder
 
     if args.compare:
         compare(args.compare, check_output_dir(args.output_dir or "runs/compare"))
@@ -658,6 +659,10 @@ def main(argv=None) -> dict:
     except ValueError as err:  # TRL's / transformers' own checks of the combination
         raise UsageError(f"TRL refuses the configuration: {str(err).strip().splitlines()[0]}") from err
     out = check_output_dir(out_name)  # creates it; nothing in it is touched before start_run
+    try:  # one process per run folder, held until this run's outputs are written
+        lock = lock_folder(out, "--output-dir")
+    except FolderInUse as err:
+        raise UsageError(str(err)) from None
     rows, before, after, train_s, trainer = [], None, None, 0.0, None
     checkpoint, train_s_before = None, 0.0
     if resume is not None:
@@ -715,8 +720,11 @@ def main(argv=None) -> dict:
         error = f"{type(err).__name__}: {err}"
         raise
     finally:  # partial or not, the outputs say what they are; summary.json is written last
-        if started:  # (a failure before start_run leaves the directory as it was)
-            summary = finish_run(out, rows, args, preset, train_s, t0, before, after, trainer, status, error)
+        try:
+            if started:  # (a failure before start_run leaves the directory as it was)
+                summary = finish_run(out, rows, args, preset, train_s, t0, before, after, trainer, status, error)
+        finally:
+            os.close(lock)
     print_summary(summary, preset, out)
     return summary
 

@@ -138,3 +138,23 @@ def test_micro_batched_backward_gives_the_batch_gradient(tmp_path):
     assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-4, abs=1e-7)
     with pytest.raises(UsageError, match="does not divide"):
         _main(example, [*one, "--train-micro-batch", "3", "--output-dir", str(tmp_path / "bad")])
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused(tmp_path):
+    """Two processes in one --output-dir would interleave their metrics and overwrite each
+    other's summary: the second is refused in one line, the first's files untouched."""
+    import os
+
+    from quads.diagnostics.cli_inputs import UsageError
+    from quads.tensor.files import lock_folder
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("first run\n")
+    fd = lock_folder(out, "--output-dir")  # as a running example holds it
+    try:
+        with pytest.raises(UsageError, match=r"in use by another running process \(pid \d+\)"):
+            _main(_example(), [*RUN, "--output-dir", str(out)])
+    finally:
+        os.close(fd)
+    assert (out / "metrics.jsonl").read_text() == "first run\n"

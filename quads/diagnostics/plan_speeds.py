@@ -7,14 +7,16 @@ the same run, each configuration alone on the GPU, with the result file it came 
 absent from a ``(hardware, model kind)`` table is **unmeasured** there; the recommendation says so
 and never guesses. ``bf16`` is the reference (speed 1 by definition).
 
-Filled from:
+Filled from ``python -m benchmarks.rl_step`` on the H200 (``docs/engine.md`` section 6): one
+GRPO step of ``QuadsGRPOTrainer`` (64 sequences of 64 + 192 tokens) on models whose GEMMs bound the
+step, every plan on its default exact kernels with FP32 masters under BF16 autocast (the example's
+recipe), against BF16 with BF16 parameters (the fair peer: transformers' ``grouped_mm`` experts
+are not autocast), median of 3 steps after one warm-up, one process:
 
-* ``("hopper", "dense")``: ``python -m benchmarks.real_grpo --config C --seed 0 --steps 8
-  --eval-problems 4 --device cuda`` on the H200, SmolLM2-135M-Instruct (30 layers, a host-bound
-  model at this size: every phase is a chain of small kernels), means over steps 1-7;
-  ``docs/real_model.md``, "The step, each configuration alone". The other plans (``w4a16``,
-  ``quads-boundary``, the ``-experts`` plans) are unmeasured there.
-* ``("hopper", "moe")``: unmeasured (no whole-RL-step MoE run is in the repository yet).
+* ``("hopper", "moe")``: Qwen3-MoE, 4 layers, hidden 2048, 64 experts top-6 of width 1408;
+* ``("hopper", "dense")``: Qwen3, 6 layers, hidden 3072, MLP 8192. The plans with a W4A4 QAT
+  trainer or a naive rollout (``naive``, ``sym-qat``, ``w4a16-qat``) and ``quads-boundary``
+  (the benchmark's models have 4-6 layers) are unmeasured there.
 * ``("blackwell", ...)``: unmeasured: the native-FP4 backend is written, never run.
 
 To add a measurement, add a :class:`StepTime` under its key with the result file (the
@@ -46,17 +48,18 @@ class StepTime:
         return self.bf16_s / self.plan_s
 
 
-_SMOLLM2_H200 = ("benchmarks/results/h200_2026-12-02_s6/call4_real_grpo/ (SmolLM2-135M GRPO step, H200, "
-                 "docs/real_model.md)")
+_RL_STEP_MOE = "benchmarks/results/h200_2026-12-03_s7/rl_step/moe.json (Qwen3-MoE 2.4B, H200)"
+_RL_STEP_DENSE = "benchmarks/results/h200_2026-12-03_s7/rl_step/dense.json (Qwen3 dense 0.8B, H200)"
 
 PLAN_SPEEDS: dict[tuple[str, str], dict[str, StepTime]] = {
     ("hopper", "dense"): {
-        "naive": StepTime(1.71, 1.29, _SMOLLM2_H200),
-        "sym-qat": StepTime(1.97, 1.29, _SMOLLM2_H200),
-        "w4a16-qat": StepTime(1.84, 1.29, _SMOLLM2_H200),
-        "quads": StepTime(2.09, 1.29, _SMOLLM2_H200),
+        "quads": StepTime(0.879, 0.646, _RL_STEP_DENSE),
+        "w4a16": StepTime(0.769, 0.646, _RL_STEP_DENSE),
     },
-    ("hopper", "moe"): {},
+    ("hopper", "moe"): {
+        "quads": StepTime(0.830, 0.849, _RL_STEP_MOE),
+        "quads-experts": StepTime(0.788, 0.849, _RL_STEP_MOE),
+    },
     ("blackwell", "dense"): {},
     ("blackwell", "moe"): {},
 }

@@ -15,18 +15,20 @@ Every file quads, its benchmarks and its examples write goes through this module
 * :func:`publish_modes`: the modes ``save_pretrained`` gives (files ``0666``, directories
   ``0777``, less the umask) for a directory tree built in a ``mkdtemp`` directory (``0700``)
   before it is renamed into place.
+* :func:`lock_folder`: one writing process per output folder (an exclusive ``flock``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 __all__ = ["umask", "file_mode", "write_atomically", "atomic_path", "open_for_append", "publish_modes",
-           "existing_parent"]
+           "existing_parent", "FolderInUse", "lock_folder", "LOCK_NAME"]
 
 
 def umask() -> int:
@@ -151,3 +153,34 @@ def publish_modes(root: str | os.PathLike) -> None:
         if not path.is_symlink():
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
     root.chmod(0o777 & ~mask)
+
+
+#: the lock file :func:`lock_folder` keeps in the folder it locks
+LOCK_NAME = ".quads.lock"
+
+
+class FolderInUse(OSError):
+    """Another process holds :func:`lock_folder` on the folder."""
+
+
+def lock_folder(folder: str | os.PathLike, what: str = "folder") -> int:
+    """Hold an exclusive lock on ``folder`` (an existing directory) until the returned descriptor
+    is closed or the process ends: two runs writing one output folder would interleave their files.
+    A second holder gets :class:`FolderInUse` naming the folder and the first holder's pid."""
+    path = Path(folder) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as err:
+        if path.is_symlink():
+            raise OSError(err.errno, f"{what}: {str(path)!r} is a symbolic link; refusing to write through it") from None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise FolderInUse(f"{what} {str(folder)!r} is in use by another running process (pid {holder}); "
+                          "wait for it to end or choose another folder") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
