@@ -507,7 +507,7 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
     # 4: sync: in-place refresh of the humming layouts vs the Hopper layout kernel vs the dense weight
     if time.time() - T0 < budget:
         hw = base[0]
-        row = dict(humming_refresh_ms=wall_ms(lambda: hw.refresh_(parts[1])),
+        row = dict(humming_refresh_ms=wall_ms(lambda: hw.write_parts_(parts[1])),
                    hopper_layout_ms=wall_ms(lambda: to_hopper_layout(parts[1].qdata, parts[1].scale, out=prep[0])),
                    dense_fp16_ms=wall_ms(lambda: dense_weight_fp16(parts[1])), humming_layouts=len(hw.layers))
         record("sync", shape=tag, **row)
@@ -679,7 +679,7 @@ def bench_moe(budget, dev, configs=MOE_CONFIGS, ts=MOE_TS, modes=("default",)):
                 f"{nm} {us:.1f} us" + (f" {base / us:.2f}x" if base else "") for nm, us in line.items() if us),
                 flush=True)
         if time.time() - T0 < budget:  # sync: in-place refresh of both experts' humming layouts vs Hopper
-            row = dict(humming_refresh_ms=wall_ms(lambda: [p.refresh_(q.parts) for p, q in zip(prep_m, (qgu, qdn))],
+            row = dict(humming_refresh_ms=wall_ms(lambda: [p.write_parts_(q.parts) for p, q in zip(prep_m, (qgu, qdn))],
                                                   reps=2),
                        hopper_layout_ms=wall_ms(lambda: [HOPPER.prepare_weight(q.parts, out=p)
                                                          for p, q in zip(prep_h, (qgu, qdn))], reps=2))

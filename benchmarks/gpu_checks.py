@@ -514,7 +514,7 @@ def check_humming():
                    f"max |err| / bound = {worst:.3f} (M = 1, 16, 64, 256)")
         new = nvfp4_quantize((torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16())
         ptrs = {dt: [t.data_ptr() for t in lay.layer.parameters()] for dt, lay in hw.layers.items()}
-        hw.refresh_(new)
+        hw.write_parts_(new)
         fresh = HummingWeight(new, "default")
         fresh.layer(torch.bfloat16)
         same = all(bits_equal(a.data, b.data) for dt in hw.layers
@@ -528,10 +528,10 @@ def check_humming():
         del hw, fresh
     lin = torch.nn.Linear(4096, 4096, bias=False).bfloat16().cuda()
     quads.quantize_(lin, quads.QuadsPolicy(side="rollout", kernel="fast"))
-    held = lin.quads_prepared[0].nbytes + (0 if lin.weight.parts_released else 4096 * (2048 + 256))
+    held = lin.quads_prepared[0].nbytes + (0 if lin.weight.kernel_layout is not None else 4096 * (2048 + 256))
     ratio = held / (4096 * (2048 + 256))
     record("humming rollout module holds one layout (<= 1.1x the packed bytes)",
-           lin.weight.parts_released and ratio <= 1.1, f"{ratio:.5f}x")
+           lin.weight.kernel_layout is not None and ratio <= 1.1, f"{ratio:.5f}x")
 
 
 @check("four_over_six")

@@ -1,9 +1,10 @@
 """Rollout weight memory on the humming backend: one layout per weight (issue 24: <= 1.1x the packed bytes).
 
-A rollout module on the humming backend holds only humming's layout; its ``NVFP4Tensor`` drops
-``qdata``/``scale`` (``hold_parts_in_``) and every reader of the packed parts (state dicts,
-saving, ``dequantize``, a sync's write, ``load_state_dict``, the exact-path fallbacks) derives them
-from the layout on demand (the inverse repack of :mod:`quads.kernels.humming_layout`). Tested with
+A rollout module on the humming backend holds only humming's layout: it is its ``NVFP4Tensor``'s
+storage (``to_layout_``), every reader of the packed parts (state dicts, saving, ``dequantize``,
+the exact-path fallbacks) derives them from it (the inverse repack of
+:mod:`quads.kernels.humming_layout`) and every writer (a sync, ``load_state_dict``) writes it in
+place (``write_parts_``). Tested with
 the stand-in for humming's GEMM (``fake_humming``: humming's real layout through the torch
 restatement of its repack), and at the real shapes with humming's own Python on CPU where it is
 importable (``humming_on_cpu``).
@@ -31,10 +32,10 @@ LIMIT = 1.1  # issue 24: rollout weight memory <= 1.1x the NVFP4 packed bytes
 
 def _llama(seed=0):
     """Every linear's N a multiple of 128 and K of 64 (the shapes humming serves, as in real models),
-    GQA; the smallest such shapes (128 or 256): the weight quantizer runs under the interpreter."""
+    the smallest such shapes: the weight quantizer runs under the interpreter."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=64, intermediate_size=128, max_position_embeddings=64,
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, head_dim=128, intermediate_size=128, max_position_embeddings=64,
                       tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -68,7 +69,7 @@ def _module_bytes(module) -> int:
     total = 0
     for name, prepared in zip(module.quads_packed_names, module.quads_prepared):
         w = getattr(module, name)
-        if not w.parts_released:
+        if w.kernel_layout is None:
             total += sum(t.numel() * t.element_size() for t in w.stored_parts()[:2])
         total += prepared.nbytes
     return total
@@ -85,7 +86,7 @@ def test_fast_rollout_holds_one_layout_per_weight(fake_humming):
     assert linears and all(m.quads_backend.name == "humming" for m in linears)
     for m in linears:
         w, (prepared,) = m.weight, m.quads_prepared
-        assert isinstance(prepared, hb.HummingWeight) and w.parts_released and w.parts_source is prepared
+        assert isinstance(prepared, hb.HummingWeight) and w.kernel_layout is prepared
         ratio = _module_bytes(m) / _packed_bytes(tuple(w.shape))
         assert ratio <= LIMIT, (m, ratio)
 
@@ -100,17 +101,16 @@ def test_held_parts_read_back_bit_exact_and_forward_unchanged(fake_humming):
         y1 = model(x).logits
     for name, p in model.named_parameters():
         if isinstance(p, NVFP4Tensor):
-            assert p.parts_released
+            assert p.kernel_layout is not None
             want = parts[name]
             assert torch.equal(p.qdata, want.qdata) and torch.equal(p.scale.view(torch.uint8),
                                                                    want.scale.view(torch.uint8)), name
-            assert not p.parts_released  # materialized by the read, until the next forward
             assert torch.equal(p.global_encode_scale, want.global_encode_scale)
             torch.testing.assert_close(p.dequantize(), want.dequantize(), rtol=0, atol=0)
     with torch.no_grad():
         y2 = model(x).logits
     assert torch.equal(y1, y2)
-    assert all(m.weight.parts_released for m in _linears(model))  # the forward dropped the read copies
+    assert all(m.weight.kernel_layout is m.quads_prepared[0] for m in _linears(model))  # reads converted nothing
 
 
 def test_state_dict_save_and_load_through_the_layout(fake_humming, tmp_path):
@@ -119,24 +119,24 @@ def test_state_dict_save_and_load_through_the_layout(fake_humming, tmp_path):
     with torch.no_grad():
         ya, yb = a(x).logits, b(x).logits
     sd = a.state_dict()
-    assert all(m.weight.parts_released for m in _linears(a))  # state_dict's views read nothing
+    assert all(m.weight.kernel_layout is not None for m in _linears(a))  # state_dict's views derive nothing
     path = tmp_path / "a.safetensors"
     quads.tensor.save_safetensors(sd, str(path))
     loaded = quads.tensor.load_safetensors(str(path))
     ptrs = [[t.data_ptr() for t in m.quads_prepared[0].layers[torch.float16].layer.parameters()]
             for m in _linears(b)]
-    b.load_state_dict(loaded)  # writes into b's derived parts, then the forward writes them through
+    b.load_state_dict(loaded)  # copy_ writes b's layouts in place
     with torch.no_grad():
         assert torch.equal(b(x).logits, ya) and not torch.equal(ya, yb)
     assert ptrs == [[t.data_ptr() for t in m.quads_prepared[0].layers[torch.float16].layer.parameters()]
                     for m in _linears(b)]  # in place: captured graphs stay valid
-    assert all(m.weight.parts_released for m in _linears(b))
+    assert all(m.weight.kernel_layout is m.quads_prepared[0] for m in _linears(b))
     blob = tmp_path / "b.pt"
     torch.save(b.state_dict(), blob)  # pickled with its parts, never with the layout
     back = torch.load(blob, weights_only=True)
     for name, p in back.items():
         if isinstance(p, NVFP4Tensor):
-            assert p.parts_source is None and torch.equal(p.qdata, sd[name].qdata)
+            assert p.kernel_layout is None and torch.equal(p.qdata, sd[name].qdata)
 
 
 def test_sync_writes_through_the_layout_bit_exact_and_in_place(fake_humming):
@@ -148,7 +148,7 @@ def test_sync_writes_through_the_layout_bit_exact_and_in_place(fake_humming):
     quads.sync_weights_(rollout, trainer)
     quads.sync_weights_(reference, trainer)
     for m, r in zip(_linears(rollout), _linears(reference)):
-        assert m.weight.parts_released  # dropped after the write-through (the sync's scratch is freed)
+        assert m.weight.kernel_layout is m.quads_prepared[0]  # written in place, still the storage
         q, s = m.quads_prepared[0].packed_parts()
         assert torch.equal(q, r.weight.qdata) and torch.equal(s.view(torch.uint8), r.weight.scale.view(torch.uint8))
         assert torch.equal(m.weight.global_encode_scale, r.weight.global_encode_scale)
@@ -190,7 +190,7 @@ def test_exact_path_fallback_reads_the_parts_from_the_layout(fake_humming):
     m2 = _llama()
     quads.quantize_(m2, quads.QuadsPolicy(side="rollout"))
     assert torch.equal(y, _linears(m2)[0](x))
-    assert m.weight.parts_released  # derived for the call, not kept
+    assert m.weight.kernel_layout is m.quads_prepared[0]  # derived for the call, nothing converted
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (4096, 2048), (2048, 4096), (14336, 4096), (4096, 14336)])
@@ -234,7 +234,7 @@ def test_compiled_fast_rollout_traces_to_the_eager_bits_and_follows_syncs(fake_h
         compiled = torch.compile(model, fullgraph=True)
         y0 = compiled(x).logits
         assert torch.equal(y0, model(x).logits)
-        assert all(m.weight.parts_released for m in _linears(model))
+        assert all(m.weight.kernel_layout is not None for m in _linears(model))
         trainer = _llama(seed=7)
         quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
         quads.sync_weights_(model, trainer)
@@ -245,15 +245,14 @@ def test_compiled_fast_rollout_traces_to_the_eager_bits_and_follows_syncs(fake_h
 
 
 def test_reads_under_inference_mode(fake_humming):
-    """Parts derived under ``torch.inference_mode`` (no version counters) are written through once
-    (bit-exact: the same bits) and dropped at the next forward."""
+    """Parts derived under ``torch.inference_mode`` (no version counters) are new tensors: the layout
+    stays the storage and the forward's bits do not move."""
     model = _fast_rollout()
     m = _linears(model)[0]
     x = _input()
     with torch.inference_mode():
         y0 = model(x).logits
         dq = m.weight.dequantize()
-        assert not m.weight.parts_released
         y1 = model(x).logits
-    assert torch.equal(y0, y1) and m.weight.parts_released
+    assert torch.equal(y0, y1) and m.weight.kernel_layout is m.quads_prepared[0]
     torch.testing.assert_close(dq, m.weight.dequantize(), rtol=0, atol=0)

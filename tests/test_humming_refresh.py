@@ -235,7 +235,7 @@ def test_one_layout_for_both_activation_dtypes(humming_on_cpu):
     locks = sum(b.numel() * b.element_size() for b in h16.layer.buffers())
     assert abs(layout / packed - 1.0) < 1e-3  # humming's repack of the same 4.5 bits
     assert hw.nbytes == layout + 2 * locks  # one layout, each layer its own Stream-K locks
-    hw.refresh_(w2)
+    hw.write_parts_(w2)
     assert torch.equal(hbf.layer.weight, repack_reference(w2.qdata))
     q, s = hbf.packed_parts()
     assert torch.equal(q, w2.qdata) and torch.equal(s.view(torch.uint8), w2.scale.view(torch.uint8))

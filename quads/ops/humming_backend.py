@@ -52,8 +52,8 @@ Weight memory: one humming layout per weight (1.0x the packed NVFP4 bytes): the 
 shared by the bf16 layer when its bits agree (checked on the tensors: humming's repack depends on
 the activation width only), and nothing else: :class:`HummingWeight` keeps no reference to the
 packed parts, :meth:`HummingWeight.packed_parts` derives them from the layout (the inverse of the
-repack, :mod:`quads.kernels.humming_layout`), and a rollout module drops its own copy
-(``NVFP4Tensor.hold_parts_in_``, :mod:`quads.policies.modules`). The exact-path fallbacks and the
+repack, :mod:`quads.kernels.humming_layout`), and the layout is the rollout module's weight storage
+(``NVFP4Tensor.to_layout_``; a sync writes it through ``NVFP4Tensor.write_parts_``). The exact-path fallbacks and the
 dense prefill path get the parts per call (:meth:`HummingWeight.real_parts`). Under
 ``torch.compile`` the weight goes through ``quads::linear_held`` by its handle
 (:func:`quads.ops.linear.register_held`).
@@ -137,7 +137,15 @@ HUMMING_N_MULTIPLE, HUMMING_K_MULTIPLE = 128, 64
 
 
 def humming_shape_problem(n: int, k: int) -> str | None:
-    """Why humming cannot serve a weight of ``n`` outputs by ``k`` inputs, or None."""
+    """Why humming cannot serve a weight of ``n`` outputs by ``k`` inputs, or None.
+
+    Read off humming 0.1.19: its sm_90 heuristics (``tune/sm90_policies.py``,
+    ``build_sm90_seed_config``) start the block N at 128 or 256 (512 for wide MoE tiles) and halve
+    it until it divides N, asserting it stays four warps of 32 columns for 16-bit activations
+    (``block_shape_n >= min_warp_shape_n * 4``): N a multiple of 128. Its block K halves until it
+    divides K with a warp K of at least 32 (``kernel/humming.py``, ``check_shape``), and quads'
+    in-place refresh and parts read-back restate its repack on 64 x 64 tiles
+    (:mod:`quads.kernels.humming_layout`): K a multiple of 64."""
     if n % HUMMING_N_MULTIPLE or k % HUMMING_K_MULTIPLE:
         return f"humming needs N % {HUMMING_N_MULTIPLE} == 0 and K % {HUMMING_K_MULTIPLE} == 0, got N={n} K={k}"
     return None
@@ -150,8 +158,8 @@ class HummingWeight:
     before graph capture: a first forward or :meth:`warmup` does it.
 
     Holds no reference to the packed parts it was built from: :meth:`packed_parts` derives them
-    back from the layout (the module then drops its own copy: ``NVFP4Tensor.hold_parts_in_``,
-    one layout per weight, 1.0x the packed bytes)."""
+    back from the layout, which is then the weight's storage (``NVFP4Tensor.to_layout_``: one
+    layout per weight, 1.0x the packed bytes)."""
 
     backend_name = "humming"
 
@@ -235,7 +243,8 @@ class HummingWeight:
             seen.update(layer.storages())
         return sum(seen.values())
 
-    def refresh_(self, weight: NVFP4Parts) -> "HummingWeight":
+    def write_parts_(self, weight: NVFP4Parts) -> "HummingWeight":
+        """Rewrite the layouts from new parts of the same shapes, in place (a sync, ``load_state_dict``)."""
         self.global_encode_scale = weight.global_encode_scale
         if self._parts is not None:
             self._parts = weight
@@ -280,7 +289,7 @@ class HummingBackend(HopperBackend):
         if not humming_supports(weight):
             return prepare_weight_hopper(weight, out if not isinstance(out, HummingWeight) else None)
         if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode:
-            return out.refresh_(weight)
+            return out.write_parts_(weight)
         return HummingWeight(weight, self.mode)
 
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):

@@ -315,8 +315,8 @@ def _(x, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scal
 # -- weights held in a backend's own layout (the humming backend) under torch.compile ------------------
 #
 # A humming-prepared weight is not a pair of tensors (its layers, their run-time scales, humming's
-# configuration strings) and its module may hold no packed parts at all (they live in the layout:
-# ``NVFP4Tensor.hold_parts_in_``). Compiled code passes it to ``quads::linear_held`` as an integer
+# configuration strings) and its module holds no packed parts at all (the layout is their storage:
+# ``NVFP4Tensor.to_layout_``). Compiled code passes it to ``quads::linear_held`` as an integer
 # handle into a registry of live prepared weights (weakly held): the op is opaque to the compiler,
 # its body looks the object up and runs ``backend.linear`` with it (the eager bits); a sync writes
 # the layout in place, so compiled and CUDA-graphed code read the new weights at the same addresses.

@@ -105,31 +105,20 @@ class RolloutModule(QuadsModule):
         kernel layout: as many bytes again as the packed weight), in place into the tensors it
         holds when their shapes still fit (captured graphs keep their addresses).
 
-        Where the backend's layout gives the parts back (``prepared.can_hold_parts``: the humming
-        backend), the module holds only that layout: the parts are dropped
-        (``NVFP4Tensor.hold_parts_in_``) and derived on demand; a write into derived parts (a sync,
-        ``load_state_dict``) is written through into the layout here, then they are dropped again."""
+        Where the backend's layout converts back to the parts bit for bit (``prepared.can_hold_parts``:
+        the humming backend), it becomes the weight's storage (``NVFP4Tensor.to_layout_``): every
+        write then lands in it directly (``NVFP4Tensor.write_parts_``) and nothing is rebuilt here."""
         weights = [getattr(self, n) for n in self.quads_packed_names]
         held = self.quads_prepared if len(self.quads_prepared) == len(weights) else (None,) * len(weights)
         prepared = []
         for w, out in zip(weights, held):
-            if w.parts_source is not None and w.parts_source is out and out.backend_name == self.quads_backend.name:
-                parts = w.written_parts()
-                if parts is not None:
-                    out = self.quads_backend.prepare_weight(parts, out)  # written through, in place
-                if out is not w.parts_source:  # a new layout (another mode): the parts live here again
-                    w.store_parts_(parts.qdata, parts.scale)
-                    if getattr(out, "can_hold_parts", False):
-                        w.hold_parts_in_(out)
-                w.release_parts_()
-                prepared.append(out)
+            if w.kernel_layout is not None and w.kernel_layout is out and out.backend_name == self.quads_backend.name:
+                prepared.append(out)  # the layout is the storage: written in place already
                 continue
-            parts = w.parts  # (derived from another layout, if one held them)
-            out = self.quads_backend.prepare_weight(parts, out)
+            w.to_parts_()  # (from another backend's layout, if one held them)
+            out = self.quads_backend.prepare_weight(w.parts, out)
             if getattr(out, "can_hold_parts", False):
-                w.hold_parts_in_(out)
-            elif w.parts_source is not None:
-                w.store_parts_(parts.qdata, parts.scale)
+                w.to_layout_(out)
             prepared.append(out)
         self.quads_prepared = tuple(prepared)
         self._quads_prepared_versions = self._quads_versions()

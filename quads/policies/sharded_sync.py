@@ -39,7 +39,8 @@ import torch.nn as nn
 from quads.ops.weight_quant import quantize_weight_reference
 from quads.policies.modules import RolloutModule, rollout_owners
 from quads.policies.shards import Master, is_dtensor, shard_rows, trainer_masters
-from quads.tensor.nvfp4_math import BLOCK_SIZE, default_granularity, global_amax, global_encode_scale_from_amax
+from quads.tensor.nvfp4_math import (BLOCK_SIZE, NVFP4Parts, default_granularity, global_amax,
+                                     global_encode_scale_from_amax)
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "ShardedSyncError", "sync_sharded_weights_"]
@@ -357,8 +358,7 @@ def _write(entries: list[_Entry]) -> None:
     done = []
     try:
         for e in entries:
-            dst = tuple(e.param.parts) if e.packed else (e.param,)
-            done.append((dst, tuple(t.clone() for t in dst)))
+            done.append((e, NVFP4Parts(*(t.clone() for t in e.param.parts)) if e.packed else e.param.clone()))
             if e.packed:
                 qdata, block_scale = e.full
                 e.param.copy_(NVFP4Tensor(qdata, block_scale, e.global_scale, orig_dtype=e.param.orig_dtype))
@@ -368,9 +368,11 @@ def _write(entries: list[_Entry]) -> None:
         for module in {id(m): m for e in entries for m in e.holders}.values():
             module.quads_weights_changed()
     except BaseException:
-        for dst, old in reversed(done):
-            for d, o in zip(dst, old):
-                d.copy_(o)
+        for e, old in reversed(done):
+            if e.packed:
+                e.param.write_parts_(old)  # into the kernel layout when it holds the parts
+            else:
+                e.param.copy_(old)
         for module in {id(m): m for e in entries for m in e.holders}.values():
             module.quads_weights_changed()
         raise

@@ -223,11 +223,6 @@ def _check_finite(writes: list[_Write]) -> None:
     )
 
 
-def _tensors(w: _Write) -> tuple[torch.Tensor, ...]:
-    """The storage a write changes: the packed parts, or the dense parameter."""
-    return tuple(w.param.parts) if w.packed else (w.param,)
-
-
 def _written_modules(writes: list[_Write], rollout_model: nn.Module) -> list:
     """The rollout modules holding a written packed weight (each once), to be notified."""
     owners = rollout_owners(rollout_model)
@@ -250,23 +245,36 @@ def _write(writes: list[_Write], rollout_model: nn.Module) -> None:
     snapshot adds its bytes until the sync returns (docs/validation.md). On a BaseException every tensor written so far gets its old value
     back and the modules are notified again, so the rollout is what it was, bit for bit.
     """
-    done: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+    done: list[tuple[_Write, object]] = []
     try:
         for w in writes:
-            dst = _tensors(w)
-            done.append((dst, tuple(t.clone() for t in dst)))  # before the first byte is written
-            for d, src in zip(dst, w.staged if w.packed else (w.staged,)):
-                d.copy_(src)
-            w.staged = None  # the clone replaces the staged copy: memory stays flat
+            done.append((w, _snapshot(w)))  # before the first byte is written
+            _put(w, w.staged)
+            w.staged = None  # the snapshot replaces the staged copy: memory stays flat
         for module in _written_modules(writes, rollout_model):
             module.quads_weights_changed()
     except BaseException:
-        for dst, old in reversed(done):
-            for d, o in zip(dst, old):
-                d.copy_(o)
+        for w, old in reversed(done):
+            _put(w, old)
         for module in _written_modules(writes, rollout_model):
             module.quads_weights_changed()  # derived layouts follow the restored parts
         raise
+
+
+def _snapshot(w: _Write):
+    """A copy of what ``w`` overwrites: the packed parts (new tensors), or the dense parameter."""
+    if w.packed:
+        return NVFP4Parts(*(t.clone() for t in w.param.parts))
+    return w.param.clone()
+
+
+def _put(w: _Write, value) -> None:
+    """Write ``value`` into ``w``'s storage in place: packed parts through ``NVFP4Tensor.write_parts_``
+    (into the kernel layout when it holds them), a dense parameter by ``copy_``."""
+    if w.packed:
+        w.param.write_parts_(value)
+    else:
+        w.param.copy_(value)
 
 
 @torch.no_grad()

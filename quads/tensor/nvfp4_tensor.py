@@ -27,7 +27,6 @@ keep K last, which is what every kernel wants.
 
 from __future__ import annotations
 
-import weakref
 
 from typing import Callable
 
@@ -178,23 +177,24 @@ class NVFP4Tensor(torch.Tensor):
     #: ``nvfp4_quantize``'s ``block_scaling``): what a dense ``copy_`` into it quantizes with
     block_scaling: str = "6"
 
-    # -- the packed parts, stored here or held in a backend's layout ----------------------
+    # -- where the packed parts live ---------------------------------------------------------
     #
-    # A rollout module whose backend keeps a layout it can read the parts back from (the humming
-    # backend: ``HummingWeight.packed_parts()``) holds **only** that layout: ``hold_parts_in_``
-    # drops ``qdata``/``scale`` here (the rollout-memory target: 1.0x the packed bytes, not 2.0x).
-    # Reading ``qdata``/``scale`` (state dicts, saving, export, a sync, ``dequantize``) then derives
-    # them from the layout on demand and keeps them ("materialized") until ``release_parts_``, so
-    # a write into them (a sync, ``load_state_dict``) lands in a scratch the owning module writes
-    # through into the layout (``written_parts``) before releasing it. Hot paths read
-    # ``stored_parts()`` instead: meta placeholders of the parts' shapes while they are held.
+    # Here (``qdata``/``scale`` tensors), or in a kernel layout that converts to and from them bit
+    # for bit (the humming backend's: :meth:`to_layout_`, one explicit conversion when a module's
+    # weights are set). In a layout, the layout is this tensor's only storage: ``qdata``/``scale``
+    # are derived on each read (new tensors: a read changes nothing), and every write goes through
+    # :meth:`write_parts_` (a sync, ``load_state_dict``'s ``copy_``), which writes the layout in place.
+
+    @property
+    def kernel_layout(self):
+        """The kernel layout holding the packed parts (``packed_parts()``, ``write_parts_(parts)``,
+        ``shape_parts``), or None when they are stored here."""
+        return self.__dict__.get("_layout")
 
     @property
     def qdata(self) -> torch.Tensor:
-        q = self.__dict__.get("_qdata")
-        if q is None:
-            q = self._materialize()[0]
-        return q
+        layout = self.__dict__.get("_layout")
+        return self.__dict__["_qdata"] if layout is None else layout.packed_parts()[0]
 
     @qdata.setter
     def qdata(self, value: torch.Tensor) -> None:
@@ -202,114 +202,70 @@ class NVFP4Tensor(torch.Tensor):
 
     @property
     def scale(self) -> torch.Tensor:
-        s = self.__dict__.get("_scale")
-        if s is None:
-            s = self._materialize()[1]
-        return s
+        layout = self.__dict__.get("_layout")
+        return self.__dict__["_scale"] if layout is None else layout.packed_parts()[1]
 
     @scale.setter
     def scale(self, value: torch.Tensor) -> None:
         self.__dict__["_scale"] = value
 
-    @property
-    def parts_source(self):
-        """The layout holding the packed parts (an object with ``packed_parts() -> (qdata, scale)``),
-        or None when they are stored here."""
-        return self.__dict__.get("_parts_source")
+    def to_layout_(self, layout) -> None:
+        """Make ``layout`` (just built from these parts, bit for bit) the parts' storage: the stored
+        ``qdata``/``scale`` are dropped."""
+        self.__dict__["_layout"] = layout
+        self.__dict__.pop("_qdata", None)
+        self.__dict__.pop("_scale", None)
+        self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
 
-    @property
-    def parts_released(self) -> bool:
-        """Whether ``qdata``/``scale`` are not in memory now (held only in :attr:`parts_source`)."""
-        return self.__dict__.get("_qdata") is None
+    def to_parts_(self) -> None:
+        """Store the parts here again (derived from the layout), the layout no longer their storage."""
+        layout = self.__dict__.pop("_layout", None)
+        if layout is not None:
+            self.qdata, self.scale = layout.packed_parts()
+            self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
 
-    @staticmethod
-    def _versions(q: torch.Tensor, s: torch.Tensor) -> tuple | None:
-        """The parts' version counters; None for inference tensors (no counter: assume written)."""
-        if q.is_inference() or s.is_inference():
-            return None
-        return (q._version, s._version)
-
-    def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        source = self.parts_source
-        if source is None:
-            raise RuntimeError("NVFP4Tensor: packed parts released without a layout to read them from")
-        q, s = source.packed_parts()
-        self.__dict__["_qdata"], self.__dict__["_scale"] = q, s
-        self.__dict__["_materialized_at"] = self._versions(q, s)
-        self.__dict__["_epoch"] = self.__dict__.get("_epoch", 0) + 1
-        return q, s
-
-    def hold_parts_in_(self, source) -> None:
-        """The packed parts live in ``source`` (its ``packed_parts()`` gives them back bit for bit):
-        drop the stored ``qdata``/``scale`` (module doc above). The caller has just written
-        ``source`` from this tensor's parts."""
-        q = self.__dict__.get("_qdata")
-        if q is not None:
-            self.__dict__["_shapes"] = (tuple(q.shape), tuple(self.__dict__["_scale"].shape))
-        self.__dict__["_parts_source"] = source
-        self.__dict__["_materialized_at"] = None
-        self.release_parts_()
-
-    def store_parts_(self, qdata: torch.Tensor, scale: torch.Tensor) -> None:
-        """Hold ``qdata``/``scale`` here again (no layout holds them any more)."""
-        for k in ("_parts_source", "_pending", "_materialized_at", "_shapes"):
-            self.__dict__.pop(k, None)
-        self.qdata, self.scale = qdata, scale
-
-    def release_parts_(self) -> None:
-        """Drop materialized parts (held in a layout only). Parts still referenced elsewhere (a
-        sync's per-tensor snapshot list while it may roll back) are remembered weakly: a write into
-        them is still seen by :meth:`written_parts` until they are freed."""
-        if self.parts_source is None or self.__dict__.get("_qdata") is None:
+    def write_parts_(self, parts: NVFP4Parts) -> None:
+        """Write new parts of the same shapes in place (the one write: a sync, ``copy_``): into the
+        layout when it holds them, else into the stored tensors (their version counters bumped)."""
+        layout = self.__dict__.get("_layout")
+        if layout is not None:
+            self.global_encode_scale.copy_(parts.global_encode_scale)
+            layout.write_parts_(NVFP4Parts(parts.qdata, parts.scale, self.global_encode_scale))
+            self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
             return
-        q, s = self.__dict__.pop("_qdata"), self.__dict__.pop("_scale")
-        self.__dict__["_pending"] = (weakref.ref(q), weakref.ref(s), self._versions(q, s))
-        self.__dict__["_materialized_at"] = None
-
-    def written_parts(self) -> NVFP4Parts | None:
-        """Parts written since they were materialized (or since their release, while something
-        still holds them): what the owning module must write into the layout; None if none."""
-        gs = self.global_encode_scale
-        q = self.__dict__.get("_qdata")
-        if q is not None:
-            s = self.__dict__["_scale"]
-            at, now = self.__dict__.get("_materialized_at"), self._versions(q, s)
-            return NVFP4Parts(q, s, gs) if at is None or now is None or at != now else None
-        pending = self.__dict__.get("_pending")
-        if pending is None:
-            return None
-        q, s = pending[0](), pending[1]()
-        if q is None or s is None:
-            return None
-        now = self._versions(q, s)
-        if now is not None and now == pending[2]:
-            return None
-        self.__dict__["_pending"] = (pending[0], pending[1], now)
-        return NVFP4Parts(q, s, gs)
+        q, s = self.__dict__["_qdata"], self.__dict__["_scale"]
+        q.copy_(parts.qdata)
+        s.copy_(parts.scale)
+        self.global_encode_scale.copy_(parts.global_encode_scale)
+        self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
+        # Inside __torch_dispatch__ in-place writes do not bump the version counters (that happens
+        # above this dispatch level); bump them so version-keyed caches see the write.
+        torch.autograd.graph.increment_version((q, s, self.global_encode_scale))
 
     def parts_version(self) -> tuple:
-        """A key that changes whenever the parts may have been written (a module re-lays out its
-        kernel layout when it moves): their version counters, or the materialization count."""
-        q = self.__dict__.get("_qdata")
-        if q is None:
-            return ("held", self.__dict__.get("_epoch", 0))
-        return (self.__dict__.get("_epoch", 0), self._versions(q, self.__dict__["_scale"]))
+        """A key that changes whenever the parts may have been written (a module then re-derives its
+        kernel layout): the stored parts' version counters, or the layout's write count."""
+        writes = self.__dict__.get("_writes", 0)
+        if self.__dict__.get("_layout") is not None:
+            return ("layout", writes)
+        q, s = self.__dict__["_qdata"], self.__dict__["_scale"]
+        if q.is_inference() or s.is_inference():  # no counters: only writes through write_parts_ count
+            return (writes, None)
+        return (writes, q._version, s._version)
 
     def stored_parts(self) -> NVFP4Parts:
         """The parts without deriving them: the stored ones, or meta placeholders of their shapes
-        while they are held in a layout (the backend reads its layout; a fallback that needs the
-        parts asks the layout: ``prepared.packed_parts()``)."""
-        q = self.__dict__.get("_qdata")
-        if q is not None:
-            return NVFP4Parts(q, self.__dict__["_scale"], self.global_encode_scale)
-        qs, ss = self.__dict__["_shapes"]
-        return NVFP4Parts(torch.empty(qs, dtype=torch.uint8, device="meta"),
-                          torch.empty(ss, dtype=torch.float8_e4m3fn, device="meta"), self.global_encode_scale)
+        when a layout holds them (the backend reads its layout; a fallback that needs the parts
+        asks the layout)."""
+        layout = self.__dict__.get("_layout")
+        if layout is None:
+            return NVFP4Parts(self.__dict__["_qdata"], self.__dict__["_scale"], self.global_encode_scale)
+        shapes = layout.shape_parts
+        return NVFP4Parts(shapes.qdata, shapes.scale, self.global_encode_scale)
 
     def __getstate__(self):
         """Pickled (torch.save, deepcopy) with its parts, never with the layout holding them."""
-        state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_qdata", "_scale", "_parts_source", "_pending", "_materialized_at", "_epoch", "_shapes")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_qdata", "_scale", "_layout", "_writes", "_traced_shapes")}
         state["qdata"], state["scale"] = self.qdata, self.scale
         return state
 
@@ -405,11 +361,27 @@ class NVFP4Tensor(torch.Tensor):
         raise AttributeError(f"quads.NVFP4Tensor is not a torchao tensor; torchao/transformers cannot save it: {SAVE_HINT}")
 
     def __tensor_flatten__(self):
-        return ["qdata", "scale", "global_encode_scale"], (self.orig_dtype, self.transposed)
+        """The parts; held in a kernel layout, only the global scale and the parts' shapes (nothing
+        is derived for a trace: the compiled op reads the layout, never these parts)."""
+        if self.kernel_layout is not None or self.__dict__.get("_traced_shapes"):
+            shapes = self.stored_parts()
+            return ["global_encode_scale"], (self.orig_dtype, self.transposed,
+                                             (tuple(shapes.qdata.shape), tuple(shapes.scale.shape)))
+        return ["qdata", "scale", "global_encode_scale"], (self.orig_dtype, self.transposed, None)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        orig_dtype, transposed = meta
+        orig_dtype, transposed, shapes = meta
+        if shapes is not None:  # a layout-held weight inside a trace: its shapes only
+            out = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, outer_size, dtype=orig_dtype,
+                                                      device=inner_tensors["global_encode_scale"].device,
+                                                      requires_grad=False)
+            out.__dict__.update(global_encode_scale=inner_tensors["global_encode_scale"], orig_dtype=orig_dtype,
+                                transposed=transposed,
+                                _qdata=torch.empty(shapes[0], dtype=torch.uint8, device="meta"),
+                                _scale=torch.empty(shapes[1], dtype=torch.float8_e4m3fn, device="meta"),
+                                _traced_shapes=True)
+            return out
         return NVFP4Tensor(
             inner_tensors["qdata"],
             inner_tensors["scale"],
@@ -484,19 +456,26 @@ def _peer_dtype(args) -> torch.dtype:
 @_implements([aten.detach.default, aten.alias.default])
 def _detach(func, args, kwargs):
     t = args[0]
-    if t.parts_released:  # a view of parts held in a layout stays held (state_dict's detach reads nothing)
-        return return_and_correct_aliasing(func, args, kwargs, _held_twin(t, t.transposed))
-    return return_and_correct_aliasing(func, args, kwargs, t._with_parts(t.qdata, t.scale, t.global_encode_scale))
+    return return_and_correct_aliasing(func, args, kwargs, _alias(t, t.transposed))
 
 
-def _held_twin(t: NVFP4Tensor, transposed: bool) -> NVFP4Tensor:
-    """Another wrapper of parts held in ``t``'s layout (derived on its own reads; read-only use:
-    writes into its materialized parts reach no layout)."""
-    q = t.stored_parts().qdata
-    out = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, _logical_shape(q, transposed), dtype=t.orig_dtype,
-                                              device=t.device, requires_grad=False)
-    out.__dict__.update(global_encode_scale=t.global_encode_scale, orig_dtype=t.orig_dtype, transposed=transposed,
-                        _parts_source=t.parts_source, _shapes=t.__dict__["_shapes"], _materialized_at=None)
+def _alias(t: NVFP4Tensor, transposed: bool) -> NVFP4Tensor:
+    """Another wrapper of ``t``'s storage (its parts, or the layout holding them: state_dict's
+    detach derives nothing)."""
+    if t.kernel_layout is None:
+        return t._with_parts(t.qdata, t.scale, t.global_encode_scale, transposed=transposed)
+    return _over_layout(t.kernel_layout, t.global_encode_scale, t.orig_dtype, transposed, t.block_scaling)
+
+
+def _over_layout(layout, global_encode_scale, orig_dtype, transposed, block_scaling="6") -> NVFP4Tensor:
+    """An ``NVFP4Tensor`` whose parts' storage is ``layout`` (see :meth:`NVFP4Tensor.to_layout_`)."""
+    q = layout.shape_parts.qdata
+    out = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, _logical_shape(q, transposed), dtype=orig_dtype,
+                                              device=global_encode_scale.device, requires_grad=False)
+    out.__dict__.update(global_encode_scale=global_encode_scale, orig_dtype=orig_dtype, transposed=transposed,
+                        _layout=layout)
+    if block_scaling != "6":
+        out.block_scaling = block_scaling
     return out
 
 
@@ -550,12 +529,7 @@ def _copy_(func, args, kwargs):
         dense = src.transpose(-2, -1) if dst.transposed else src
         check_finite(dense, "NVFP4Tensor.copy_")
         parts = nvfp4_quantize(dense, dst.granularity, None, dst.block_scaling)
-    dst.qdata.copy_(parts.qdata)
-    dst.scale.copy_(parts.scale)
-    dst.global_encode_scale.copy_(parts.global_encode_scale)
-    # Inside __torch_dispatch__ in-place writes do not bump the parts' version counters (that
-    # happens above this dispatch level); bump them so version-keyed caches see the write.
-    torch.autograd.graph.increment_version((dst.qdata, dst.scale, dst.global_encode_scale))
+    dst.write_parts_(parts)
     return dst
 
 
@@ -570,9 +544,7 @@ def _transpose(func, args, kwargs):
             )
     elif t.dim() != 2:
         raise NotImplementedError("t() needs a 2-D NVFP4Tensor")
-    if t.parts_released:
-        return _held_twin(t, not t.transposed)
-    return t._with_parts(t.qdata, t.scale, t.global_encode_scale, transposed=not t.transposed)
+    return _alias(t, not t.transposed)
 
 
 def _check_expert_dim(t, dim: int, op: str) -> None:
