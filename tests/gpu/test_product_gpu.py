@@ -37,8 +37,8 @@ def _prompts(batch=8, width=6, seed=0):
 
 
 def test_eager_transformers_experts_are_captured_with_grouped_mm():
-    """The crash of issue 31 (BF16 rollout of the embedded MoE: the eager experts loop's
-    nonzero() inside the capture) is gone: the decode step is captured, and its tokens and
+    """A BF16 rollout of transformers' eager MoE experts (whose loop calls nonzero(), which
+    cannot be captured) is captured with grouped_mm: the decode step is captured, and its tokens and
     log-probs equal the same decoder's eager steps with the same experts implementation."""
     from quads.engine import GraphedDecoder, SamplingSpec
     from quads.engine.capture import capture_plan
