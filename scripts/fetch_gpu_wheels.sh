@@ -16,7 +16,7 @@
 # (datasets 5.2.0 needs dill<0.4.2 and multiprocess<0.70.20).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}  # quads must import (scripts/setup.sh)
 EXCLUDE="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$EXCLUDE")"
 for d in /.whl/ /.real/; do grep -qxF "$d" "$EXCLUDE" 2>/dev/null || echo "$d" >> "$EXCLUDE"; done

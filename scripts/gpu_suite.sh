@@ -11,7 +11,9 @@
 #   examples  the main example (examples/trl_grpo_quads.py, TRL through QuadsGRPOTrainer) on CUDA for
 #             every preset of POLICY_PRESETS (and quads with --kernel fast) x {embedded MoE, SmolLM2-135M,
 #             the MoE upcycled from it},
-#             STEPS (default 3) steps each, one model's presets side by side; a run passes when it
+#             STEPS (default 3) steps each, one model's presets side by side, at most EXAMPLE_JOBS
+#             (default 6) at once (the upcycled MoE's runs take about 13 GiB each: 11 at once overflow
+#             an H200); a run passes when it
 #             finishes; the decoder says in one line why it did not capture a model, if it did not
 #             (EXAMPLE_MODELS="embedded smollm2 moe" by default: a subset runs part of it; EXAMPLE_ARGS
 #             are added to every run's command line)
@@ -101,6 +103,7 @@ run_examples() {
       mkdir -p "$W/examples"
       local how="--policy $preset"
       [ "$preset" = quads-fast ] && how="--policy quads --kernel fast"
+      while [ "$(jobs -rp | wc -l)" -ge "${EXAMPLE_JOBS:-6}" ]; do wait -n; done
       # shellcheck disable=SC2086
       $PY examples/trl_grpo_quads.py --device "$DEVICE" $how ${dir:+--model "$dir"} --max-steps "$STEPS" \
         --eval-n 8 --threads 1 --output-dir "$run" --overwrite ${EXAMPLE_ARGS:-} > "$W/examples/$name.log" 2>&1 &
