@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
-from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight, load_weight_tile
+from quads.kernels.hopper_weight_decode import load_weight_tile
+from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight
 from quads.kernels.w4a4_decode_hopper import SEG_K
 
 __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]

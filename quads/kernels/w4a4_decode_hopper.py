@@ -26,13 +26,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quads.kernels._interpreter import interpreting
 from quads.kernels.arrival_counters import arrival_counters
-from quads.kernels.hopper_weight_layout import (
-    K_BLOCK,
-    HopperWeight,
-    decode_weight_raw,
-    load_weight_raw,
-    load_weight_tile,
-)
+from quads.kernels.hopper_weight_decode import decode_weight_raw, load_weight_raw, load_weight_tile
+from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight
 
 __all__ = ["SEG_K", "OPERAND_SHIFT", "DecodeConfig", "pick_decode_config", "decode_gemm", "max_decode_columns"]
 

@@ -21,12 +21,9 @@ With the residual the main and residual rows of the same tokens are the two halv
 columns (one weight-tile read, two accumulators); grouped program order for L2 reuse; TMA loads
 where the operands allow them, else pointer (cp.async) loads of the same tiles.
 
-Only the walk :func:`pick_config` selects ships here; the variants it was measured against (the
-per-segment walk with optional split-K, a persistent grid, the weight decoded per tile from the
-Hopper layout, cuBLAS on the decoded weight) are recorded in ``docs/kernel_log.md`` and live at
-commit ``38cbda1`` (``lab/prefill_experiments.py`` runs them there; the cuBLAS path is
-``lab/cublas_prefill.py``). Under the Triton interpreter :func:`pick_config` returns the GPU
-config on smaller tiles, so the CPU suite runs the kernel the GPU runs.
+Only the walk :func:`pick_config` selects ships here; the variants it was measured against are
+recorded in ``docs/kernel_log.md``. Under the Triton interpreter :func:`pick_config` returns the
+GPU config on smaller tiles, so the CPU suite runs the kernel the GPU runs.
 """
 
 from __future__ import annotations
