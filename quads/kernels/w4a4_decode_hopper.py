@@ -187,7 +187,7 @@ def pick_decode_config(columns: int, n: int, k: int) -> DecodeConfig:
     instead of the inline PTX (and no programmatic dependent launch): the CPU suite runs the code
     the GPU runs."""
     native = not interpreting()
-    # measured on the H200, 2026-12-01 (benchmarks/results/h200_2026-12-01b/run2, docs/kernels.md)
+    # measured on the H200 (docs/kernels.md)
     if columns <= 16:  # prefetch: 5-17% faster than the per-step loads at every shape measured
         return DecodeConfig(bn=64, kbi=4, num_warps=4, num_stages=1, prefetch=True, use_asm=native)
     if columns <= 32 or n > 8192:
