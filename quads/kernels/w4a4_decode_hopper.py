@@ -4,8 +4,8 @@
 (docs/background.md section 2), or the weight-only product with an fp16 activation operand.
 
 * The weight streams from HBM once, 16 bytes per thread per load, in the layout of
-  :mod:`quads.kernels.hopper_weight_layout`, and is decoded in registers straight into the wgmma
-  register operand (swap-AB: weight rows are the MMA's M, tokens its N).
+  :mod:`quads.kernels.hopper_weight_layout`, and is decoded in registers
+  (:mod:`quads.kernels.hopper_weight_decode`) straight into the wgmma register operand (swap-AB: weight rows are the MMA's M, tokens its N).
 * Tokens are the MMA's N: the main operand rows and, with residual compensation, the residual
   rows stacked after them (one MMA over ``2M`` columns; for M <= 8 the residual fills columns
   the instruction computes anyway).
@@ -33,7 +33,7 @@ __all__ = ["SEG_K", "OPERAND_SHIFT", "DecodeConfig", "pick_decode_config", "deco
 
 #: canonical K segment (channels) of every quads GEMM: fixes the fp32 summation order
 SEG_K = 512
-#: the weight operand is e2m1 * s * 2^-14 (hopper_weight_layout); epilogues multiply by 2^14
+#: the weight operand is e2m1 * s * 2^-14 (hopper_weight_decode); epilogues multiply by 2^14
 OPERAND_SHIFT = 14
 _MAX_COLUMNS = 128
 

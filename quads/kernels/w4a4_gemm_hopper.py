@@ -7,7 +7,7 @@ global scale) in the epilogue, as :func:`quads.ops.linear.w4a4_matmul_reference`
 fp32 summation order differs).
 
 The weight operand is ``e2m1 * s * 2^-14`` (the values the decode kernel builds in registers,
-see :mod:`quads.kernels.hopper_weight_layout`): dequantized once per call by
+see :mod:`quads.kernels.hopper_weight_decode`): dequantized once per call by
 :func:`dequant_weight_fp16`, read from shared memory; swap-AB as in the decode kernel.
 
 Batch invariance: K is cut into the canonical segments of :data:`quads.kernels.w4a4_decode_hopper.SEG_K`;
