@@ -5,7 +5,8 @@
 
 * The weight streams from HBM once, 16 bytes per thread per load, in the layout of
   :mod:`quads.kernels.hopper_weight_layout`, and is decoded in registers
-  (:mod:`quads.kernels.hopper_weight_decode`) straight into the wgmma register operand (swap-AB: weight rows are the MMA's M, tokens its N).
+  (:mod:`quads.kernels.hopper_weight_decode`) straight into the wgmma register operand
+  (swap-AB: weight rows are the MMA's M, tokens its N).
 * Tokens are the MMA's N: the main operand rows and, with residual compensation, the residual
   rows stacked after them (one MMA over ``2M`` columns; for M <= 8 the residual fills columns
   the instruction computes anyway).
