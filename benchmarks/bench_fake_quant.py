@@ -73,7 +73,7 @@ if ARGS.device == "cpu":
 import torch  # noqa: E402
 
 from quads.kernels import fake_quantize_nvfp4 as fq  # noqa: E402
-from quads.kernels.quantize_nvfp4 import amax_rows  # noqa: E402
+from quads.kernels.amax import amax_rows  # noqa: E402
 from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize_weight_triton  # noqa: E402
 from quads.tensor.nvfp4_math import global_encode_scale_from_amax  # noqa: E402
 from quads.tensor.files import write_atomically  # noqa: E402

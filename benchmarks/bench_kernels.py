@@ -32,7 +32,7 @@ from benchmarks.fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight  # noq
 from benchmarks.timing import RESULTS_CSV, append_results, graph_time  # noqa: E402
 
 from quads.kernels.hopper_weight_layout import to_hopper_layout, to_hopper_layout_reference  # noqa: E402
-from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
+from quads.kernels.quantize_activations import quantize_rows  # noqa: E402
 from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
 from quads.ops import ActivationQuant, get_backend, rollout_experts  # noqa: E402
 from quads.ops.activation_quant import activation_operands_triton  # noqa: E402

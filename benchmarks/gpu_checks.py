@@ -42,14 +42,14 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import quads  # noqa: E402
+from quads.kernels.hopper_weight_decode import load_weight_tile  # noqa: E402
 from quads.kernels.hopper_weight_layout import (  # noqa: E402
     HopperWeight,
     from_hopper_layout,
-    load_weight_tile,
     to_hopper_layout,
     to_hopper_layout_reference,
 )
-from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
+from quads.kernels.quantize_activations import quantize_rows  # noqa: E402
 from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
 from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
 from quads.ops import ActivationQuant, get_backend, rollout_experts  # noqa: E402

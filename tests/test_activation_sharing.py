@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import quads
-import quads.kernels.quantize_nvfp4 as quantize_nvfp4
+import quads.kernels.quantize_activations as quantize_activations
 import quads.kernels.fp16_operand as fp16_operand
 import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper
 from quads.engine import GraphedDecoder, SamplingSpec
@@ -29,13 +29,13 @@ pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
 def launches(monkeypatch):
     """Counts the row quantizer's calls (the wrapped function still runs)."""
     count = {"quantize_rows": 0}
-    real = quantize_nvfp4.quantize_rows
+    real = quantize_activations.quantize_rows
 
     def counted(*args, **kwargs):
         count["quantize_rows"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(quantize_nvfp4, "quantize_rows", counted)
+    monkeypatch.setattr(quantize_activations, "quantize_rows", counted)
     return count
 
 

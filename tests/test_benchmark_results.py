@@ -1,5 +1,5 @@
 """The one results table (``benchmarks/results/kernels.csv``): ``benchmarks.timing.append_results``
-writes the documented columns, whole rows only (issue 20, item 5)."""
+writes the documented columns, whole rows only."""
 
 import csv
 import multiprocessing

@@ -194,10 +194,9 @@ def _finished_run(out: pathlib.Path) -> dict:
 
 
 def test_example_late_bad_input_keeps_a_finished_run(tmp_path, capsys, monkeypatch):
-    """Issue 22.1: a bad flag found late (--device cuda without a GPU, --seed -1, a model
-    directory whose tokenizer is empty) used to replace a finished run's outputs with a
-    failed, header-only one; each now exits 2 with one line before anything is touched, and a
-    finished run is replaced only with --overwrite."""
+    """A bad flag found late (--device cuda without a GPU, --seed -1, a model directory whose
+    tokenizer is empty) exits 2 with one line before anything is touched: a finished run's
+    outputs are never replaced by a failed, header-only one, and only with --overwrite."""
     pytest.importorskip("trl")
     example = _example()
     out = tmp_path / "run"
@@ -225,7 +224,7 @@ def test_example_late_bad_input_keeps_a_finished_run(tmp_path, capsys, monkeypat
 
 
 def test_example_summary_never_follows_a_planted_symlink(tmp_path):
-    """Issue 22.8: the summary writer wrote through a planted summary.json.tmp symlink."""
+    """The summary writer never writes through a planted summary.json.tmp symlink."""
     example = _example()
     out = tmp_path / "run"
     out.mkdir()
@@ -239,7 +238,7 @@ def test_example_summary_never_follows_a_planted_symlink(tmp_path):
 
 
 def test_example_compare_a_run_without_steps(tmp_path, capsys):
-    """Issue 22.10: --compare on a run interrupted before step 1 (header-only metrics.csv) crashed."""
+    """--compare on a run interrupted before step 1 (header-only metrics.csv) does not crash."""
     pytest.importorskip("matplotlib")
     example = _example()
     run = tmp_path / "run"
@@ -251,9 +250,9 @@ def test_example_compare_a_run_without_steps(tmp_path, capsys):
 
 
 def test_diagnose_crashes_are_one_line_errors(tmp_path, capsys):
-    """Issue 22.7: --threads 100000 segfaulted (exit 139); a directory whose tokenizer transformers
-    builds empty ended in an IndexError inside generate; --seed 2**70 and NaN weights gave
-    tracebacks after the model loaded. Each is now exit 2 with one line, before any scoring."""
+    """--threads 100000 (a segfault otherwise), a directory whose tokenizer transformers builds
+    empty (an IndexError inside generate), --seed 2**70 and NaN weights: each exits 2 with one
+    line, before any scoring."""
     import shutil
 
     notok = tmp_path / "notok"
@@ -278,8 +277,8 @@ def test_diagnose_crashes_are_one_line_errors(tmp_path, capsys):
 
 
 def test_diagnose_json_is_versioned_and_never_follows_a_planted_symlink(tmp_path, monkeypatch, capsys):
-    """Issue 22.8: `diagnose --json X` wrote through a planted X.tmp symlink, overwriting its
-    target; issue 21.7: the JSON carries its schema version."""
+    """`diagnose --json X` never writes through a planted X.tmp symlink (which would overwrite
+    its target), and the JSON carries its schema version."""
     monkeypatch.setattr(diagnose, "run_diagnose", lambda *a, **k: {"rows": []})
     monkeypatch.setattr(diagnose, "format_report", lambda report: "report")
     victim = tmp_path / "victim.txt"
@@ -294,8 +293,8 @@ def test_diagnose_json_is_versioned_and_never_follows_a_planted_symlink(tmp_path
 
 
 def test_cli_version_module_entry_help_defaults_and_small_bad_inputs(tmp_path, capsys):
-    """Issue 21.7 / 22.10: --version, `python -m quads`, defaults in --help; demo
-    --residual-fraction 2 and fetch-real-model --wheel MISSING were tracebacks, now exit 2."""
+    """--version, `python -m quads`, defaults in --help; demo --residual-fraction 2 and
+    fetch-real-model --wheel MISSING exit 2 with one line, not a traceback."""
     import quads
 
     with pytest.raises(SystemExit) as exit_:

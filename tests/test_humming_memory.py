@@ -1,4 +1,4 @@
-"""Rollout weight memory on the humming backend: one layout per weight (issue 24: <= 1.1x the packed bytes).
+"""Rollout weight memory on the humming backend: one layout per weight (<= 1.1x the packed bytes).
 
 A rollout module on the humming backend holds only humming's layout: it is its ``NVFP4Tensor``'s
 storage (``to_layout_``), every reader of the packed parts (state dicts, saving, ``dequantize``,
@@ -27,7 +27,7 @@ from tests.test_humming_backend import fake_humming  # noqa: F401  (fixture)
 # the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
 
-LIMIT = 1.1  # issue 24: rollout weight memory <= 1.1x the NVFP4 packed bytes
+LIMIT = 1.1  # rollout weight memory <= 1.1x the NVFP4 packed bytes
 
 
 def _llama(seed=0):

@@ -157,7 +157,7 @@ def humming_on_cpu(monkeypatch):
 
 
 def _stage1_refresh(layer, qdata, scale, gs):
-    """The refresh as committed in stage 1: a scratch layer built from the new parts, copied over."""
+    """The reference refresh: a scratch layer built from the new parts, copied over."""
     scratch = layer._build(qdata, scale, gs)
     held = dict(layer.layer.named_parameters())
     for name, p in scratch.named_parameters():
@@ -221,7 +221,7 @@ def test_refresh_checks_before_writing(humming_on_cpu):
 
 def test_one_layout_for_both_activation_dtypes(humming_on_cpu):
     """fp16 (W4A4 operands) and bf16 (W4A16) layers of one weight hold one layout: ~1.0x the packed
-    bytes besides the packed parts, where stage 1 held two (bytes measured on CPU)."""
+    bytes besides the packed parts, not one per dtype (bytes measured on CPU)."""
     from quads.ops.humming_backend import HummingWeight
 
     g = torch.Generator().manual_seed(2)

@@ -226,8 +226,8 @@ def _swap(a, b):
 
 
 def test_same_size_header_edits_fail_the_load(tmp_path):
-    """Issue 22.5: the CRC did not cover the header. These same-size edits loaded a different
-    state dict (or turned verification off); each now fails the load."""
+    """The header checksum covers the header: same-size edits that would load a different
+    state dict (or turn verification off) fail the load."""
     t = _t(16, 32)
     state = {"w": t, "sq": _t(32, 32), "dense": torch.ones(4, 8, dtype=torch.bfloat16),
              "emb": torch.arange(96, dtype=torch.float32).reshape(8, 12)}
@@ -253,8 +253,8 @@ def test_same_size_header_edits_fail_the_load(tmp_path):
 
 
 def test_random_header_bit_flips_never_load_a_different_state(tmp_path):
-    """Issue 22.5: of 3,000 random header bit flips, 6 loaded a different state dict. Every
-    flip in the header now fails the load (or leaves it unreadable)."""
+    """Every random bit flip in the header fails the load (or leaves it unreadable): none loads
+    a different state dict."""
     state = {"w": _t(16, 32), "b": torch.linspace(-1, 1, 8)}
     path = tmp_path / "m.safetensors"
     save_safetensors(state, str(path))
@@ -271,8 +271,9 @@ def test_random_header_bit_flips_never_load_a_different_state(tmp_path):
 
 
 def test_state_dict_entries_that_cannot_be_saved_or_loaded(tmp_path):
-    """Issue 22.10: a None value gave a raw AttributeError; w (NVFP4) beside a dense w.qdata wrote
-    an unloadable file; a directory gave 'No such device'."""
+    """Bad inputs get a clear error: a None value and w (NVFP4) beside a dense w.qdata (an
+    unloadable file otherwise) are refused with nothing written; a directory given to
+    load_safetensors says it is a directory."""
     with pytest.raises(TypeError, match="'b' is NoneType"):
         save_safetensors({"w": _t(16, 32), "b": None}, str(tmp_path / "x.safetensors"))
     with pytest.raises(ValueError, match=r"also has w\.qdata"):

@@ -138,9 +138,9 @@ class _Plain(nn.Linear):
 
 @pytest.mark.parametrize("side", ["trainer", "rollout"])
 def test_linear_subclass_with_its_own_forward_is_refused_by_name(side):
-    """Issue 22.4: quantize_ replaced the forward of nn.Linear subclasses (x*2+1 became a plain
-    linear; DeepseekV4GroupedLinear's output (2,3,4,16) became (2,3,4,64)). Now refused, naming
-    the module, the model unchanged; skipping it keeps its forward; plain subclasses convert."""
+    """An nn.Linear subclass with its own forward (x*2+1; DeepseekV4GroupedLinear, whose output
+    (2,3,4,16) a plain linear would make (2,3,4,64)) is refused, naming the module, the model
+    unchanged; skipping it keeps its forward; plain subclasses convert."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), _Affine(32, 32), _Plain(32, 32))
     before = snapshot(model)
@@ -166,8 +166,8 @@ def test_deepseek_v4_grouped_linear_is_refused():
 
 @pytest.mark.parametrize("side", ["trainer", "rollout"])
 def test_empty_or_missing_weight_is_refused(side):
-    """Issue 22.10: Linear(0, 16) was accepted and crashed in its forward; weight=None gave a raw
-    AttributeError."""
+    """Linear(0, 16) and weight=None are refused at conversion, naming the module (not a crash in
+    the forward or a raw AttributeError)."""
     with pytest.raises(ValueError, match=r"0\.weight has shape \(16, 0\)"):
         quads.quantize_(nn.Sequential(nn.Linear(0, 16)), quads.QuadsPolicy(side=side))
     no_weight = nn.Linear(16, 16)

@@ -191,9 +191,9 @@ def _count_copies(rollout, trainer):
 
 
 def test_ctrl_c_in_the_write_phase_restores_every_tensor(monkeypatch):
-    """Issue 22.2: a KeyboardInterrupt in the write phase used to leave some parameters
-    rewritten, one weight torn (new packed codes, old scales). Now every written tensor gets its
-    old value back, whichever copy the interrupt hits, and the rollout still works."""
+    """A KeyboardInterrupt in the write phase leaves no parameter rewritten and no weight torn
+    (new packed codes, old scales): every written tensor gets its old value back, whichever copy
+    the interrupt hits, and the rollout still works."""
     trainer, rollout = _pair()
     probe_trainer, probe_rollout = _pair()
     total = _count_copies(probe_rollout, probe_trainer)
@@ -230,9 +230,9 @@ def test_ctrl_c_in_the_write_phase_restores_every_tensor(monkeypatch):
 
 @pytest.mark.parametrize("activations", ["bf16", "nvfp4"])
 def test_sync_that_would_dequantize_to_inf_in_float16_is_refused(activations):
-    """Issue 22.3: a float16 rollout synced from a trainer with one weight at 1e6 went silently
-    NaN (W4A16: every logit NaN; W4A4: dequantize(float16) held Inf). The sync now refuses,
-    naming the weight, and writes nothing; a weight at float16's edge still syncs."""
+    """A float16 rollout synced from a trainer with one weight at 1e6 would go silently NaN
+    (W4A16: every logit NaN; W4A4: dequantize(float16) holds Inf): the sync refuses, naming the
+    weight, and writes nothing; a weight at float16's edge still syncs."""
     trainer = _llama().float()
     rollout = _llama(seed=1).half()
     quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
@@ -252,9 +252,9 @@ def test_sync_that_would_dequantize_to_inf_in_float16_is_refused(activations):
 
 
 def test_small_misuses_name_the_culprit():
-    """Issue 22.10: a module registered twice (s.b = s.a) was refused on the rollout side as
-    'tied'; sync_weights_(r, state_dict) gave a raw AttributeError; a meta-device trainer sync
-    did not name the parameter; device='cuda' without a GPU gave an AssertionError."""
+    """A module registered twice (s.b = s.a) converts and syncs (not refused as 'tied'); a state
+    dict as the trainer, a meta-device trainer and device='cuda' without a GPU are refused with
+    an error that names the cause."""
     import torch.nn as nn
 
     torch.manual_seed(0)

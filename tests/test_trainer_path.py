@@ -193,8 +193,8 @@ def _saved(model, ids, forward_weights=()):
 def test_no_forward_weight_is_saved_for_backward(kind):
     """FP32 masters under BF16 autocast: the QUADS trainer saves no copy of a forward weight (they
     are recomputed in backward) and no more bytes than the BF16 model, which keeps autocast's
-    BF16 copies of its linear weights for the backward. (The check itself is checked: the old
-    path, F.linear on the forward weight, is caught saving them.)"""
+    BF16 copies of its linear weights for the backward. (The check itself is checked: a plain
+    F.linear on the forward weight is caught saving them.)"""
     bf16, qat = build(kind, seed=1, dtype=torch.float32), build(kind, seed=1, dtype=torch.float32)
     quads.quantize_(qat, quads.QuadsPolicy(side="trainer"))
     masters = [m.weight for m in qat.modules() if isinstance(m, TrainerLinear)]
@@ -204,7 +204,7 @@ def test_no_forward_weight_is_saved_for_backward(kind):
     base, ours = _saved(bf16, ids), _saved(qat, ids, forward_weights)
     assert ours.forward_weight_copies == []
     assert ours.bytes <= base.bytes, (ours.bytes, base.bytes)
-    # the old trainer linear (F.linear on the fake-quantized weight) keeps it: the check sees that
+    # a plain F.linear on the fake-quantized weight keeps it: the check sees that
     lin = next(m for m in qat.modules() if isinstance(m, TrainerLinear))
     counter = _SavedBytes(qat, forward_weights)
     x = torch.randn(5, lin.weight.shape[1], requires_grad=True)

@@ -328,8 +328,8 @@ def test_embedded_model_quads_gap_smaller_than_naive():
 
 
 def test_trl_failure_leaves_the_callers_model_unconverted(tmp_path, monkeypatch):
-    """Issue 22.9: the model was converted before TRL's __init__ ran; when TRL failed, its module
-    classes stayed swapped and a retry was refused. Now they are restored and a retry works."""
+    """When TRL's __init__ fails after the model's conversion, the model's module classes are
+    restored and a retry works."""
     tok = make_tokenizer()
     model = tiny_model(tok)
     classes = {n: type(m) for n, m in model.named_modules()}

@@ -11,20 +11,7 @@ completions once; every configuration then scores *the same* completions twice:
 Per configuration it reports the per-token |log p_rollout - log p_trainer| (mean, p99, max)
 and the k3 KL estimate, plus a per-layer table of activation quantization error. Rows: one per
 plan of ``POLICY_PRESETS`` (a new preset is a new row), plus the FP8 reference and the residual
-fraction sweep:
-
-| row | rollout | trainer |
-|---|---|---|
-| bf16-floor (preset bf16) | BF16 (incremental) | BF16: engine drift alone |
-| fp8-w8a8 | FP8 W8A8 | BF16 (reference point) |
-| naive | NVFP4 W4A4 | BF16 |
-| sym-qat | NVFP4 W4A4 | W4A4 QAT (symmetric, ablation) |
-| w4a16-qat | NVFP4 W4A4 | W4A16 QAT (asymmetric) |
-| quads-25/50/75 | W4A4 + residual k | W4A16 QAT |
-| quads-100 (preset quads) | W4A4 + residual, k = 100% | W4A16 QAT |
-| w4a16 | NVFP4 W4A16 (BF16 activations) | W4A16 QAT |
-| quads-experts, w4a16-experts | those, routed experts only | W4A16 QAT, routed experts only |
-| quads-boundary | quads, first 2 / last 4 decoder layers BF16 | the same scope |
+fraction sweep (the rows and what each compares: docs/validation.md).
 
 A plan that cannot apply to the model (the routed-experts plans on a dense model, boundary
 layers on a model with 6 or fewer) is listed as not run, with the reason. The report ends with

@@ -1,19 +1,11 @@
 """Sampling from a transformers causal LM with the decode step captured as one CUDA graph.
 
-Why: a rollout decode step of a quantized MoE is ~100 small kernels per layer (activation
-quantization, GEMMs, routing, attention, norms); launched one by one from Python the step is
-bound by launch overhead, not by the GPU (docs/background.md). :class:`GraphedDecoder` runs the
+Why: a rollout decode step is ~100 small kernels per layer, bound by launch overhead when
+launched one by one from Python (docs/background.md). :class:`GraphedDecoder` runs the
 prompt (prefill) eagerly, then captures one decode step -- model forward, sampling and the
 sampled token's log-prob -- into a CUDA graph once per (batch, cache length) and replays it for
-every new token. Everything the step reads lives in static buffers updated inside the graph:
-
-* a key/value cache of fixed length (:class:`SlotCache`: written at the slot the decoder
-  sets, so it does not depend on a transformers version's cache bookkeeping);
-* the current token, its cache slot and per-row position ids (left padding: positions count
-  real tokens, as ``generate`` computes them);
-* a boolean attention mask over the cache (B, 1, 1, L): real prompt tokens and every decoded
-  slot so far; passed as a prepared 4-D mask, so the model builds none;
-* the rows that already emitted an EOS (later tokens are the pad id, as ``generate`` pads).
+every new token. Everything the step reads lives in static buffers updated inside the graph
+(a fixed-length :class:`SlotCache`, the current token, slot, positions, mask and finished rows).
 
 Weights are read from the modules' own tensors, so a graph stays valid across
 ``quads.sync_weights_`` (which writes packed parts and their kernel layout in place).
@@ -21,32 +13,15 @@ Weights are read from the modules' own tensors, so a graph stays valid across
 Sampling follows ``generate``'s warpers for what a GRPO rollout uses: temperature, top-k,
 top-p (greedy when ``do_sample=False``); logits are float32 as ``generate`` makes them, and the
 returned log-prob is that of the sampled token under the processed distribution (what TRL
-keeps from vLLM). Sampling draws with the exponential-race form of multinomial sampling
-(``argmax(p / E)``, ``E ~ Exp(1)``), graph-safe on CUDA's default generator. Configurations it
+keeps from vLLM). Configurations it
 does not cover (repetition penalty, min-p, beams, ...) are reported by
 :func:`unsupported_reason` so callers fall back to ``generate``.
 
-Two pieces of transformers glue are cut inside the decoder's forwards (prefill and decode), on
-by default, each a public option (off: the model's own attention / one quantization per linear,
-e.g. for a model whose attention the grouped view does not cover, or to compare): grouped-query
-attention without
-``repeat_kv`` copies of the static cache (``gqa_attention``, :mod:`quads.engine.gqa_attention`; sdpa models
-only, the model's configuration restored after every forward) and one activation quantization
-shared by the rollout linears that read the same input (``share_quantization``: q/k/v and
-gate/up, through the model's :class:`~quads.ops.sibling_linear.SiblingGroup` objects, dormant ones
-made by :func:`quads.policies.fused_projections.sibling_groups_`, switched on for the decoder's
-forwards only; bit-identical outputs).
-
-Before capturing, :func:`quads.engine.capture.capture_plan` decides whether the step can be
-captured: transformers' eager MoE experts loop (a host sync per layer) runs its ``grouped_mm``
-implementation inside the graphed decoder's forwards; a model it cannot capture is refused up
-front with a one-line warning (``capture_blocker``) and decoded eagerly, as is one whose last
-warm-up step synchronizes with the host (checked under CUDA's sync debug mode). The warm-up's
-random draws are undone after the capture, so the sampled stream depends only on the tokens
-decoded, not on when a graph was captured (a resumed run samples what a continuous run samples).
-
-Without CUDA (or with ``use_cuda_graph=False``) the same step runs eagerly: that is how the CPU
-tests check it against ``generate`` and against the teacher-forced scorer.
+Inside its forwards it runs grouped-query attention without ``repeat_kv`` (``gqa_attention``) and
+one activation quantization per sibling group (``share_quantization``); before capturing,
+:func:`quads.engine.capture.capture_plan` decides whether the step can be captured (else: one
+warning line, eager decoding). Both in detail: docs/engine.md. Without CUDA (or with
+``use_cuda_graph=False``) the same step runs eagerly (how the CPU tests check it).
 """
 
 from __future__ import annotations

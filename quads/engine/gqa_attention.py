@@ -13,21 +13,14 @@ D)`` against ``(B, H_kv, L, D)``, with the mask broadcast over the group (a stri
 decode, ``q = 1``). One ``scaled_dot_product_attention`` call, the same kernel family the sdpa
 path uses with a mask (the memory-efficient kernel on the H200); per query row it is the same
 softmax(q k^T * scale + mask) v over the same keys, so results equal the sdpa path's up to the
-kernel's blocking. ``enable_gqa=True`` is not used: flash (the only CUDA kernel that always
-took grouped heads) takes no mask, and the memory-efficient kernel's ``sdp_utils.cpp`` gate
-rejected grouped heads in a torch source we read (``supports_grouped_query_attention=false``;
-newer releases accept them, 2.11's was not checked), sending the call to the math kernel, which
-repeats K/V itself. The view needs nothing from the torch version. No host syncs, no
+kernel's blocking. ``enable_gqa=True`` is not used (why: docs/engine.md). No host syncs, no
 data-dependent shapes: capturable in a CUDA graph.
 
 :func:`use_gqa_attention` registers it with transformers' ``AttentionInterface`` (and the sdpa
 mask builder under the same name) and switches a model's configs from ``"sdpa"`` to it for
 the duration of a ``with`` block only, restoring each config's value after (the model is left
 as it was, exceptions included). Configs on another implementation (eager, flash, flex) are
-left alone. Checked against transformers 5.17 (the H200's) and 5.19 (here): both look the
-function up per forward through ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
-...)``, return a prepared 4-D mask from ``create_causal_mask`` before consulting the mask
-registry, and keep the name in ``config._attn_implementation_internal``.
+left alone. The transformers versions it was checked against: docs/engine.md.
 """
 
 from __future__ import annotations

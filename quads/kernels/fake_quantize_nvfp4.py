@@ -6,17 +6,9 @@ E4M3 round trip, encode, E2M1 rounding, decode, division), each reading and writ
 weight. This kernel does the same steps per tile in registers: it reads the master once and
 writes the forward weight once (plus the amax pass that the global scale needs first).
 
-Launches per call: three (a zeroed (groups,) amax buffer, the amax pass, the fused pass) and
-one when the global scale is given (the backward's recomputation) or the amax is (a sibling
-group's, :func:`shared_amax_bits`: one zeroed buffer and one amax pass per member into it, then
-each member's fused pass derives the shared ``S_enc`` from it). The amax pass reduces its
-tile to one max per group and merges it with an integer ``atomic_max`` on the ``|x|`` bit
-patterns (exact and order-independent, NaN-propagating: every NaN pattern sorts above +inf);
-the fused pass turns the group's amax into ``S_enc`` itself (``div_rn(448 * 6, amax)``, clamped
-to FLT_MAX, 1 where amax == 0 or S_enc == 0: :func:`global_encode_scale_from_amax` bit for bit)
-and hands it back. The torch glue this replaces (a per-row amax, a torch reduction and six
-elementwise ops for ``S_enc``) cost about ten launches per weight, which on the 2-D weights of a
-dense model (tens of MB each) is of the order of the passes themselves.
+Launches per call: three (a zeroed amax buffer, the amax pass with an integer ``atomic_max`` on
+the ``|x|`` bit patterns, the fused pass, which derives ``S_enc`` itself), one when the global
+scale is given; the launch plan in detail: docs/trainer.md.
 
 One fused pass (``_lean_quant_blocks`` / ``_lean_dequant_blocks``): the recipe's steps (block
 scale, E4M3 round trip, E2M1 rounding, the exact ``(e2m1 * s) / S_enc``) done in float
@@ -25,21 +17,12 @@ arithmetic on the values, building no E2M1 codes and no scale byte: the trainer 
 ``_dequant_blocks``) keeps the codes. Checked bit-exact against :mod:`quads.tensor.nvfp4_math`
 (tests/kernels, and natively on the H200 on every weight of both benchmark models). The
 dequantization takes the fast exact path (a power-of-two split, see
-:mod:`quads.kernels.quantize_nvfp4`'s doc) unless a value of the tile could be subnormal in
+:mod:`quads.kernels.nvfp4_blocks`) unless a value of the tile could be subnormal in
 float32; then every element of the tile takes ``div_rn``.
 
-History: until 2026-12-02 the kernel also had a branch that built the codes and the scale byte
-through ``_quant_blocks`` / ``_dequant_blocks`` (``LEAN=False``, module switch ``FUSED_LEAN``),
-kept for the benchmark comparison. The H200 run of 2026-12-02 (benchmarks/bench_fake_quant.py,
-bench_trainer.py) found the lean pass bit-exact on every weight of both benchmark models and
-forward / backward GPU time -14..-19% / -21..-26% (e.g. MoE experts gate_up 1086 -> 882 us and
-722 -> 534 us; the MoE training step 1.158x -> 1.112x the BF16 trainer's). The old branch was
-removed in session 6; it is at commit 096303e1 and earlier.
-
 Output dtypes: float32, bfloat16, float16 (the cast from the float32 result rounds to nearest
-even, as ``Tensor.to`` does). Under ``TRITON_INTERPRET=1`` a bf16/fp16 output is written as
-float32 and cast on the host (the interpreter's fp32 -> bf16 store truncates, see
-:mod:`quads.kernels._interpreter`), so the interpreter checks the same recipe bits.
+even, as ``Tensor.to`` does); under ``TRITON_INTERPRET=1`` a 16-bit output is cast on the host
+(:mod:`quads.kernels._interpreter`), so the interpreter checks the same recipe bits.
 """
 
 from __future__ import annotations
@@ -51,7 +34,7 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreter_safe_input, interpreting
-from quads.kernels.quantize_nvfp4 import _abs_bits, _pairwise_block_sum, _squared
+from quads.kernels.nvfp4_blocks import abs_bits, pairwise_block_sum, squared
 from quads.tensor.nvfp4_math import BLOCK_SIZE, check_block_scaling
 
 __all__ = ["fake_quantize_rows", "shared_amax_bits", "FAKE_QUANT_OUT_DTYPES", "TILE_ROWS", "TILE_BLOCKS", "AMAX_ROWS", "AMAX_COLS",
@@ -59,8 +42,8 @@ __all__ = ["fake_quantize_rows", "shared_amax_bits", "FAKE_QUANT_OUT_DTYPES", "T
 
 FAKE_QUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: tile of one program: TILE_ROWS rows x TILE_BLOCKS blocks of 16 (the same under the interpreter).
-#: 8 x 16 x 4 warps: the fastest of the H200 sweep on every benchmark shape (2026-12-02,
-#: benchmarks/bench_fake_quant.py: MoE experts gate_up 1083 vs 1214 us, down 592 vs 664 us,
+#: 8 x 16 x 4 warps: the fastest of the H200 sweep on every benchmark shape
+#: (benchmarks/bench_fake_quant.py: MoE experts gate_up 1083 vs 1214 us, down 592 vs 664 us,
 #: dense gate/up 89 vs 97 us against 4 x 16 x 4); the tile changes which program writes which
 #: element, never an element's bits
 TILE_ROWS = 8
@@ -92,7 +75,7 @@ def _fake_quant_amax_kernel(
         c = c_start + i * BC + cols
         m = rmask[:, None] & (c < K)[None, :]
         x = tl.load(X + rows[:, None] * stride_xm + c[None, :], mask=m, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, _abs_bits(x))
+        acc = tl.maximum(acc, abs_bits(x))
     if ONE_GROUP:
         tl.atomic_max(GA + (pid_r * BR) // rows_per_group, tl.max(tl.max(acc, axis=1), axis=0))
     else:
@@ -159,8 +142,8 @@ def _lean_quant_blocks_4over6(x, s_enc, r_enc):
     qv, vb, s_f32, z = _lean_quant_blocks_to(x, s_enc, r_enc, 0.1666666716337204)
     qv4, vb4, s_f32_4, z4 = _lean_quant_blocks_to(x, s_enc, r_enc, 0.25)
     target = x * s_enc[:, None]
-    err6 = _pairwise_block_sum(_squared(_signed_product(qv, s_f32, vb) - target))
-    err4 = _pairwise_block_sum(_squared(_signed_product(qv4, s_f32_4, vb4) - target))
+    err6 = pairwise_block_sum(squared(_signed_product(qv, s_f32, vb) - target))
+    err4 = pairwise_block_sum(squared(_signed_product(qv4, s_f32_4, vb4) - target))
     pick4 = err4 < err6
     p2 = pick4[:, None]
     return (tl.where(p2, qv4, qv), tl.where(p2, vb4, vb), tl.where(pick4, s_f32_4, s_f32),

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
-from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight, load_weight_tile
+from quads.kernels.hopper_weight_decode import load_weight_tile
+from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight
 from quads.kernels.w4a4_decode_hopper import SEG_K
 
 __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]
@@ -190,7 +191,7 @@ def pick_moe_config(rows: int, num_experts: int, n: int, k: int) -> MoeConfig:
     """The measured tiles; under the Triton interpreter the same ones with the portable decode
     instead of the inline PTX (the CPU suite runs the branch the GPU runs)."""
     per_expert = rows / max(num_experts, 1)
-    # split-K (measured on the H200, 2026-12-01, benchmarks/results/h200_2026-12-01b/run2): faster for
+    # split-K (measured on the H200, docs/kernels.md): faster for
     # K >= 2048 (gate_up of both MoE shapes at T = 1..64: 1.1-1.2x; down K = 14336 at <= 2 rows per
     # expert: 1.6x), slower for down K = 14336 at 4 rows per expert (1.3x) and K = 768 (1.1x); its
     # fp32 partials (segments x 2 x rows x N) stay small at <= 16 rows per expert

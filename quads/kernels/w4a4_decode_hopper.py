@@ -4,8 +4,9 @@
 (docs/background.md section 2), or the weight-only product with an fp16 activation operand.
 
 * The weight streams from HBM once, 16 bytes per thread per load, in the layout of
-  :mod:`quads.kernels.hopper_weight_layout`, and is decoded in registers straight into the wgmma
-  register operand (swap-AB: weight rows are the MMA's M, tokens its N).
+  :mod:`quads.kernels.hopper_weight_layout`, and is decoded in registers
+  (:mod:`quads.kernels.hopper_weight_decode`) straight into the wgmma register operand
+  (swap-AB: weight rows are the MMA's M, tokens its N).
 * Tokens are the MMA's N: the main operand rows and, with residual compensation, the residual
   rows stacked after them (one MMA over ``2M`` columns; for M <= 8 the residual fills columns
   the instruction computes anyway).
@@ -26,19 +27,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quads.kernels._interpreter import interpreting
 from quads.kernels.arrival_counters import arrival_counters
-from quads.kernels.hopper_weight_layout import (
-    K_BLOCK,
-    HopperWeight,
-    decode_weight_raw,
-    load_weight_raw,
-    load_weight_tile,
-)
+from quads.kernels.hopper_weight_decode import decode_weight_raw, load_weight_raw, load_weight_tile
+from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight
 
 __all__ = ["SEG_K", "OPERAND_SHIFT", "DecodeConfig", "pick_decode_config", "decode_gemm", "max_decode_columns"]
 
 #: canonical K segment (channels) of every quads GEMM: fixes the fp32 summation order
 SEG_K = 512
-#: the weight operand is e2m1 * s * 2^-14 (hopper_weight_layout); epilogues multiply by 2^14
+#: the weight operand is e2m1 * s * 2^-14 (hopper_weight_decode); epilogues multiply by 2^14
 OPERAND_SHIFT = 14
 _MAX_COLUMNS = 128
 
@@ -192,7 +188,7 @@ def pick_decode_config(columns: int, n: int, k: int) -> DecodeConfig:
     instead of the inline PTX (and no programmatic dependent launch): the CPU suite runs the code
     the GPU runs."""
     native = not interpreting()
-    # measured on the H200, 2026-12-01 (benchmarks/results/h200_2026-12-01b/run2, docs/kernels.md)
+    # measured on the H200 (docs/kernels.md)
     if columns <= 16:  # prefetch: 5-17% faster than the per-step loads at every shape measured
         return DecodeConfig(bn=64, kbi=4, num_warps=4, num_stages=1, prefetch=True, use_asm=native)
     if columns <= 32 or n > 8192:

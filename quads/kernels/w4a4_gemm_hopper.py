@@ -3,13 +3,12 @@
 docs/background.md section 2: an E2M1 value times an E4M3 scale is exact in fp16, so
 ``y = x̂ Ŵᵀ + r̂ Ŵᵀ`` is reproduced by multiplying the *unscaled* operands on fp16 tensor cores
 with fp32 accumulation and dividing the sum by ``S_x[row] * S_w`` (the residual shares the row's
-global scale) in the epilogue, exactly as :func:`quads.ops.linear.w4a4_matmul_reference` does; only the fp32
-summation order differs from the reference.
+global scale) in the epilogue, as :func:`quads.ops.linear.w4a4_matmul_reference` does (only the
+fp32 summation order differs).
 
 The weight operand is ``e2m1 * s * 2^-14`` (the values the decode kernel builds in registers,
-see :mod:`quads.kernels.hopper_weight_layout`): dequantized once per call by
-:func:`dequant_weight_fp16` and read from shared memory. Swap-AB (weight rows are the MMA's M)
-as in the decode kernel.
+see :mod:`quads.kernels.hopper_weight_decode`): dequantized once per call by
+:func:`dequant_weight_fp16`, read from shared memory; swap-AB as in the decode kernel.
 
 Batch invariance: K is cut into the canonical segments of :data:`quads.kernels.w4a4_decode_hopper.SEG_K`;
 one software-pipelined loop walks all of K, the chain of k16 MMA steps restarts from zero at
@@ -21,12 +20,9 @@ With the residual the main and residual rows of the same tokens are the two halv
 columns (one weight-tile read, two accumulators); grouped program order for L2 reuse; TMA loads
 where the operands allow them, else pointer (cp.async) loads of the same tiles.
 
-Only the walk :func:`pick_config` selects ships here; the variants it was measured against (the
-per-segment walk with optional split-K, a persistent grid, the weight decoded per tile from the
-Hopper layout, cuBLAS on the decoded weight) are recorded in ``docs/kernel_log.md`` and live at
-commit ``38cbda1`` (``lab/prefill_experiments.py`` runs them there; the cuBLAS path is
-``lab/cublas_prefill.py``). Under the Triton interpreter :func:`pick_config` returns the GPU
-config on smaller tiles, so the CPU suite runs the kernel the GPU runs.
+Only the walk :func:`pick_config` selects ships here; the variants it was measured against are
+recorded in ``docs/kernel_log.md``. Under the Triton interpreter :func:`pick_config` returns the
+GPU config on smaller tiles, so the CPU suite runs the kernel the GPU runs.
 """
 
 from __future__ import annotations
@@ -262,9 +258,8 @@ class GemmConfig:
 
 def pick_config(m: int, n: int, k: int, residual: bool = False) -> GemmConfig:
     """Tile choice by token count: TMA loads, 128 weight rows x 64 tokens with the residual (128
-    MMA columns) or for M <= 256, else 128 tokens. Measured on the H200 (2026-12-01,
-    benchmarks/results/h200_2026-12-01b/run3/prefill.log): the best bit-exact variant at every
-    shape, 1.1-3.2x faster than the per-segment walk it replaced. Under the Triton interpreter:
+    MMA columns) or for M <= 256, else 128 tokens. Measured on the H200 (docs/kernel_log.md): the
+    best bit-exact variant at every shape, 1.1-3.2x faster than the per-segment walk. Under the Triton interpreter:
     the same config on 16 x 16 tiles, one warp, one stage (the CPU suite runs the branch the GPU
     runs, on shapes it can afford)."""
     if interpreting():

@@ -196,7 +196,7 @@ def quantize_activation_triton(
     x2d: torch.Tensor, config: ActivationQuant, static_mask: torch.Tensor | None = None
 ) -> QuantizedActivation:
     """Kernel twin of :func:`quantize_activation_reference` (same bits)."""
-    from quads.kernels.quantize_nvfp4 import quantize_rows
+    from quads.kernels.quantize_activations import quantize_rows
 
     _check_2d(x2d)
     residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
@@ -213,7 +213,7 @@ def activation_operands_triton(
     x2d: torch.Tensor, config: ActivationQuant, static_mask: torch.Tensor | None = None
 ) -> ActivationOperands:
     """Quantize rows straight into the GEMM operands (fp16 unscaled values, per-row scales)."""
-    from quads.kernels.quantize_nvfp4 import quantize_rows
+    from quads.kernels.quantize_activations import quantize_rows
 
     residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
     q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
@@ -234,7 +234,7 @@ def summed_operand_triton(
     kernel launch: the quantization writes the summed operand itself (the main operand alone
     without a residual). ``row_idx``: quantize ``x2d[row_idx]`` (e.g. rows gathered per expert)
     without materializing it; quantization is row-local, so a gathered row has its token's bits."""
-    from quads.kernels.quantize_nvfp4 import quantize_rows
+    from quads.kernels.quantize_activations import quantize_rows
 
     residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
     q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,

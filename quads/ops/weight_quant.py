@@ -46,7 +46,8 @@ def quantize_weight_triton(
 ) -> NVFP4Parts:
     """Kernel twin of :func:`quantize_weight_reference` (same bits): amax pass + quantization pass
     (the amax pass is skipped when ``global_encode_scale`` is given)."""
-    from quads.kernels.quantize_nvfp4 import amax_rows, quantize_given_scale
+    from quads.kernels.amax import amax_rows
+    from quads.kernels.quantize_weights import quantize_given_scale
 
     check_quantizable(x, "weight")
     check_block_scaling(block_scaling)

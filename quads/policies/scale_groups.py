@@ -15,22 +15,14 @@ fused layer), so trainer, rollout and export hold the same weights:
   :class:`ScaleGroup` on each member (``module.quads_scale_group``); rollout members are packed
   with the group's scale;
 * the trainer's forward (``TrainerLinear``) takes the group's scale from the members' masters
-  in every forward of the members' parent (the attention or MLP module): a forward pre-hook on
-  the parent computes it once (one amax pass per member, by the members' backend:
-  ``Backend.group_scale``; on the kernel backends the passes merge into one int32 amax buffer
-  from which each member's fused fake-quant pass derives ``S_enc``) and the members reuse it; a forward
-  hook (run on exceptions too) drops it, so nothing is kept across forwards (no cache, for the
-  reason ``policies/ste.py`` gives: an optimizer step or a ``.data`` write between two forwards
-  is always seen, and a recomputation under activation checkpointing reruns the parent's
-  forward, hence the pre-hook). A member called outside its parent's forward computes the
-  scale itself (:meth:`ScaleGroup.scale`);
+  in every forward of the members' parent, computed once by a forward pre-hook on the parent
+  and dropped after it, never cached (how and why: docs/design.md);
 * ``sync_weights_`` and the sharded sync compute it from the masters of all members;
 * ``quads export`` uses it for plain and trainer models, so no fused shard is re-quantized;
 * a state dict whose group members carry different scales (saved in ``"tensor"`` mode) is
   refused by a group-mode rollout model before anything is loaded (:class:`GroupScaleLoadCheck`).
 
-Fused MoE experts need nothing here: their ``gate_up_proj (E, 2I, H)`` is one tensor with one
-global scale per expert, shared by the expert's gate and up rows in both modes.
+Fused MoE experts need nothing here: their ``gate_up_proj`` has one global scale per expert.
 """
 
 from __future__ import annotations

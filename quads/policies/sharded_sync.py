@@ -21,9 +21,6 @@ All or nothing, in stages, so a failure anywhere leaves every rank's rollout as 
 4. *stage*: quantize local shards into new tensors, agree once more that every rank staged,
    all-gather (bucketed, one collective per bucket) and assemble full parts, still in new tensors;
 5. *write*: only now copy into the rollout's parameters, then ``quads_weights_changed()``.
-
-Planning and validation are separate functions so they can later share the single-process
-sync's validator (issue 10).
 """
 
 from __future__ import annotations

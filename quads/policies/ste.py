@@ -68,7 +68,7 @@ class _FakeQuantLinear(torch.autograd.Function):
     new memory) and its global scale: the backward recomputes the forward weight instead of
     keeping it alive; the weight gradient goes straight through to the master.
 
-    Host time matters here (the GPU waits for it when the step is host-bound, issue 23): the
+    Host time matters here (the GPU waits for it when the step is host-bound): the
     casts are skipped where the dtype already matches (``Tensor.to`` of the same dtype returns the
     tensor, at a microsecond's dispatch), and the backward's non-tensor state is one ``ctx``
     attribute (the quantizer, not the backend: no lookup per backward)."""

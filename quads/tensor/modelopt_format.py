@@ -14,23 +14,12 @@ projection, ``...experts.{e}.gate_proj``) is stored as four tensors:
                                                    ``amax_x/(6*448)`` (calibrated)
 ====================  ===========================  =========================================
 
-``weight_scale_2`` is written as the float32 reciprocal of quads' encode scale ``S_enc``.
-About 11% of float32 ``S_enc`` values are no float32 reciprocal's reciprocal, so for those
-the exact ``S_enc`` also goes into the safetensors header metadata (:data:`ENCODE_SCALE_KEY`,
-a JSON map from ``X.weight_scale_2`` to ``S_enc.hex()``): loaders ignore it, and
-:func:`read_modelopt_checkpoint` uses it, so a quads read-back dequantizes bit for bit like the
-trainer's fake quantizer. Checkpoints without it read back with ``S_enc = 1/weight_scale_2``.
+``weight_scale_2`` is written as the float32 reciprocal of quads' encode scale ``S_enc``; the
+exact ``S_enc`` also goes into the header metadata (:data:`ENCODE_SCALE_KEY`; why:
+docs/ecosystem.md) for a bit-exact quads read-back (without it: ``S_enc = 1/weight_scale_2``).
 
-Checksums: ``quads export`` records a SHA-256 of every file it writes in ``quads_export.json``
-(:data:`EXPORT_REPORT`, key ``"checksums"``); :func:`read_modelopt_checkpoint` verifies the files
-it reads against them when the checkpoint has them (another tool's checkpoint has none), so one
-flipped bit in a shard fails the read, naming the file. ``verify=False`` skips it (one more read
-of every byte, about a second per GB).
-
-Symlinks: shard names must stay inside the checkpoint directory; a shard that is a symlink is
-followed only to a file inside the directory or, in the Hugging Face cache layout
-(``models--org--name/snapshots/<revision>/``, every file a link into ``../../blobs/``), inside the
-repository's ``blobs`` directory. Any other link is refused with its path.
+:func:`read_modelopt_checkpoint` verifies the SHA-256 of every file ``quads export`` recorded
+(:data:`EXPORT_REPORT`) and confines shard names and symlinks to the checkpoint (docs/ecosystem.md).
 """
 
 from __future__ import annotations

@@ -20,12 +20,9 @@ Layout conventions
 Block scaling (``block_scaling``)
 ---------------------------------
 * ``"6"`` (default): every block's max maps to E2M1's 6, NVIDIA's recipe.
-* ``"4over6"``: Four Over Six (Cook et al., arXiv 2512.02010): each block is quantized twice,
-  its max mapped to 6 and to 4, and keeps the candidate with the smaller sum of squared errors
-  (measured in units of ``1/S_enc``, summed in a fixed pairwise order: :func:`block_squared_error`;
-  a tie keeps 6). The global scale maps the group's amax to 256 instead of 448 (``S_enc =
-  256*6/amax``), so the max-to-4 block scale (at most 384) fits E4M3. The format is standard
-  NVFP4: dequantization is unchanged.
+* ``"4over6"``: Four Over Six (Cook et al., arXiv 2512.02010): each block's max mapped to 6 and
+  to 4, the candidate of smaller squared error kept (:func:`block_squared_error`), with
+  ``S_enc = 256*6/amax``; standard NVFP4 (docs/nvfp4_spec.md states it).
 """
 
 from __future__ import annotations

@@ -18,20 +18,10 @@ safetensors has no checksum, so :func:`save_safetensors` records two:
 
 :func:`load_safetensors` verifies both and refuses a file without the header checksum (written
 by another tool or an older quads) unless called with ``verify=False``; such files then load
-with the structural checks only: every NVFP4 entry's metadata, part shapes and dtypes, and
-finite, non-negative block scales and finite, positive global scales (:class:`NVFP4Tensor`);
-there a flipped bit in ``qdata`` changes one element silently, as in any unchecked file.
+with the structural checks of :class:`NVFP4Tensor` only (a flipped ``qdata`` bit goes unseen).
 
-Tied entries (``lm_head.weight`` and ``model.embed_tokens.weight`` of a model with
-``tie_word_embeddings``: the same storage under two names, which safetensors refuses to write)
-are stored once, under the first name, and ``quads.ties`` maps each other name to it;
-:func:`load_safetensors` gives every name back, the tied ones as one tensor. Entries that share
-storage without being the same tensor (views of one buffer) are stored as copies.
-
-The file is written through :func:`quads.tensor.files.atomic_path`: a fresh temporary file in
-the target directory (O_EXCL, never a planted link), synced, given the usual mode (``0644``
-under umask ``022``) and moved into place with :func:`os.replace`: an interrupted save leaves
-the previous file, never half a file.
+Tied entries are stored once (``quads.ties``), and the file is written atomically
+(:func:`quads.tensor.files.atomic_path`); both in detail: docs/reliability.md.
 """
 
 from __future__ import annotations

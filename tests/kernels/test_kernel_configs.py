@@ -1,4 +1,4 @@
-"""The interpreter's kernel configs are the GPU defaults on smaller tiles (issue 20, item 3).
+"""The interpreter's kernel configs are the GPU defaults on smaller tiles.
 
 The CPU suite runs the kernels under ``TRITON_INTERPRET=1`` with whatever the ``pick_*`` functions
 return there; these tests pin that those are the configs the GPU gets for the same shape, up to

@@ -150,8 +150,7 @@ def test_fake_quantize_amax_tiles(monkeypatch, amax_tile):
 # ---------------------------------------------------------------------------------------------
 # The fused pass's float arithmetic (_lean_quant_blocks: E2M1 and E4M3 rounding by magic-number
 # adds, no codes built) on the inputs that stress it: E2M1 ties, outliers, NaN / inf and given
-# global scales far outside what an amax gives. Until session 6 these compared it with the
-# kernel's code-building branch (removed; see the module doc); now with the recipe directly.
+# global scales far outside what an amax gives, compared with the recipe directly.
 # ---------------------------------------------------------------------------------------------
 
 _TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -168,7 +167,7 @@ def _fused_vs_recipe(x2, rows_per_group, out_dtype=torch.float32, gs=None, block
     dequantization may give NaN (the quotient ``s / S_enc`` is inf, times 0) -- as the removed
     code-building branch did. On a GPU also, only for a given S_enc that is FP32-subnormal (below
     2^-126, equally unreachable): the GPU flushes subnormal operands to zero, so a result the
-    recipe gives as -0 may come out +0 (measured on the H200, 2026-12-02: the rows of S_enc 1e-40
+    recipe gives as -0 may come out +0 (measured on the H200: the rows of S_enc 1e-40
     and 1e-38, all zeros; the sign of a zero only)."""
     out, gs_got = fq_kernel.fake_quantize_rows(x2.to(DEV), rows_per_group, out_dtype, gs, block_scaling=block_scaling)
     groups = x2.shape[0] // rows_per_group

@@ -16,7 +16,7 @@ import triton.language as tl  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 from quads.kernels import fake_quantize_nvfp4 as fq_kernel  # noqa: E402
-from quads.kernels.quantize_nvfp4 import _pairwise_block_sum  # noqa: E402
+from quads.kernels.nvfp4_blocks import pairwise_block_sum  # noqa: E402
 from quads.ops import weight_quant  # noqa: E402
 from quads.tensor.nvfp4_math import block_squared_error, nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_standard_path_is_unchanged_by_the_option():
 @triton.jit
 def _pairwise_probe_kernel(E, OUT, B: tl.constexpr):
     i = tl.arange(0, B)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    tl.store(OUT + tl.arange(0, B), _pairwise_block_sum(tl.load(E + i)))
+    tl.store(OUT + tl.arange(0, B), pairwise_block_sum(tl.load(E + i)))
 
 
 def test_kernel_sums_squared_errors_in_the_reference_order():
@@ -161,7 +161,7 @@ def test_kernel_sums_squared_errors_in_the_reference_order():
 
 def _check_act(x, cfg, static_mask=None, nan=False, **kw):
     """The row kernel (packed parts, fp16 operands, or the summed operand) against the reference."""
-    from quads.kernels.quantize_nvfp4 import quantize_rows
+    from quads.kernels.quantize_activations import quantize_rows
     from quads.ops.activation_quant import _kernel_residual_args, quantize_activation_reference
 
     ref = quantize_activation_reference(x.cpu(), cfg, None if static_mask is None else static_mask.cpu())
@@ -192,7 +192,7 @@ def test_activation_row_kernel_bit_exact(fraction, gran):
 
 
 def test_activation_row_kernel_static_mask_bf16_chunks_gather_and_sum():
-    from quads.kernels.quantize_nvfp4 import quantize_rows
+    from quads.kernels.quantize_activations import quantize_rows
     from quads.ops.activation_quant import ActivationQuant, quantize_activation_reference, summed_operand_triton
 
     x = adversarial(m=6, k=96, seed=9)

@@ -12,7 +12,10 @@ triton = pytest.importorskip("triton")
 # the interpreter evaluates 1/0 -> inf on purpose (E4M3 zero scales): numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-from quads.kernels.quantize_nvfp4 import quantize_rows  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from quads.kernels.nvfp4_blocks import e2m1_mag_code  # noqa: E402
+from quads.kernels.quantize_activations import quantize_rows  # noqa: E402
 from quads.ops import use_backend  # noqa: E402
 from quads.ops.activation_quant import (  # noqa: E402
     ActivationQuant,
@@ -229,10 +232,24 @@ def test_weight_sync_through_kernel_backend():
     assert_parts_equal(rollout.weight.parts, ref.parts)
 
 
+@triton.jit
+def _e2m1_probe_kernel(A, OUT, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(A + offs, mask=offs < n, other=0.0)
+    tl.store(OUT + offs, e2m1_mag_code(a), mask=offs < n)
+
+
+def e2m1_code_probe(a: torch.Tensor) -> torch.Tensor:
+    """The kernels' E2M1 magnitude index of |v| values in [0, 6] (int32)."""
+    a = a.float().contiguous()
+    out = torch.empty(a.shape, dtype=torch.int32, device=a.device)
+    _e2m1_probe_kernel[(triton.cdiv(a.numel(), 1024),)](a, out, a.numel(), BLOCK=1024)
+    return out
+
+
 def test_e2m1_rounding_exhaustive():
     """The kernel's E2M1 rounding equals the reference's threshold ladder on every fp32 value
     of [0, 6] reachable by the tie points and their neighbours, plus a dense random sample."""
-    from quads.kernels.quantize_nvfp4 import e2m1_code_probe
     from quads.tensor.nvfp4_math import e2m1_codes_rne
 
     ties = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])

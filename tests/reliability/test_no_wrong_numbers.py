@@ -98,7 +98,7 @@ def test_nvfp4_quantize_refuses_a_global_scale_of_another_shape():
 def test_nvfp4_dequantize_refuses_parts_that_do_not_fit():
     q, s, g = nvfp4_quantize(torch.randn(8, 64))
     with pytest.raises(ValueError, match=r"scale has shape \(8, 1\).*needs \(8, 4\)"):
-        nvfp4_dequantize(q, s[:, :1], g)  # used to broadcast one block scale over the row
+        nvfp4_dequantize(q, s[:, :1], g)  # refused, not one block scale broadcast over the row
     with pytest.raises(ValueError, match="global_encode_scale of shape"):
         nvfp4_dequantize(q, s, torch.ones(3))
     with pytest.raises(TypeError, match="float8_e4m3fn"):

@@ -4,62 +4,25 @@ TensorRT-LLM), the tensors laid out as :mod:`quads.tensor.modelopt_format` descr
     from quads.integrations.modelopt import export_modelopt
     report = export_modelopt(trainer_model, "out/", format="w4a16", tokenizer=tok)
 
-What is exported
-----------------
-* **Which weights**: exactly those a QUADS trainer fake-quantizes: the model's quads modules if
-  it has them, else the targets of ``policy`` (default ``QuadsPolicy(side="trainer")``: every
-  ``nn.Linear`` and fused MoE experts outside the skip patterns; a ``scope`` or boundary layers,
-  :mod:`quads.policies.scope`, narrow it). Everything else (embeddings, norms, routers,
-  ``lm_head``, the layers a scoped plan keeps in BF16) is written as stored and its linear-like
-  modules are listed in ``exclude_modules``: each linear under its checkpoint name, each fused
-  experts module left in BF16 under the name its per-expert tensors share
-  (``model.layers.0.mlp.experts``), which vLLM's ``modelopt_fp4`` matches against its fused-MoE
-  layer.
-* **Their values**: the codes and block scales of quads' recipe applied to the BF16 masters,
-  i.e. the trainer's forward weight ``nvfp4_fake_quantize(master)`` (a rollout model's packed
-  weights are the same bits and are taken as they are), with the policy's block scaling:
-  ``weight_block_scaling="4over6"`` changes which block scales and codes are written, not the
-  format (the checkpoint is standard ModelOpt NVFP4, dequantized as any other). Fused experts keep one global scale per
-  expert over gate and up, which is also what vLLM's fused-MoE loader uses, and are written per
-  expert under the checkpoint names (``experts.{e}.gate_proj``...; Mixtral's ``w1/w3/w2``) that
-  transformers' own ``save_pretrained`` writes.
-* **Fused layers** (``fused_scales``). vLLM merges ``q/k/v_proj`` and ``gate/up_proj`` into one
-  layer with *one* global weight scale: the largest ``weight_scale_2`` of the shards
-  (``KNvfp4Static.process``), which mis-scales every other shard. quads' default,
-  ``QuadsPolicy(weight_global_scale="group")``, already trains and serves such a group with one
-  global scale (:mod:`quads.policies.scale_groups`): a trainer's groups, or for a plain model
-  ``policy``'s, give the shards equal scales and nothing is re-quantized (``requantized`` is
-  empty). A model quantized with ``weight_global_scale="tensor"`` has one scale per linear; then
-  ``"shared"`` (default) re-quantizes a shard whose scale is not the group's from its trainer
-  forward weight with the group's scale (``S_enc`` = the smallest of the group, i.e. the
-  largest amax), as ModelOpt's and llm-compressor's exporters do, and the report lists those
-  shards and their weight error; ``"separate"`` keeps every shard bit-exact (quads reads it back
-  exactly; vLLM would mis-scale it, so a warning is raised).
+What is exported:
+
+* **Which weights**: exactly those a QUADS trainer fake-quantizes (the model's quads modules, else
+  the targets of ``policy``); everything else is written as stored and listed in
+  ``exclude_modules``;
+* **Their values**: the trainer's forward weight ``nvfp4_fake_quantize(master)`` as codes and
+  block scales (a rollout model's packed weights are the same bits), fused experts per expert
+  under transformers' checkpoint names;
+* **Fused layers** (``fused_scales``): q/k/v and gate/up shards with one global scale, as vLLM
+  serves them (``"shared"``, default) or each its own (``"separate"``);
 * **Formats**: ``"w4a16"`` (``quant_algo: W4A16_NVFP4``: NVFP4 weights, BF16 activations, the
   numerics of the QUADS trainer) and ``"nvfp4"`` (W4A4 with a static per-tensor activation
-  scale ``input_scale`` from calibration batches, no residual compensation: an engine's plain
-  NVFP4, not the QUADS rollout, which vLLM runs through quads' own ``quads`` method).
-* **Files**: ``config.json`` with ``quantization_config`` (ModelOpt >= 0.31's layout, which
-  vLLM reads first), ``hf_quant_config.json`` (the older layout), safetensors shards
-  (``model.safetensors`` or ``model-XXXXX-of-XXXXX.safetensors`` + index), generation config,
-  tokenizer, and ``quads_export.json`` (the report, with a SHA-256 of every other file:
-  ``load_exported`` and ``read_modelopt_checkpoint`` verify them). Everything is written to a
-  temporary directory beside ``out_dir`` and moved into place at the end: an error leaves no
-  partial checkpoint, and an existing non-empty ``out_dir`` is refused, also when another export
-  fills it while this one runs (``FileExistsError``; that export's folder stays whole). Modes are ``save_pretrained``'s:
-  files ``0666`` and the directory ``0777``, both less the process umask (``0644`` / ``0755``
-  under the usual ``022``), so a server running as another user can read the checkpoint.
-* **Dtype of the tensors that are not quantized** (embeddings, norms, routers, ``lm_head``):
-  ``dtype="auto"`` (default) writes every floating one in the 16-bit dtype the trained forward
-  ran its linear layers in: the masters' dtype when they are BF16 or FP16, BF16 for float32
-  masters (trained under BF16 autocast, as TRL's ``bf16=True`` does; NVFP4 serving computes in
-  16 bits: vLLM's ``modelopt_fp4`` refuses a float32 model). The checkpoint has one dtype, which
-  ``config.json``'s ``dtype`` states and vLLM computes in (no per-tensor cast warnings);
-  ``"bfloat16"`` / ``"float16"`` / ``"float32"`` force one.
-  Integer buffers are written as stored. :func:`quads.integrations.modelopt.load_exported`
-  reads such a checkpoint back into a transformers model. A value that would be Inf in that
-  dtype (a master of 1e6 in a ``float16`` checkpoint, dense or quantized) is refused, naming the
-  tensor, before anything is written: an engine computing in that dtype would produce NaN.
+  scale ``input_scale`` from calibration batches, no residual compensation: not the QUADS rollout).
+* **Files**: the config with ``quantization_config``, safetensors shards, tokenizer and
+  ``quads_export.json`` (the report, with a SHA-256 of every other file), written all or nothing;
+* **Dtype** of the tensors that are not quantized: the 16-bit dtype the trained forward ran in
+  (``dtype="auto"``); a value that would be Inf in it is refused before anything is written.
+
+Each point in detail (what vLLM does with fused shards, file modes, dtype rules): docs/ecosystem.md.
 """
 
 from __future__ import annotations

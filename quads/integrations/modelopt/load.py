@@ -18,18 +18,11 @@
   with an error that names the group; pass ``policy=QuadsPolicy(side="rollout",
   weight_global_scale="tensor")`` to load it.
 
-How: the NVFP4 tensors are dequantized under their checkpoint names into a temporary standard
-checkpoint (``config.json`` without ``quantization_config``), which transformers loads with its
-own weight conversions (per-expert names back to fused experts...); the rollout's packed parts
-are placed by the same row mapping the export used (:func:`~quads.integrations.modelopt.export._row_sources`),
-so any layout transformers' conversion produces maps back. Fused-layer shards re-quantized to
-their group's scale (``fused_scales="shared"``, listed in ``quads_export.json``) come back as
-exported, not as the trainer's weights.
+How it loads (through a temporary standard checkpoint and transformers' own conversions):
+docs/ecosystem.md.
 
-Before anything is read, every file the export wrote is checked against the SHA-256 checksums in
-its ``quads_export.json`` (``verify=True``, the default): one flipped bit anywhere fails the load,
-naming the file; a directory without them (another tool's, or an older quads) is refused unless
-``verify=False``.
+Every file is first checked against the export's SHA-256 checksums (``verify=True``, default):
+a flipped bit fails the load, naming the file (details: docs/ecosystem.md).
 """
 
 from __future__ import annotations

@@ -1,42 +1,27 @@
 """``QuadsPolicy`` as a torchao config: the module handler behind ``torchao.quantization.quantize_``.
 
-torchao's ``quantize_(model, config, filter_fn=_is_linear)`` walks ``model`` in pre-order, hands
-every module that ``filter_fn(module, fqn)`` accepts to the handler registered for
-``type(config)`` (without visiting that module's children) and keeps what the handler returns.
-``FqnToConfig`` instead hands over each module whose name matches one of its patterns.
+The handler applies the policy to the module torchao hands it (docs/ecosystem.md) exactly as
+:func:`quads.quantize_` would: it converts the quads targets inside that module (itself, or all
+of them in a container torchao's filter selected) under the policy's skip patterns. Hence
 
-The handler registered here applies the policy to the module it is handed exactly as
-:func:`quads.quantize_` would: it converts the quads targets inside that module (the module
-itself if it is an ``nn.Linear`` or fused experts; all of them if torchao's filter selected a
-container) with quads' own converter, under the policy's skip patterns. Hence
+* ``torchao.quantization.quantize_(model, policy)`` (``nn.Linear`` only) equals ``quads.quantize_``
+  with that filter; for a dense model that is ``quads.quantize_(model, policy)``, same bits;
+* with ``filter_fn=linear_or_experts`` (or any filter) it equals ``quads.quantize_`` with that
+  filter, fused MoE experts included.
 
-* ``torchao.quantization.quantize_(model, policy)`` (torchao's default filter, ``nn.Linear``
-  only) equals ``quads.quantize_(model, policy, filter_fn=lambda m, n: isinstance(m, nn.Linear))``;
-  for a dense model that is ``quads.quantize_(model, policy)``: same modules, same bits;
-* with ``filter_fn=linear_or_experts`` (or any filter that selects targets) it equals
-  ``quads.quantize_(model, policy, filter_fn=that filter)``, fused MoE experts included.
-
-**Names.** The policy's skip patterns (``lm_head``, embeddings, routers, norms) are module
-names, and torchao passes a handler the module but not its name. The handler therefore reads
-the root module from the ``model`` argument of the ``torchao.quantization.quantize_`` call it
-runs under (found on the current thread's stack by the function's code object) and looks the
-module's name up there. Called outside ``quantize_``, the module it is given is the root.
+**Names.** The skip patterns are module names, which torchao does not pass: the handler finds
+the root module of the ``quantize_`` call it runs under (details: docs/ecosystem.md).
 
 **All or nothing.** On the first conversion of a model (no quads module in it yet) the
 handler replays torchao's selection with the same filter and checks every target it will be
-handed, so a module that cannot be converted (K not a multiple of 16, non-finite weights, an
-unsupported experts layout) raises, naming it, before anything changes. (``FqnToConfig``
-selections are checked per module.) A module already converted with an equal policy is left
-as it is; a model holding modules converted with another policy is refused.
+handed, so a module that cannot be converted raises, naming it, before anything changes
+(``FqnToConfig``: per module). A module already converted with an equal policy is left as it
+is; a model holding modules converted with another policy is refused.
 
 **Sibling groups.** With ``weight_global_scale="group"`` (the default) the handler converts a
-linear together with its siblings (q/k/v, gate/up) that the policy and torchao's filter select,
-so their shared global scale sees every member's weight; torchao then hands over the siblings
-already converted, and they are left as they are. transformers' ``TorchAoConfig`` loading hands
-each linear over right after loading its weight, before its siblings have theirs: there the
-handler leaves the first members dense and converts the whole set when its last member arrives.
-transformers hands torchao no fused MoE experts: the handler converts them once the load has
-every weight, so ``TorchAoConfig(policy)`` gives :func:`quads.quantize_`'s model.
+linear together with its selected siblings (q/k/v, gate/up), so their shared global scale sees
+every member's weight (siblings handed over later are left as they are); ``TorchAoConfig(policy)``
+loading gives :func:`quads.quantize_`'s model too (how: docs/ecosystem.md).
 """
 
 from __future__ import annotations

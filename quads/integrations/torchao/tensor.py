@@ -19,14 +19,8 @@ its float32 reciprocal. What agrees and what does not (``tests/test_torchao.py``
   product ``e2m1 * s`` by ``S_enc``; in float32 they differ by about an ulp in 3-59% of the
   elements of a random weight (docs/ecosystem.md). The trainer's forward weight is quads' value.
 * **Quantizing the same tensor** (``NVFP4Tensor.to_nvfp4(x, per_tensor_scale=amax/2688)`` vs
-  ``quads.NVFP4Tensor.from_float(x)``): torchao floors every block scale at ``2**-6``
-  (``float8_e4m3fn``'s smallest normal) where the recipe lets it go subnormal or to zero, and it
-  rounds differently on the way to the block and element scales (``(block_amax/6)/P`` and
-  ``(1/P)/s`` against ``block_amax*(S_enc*(1/6))`` and ``1/(s*(1/S_enc))``). With a
-  power-of-two ``S_enc`` and every block above the floor the parts are equal; on random BF16
-  weights 0.02-0.7% of the packed bytes and 0-2.1% of the block scales differ (measured,
-  docs/ecosystem.md); a block whose amax is below ``2**-6 * 6 / S_enc`` always differs. An
-  all-zero tensor gets ``per_tensor_scale = 0`` from torchao; quads gives ``S_enc = 1``.
+  ``quads.NVFP4Tensor.from_float(x)``): the parts are equal with a power-of-two ``S_enc`` and
+  every block scale above ``2**-6``; otherwise a few differ (why and how many: docs/ecosystem.md).
 
 quads' per-row global scales (activations) have no torchao weight counterpart and are refused.
 """

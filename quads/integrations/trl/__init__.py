@@ -9,16 +9,10 @@ and metrics from :mod:`quads.diagnostics`.
 ``quads.quantize_(rollout, QuadsPolicy(side="rollout", ...))``), while the trainer model gets
 ``QuadsPolicy(side="trainer", ...)`` (NVFP4 weight fake-quant with a straight-through gradient).
 
-How it hooks into TRL 1.16 (read from ``trl/trainer/grpo_trainer.py``): TRL's importance-sampling
-(IS) correction, its ``sampling/*`` metrics and the ``importance_sampling_ratio`` factor in the loss
-only run when ``trainer.use_vllm`` is true, and they consume the per-token log-probs returned by
-``trainer.vllm_generation.generate(...)`` in ``_generate_single_turn``; the same method calls
-``trainer.vllm_generation.sync_weights()`` before the first generation after every optimizer step
-(``state.global_step != _last_loaded_step``). So after ``GRPOTrainer.__init__`` (run with
-``use_vllm=False``: no vLLM is imported or started) this class installs a
-:class:`QuadsRolloutEngine` as ``vllm_generation`` and sets ``use_vllm = True``. Everything
-downstream is TRL's own code: the trainer's ``old_per_token_logps``, the IS ratio under
-``vllm_importance_sampling_mode`` / ``vllm_importance_sampling_clip_min|max``, the masked loss.
+How it hooks into TRL 1.16: after ``GRPOTrainer.__init__`` (run with ``use_vllm=False``) this
+class installs a :class:`QuadsRolloutEngine` as ``vllm_generation`` and sets ``use_vllm = True``,
+so TRL's own importance-sampling correction, ``sampling/*`` metrics and loss run on the engine's
+log-probs (why this is the hook, read from TRL's source: docs/trl.md).
 
 The engine samples with the rollout model (``generate`` with TRL's ``generation_config``) and
 returns, for every sampled token, the log-softmax of the *processed* logits it was sampled from
@@ -27,17 +21,8 @@ returns, for every sampled token, the log-softmax of the *processed* logits it w
 (``top_k=0``, ``top_p=1``) that is ``log_softmax(logits / temperature)``, the same distribution
 TRL's fused LM head scores for the trainer's old/ref log-probs.
 
-On top of TRL's metrics, every step logs (``self._metrics[mode]``, so they reach every logger):
-
-* ``sampling/quads/logp_gap_mean|p99|max``: per-token |log p_rollout - log p_trainer|;
-* ``sampling/quads/k3_kl``: k3 estimate of KL(rollout || trainer) per token;
-* ``sampling/quads/is_ratio_raw_min|mean|max``, ``is_log_ratio_raw_min|max``: the IS ratios
-  before TRL truncates/masks them, at the level of the configured mode;
-* ``sampling/quads/is_masked_fraction``: fraction of IS units TRL masks (``*_mask``) or clips
-  (``*_truncate``);
-* with ``decompose_mismatch=True``: ``sampling/quads/delta_{num,weight,act}_abs_mean`` and
-  ``..._mean`` (signed), the gap split by re-scoring the same completions (see
-  :meth:`QuadsGRPOTrainer._decompose`).
+On top of TRL's metrics, every step logs the rollout/trainer gap as ``sampling/quads/*``
+(the list: docs/trl.md).
 """
 
 from quads.diagnostics.policy_gap import measure_policy_gap

@@ -9,11 +9,8 @@
 
 This is TRL's own vLLM colocate path with two substitutions, made where TRL 1.16 builds them:
 
-* **The engine** (``VLLMGeneration._init_vllm``, which calls ``vllm.LLM(model=model.name_or_path,
-  ..., quantization=None, logprobs_mode="processed_logprobs", distributed_executor_backend=
-  "external_launcher")``) is built with ``quantization="quads"`` and the quads settings passed as
-  ``hf_overrides={"quantization_config": ...}``, plus ``llm_kwargs`` (default on CPU:
-  ``enforce_eager=True``: vLLM's CPU torch.compile warm-up takes minutes).
+* **The engine** (``VLLMGeneration._init_vllm``) is built with ``quantization="quads"`` and the
+  quads settings (how: docs/vllm.md).
 * **The weight sync** (``VLLMGeneration.sync_weights``, which TRL calls before the first
   generation after each optimizer step) is :func:`quads.integrations.vllm.weight_push.push_weights`:
   all masters at once through ``reload_weights``, so the engine re-quantizes them with the
@@ -25,10 +22,7 @@ fake-quant, BF16 activations) after TRL's ``__init__``. Everything else (samplin
 importance-sampling correction on the engine's processed log-probs, the ``sampling/*`` metrics,
 the loss) is TRL's unchanged code.
 
-Requirements: the model is a local checkpoint (TRL starts the engine from ``model.name_or_path``);
-its masters and the engine run in BF16 (exact weight alignment); one process per engine
-(``vllm_tensor_parallel_size=1``), ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; no PEFT and no sleep
-mode (sleep level 2 drops the packed weights; a push would restore them, untested).
+Requirements (a local BF16 checkpoint, one process per engine, no PEFT, no sleep mode): docs/vllm.md.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ What it does, and why (docs/background.md section 3 lists the traps):
   ``experts.down_proj (E, H, I)``); vLLM's ``load_weights`` takes checkpoint names
   (``experts.{e}.gate_proj.weight`` ...). :func:`checkpoint_weights` produces the checkpoint
   view of the parameters with transformers' own save-time conversion
-  (``revert_weight_conversion``, so Mixtral's ``w1/w2/w3`` are right too), falling back to the
-  plain ``gate_proj``/``up_proj``/``down_proj`` split. No copy beyond the expert slices.
+  (``revert_weight_conversion``); no copy beyond the expert slices.
 * **All shards together, through ``reload_weights``.** ``llm.collective_rpc("reload_weights",
   kwargs={"weights_iterator": ...})`` restores each layer's checkpoint layout, loads the tensors
   and re-runs ``process_weights_after_loading`` (for the ``quads`` method: re-quantization with
@@ -19,16 +18,11 @@ What it does, and why (docs/background.md section 3 lists the traps):
   ``w13``/``w2``) must receive every shard in the same call: a partial push leaves the rest of
   the layer uninitialised (NaNs that poison the KV cache). :func:`push_weights` therefore sends
   the whole model, and refuses a ``weights`` subset unless ``allow_partial=True``.
-  (TRL's colocate sync calls ``model.load_weights`` directly, one tensor at a time; that skips
-  the processing and fails on vLLM's CPU linear layers, whose BF16 weight is repacked away.)
-* **vLLM's own unquantized CPU MoE** prepacks its weights once; after a reload the prepack is
-  stale. :func:`push_weights` re-runs it (only matters for an engine without ``quads``).
-* **Prefix cache.** Cached KV blocks were computed with the old weights:
-  ``llm.reset_prefix_cache()`` after every push.
+* **vLLM's own unquantized CPU MoE**: its stale prepack is re-run after a reload (docs/vllm.md).
+* **Prefix cache.** ``llm.reset_prefix_cache()`` after every push (cached KV blocks are stale).
 
-Exact alignment needs the masters in the engine's dtype (BF16 both sides, the QUADS setup):
-vLLM casts pushed tensors to its parameter dtype before quantizing, and NVFP4 codes of an FP32
-master and of its BF16 rounding can differ.
+Exact alignment needs the masters in the engine's dtype (BF16 both sides): vLLM casts pushed
+tensors to its parameter dtype before quantizing.
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
-"""NVFP4 quantization kernels (Triton), bit-exact with :mod:`quads.tensor.nvfp4_math`.
+"""Fused NVFP4 activation quantization with residual compensation (Triton), bit-exact with
+:mod:`quads.tensor.nvfp4_math`.
 
-Two kernels:
-
-* ``_act_quant_row_kernel``: one program per activation row. The whole row lives in registers,
-  so the per-row global scale (``granularity="row"``), the main quantization, the residual
-  ``r = x - DQ(Q(x))``, the per-token top-k selection of ``|r|`` (exact, ties included) and the
-  residual's quantization (with the same global scale) are one pass over ``x``. Outputs: the packed NVFP4 parts (bit-exact
-  with the reference) and/or the *unscaled* dequantized values ``e2m1 * f32(scale)`` in fp16
-  (exact, see docs/background.md section 2), which is what the GEMM kernels consume.
-* ``_quant_given_scale_kernel``: tiles of a 2-D tensor quantized with a given per-row-group global
-  scale (weights: ``"tensor"``/``"expert"`` granularity). The global amax comes from ``_amax_rows_kernel`` (max of |x| bit patterns, which
-  is exact, order-independent and NaN-propagating), and ``S_enc`` from the reference function.
-
-Bit-exactness notes (all float32, as the recipe):
-
-* every division is ``tl.math.div_rn`` (IEEE round-to-nearest), never the approximate ``/``;
-* the E4M3 cast (round-to-nearest-even, subnormals, NaN) is done with integer arithmetic, so it
-  does not depend on the Triton version's fp8 conversion;
-* clamps are written as ``where(v > hi, hi, v)`` so NaN propagates like ``torch.clamp``
-  (``tl.minimum`` would drop NaN on the GPU);
-* amax is a max over ``|x|`` bit patterns: for non-negative floats the integer order is the
-  float order and every NaN pattern sorts above +inf, so NaN propagates like ``torch.amax``;
-* the sign nibble of an element whose scaled value is NaN is platform-defined in the reference
-  too (x86 propagates the NaN operand's sign, CUDA returns a canonical NaN); dequantization gives
-  NaN either way.
-* ``DQ = (e2m1 * s) / S_enc`` is computed as ``2^e * div_rn(f * s, S_enc)`` with ``e2m1 = 2^e * f``,
-  ``f in {1, 1.5}``: exact because scaling by a power of two commutes with rounding while the
-  results stay normal; rows where a result could be subnormal take the per-element ``div_rn``;
-* the Four Over Six branches (``FOUR_OVER_SIX``, ``_quant_blocks_4over6``) of both kernels
-  compares float32 sums of squared errors, whose bits depend on every rounding: it sums in the
-  reference's pairwise order and is launched with ``enable_fp_fusion=False`` (no FMA
-  contraction); the other paths' results do not depend on contraction.
+``_act_quant_row_kernel``: one program per activation row (or per chunk of a row when there are
+few rows). The whole row lives in registers, so the per-row global scale (``granularity="row"``),
+the main quantization, the residual ``r = x - DQ(Q(x))``, the per-token top-k selection of
+``|r|`` (exact, ties included) and the residual's quantization (with the same global scale) are
+one pass over ``x``. Outputs: the packed NVFP4 parts (bit-exact with the reference) and/or the
+*unscaled* dequantized values ``e2m1 * f32(scale)`` in fp16 (exact, see docs/background.md
+section 2), which is what the GEMM kernels consume. The block arithmetic and its bit-exactness
+rules are in :mod:`quads.kernels.nvfp4_blocks`.
 """
 
 from __future__ import annotations
@@ -43,171 +21,23 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from quads.kernels._interpreter import interpreter_safe_input, interpreting
+from quads.kernels.amax import amax_rows
+from quads.kernels.nvfp4_blocks import (
+    abs_bits,
+    global_scale,
+    no_fp_fusion,
+    quant_blocks,
+    quant_blocks_4over6,
+    with_sign,
+)
 from quads.tensor.nvfp4_math import BLOCK_SIZE, NVFP4Parts, check_block_scaling, global_encode_scale_from_amax
 
-__all__ = [
-    "QuantizedRows",
-    "RowQuantization",
-    "TOPK_SEARCHES",
-    "quantize_rows",
-    "quantize_given_scale",
-    "amax_rows",
-]
-
-# ---------------------------------------------------------------------------------------------
-# Device helpers
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _abs_bits(v):
-    """|v| as int32 bit pattern (non-negative; NaN patterns sort above +inf)."""
-    return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
-def _with_sign(mag, neg):
-    """Set the sign bit of ``mag`` (>= 0) where ``neg``: bit operation, so -0.0 is kept (a float
-    negation may be lowered as ``0 - x``, which turns -0.0 into +0.0)."""
-    b = mag.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_encode(v):
-    """float32 v (>= 0 or NaN, already clamped to <= 448) -> E4M3 byte (int32), RNE, like torch."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = bits & 0x7FFFFFFF
-    # normal range [2^-6, 448]: drop 20 mantissa bits with round-to-nearest-even
-    rn = a + 0x7FFFF + ((a >> 20) & 1)
-    normal_code = (rn >> 20) - (120 << 3)
-    # subnormal range: round v * 2^9 to an integer (0..8), ties to even
-    exp = a >> 23
-    mant = (a & 0x7FFFFF) | 0x800000
-    sh = tl.minimum(141 - exp, 25)
-    q = mant >> sh
-    rem = mant & ((1 << sh) - 1)
-    half = 1 << (sh - 1)
-    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    q = q + up.to(tl.int32)
-    code = tl.where(a < 0x3C800000, q, normal_code)
-    code = tl.where(a > 0x7F800000, 0x7F, code)
-    return code | sign
-
-
-@triton.jit
-def _e4m3_decode(code):
-    """E4M3 byte (int32 0..255) -> float32 value (exact)."""
-    e = (code >> 3) & 0xF
-    m = code & 0x7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125
-    val = tl.where(e == 0, sub, normal)
-    val = tl.where((code & 0x7F) == 0x7F, float("nan"), val)
-    return _with_sign(val, (code & 0x80) != 0)
-
-
-@triton.jit
-def _global_scale(amax, NUMERATOR: tl.constexpr = 2688.0):
-    """S_enc = 2688 / amax (1536 / amax under 4over6), clamped to FLT_MAX; 1 where amax == 0 or
-    S_enc == 0 (NaN stays)."""
-    s = tl.math.div_rn(NUMERATOR + tl.zeros_like(amax), amax)
-    s = tl.where(s > 3.4028234663852886e38, 3.4028234663852886e38, s)
-    return tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
-
-
-@triton.jit
-def _e2m1_mag_code(a):
-    """|v| in [0, 6] (or NaN) -> E2M1 magnitude index 0..7, round to nearest even, NaN -> 0.
-
-    The E2M1 grid has spacing 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: the index is
-    ``rne(a * f) + o`` with (f, o) = (2, 0), (1, 2), (0.5, 4). ``rne`` by the 2^23 trick: for
-    0 <= t <= 4, ``t + 2^23`` rounds t to an integer (ties to even) in the low mantissa bits
-    (a * f is exact, so an FMA contraction gives the same bits). Same results as the
-    reference's threshold ladder (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
-    3.5 -> 4, 5 -> 4): checked exhaustively against it in tests/kernels.
-    """
-    f = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
-    o = tl.where(a < 2.0, 0, tl.where(a < 4.0, 2, 4))
-    t = a * f + 8388608.0
-    m = (t.to(tl.int32, bitcast=True) - 0x4B000000) + o
-    return tl.where(a == a, m, 0)
-
-
-@triton.jit
-def _quant_blocks(x, s_enc):
-    """Quantize blocks ``x`` (B, 16) float32 with per-block global scale ``s_enc`` (B,), each
-    block's max mapped to 6 (the recipe's ``S_enc * f32(1/6)``).
-
-    Returns (codes (B,16) int32 with sign bit 8, magnitude value qv (B,16) fp32 (unsigned),
-    negative mask (B,16), scale byte (B,) int32, f32(scale) (B,)).
-    """
-    return _quant_blocks_to(x, s_enc, 0.1666666716337204)
-
-
-@triton.jit
-def _quant_blocks_4over6(x, s_enc):
-    """``_quant_blocks`` with Four Over Six block scaling (nvfp4_math, ``block_scaling="4over6"``):
-    each block quantized with its max mapped to 6 and to 4, keeping the candidate of smaller
-    squared error (``block_squared_error``'s units and pairwise order; a tie keeps 6). Bit-exact
-    with the reference only without FMA contraction: launch with ``enable_fp_fusion=False``."""
-    codes, qv, neg, s_code, s_f32 = _quant_blocks_to(x, s_enc, 0.1666666716337204)
-    codes4, qv4, neg4, s_code4, s_f32_4 = _quant_blocks_to(x, s_enc, 0.25)
-    target = x * s_enc[:, None]
-    err6 = _pairwise_block_sum(_squared(_with_sign(qv, neg) * s_f32[:, None] - target))
-    err4 = _pairwise_block_sum(_squared(_with_sign(qv4, neg4) * s_f32_4[:, None] - target))
-    pick4 = err4 < err6
-    p2 = pick4[:, None]
-    return (tl.where(p2, codes4, codes), tl.where(p2, qv4, qv), tl.where(p2, neg4, neg),
-            tl.where(pick4, s_code4, s_code), tl.where(pick4, s_f32_4, s_f32))
-
-
-@triton.jit
-def _squared(d):
-    return d * d
-
-
-@triton.jit
-def _pairwise_block_sum(e):
-    """Per row of ``e`` (B, 16): ((e0 + e1) + (e2 + e3)) + ... , the reference's fixed order."""
-    b: tl.constexpr = e.shape[0]
-    lo, hi = tl.split(tl.reshape(e, (b, 8, 2)))
-    e = lo + hi
-    lo, hi = tl.split(tl.reshape(e, (b, 4, 2)))
-    e = lo + hi
-    lo, hi = tl.split(tl.reshape(e, (b, 2, 2)))
-    e = lo + hi
-    lo, hi = tl.split(e)
-    return lo + hi
-
-
-@triton.jit
-def _quant_blocks_to(x, s_enc, INV_MAX: tl.constexpr):
-    """``_quant_blocks`` with each block's max mapped to ``1 / INV_MAX`` (6 or 4)."""
-    blk_amax = tl.max(_abs_bits(x), axis=1).to(tl.float32, bitcast=True)
-    t = s_enc * INV_MAX
-    sc = blk_amax * t
-    sc = tl.where(sc > 448.0, 448.0, sc)
-    s_code = _e4m3_encode(sc)
-    s_f32 = _e4m3_decode(s_code)
-    decode_scale = s_f32 * tl.math.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)
-    enc = tl.math.div_rn(1.0 + tl.zeros_like(decode_scale), decode_scale)
-    enc = tl.where(enc > 3.4028234663852886e38, 3.4028234663852886e38, enc)
-    v = x * enc[:, None]
-    v = tl.where(v > 6.0, 6.0, v)
-    v = tl.where(v < -6.0, -6.0, v)
-    a = tl.abs(v)
-    mag = _e2m1_mag_code(a)
-    neg = v.to(tl.int32, bitcast=True) < 0
-    codes = mag | tl.where(neg, 8, 0)
-    qv = tl.where(mag < 4, mag.to(tl.float32) * 0.5, tl.where(mag < 7, mag.to(tl.float32) - 2.0, 6.0))
-    return codes, qv, neg, s_code, s_f32
+__all__ = ["QuantizedRows", "RowQuantization", "TOPK_SEARCHES", "quantize_rows"]
 
 
 @triton.jit
 def _dequant_blocks(qv, neg, s_f32, s_enc, FAST: tl.constexpr):
-    """(±qv * s) / S_enc in float32, exactly as the reference (see module doc)."""
+    """(±qv * s) / S_enc in float32, exactly as the reference (see :mod:`quads.kernels.nvfp4_blocks`)."""
     if FAST:
         q1 = tl.math.div_rn(s_f32, s_enc)
         q3 = tl.math.div_rn(s_f32 * 1.5, s_enc)
@@ -217,7 +47,7 @@ def _dequant_blocks(qv, neg, s_f32, s_enc, FAST: tl.constexpr):
         mag = f * pow2
     else:
         mag = tl.math.div_rn(qv * s_f32[:, None], s_enc[:, None] + tl.zeros_like(qv))
-    return _with_sign(mag, neg)
+    return with_sign(mag, neg)
 
 
 @triton.jit
@@ -297,10 +127,6 @@ def _topk_threshold_bits(bits, k, PACKED_SEARCH: tl.constexpr):
     return lo
 
 
-# ---------------------------------------------------------------------------------------------
-# Kernels
-# ---------------------------------------------------------------------------------------------
-
 
 @triton.jit
 def _act_quant_row_kernel(
@@ -345,16 +171,16 @@ def _act_quant_row_kernel(
     elif FULL > 0:  # a chunk of the row: every program takes the whole row's amax (one cheap pass)
         kk = tl.arange(0, FULL)
         xr = tl.load(X + src * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        s_main = _global_scale(tl.max(_abs_bits(xr), axis=0).to(tl.float32, bitcast=True),
+        s_main = global_scale(tl.max(abs_bits(xr), axis=0).to(tl.float32, bitcast=True),
                                1536.0 if FOUR_OVER_SIX else 2688.0)
     else:
-        amax = tl.max(tl.max(_abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
-        s_main = _global_scale(amax, 1536.0 if FOUR_OVER_SIX else 2688.0)
+        amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
+        s_main = global_scale(amax, 1536.0 if FOUR_OVER_SIX else 2688.0)
     s_vec = s_main + tl.zeros((NB,), dtype=tl.float32)
     if FOUR_OVER_SIX:
-        codes, qv, neg, s_code, s_f32 = _quant_blocks_4over6(x, s_vec)
+        codes, qv, neg, s_code, s_f32 = quant_blocks_4over6(x, s_vec)
     else:
-        codes, qv, neg, s_code, s_f32 = _quant_blocks(x, s_vec)
+        codes, qv, neg, s_code, s_f32 = quant_blocks(x, s_vec)
 
     q_off = row * (K // 2)
     s_off = row * (K // 16)
@@ -364,14 +190,14 @@ def _act_quant_row_kernel(
     if WRITE_PACKED:
         _pack_store(codes, QX, SX, s_code, q_off, s_off, blk, jj8, bmask, NB)
     if WRITE_DQ:
-        u = _with_sign(qv, neg) * s_f32[:, None]
+        u = with_sign(qv, neg) * s_f32[:, None]
         tl.store(DX + row * K + offs, u.to(tl.float16), mask=emask)
 
     if RES_MODE != 0:
         xh = _dequant_exact(qv, neg, s_f32, s_main)
         r = x - xh
         if RES_MODE == 1:
-            mbits = tl.where(emask, _abs_bits(r), -1)
+            mbits = tl.where(emask, abs_bits(r), -1)
             thr_bits = _topk_threshold_bits(tl.reshape(mbits, (NB * 16,)), k_top, PACKED_SEARCH)
             thr = thr_bits.to(tl.float32, bitcast=True)
             sel = (tl.abs(r) >= thr) & (k_top > 0) & emask
@@ -384,91 +210,21 @@ def _act_quant_row_kernel(
         # the residual shares the row's (or tensor's) global scale: its E4M3 block scales cover the
         # ~10x smaller range (measured: same error as an own global scale, docs/design.md)
         if FOUR_OVER_SIX:
-            rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks_4over6(rs, s_vec)
+            rcodes, rqv, rneg, rs_code, rs_f32 = quant_blocks_4over6(rs, s_vec)
         else:
-            rcodes, rqv, rneg, rs_code, rs_f32 = _quant_blocks(rs, s_vec)
+            rcodes, rqv, rneg, rs_code, rs_f32 = quant_blocks(rs, s_vec)
         if WRITE_PACKED:
             _pack_store(rcodes, QR, SR, rs_code, q_off, s_off, blk, jj8, bmask, NB)
         if WRITE_DQ or WRITE_SUM:
-            ru = _with_sign(rqv, rneg) * rs_f32[:, None]
+            ru = with_sign(rqv, rneg) * rs_f32[:, None]
             if WRITE_DQ:
                 tl.store(DR + row * K + offs, ru.to(tl.float16), mask=emask)
             if WRITE_SUM:
                 # both terms are exact fp16 values (<= 6 significant bits, < 2^12): the fp32 add and
                 # one rounding give the bits of fp16(f32(fp16 main) + f32(fp16 residual))
-                xu = _with_sign(qv, neg) * s_f32[:, None]
+                xu = with_sign(qv, neg) * s_f32[:, None]
                 tl.store(DSUM + row * K + offs, (xu + ru).to(tl.float16), mask=emask)
 
-
-@triton.jit
-def _quant_given_scale_kernel(
-    X, stride_xm, K, GS, rows_per_group,
-    Q, S, D,
-    n_rows,
-    BR: tl.constexpr, BB: tl.constexpr,
-    WRITE_PACKED: tl.constexpr, WRITE_DQ: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
-):
-    """Quantize a (BR rows) x (BB blocks of 16) tile with global scale GS[row // rows_per_group]
-    (FOUR_OVER_SIX: each block's max to 4 or 6, see ``_quant_blocks_4over6``)."""
-    pid_r = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
-    blks = pid_b * BB + tl.arange(0, BB)
-    jj = tl.arange(0, 16)
-    jj8 = tl.arange(0, 8)
-    rmask = rows < n_rows
-    bmask = blks < (K // 16)
-    m3 = rmask[:, None, None] & bmask[None, :, None] & (jj[None, None, :] < 16)
-    offs = rows[:, None, None] * stride_xm + blks[None, :, None] * 16 + jj[None, None, :]
-    x = tl.load(X + offs, mask=m3, other=0.0).to(tl.float32)
-    s_enc = tl.load(GS + rows // rows_per_group, mask=rmask, other=1.0)
-    x2 = tl.reshape(x, (BR * BB, 16))
-    s2 = tl.reshape(tl.broadcast_to(s_enc[:, None], (BR, BB)), (BR * BB,))
-    if FOUR_OVER_SIX:
-        codes, qv, neg, s_code, s_f32 = _quant_blocks_4over6(x2, s2)
-    else:
-        codes, qv, neg, s_code, s_f32 = _quant_blocks(x2, s2)
-    if WRITE_PACKED:
-        c3 = tl.reshape(codes, (BR, BB, 8, 2))
-        lo, hi = tl.split(c3)
-        byte = (lo | (hi << 4)).to(tl.uint8)
-        qoffs = rows[:, None, None] * (K // 2) + blks[None, :, None] * 8 + jj8[None, None, :]
-        m8 = rmask[:, None, None] & bmask[None, :, None] & (jj8[None, None, :] < 8)
-        tl.store(Q + qoffs, byte, mask=m8)
-        sc = tl.reshape(s_code, (BR, BB)).to(tl.uint8)
-        tl.store(S + rows[:, None] * (K // 16) + blks[None, :], sc, mask=rmask[:, None] & bmask[None, :])
-    if WRITE_DQ:
-        u = _with_sign(qv, neg) * s_f32[:, None]
-        u3 = tl.reshape(u, (BR, BB, 16))
-        doffs = rows[:, None, None] * K + blks[None, :, None] * 16 + jj[None, None, :]
-        tl.store(D + doffs, u3.to(tl.float16), mask=m3)
-
-
-@triton.jit
-def _amax_rows_kernel(X, stride_xm, K, OUT, n_rows, BR: tl.constexpr, BC: tl.constexpr):
-    """OUT[row] = max |X[row, :]| (as float32; NaN if any NaN), for BR rows per program."""
-    pid = tl.program_id(0)
-    rows = (pid * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = tl.arange(0, BC)
-    rmask = rows < n_rows
-    acc = tl.zeros((BR, BC), dtype=tl.int32)
-    for c0 in range(0, K, BC):
-        m = rmask[:, None] & ((c0 + cols)[None, :] < K)
-        x = tl.load(X + rows[:, None] * stride_xm + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, _abs_bits(x))
-    tl.store(OUT + rows, tl.max(acc, axis=1).to(tl.float32, bitcast=True), mask=rmask)
-
-
-@triton.jit
-def _e2m1_probe_kernel(A, OUT, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    a = tl.load(A + offs, mask=offs < n, other=0.0)
-    tl.store(OUT + offs, _e2m1_mag_code(a), mask=offs < n)
-
-
-# ---------------------------------------------------------------------------------------------
-# Host launchers
-# ---------------------------------------------------------------------------------------------
 
 
 class QuantizedRows(NamedTuple):
@@ -537,65 +293,6 @@ def _packed_search(search: str, rows: int, k: int) -> bool:
         return rows <= 256  # latency-optimal for few rows (measured, docs/kernels.md)
     return search == "packed5"
 
-
-def e2m1_code_probe(a: torch.Tensor) -> torch.Tensor:
-    """The kernel's E2M1 magnitude index of |v| values in [0, 6] (int32), for tests."""
-    a = a.float().contiguous()
-    out = torch.empty(a.shape, dtype=torch.int32, device=a.device)
-    _e2m1_probe_kernel[(triton.cdiv(a.numel(), 1024),)](a, out, a.numel(), BLOCK=1024)
-    return out
-
-
-def amax_rows(x2d: torch.Tensor) -> torch.Tensor:
-    """float32 (rows,) = max |x| per row (NaN-propagating)."""
-    x2d = interpreter_safe_input(x2d)
-    n_rows, k = x2d.shape
-    out = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
-    br = 4
-    bc = min(1024, triton.next_power_of_2(max(k, 16)))
-    _amax_rows_kernel[(triton.cdiv(n_rows, br),)](x2d, x2d.stride(0), k, out, n_rows, BR=br, BC=bc, num_warps=4)
-    return out
-
-
-def quantize_given_scale(
-    x2d: torch.Tensor,
-    global_encode_scale: torch.Tensor,
-    rows_per_group: int,
-    write_packed: bool = True,
-    write_operand: bool = False,
-    block_scaling: str = "6",
-):
-    """Quantize rows of ``x2d`` (R, K) with ``S_enc = global_encode_scale[row // rows_per_group]``
-    and ``block_scaling`` (``"6"`` or ``"4over6"``, :data:`~quads.tensor.nvfp4_math.BLOCK_SCALINGS`).
-
-    Returns (qdata uint8 (R,K/2), scale uint8 (R,K/16), operand fp16 (R,K)), None where not asked.
-    """
-    four_over_six = check_block_scaling(block_scaling) == "4over6"
-    x2d = interpreter_safe_input(x2d)
-    n_rows, k = x2d.shape
-    dev = x2d.device
-    gs = global_encode_scale.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
-    q = torch.empty((n_rows, k // 2), dtype=torch.uint8, device=dev) if write_packed else None
-    s = torch.empty((n_rows, k // 16), dtype=torch.uint8, device=dev) if write_packed else None
-    d = torch.empty((n_rows, k), dtype=torch.float16, device=dev) if write_operand else None
-    br, bb, nw = (2, 4, 4) if interpreting() else (4, 16, 4)
-    bb = min(bb, triton.next_power_of_2(max(k // 16, 1)))
-    grid = (triton.cdiv(n_rows, br), triton.cdiv(k // 16, bb))
-    dummy = gs
-    _quant_given_scale_kernel[grid](
-        x2d, x2d.stride(0), k, gs, rows_per_group,
-        q if q is not None else dummy, s if s is not None else dummy, d if d is not None else dummy,
-        n_rows, BR=br, BB=bb, WRITE_PACKED=write_packed, WRITE_DQ=write_operand, FOUR_OVER_SIX=four_over_six,
-        num_warps=nw, **_no_fp_fusion(four_over_six),
-    )
-    return q, s, d
-
-
-def _no_fp_fusion(four_over_six: bool) -> dict:
-    """Launch options of a 4over6 kernel: no FMA contraction (``a * b + c`` kept as two roundings),
-    since its error comparison must round as the reference does; the standard path keeps the
-    default (its results do not depend on contraction, see the module doc)."""
-    return {"enable_fp_fusion": False} if four_over_six else {}
 
 
 def quantize_rows(
@@ -713,7 +410,7 @@ def quantize_rows(
             FOUR_OVER_SIX=four_over_six,
             num_warps=num_warps or (max(4, min(16, triton.next_power_of_2(k) // 1024)) if chunks > 1
                                     else _num_warps_for(k, n_rows)),
-            **_no_fp_fusion(four_over_six),
+            **no_fp_fusion(four_over_six),
         )
     e4m3 = lambda t: None if t is None else t.view(torch.float8_e4m3fn)  # noqa: E731
     main = QuantizedRows(qx, e4m3(sx), gx, dx)
