@@ -16,7 +16,7 @@ warm-up, the variants run round-robin, the device synchronised around each call:
 * ``check_per_tensor``: for comparison, one ``check_finite`` (one host sync) per tensor.
 
 Output: a table on stdout, ``--out`` (JSON), and one row per variant (median µs) appended to
-``benchmarks/results/kernels.csv`` (``--csv``, :func:`benchmarks.timing.append_results`).
+``results/kernels.csv`` (``--csv``, :func:`benchmarks.timing.append_results`).
 
 Before timing, a self-check on the benchmark's device: a NaN in one master and an Inf in
 another must each make ``sync_weights_`` raise with the rollout left bit for bit unchanged

@@ -59,7 +59,7 @@ fake-quantization pass over every quantized weight by the kernel and by the refe
 forward-weight cache could save; docs/trainer.md), and the kernel's forward weights against the
 reference's, bit for bit, on every quantized weight, in the autocast dtype and the master dtype.
 Output: a table on stdout, every row as JSON lines while running, ``--out`` (JSON), and the step
-times and fake-quantization passes (µs) appended to ``benchmarks/results/kernels.csv`` (``--csv``,
+times and fake-quantization passes (µs) appended to ``results/kernels.csv`` (``--csv``,
 :func:`benchmarks.timing.append_results`).
 
 ``--profile``: one more step per variant (the first ``--accum``) under ``torch.profiler``: the

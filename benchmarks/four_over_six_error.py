@@ -21,7 +21,7 @@ The text: the completions ``quads diagnose`` samples (its 8 prompts, BF16 model,
 120 new tokens), prompts included.
 
     python -m benchmarks.four_over_six_error --model ~/.cache/quads/smollm2-135m-instruct \\
-        --json benchmarks/results/four_over_six_cpu_2026-12-03/error.json
+        --json results/four_over_six_cpu_2026-12-03/error.json
 """
 
 from __future__ import annotations

@@ -50,5 +50,5 @@ if __name__ == "__main__":
     import argparse
 
     argparse.ArgumentParser(description=__doc__ + "\nA helper module, nothing to run: imported by bench_kernels.py (its FP8 rows) and fp8_rollout.py, "
-                            "which time it and append the rows to benchmarks/results/kernels.csv.",
+                            "which time it and append the rows to results/kernels.csv.",
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()

@@ -17,7 +17,7 @@ length as the end-to-end run has it (prompt + new tokens, rounded up to 64: 320 
 since the ``repeat_kv`` copies scale with it.
 
 Output: ``--out``/profile_decode_step.json, and per case the replayed step and its kernel
-families' sums (µs per step) appended to ``benchmarks/results/kernels.csv`` (``--csv``,
+families' sums (µs per step) appended to ``results/kernels.csv`` (``--csv``,
 :func:`benchmarks.timing.append_results`).
 """
 

@@ -4,7 +4,7 @@
 #   bash benchmarks/run_engine_h200.sh   (on the device; results under $OUT)
 set -u
 export PYTHONPATH=.
-OUT=${OUT:-benchmarks/results/engine_h200}
+OUT=${OUT:-results/engine_h200}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 timeout ${RT_TIMEOUT:-320} python -m benchmarks.rollout_throughput --out "$OUT" --budget-s ${RT_BUDGET:-260} --glue ${RT_GLUE:-new} > "$OUT/rollout_throughput.log" 2>&1; echo "rollout rc=$?" >> "$OUT/rc.txt"

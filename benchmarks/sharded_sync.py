@@ -16,7 +16,7 @@ every rank holds a full rollout replica (quads rollout policy). Methods, per syn
 Both must give the same bits (checked). Reported per method: median / min wall time of a sync
 (the slowest rank), bytes each rank sends, peak extra GPU memory. ``--train-step`` also times
 one FSDP training step (forward + backward + AdamW) for scale. NVLink multicast stays off.
-Rank 0 appends the median times (µs) to ``benchmarks/results/kernels.csv`` (``--csv``,
+Rank 0 appends the median times (µs) to ``results/kernels.csv`` (``--csv``,
 :func:`benchmarks.timing.append_results`).
 """
 

@@ -1,5 +1,5 @@
 """What the timing benchmarks share: CUDA-graph timing (rotating input sets, median of replays)
-and the one results table, ``benchmarks/results/kernels.csv``, every timing row appended by
+and the one results table, ``results/kernels.csv``, every timing row appended by
 :func:`append_results` (a benchmark takes ``--csv`` through :func:`add_csv_argument`)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def graph_time(calls, iters=30):
 # -- the one results table -----------------------------------------------------------------------
 
 #: every kernel timing of every run, appended (the raw logs / JSON stay in the run's folder beside it)
-RESULTS_CSV = Path(__file__).resolve().parent / "results" / "kernels.csv"
+RESULTS_CSV = Path(__file__).resolve().parents[1] / "results" / "kernels.csv"
 #: its columns: what was timed, at which shape, which variant, microseconds per call, on which GPU,
 #: at which commit, on which date, and where the run's raw log / JSON lies
 RESULT_FIELDS = ("kernel", "shape", "variant", "us", "gpu", "commit", "date", "raw")

@@ -7,7 +7,7 @@ policy (teacher forcing). Every row uses the quads defaults (``QuadsPolicy(side=
 engine's default ``quantization_config``), unless it names another setting. Run in the vLLM venv:
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \\
-        .venv-vllm/bin/python -m benchmarks.vllm_agreement --out benchmarks/results/vllm_agreement
+        .venv-vllm/bin/python -m benchmarks.vllm_agreement --out results/vllm_agreement
 """
 
 from __future__ import annotations

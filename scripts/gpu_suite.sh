@@ -129,7 +129,7 @@ run_rl_step() {
   local rc=$?
   say "rl-step: $( [ $rc = 0 ] && echo done || echo FAIL) [$((SECONDS - t0)) s]"
   grep '^|' "$W/rl_step.log" | tee -a "$SUMMARY"
-  cp benchmarks/results/kernels.csv "$W/kernels_rows.csv" 2>/dev/null
+  cp results/kernels.csv "$W/kernels_rows.csv" 2>/dev/null
   [ $rc = 0 ] || { failed=1; tail -n 5 "$W/rl_step.log" | tee -a "$SUMMARY"; }
 }
 

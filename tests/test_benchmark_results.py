@@ -1,4 +1,4 @@
-"""The one results table (``benchmarks/results/kernels.csv``): ``benchmarks.timing.append_results``
+"""The one results table (``results/kernels.csv``): ``benchmarks.timing.append_results``
 writes the documented columns, whole rows only."""
 
 import csv
@@ -77,5 +77,5 @@ def test_csv_argument():
 
     ap = argparse.ArgumentParser()
     add_csv_argument(ap)
-    assert ap.parse_args([]).csv.endswith("benchmarks/results/kernels.csv")
+    assert ap.parse_args([]).csv.endswith("results/kernels.csv")
     assert ap.parse_args(["--csv", ""]).csv == ""

@@ -20,7 +20,7 @@ are not autocast), median of 3 steps after one warm-up, one process:
 * ``("blackwell", ...)``: unmeasured: the native-FP4 backend is written, never run.
 
 To add a measurement, add a :class:`StepTime` under its key with the result file (the
-whole-RL-step benchmark's output under ``benchmarks/results/``) and the row it read.
+whole-RL-step benchmark's output under ``results/``) and the row it read.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class StepTime:
         return self.bf16_s / self.plan_s
 
 
-_RL_STEP_MOE = "benchmarks/results/h200_2026-12-03_s7/rl_step/moe.json (Qwen3-MoE 2.4B, H200)"
-_RL_STEP_DENSE = "benchmarks/results/h200_2026-12-03_s7/rl_step/dense.json (Qwen3 dense 0.8B, H200)"
+_RL_STEP_MOE = "results/h200_2026-12-03_s7/rl_step/moe.json (Qwen3-MoE 2.4B, H200)"
+_RL_STEP_DENSE = "results/h200_2026-12-03_s7/rl_step/dense.json (Qwen3 dense 0.8B, H200)"
 
 PLAN_SPEEDS: dict[tuple[str, str], dict[str, StepTime]] = {
     ("hopper", "dense"): {

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Session 5, device call 6 (one H200, ~5.5 min), from the repository root:
-#   OUT=$OUT bash benchmarks/results/h200_2026-12-02_s5/call6.sh
+#   OUT=$OUT bash results/h200_2026-12-02_s5/call6.sh
 # 1. trainer after the host-glue cut (s5-host) and the once-per-parent group scale: the max|x| reduction natively,
 #    a dense profile (GPU idle), the step table
 # 0. the lean fake-quant variant natively (bits, per-shape time), the quads-lean step row
 # 2. humming: Stream-K vs no-Stream-K timings (W4A16's bf16 Stream-K fix-ups broke its bound), linear + MoE
 set -u
-source benchmarks/results/h200_2026-12-02_s5/setup.sh
+source results/h200_2026-12-02_s5/setup.sh
 mkdir -p $OUT
 timeout 90 python -m pytest -q tests/test_nvfp4_math.py tests/kernels/test_kernel_fake_quantize.py -k "max_abs or fake" 2>&1 | tail -2
 timeout 40 python -m benchmarks.bench_fake_quant --out $OUT/bench_fake_quant.json > $OUT/bench_fake_quant.log 2>&1; echo "fq rc=$?"
@@ -33,4 +33,4 @@ timeout 75 python -m benchmarks.bench_humming --out $OUT/modes_lin --sections li
 echo "modes linear rc=$?"; grep -E "^time|FAIL" $OUT/modes_lin.log | cut -c1-700
 timeout 90 python -m benchmarks.bench_humming --out $OUT/modes_moe --sections moe --moe-ts 1,16 --modes default,no_stream_k \
     --budget-s 80 > $OUT/modes_moe.log 2>&1; echo "modes moe rc=$?"; grep -E "^moe E=|FAIL" $OUT/modes_moe.log | cut -c1-800
-cp benchmarks/results/kernels.csv $OUT/kernels_rows.csv 2>/dev/null; echo "kernels.csv rows: $(wc -l < $OUT/kernels_rows.csv 2>/dev/null)"
+cp results/kernels.csv $OUT/kernels_rows.csv 2>/dev/null; echo "kernels.csv rows: $(wc -l < $OUT/kernels_rows.csv 2>/dev/null)"
