@@ -479,7 +479,7 @@ def humming_unavailable() -> str | None:
 @check("humming")
 def check_humming():
     """``kernel="fast"`` (humming): every path within its stated bound of the exact fp32 product
-    (``benchmarks.bench_humming.bounds``, docs/humming.md), the in-place refresh bit-exact against a
+    (``benchmarks.ops.bench_humming.bounds``, docs/humming.md), the in-place refresh bit-exact against a
     layout built from scratch at the same addresses, the packed parts derived back from the layout
     bit-exact, and a rollout module holding one layout (<= 1.1x the packed bytes)."""
     why = humming_unavailable()
@@ -487,7 +487,7 @@ def check_humming():
         RESULTS["humming"] = {"ok": True, "skipped": True, "detail": why}
         print(f"[SKIP] humming: {why}", flush=True)
         return
-    from benchmarks.bench_humming import bounds
+    from benchmarks.ops.bench_humming import bounds
     from quads.ops.humming_backend import HummingBackend, HummingWeight
 
     paths = {"stacked": (HummingBackend(residual_layout="stacked"), ActivationQuant(residual_fraction=1.0)),

@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts (scripts/gpu_suite.sh, benchmarks/real_grpo_h200.sh) on a CUDA machine:
+# Sourced by the GPU scripts (scripts/gpu_suite.sh, benchmarks/rl/real_grpo_h200.sh) on a CUDA machine:
 #
 # * the wheels carried in .whl/ (scripts/fetch_gpu_wheels.sh) installed once per machine into
 #   /tmp/quads-site, which goes first on PYTHONPATH with this checkout;

@@ -17,7 +17,7 @@
 #             finishes; the decoder says in one line why it did not capture a model, if it did not
 #             (EXAMPLE_MODELS="embedded smollm2 moe" by default: a subset runs part of it; EXAMPLE_ARGS
 #             are added to every run's command line)
-#   rl-step   python -m benchmarks.rl_step $RL_STEP_ARGS (the whole RL step: BF16 vs QUADS exact vs fast)
+#   rl-step   python -m benchmarks.rl.rl_step $RL_STEP_ARGS (the whole RL step: BF16 vs QUADS exact vs fast)
 #
 # The real model is built once both wheel parts have been carried (scripts/gpu_env.sh); until then
 # the examples on it are reported as skipped, with the reason. Every output goes under $OUT
@@ -125,7 +125,7 @@ run_examples() {
 run_rl_step() {
   local t0=$SECONDS
   # shellcheck disable=SC2086
-  $PY -m benchmarks.rl_step --out "$W/rl_step" ${RL_STEP_ARGS:-} > "$W/rl_step.log" 2>&1
+  $PY -m benchmarks.rl.rl_step --out "$W/rl_step" ${RL_STEP_ARGS:-} > "$W/rl_step.log" 2>&1
   local rc=$?
   say "rl-step: $( [ $rc = 0 ] && echo done || echo FAIL) [$((SECONDS - t0)) s]"
   grep '^|' "$W/rl_step.log" | tee -a "$SUMMARY"

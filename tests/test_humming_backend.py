@@ -5,7 +5,7 @@ Triton kernels around the GEMM (interpreter), the backend glue end to end agains
 reference with a stand-in for humming's GEMM that follows its documented arithmetic (exact
 e2m1 x e4m3 weight decode, fp32 sums, ``* weight_scale_2``, one rounding to the activation
 dtype), in-place refresh, selection (policy field, env overrides) and the error paths. The
-GPU run (``benchmarks/bench_humming.py``) checks the real kernels against the same references.
+GPU run (``benchmarks/ops/bench_humming.py``) checks the real kernels against the same references.
 """
 
 from __future__ import annotations

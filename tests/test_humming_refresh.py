@@ -10,7 +10,7 @@
   launch into the held tensor) gives bit for bit the tensors of the stage-1 refresh (a scratch
   ``HummingLayer`` built from the new parts, transformed, copied over), at the same addresses,
   and the packed parts derived from the layout are quads' parts. The GPU run
-  (``benchmarks/bench_humming.py``, sync rows) checks the same against humming's real kernel.
+  (``benchmarks/ops/bench_humming.py``, sync rows) checks the same against humming's real kernel.
 """
 
 from __future__ import annotations

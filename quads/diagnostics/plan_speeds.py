@@ -7,7 +7,7 @@ the same run, each configuration alone on the GPU, with the result file it came 
 absent from a ``(hardware, model kind)`` table is **unmeasured** there; the recommendation says so
 and never guesses. ``bf16`` is the reference (speed 1 by definition).
 
-Filled from ``python -m benchmarks.rl_step`` on the H200 (``docs/engine.md`` section 6): one
+Filled from ``python -m benchmarks.rl.rl_step`` on the H200 (``docs/engine.md`` section 6): one
 GRPO step of ``QuadsGRPOTrainer`` (64 sequences of 64 + 192 tokens) on models whose GEMMs bound the
 step, every plan on its default exact kernels with FP32 masters under BF16 autocast (the example's
 recipe), against BF16 with BF16 parameters (the fair peer: transformers' ``grouped_mm`` experts

@@ -43,7 +43,7 @@ __all__ = ["fake_quantize_rows", "shared_amax_bits", "FAKE_QUANT_OUT_DTYPES", "T
 FAKE_QUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: tile of one program: TILE_ROWS rows x TILE_BLOCKS blocks of 16 (the same under the interpreter).
 #: 8 x 16 x 4 warps: the fastest of the H200 sweep on every benchmark shape
-#: (benchmarks/bench_fake_quant.py: MoE experts gate_up 1083 vs 1214 us, down 592 vs 664 us,
+#: (benchmarks/ops/bench_fake_quant.py: MoE experts gate_up 1083 vs 1214 us, down 592 vs 664 us,
 #: dense gate/up 89 vs 97 us against 4 x 16 x 4); the tile changes which program writes which
 #: element, never an element's bits
 TILE_ROWS = 8

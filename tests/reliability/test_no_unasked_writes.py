@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.reliability_sweeps import planted_link_sweep
+from benchmarks.studies.reliability_sweeps import planted_link_sweep
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def test_diagnose_json_never_writes_through_a_dangling_link(tmp_path, monkeypatc
 
 def test_planted_links_at_every_writer_sampled_sweep():
     """Every writer kind but the two slow ones (the export and the model files: in the script)."""
-    from benchmarks.reliability_sweeps import _writers
+    from benchmarks.studies.reliability_sweeps import _writers
 
     fast = [name for name in _writers() if name not in ("export --out", "model files (save_pretrained + build_info)")]
     result = planted_link_sweep(only=fast)

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import quads
-from benchmarks.reliability_sweeps import (
+from benchmarks.studies.reliability_sweeps import (
     concurrent_sync_sweep,
     export_bitflip_sweep,
     export_race_sweep,

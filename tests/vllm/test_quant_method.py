@@ -29,7 +29,7 @@ KINDS = ["qwen3_moe", "llama"]
 
 # Agreement of vLLM-quads with the transformers rollout model, both with the quads defaults
 # (W4A4 + residual k = 100%), on the tiny random models of _support (greedy, 6 prompts x 12
-# tokens, teacher-forced re-scoring; the numbers: python -m benchmarks.vllm_agreement).
+# tokens, teacher-forced re-scoring; the numbers: python -m benchmarks.studies.vllm_agreement).
 # Given the same inputs every quantized layer agrees bit for bit (test_layers_bitwise_*); end to
 # end the two differ only in their BF16 kernels (attention, norms, rotary, router GEMM), which W4A4
 # amplifies: an activation one ulp away can round to another E2M1 code, a router near-tie can pick

@@ -1,6 +1,6 @@
 """Where one rollout decode step spends its GPU time: kernel-level profile, BF16 vs quads.
 
-    python -m benchmarks.profile_decode_step --out DIR [--cases dense:1,moe:8] [--layers 4]
+    python -m benchmarks.ops.profile_decode_step --out DIR [--cases dense:1,moe:8] [--layers 4]
         [--glue new,old] [--new-tokens 256]
 
 Same models as ``rollout_throughput.py``. For each case (model kind : batch size) and variant
@@ -35,7 +35,7 @@ from collections import defaultdict
 import torch
 
 import quads
-from benchmarks.rollout_throughput import DEVICE, GLUE, build_model
+from benchmarks.rl.rollout_throughput import DEVICE, GLUE, build_model
 from benchmarks.timing import add_csv_argument, append_results
 from quads.engine import GraphedDecoder, SamplingSpec
 from quads.policies import build_rollout_model

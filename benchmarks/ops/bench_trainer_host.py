@@ -1,7 +1,7 @@
 """Host (CPU) time of the trainer's GPU-path glue per call: linear and experts forward/backward,
 and the sibling group's global scale (issue 23: the quads step is host-bound on the H200).
 
-    python -m benchmarks.bench_trainer_host [--reps 2000] [--profile] [--out FILE]
+    python -m benchmarks.ops.bench_trainer_host [--reps 2000] [--profile] [--out FILE]
 
 What runs: the trainer modules of a tiny Qwen3-MoE (``quantize_(model, QuadsPolicy(side="trainer"))``)
 with the kernel backend forced onto them (``module.quads_backend = get_backend("hopper")``, set
@@ -131,7 +131,7 @@ def main(argv=None):
         "experts": autocast(lambda: experts(hidden, top_idx, top_w)),
         "experts peer (grouped_mm, transformers)": autocast(lambda: experts_peer(hidden, top_idx, top_w)),
     }
-    lines = [f"# bench_trainer_host: python -m benchmarks.bench_trainer_host --reps {args.reps} "
+    lines = [f"# bench_trainer_host: python -m benchmarks.ops.bench_trainer_host --reps {args.reps} "
              f"--rounds {args.rounds}{' --profile' if args.profile else ''}{' --autocast' if args.autocast else ''}",
              f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
              f"(torch threads 1), torch {torch.__version__}, python {platform.python_version()}",

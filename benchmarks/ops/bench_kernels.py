@@ -1,11 +1,11 @@
 """Benchmark of the quads rollout kernels on one GPU, against cuBLAS BF16 and FP8 W8A8 (H200).
 
-    python -m benchmarks.bench_kernels [--out DIR] [--sections linear,decode,quant,moe,sync]
+    python -m benchmarks.ops.bench_kernels [--out DIR] [--sections linear,decode,quant,moe,sync]
 
 Every time is the median over replays of a CUDA graph that runs the op on ``S`` different input
 sets in turn (rotating weights: more than the 60 MB L2 is touched between two uses of one set),
 divided by ``S``: microseconds per call, launch gaps inside a graph included. Peers, in the same
-run: ``torch.matmul`` in BF16 (cuBLAS) and FP8 W8A8 (``benchmarks/fp8_peer.py``: a fused
+run: ``torch.matmul`` in BF16 (cuBLAS) and FP8 W8A8 (``benchmarks/ops/fp8_peer.py``: a fused
 per-token E4M3 activation quantization kernel + ``torch._scaled_mm`` row-wise). quads rows go
 through ``quads.ops`` as a rollout module does (activation quantization included, the weight in
 the Hopper layout built beforehand); "GEMM only" rows take pre-quantized operands. The bytes
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 
-from benchmarks.fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight  # noqa: E402
+from benchmarks.ops.fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight  # noqa: E402
 from benchmarks.timing import RESULTS_CSV, append_results, graph_time  # noqa: E402
 
 from quads.kernels.hopper_weight_layout import to_hopper_layout, to_hopper_layout_reference  # noqa: E402

@@ -1,6 +1,6 @@
 """Bytes autograd keeps alive between forward and backward under FSDP2: plain vs quads QAT.
 
-    torchrun --nproc-per-node 2 -m benchmarks.fsdp_saved_bytes [--device cpu|cuda] [--out DIR]
+    torchrun --nproc-per-node 2 -m benchmarks.studies.fsdp_saved_bytes [--device cpu|cuda] [--out DIR]
 
 A tiny Llama (tests/tiny_models.py), ``fully_shard`` on each layer and the root, in the two
 precision set-ups of docs/distributed.md: fp32 masters under bf16 autocast (TRL's), and FSDP's

@@ -5,8 +5,8 @@ in parallel subprocesses, then aggregates their ``metrics.jsonl`` / ``summary.js
 paper-style table (max per-step log-prob gap, gap / BF16 floor, final held-out accuracy) and
 plots of the gap and the reward per step.
 
-    python -m benchmarks.ablation --steps 200 --out runs/ablation --parallel 5 [--device cuda]
-    python -m benchmarks.ablation --aggregate-only --out runs/ablation   # re-make table/plots
+    python -m benchmarks.rl.ablation --steps 200 --out runs/ablation --parallel 5 [--device cuda]
+    python -m benchmarks.rl.ablation --aggregate-only --out runs/ablation   # re-make table/plots
 
 Extra arguments after ``--`` go to every example run.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 from quads.tensor.files import open_for_append, write_atomically
 
 POLICIES = ["bf16", "naive", "sym-qat", "w4a16-qat", "quads"]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_all(args, extra) -> None:

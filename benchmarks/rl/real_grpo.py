@@ -2,8 +2,8 @@
 example (``examples/trl_grpo_quads.py``: TRL's GRPOTrainer through ``QuadsGRPOTrainer``), all
 side by side, each cut by a time budget and resumed by the next call until it has its steps.
 
-    python -m benchmarks.real_grpo --out runs/real_grpo --seeds 0 1 --steps 200 --budget-s 480 --device cuda
-    python -m benchmarks.real_grpo --out runs/real_grpo_smoke --presets bf16,quads --seeds 0 --steps 2 \\
+    python -m benchmarks.rl.real_grpo --out runs/real_grpo --seeds 0 1 --steps 200 --budget-s 480 --device cuda
+    python -m benchmarks.rl.real_grpo --out runs/real_grpo_smoke --presets bf16,quads --seeds 0 --steps 2 \\
         --device cpu -- --prompts-per-step 2 --num-generations 2 --max-completion-length 32 --eval-n 4
 
 Every run is ``trl_grpo_quads.py --task chain-sum --model <SmolLM2> --policy P --seed S`` with the
@@ -15,8 +15,8 @@ problems greedy before and after, TRL's ``sequence_mask`` importance correction 
 ``POLICY_PRESETS`` unless ``--presets`` names some. Arguments after ``--`` go to every run.
 Output: ``<out>/<preset>-s<seed>/`` (the example's ``metrics.jsonl``, ``metrics.csv``,
 ``summary.json``; the checkpoint under ``trainer/`` until the run finishes) and
-``<out>/<preset>-s<seed>.log`` (appended by every call). ``benchmarks/real_grpo_report.py``
-makes the table and plots; ``benchmarks/real_grpo_h200.sh`` runs this on the H200 under CUDA MPS.
+``<out>/<preset>-s<seed>.log`` (appended by every call). ``benchmarks/rl/real_grpo_report.py``
+makes the table and plots; ``benchmarks/rl/real_grpo_h200.sh`` runs this on the H200 under CUDA MPS.
 Exit status: 0 when every run finished or paused, 1 when one failed (its log says why).
 """
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from quads.tensor.files import open_for_append
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "trl_grpo_quads.py"
 #: the ablation's settings (docs/real_model.md), pinned so a change of the task defaults cannot move them
 ABLATION = ("--task", "chain-sum", "--learning-rate", "3e-6", "--prompts-per-step", "8", "--num-generations", "8",

@@ -1,6 +1,6 @@
 """End-to-end rollout throughput: BF16 vs quads rollout models, sampling with the graphed decoder.
 
-    python -m benchmarks.rollout_throughput --out DIR [--models moe,dense]
+    python -m benchmarks.rl.rollout_throughput --out DIR [--models moe,dense]
         [--batches 1,8,64,256] [--prompt 64] [--new-tokens 128] [--layers 4] [--budget-s 300]
 
 Models are built from config with random weights (no hub): ``moe`` has Qwen3-30B-A3B's layer
@@ -9,7 +9,7 @@ shapes (hidden 2048, 32/4 heads of 128, 128 experts top-8 of width 768), ``dense
 (lm_head and embeddings stay BF16 in every variant). Variants, each a rollout copy of the same
 BF16 model: ``bf16`` (transformers' grouped_mm experts), ``fp8`` (W8A8: per-channel E4M3
 weights, per-token E4M3 activations by one fused kernel, cuBLASLt ``_scaled_mm`` and
-``_scaled_grouped_mm``; ``benchmarks/fp8_rollout.py``), ``quads`` (the default rollout policy:
+``_scaled_grouped_mm``; ``benchmarks/rl/fp8_rollout.py``), ``quads`` (the default rollout policy:
 W4A4 + residual, sibling projections fused by ``build_rollout_model``), ``quads-unfused`` (the
 same without :func:`quads.fuse_projections_`: every linear its own GEMM, like the BF16 and FP8
 peers), ``naive`` (W4A4, no residual; fused), ``w4a16`` (NVFP4 weights, BF16 activations),
@@ -30,7 +30,7 @@ batches, rows tagged ``glue``: ``new`` = :class:`GraphedDecoder`'s defaults (GQA
 without ``repeat_kv``, sibling linears sharing one activation quantization), ``old`` = both
 off (the engine as measured before), ``no-gqa`` / ``no-share`` = one of them off. With two or
 more, a ``glue_greedy_agreement`` row compares the first two's greedy tokens (the attention
-kernel's blocking may move BF16 roundings; informational). ``python -m benchmarks.make_tables
+kernel's blocking may move BF16 roundings; informational). ``python -m benchmarks.studies.make_tables
 rollout <json>`` prints one table per glue and the new/old step ratio.
 """
 
@@ -55,7 +55,7 @@ from quads.tensor.files import write_atomically  # noqa: E402
 VOCAB = 32000
 VARIANTS = {
     "bf16": None,
-    "fp8": "fp8",  # benchmarks/fp8_rollout.py: W8A8, fused per-token activation quantization
+    "fp8": "fp8",  # benchmarks/rl/fp8_rollout.py: W8A8, fused per-token activation quantization
     "quads": quads.QuadsPolicy(side="rollout"),
     "quads-unfused": quads.QuadsPolicy(side="rollout"),  # without quads.fuse_projections_
     "naive": quads.QuadsPolicy(side="rollout", residual_fraction=0.0),
@@ -261,7 +261,7 @@ def main():
                 if VARIANTS[name] is None:
                     model = base
                 elif VARIANTS[name] == "fp8":
-                    from benchmarks.fp8_rollout import to_fp8_rollout
+                    from benchmarks.rl.fp8_rollout import to_fp8_rollout
 
                     model = to_fp8_rollout(copy_model(base))
                 else:

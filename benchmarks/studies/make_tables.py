@@ -1,7 +1,7 @@
 """Markdown tables for docs/ from the raw benchmark JSON (nothing is re-measured).
 
-    python -m benchmarks.make_tables kernels results/h200_2026-12-01/run3/bench.json
-    python -m benchmarks.make_tables rollout results/engine_h200_2026-12-01/run6/rollout_throughput.json
+    python -m benchmarks.studies.make_tables kernels results/h200_2026-12-01/run3/bench.json
+    python -m benchmarks.studies.make_tables rollout results/engine_h200_2026-12-01/run6/rollout_throughput.json
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from benchmarks.fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight
+from benchmarks.ops.fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight
 
 
 class FP8Linear(nn.Module):

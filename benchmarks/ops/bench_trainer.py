@@ -1,9 +1,9 @@
 """Trainer step time and peak memory: BF16 vs the QUADS W4A16 QAT trainer (issue 23).
 
-    python -m benchmarks.bench_trainer --out results/trainer.json [--models moe,dense]
+    python -m benchmarks.ops.bench_trainer --out results/trainer.json [--models moe,dense]
         [--layers 6 | --layers moe=8,dense=24] [--batch 8] [--seq 512] [--accum 1,4] [--iters 5]
         [--warmup 2] [--variants bf16,bf16-cast,quads,quads-keep,quads-old]
-    python -m benchmarks.bench_trainer --device cpu --tiny --out /tmp/trainer.json   # smoke run
+    python -m benchmarks.ops.bench_trainer --device cpu --tiny --out /tmp/trainer.json   # smoke run
 
 One training step = ``accum`` x (forward + backward of ``batch x seq`` random tokens, cross
 entropy on random labels) + ``torch.optim.AdamW(fused=True).step()`` + ``zero_grad``, with FP32
@@ -69,7 +69,7 @@ kernels' busy intervals against the step's wall time (the GPU idle time: host-bo
 and the host time. Comparing ``bf16-cast`` and ``quads`` rows splits the MoE step's gap by
 category (docs/trainer.md, "where the MoE gap goes"):
 
-    python -m benchmarks.bench_trainer --out $OUT/prof.json --models moe --layers 8 --accum 1 \
+    python -m benchmarks.ops.bench_trainer --out $OUT/prof.json --models moe --layers 8 --accum 1 \
         --iters 2 --warmup 1 --variants bf16-cast,quads --profile
 """
 
@@ -553,7 +553,7 @@ def kernel_checks(kind: str, model) -> None:
             passes[label] = t.ms
     # bytes of one kernel pass: the amax read + the fused read (FP32) + the BF16 write; the time is
     # the wall time of back-to-back calls (host overhead included when the host is the slower:
-    # benchmarks/bench_fake_quant.py separates GPU and host time per shape)
+    # benchmarks/ops/bench_fake_quant.py separates GPU and host time per shape)
     gbps = numel * (4 + 4 + 2) / (passes["kernel"] * 1e-3) / 1e9
     record(kind=kind, check="fake_quant_kernel_vs_reference", bit_exact=not mismatched, mismatched=mismatched[:8],
            elements_checked=checked, quantized_params=numel,

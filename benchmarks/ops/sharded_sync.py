@@ -1,7 +1,7 @@
 """Sharded trainer -> rollout sync: time, traffic and memory of the two ways to do it.
 
-    torchrun --nproc-per-node 2 -m benchmarks.sharded_sync --device cpu --model small --model small-moe
-    torchrun --nproc-per-node 2 -m benchmarks.sharded_sync --device cuda --model llama-1b --model qwen3-moe-1b --train-step
+    torchrun --nproc-per-node 2 -m benchmarks.ops.sharded_sync --device cpu --model small --model small-moe
+    torchrun --nproc-per-node 2 -m benchmarks.ops.sharded_sync --device cuda --model llama-1b --model qwen3-moe-1b --train-step
 
 The trainer is a transformers model built from config (random weights, nothing downloaded),
 converted with the quads trainer policy and sharded with FSDP2 (``fully_shard`` on every

@@ -20,7 +20,7 @@ Four measurements, all through the recipe (:func:`quads.tensor.nvfp4_math.nvfp4_
 The text: the completions ``quads diagnose`` samples (its 8 prompts, BF16 model, T = 1, seed 0,
 120 new tokens), prompts included.
 
-    python -m benchmarks.four_over_six_error --model ~/.cache/quads/smollm2-135m-instruct \\
+    python -m benchmarks.studies.four_over_six_error --model ~/.cache/quads/smollm2-135m-instruct \\
         --json results/four_over_six_cpu_2026-12-03/error.json
 """
 

@@ -1,8 +1,8 @@
 """The reliability sweeps of ``docs/reliability.md``: faults injected at every point, counted.
 
-    python -m benchmarks.reliability_sweeps            # sampled (a few minutes on 2 CPU cores)
-    python -m benchmarks.reliability_sweeps --full     # every point (about an hour on 2 CPU cores)
-    python -m benchmarks.reliability_sweeps --full --write-docs   # and replace the table in docs/reliability.md
+    python -m benchmarks.studies.reliability_sweeps            # sampled (a few minutes on 2 CPU cores)
+    python -m benchmarks.studies.reliability_sweeps --full     # every point (about an hour on 2 CPU cores)
+    python -m benchmarks.studies.reliability_sweeps --full --write-docs   # and replace the table in docs/reliability.md
 
 Each sweep injects one kind of fault many times and counts the outcomes that break a promise:
 
@@ -594,7 +594,7 @@ def _writers() -> dict[str, tuple[str, Callable[[Path], None]]]:
     from quads.tensor.files import atomic_path, open_for_append, write_atomically
 
     spec = importlib.util.spec_from_file_location("trl_grpo_quads_example",
-                                                  Path(__file__).resolve().parent.parent / "examples" / "trl_grpo_quads.py")
+                                                  Path(__file__).resolve().parents[2] / "examples" / "trl_grpo_quads.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
 
@@ -621,7 +621,7 @@ def _writers() -> dict[str, tuple[str, Callable[[Path], None]]]:
         from tokenizers import Tokenizer, models
 
         spec2 = importlib.util.spec_from_file_location(
-            "build_default_model", Path(__file__).resolve().parent.parent / "examples" / "build_default_model.py")
+            "build_default_model", Path(__file__).resolve().parents[2] / "examples" / "build_default_model.py")
         builder = importlib.util.module_from_spec(spec2)
         spec2.loader.exec_module(builder)
         tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")))
@@ -706,7 +706,7 @@ SIZES: dict[str, tuple[Callable[..., SweepResult], dict, dict]] = {
     "export races": (export_race_sweep, dict(trials=5), dict(trials=50)),
 }
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 BEGIN, END = "<!-- reliability_sweeps: begin -->", "<!-- reliability_sweeps: end -->"
 
 
@@ -726,7 +726,7 @@ def run_all(full: bool, only: Iterable[str] | None = None, log=print) -> list[tu
 def table(results: list[tuple[SweepResult, float]], full: bool) -> str:
     import quads as q
 
-    cmd = "python -m benchmarks.reliability_sweeps" + (" --full" if full else "")
+    cmd = "python -m benchmarks.studies.reliability_sweeps" + (" --full" if full else "")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
     lines = [f"`{cmd}` (quads {q.__version__}, {machine}, {time.strftime('%Y-%m-%d')}; "
              f"{sum(t for _, t in results):.0f} s in all):", "",

@@ -7,7 +7,7 @@ policy (teacher forcing). Every row uses the quads defaults (``QuadsPolicy(side=
 engine's default ``quantization_config``), unless it names another setting. Run in the vLLM venv:
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \\
-        .venv-vllm/bin/python -m benchmarks.vllm_agreement --out results/vllm_agreement
+        .venv-vllm/bin/python -m benchmarks.studies.vllm_agreement --out results/vllm_agreement
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from quads.tensor.files import write_atomically
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))
 
-EMBEDDED_CONFIG = Path(__file__).resolve().parent.parent / "quads" / "assets" / "tiny-moe-arith" / "config.json"
+EMBEDDED_CONFIG = Path(__file__).resolve().parents[2] / "quads" / "assets" / "tiny-moe-arith" / "config.json"
 
 
 def _stand_in(seed: int = 0):

@@ -5,10 +5,10 @@ ablation, rollout naive W4A4, and rollout W4A4 + residual compensation at k = 25
 (per-token selection) and 50% static (calibrated). Errors are relative Frobenius norms
 against the unquantized model run in float32.
 
-    python -m benchmarks.error_table                 # embedded trained MoE (quads.tasks)
-    python -m benchmarks.error_table --random-model  # tiny random Qwen3-MoE instead
-    python -m benchmarks.error_table --weight-global-scale tensor   # one global scale per weight
-    python -m benchmarks.error_table --model ~/.cache/quads/smollm2-135m-instruct   # a local model
+    python -m benchmarks.studies.error_table                 # embedded trained MoE (quads.tasks)
+    python -m benchmarks.studies.error_table --random-model  # tiny random Qwen3-MoE instead
+    python -m benchmarks.studies.error_table --weight-global-scale tensor   # one global scale per weight
+    python -m benchmarks.studies.error_table --model ~/.cache/quads/smollm2-135m-instruct   # a local model
 
 ``--weight-global-scale`` (``group``, the default, or ``tensor``) is the policies'
 ``weight_global_scale``; the weight table compares both on every quantized linear weight.

@@ -7,7 +7,7 @@
    fused-layer shards re-quantized to one global scale (``fused_scales="shared"``), next to the
    NVFP4 quantization error of the weights themselves.
 
-    python -m benchmarks.ecosystem_numbers --out results/ecosystem
+    python -m benchmarks.studies.ecosystem_numbers --out results/ecosystem
 """
 
 from __future__ import annotations

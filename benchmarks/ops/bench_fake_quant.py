@@ -1,11 +1,11 @@
 """The trainer's weight fake-quantization pass per weight shape: achieved bandwidth, kernels per
 call, host time; a tile sweep; and an ``ncu`` mode (issue 23, the dense 0.62 TB/s gap).
 
-    python -m benchmarks.bench_fake_quant --out results/fq.json            # bandwidth table
+    python -m benchmarks.ops.bench_fake_quant --out results/fq.json            # bandwidth table
         [--shapes dense,moe] [--reps 20] [--tiles 4x16x4,8x16x4] [--amax-tiles 8x512x4]
-    ncu --clock-control none --set full -k regex:fake_quant -c 4 -o fq_dense python3 -m benchmarks.bench_fake_quant --ncu
-    python -m benchmarks.bench_fake_quant --device cpu --out /tmp/fq.json  # smoke (interpreter, tiny)
-    python -m benchmarks.bench_fake_quant --block-scaling 6,4over6 --tiles 8x16x4 --amax-tiles 8x512x4 --out fq46.json
+    ncu --clock-control none --set full -k regex:fake_quant -c 4 -o fq_dense python3 -m benchmarks.ops.bench_fake_quant --ncu
+    python -m benchmarks.ops.bench_fake_quant --device cpu --out /tmp/fq.json  # smoke (interpreter, tiny)
+    python -m benchmarks.ops.bench_fake_quant --block-scaling 6,4over6 --tiles 8x16x4 --amax-tiles 8x512x4 --out fq46.json
 
 Shapes: the weights of ``bench_trainer.py``'s models (FP32 masters, BF16 forward weights, as
 under autocast): dense (Qwen3-4B layer) q 4096x2560, k/v 1024x2560, o 2560x4096, gate/up

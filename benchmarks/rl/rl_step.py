@@ -1,8 +1,8 @@
 """The whole RL step through the product: generate + train + sync, BF16 vs QUADS exact vs fast.
 
-    python -m benchmarks.rl_step --out DIR [--models moe,dense] [--variants bf16@fp32,bf16@bf16,quads@fp32,quads-fast@fp32]
+    python -m benchmarks.rl.rl_step --out DIR [--models moe,dense] [--variants bf16@fp32,bf16@bf16,quads@fp32,quads-fast@fp32]
         [--prompts 8] [--generations 8] [--prompt-len 64] [--new-tokens 192] [--warmup 1] [--steps 3] [--budget-s 540]
-    python -m benchmarks.rl_step --tiny --device cpu --out /tmp/rl_step        # CPU smoke run of this script
+    python -m benchmarks.rl.rl_step --tiny --device cpu --out /tmp/rl_step        # CPU smoke run of this script
 
 One GRPO step of :class:`quads.integrations.trl.QuadsGRPOTrainer` (TRL 1.16's GRPOTrainer) is timed
 per variant, one process, each variant a fresh model with the same seed (the same weights), so the

@@ -5,7 +5,7 @@ the BF16 model, then scored by each preset's trainer (float32 masters, BF16 auto
 model (teacher forcing), ``quads.diagnostics.measure_policy_gap``; the 64-prompt column is what
 ``tests/test_trl_integration.py::test_embedded_model_quads_gap_smaller_than_naive`` checks.
 
-    python -m benchmarks.fixed_completions_gap --prompts 64 256
+    python -m benchmarks.studies.fixed_completions_gap --prompts 64 256
 """
 
 from __future__ import annotations

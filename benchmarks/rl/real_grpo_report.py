@@ -1,9 +1,9 @@
-"""Table and plots of the real-model GRPO ablation (``benchmarks/real_grpo.py`` runs).
+"""Table and plots of the real-model GRPO ablation (``benchmarks/rl/real_grpo.py`` runs).
 
-    python -m benchmarks.real_grpo_report runs/real_grpo [--out docs/img] [--prefix real_grpo_trl] [--from-logs]
+    python -m benchmarks.rl.real_grpo_report runs/real_grpo [--out docs/img] [--prefix real_grpo_trl] [--from-logs]
 
 Reads every run directory under the folder: the main example's (``<preset>-s<seed>/``:
-``summary.json`` and TRL's log records in ``metrics.jsonl``, the runs of ``benchmarks/real_grpo.py``)
+``summary.json`` and TRL's log records in ``metrics.jsonl``, the runs of ``benchmarks/rl/real_grpo.py``)
 and the self-contained loop's of sessions 3-4 (``<config>-s<seed>/``, its ``metrics.jsonl`` rows),
 so the old table can be re-made beside the new one. Prints the paper-form table (per-step max
 log-prob gap averaged over steps, its ratio to the BF16 floor, mean / p99 gap, k3 KL,

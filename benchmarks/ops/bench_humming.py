@@ -4,8 +4,8 @@ One script, one process, every number same-run (run from the repository root)::
 
     pip install --no-index --no-deps --target /tmp/pylib .whl/*.whl      # humming-kernels, tabulate
     export PYTHONPATH=/tmp/pylib HUMMING_CACHE_DIR=/tmp/humming/cache HUMMING_TMP_DIR=/tmp/humming/tmp
-    python -m benchmarks.bench_humming --out $OUT                        # ~5 min, --budget-s 330
-    python -m benchmarks.bench_humming --dry-run --out /tmp/x            # CPU: the code, no numbers
+    python -m benchmarks.ops.bench_humming --out $OUT                        # ~5 min, --budget-s 330
+    python -m benchmarks.ops.bench_humming --dry-run --out /tmp/x            # CPU: the code, no numbers
 
 Sections (``--sections``, default ``linear,moe``):
 
@@ -26,7 +26,7 @@ Sections (``--sections``, default ``linear,moe``):
      of ``--check-modes`` (default ``no_stream_k,batch_invariant``).
   3. *Speed*: median µs per call of one CUDA graph over ``S`` weight sets (more than the 60 MB L2
      between two uses of a set; ``benchmarks/timing.py``), activation quantization included in
-     every W4A4 row. Peers: cuBLAS BF16 and the fused FP8 W8A8 peer (``benchmarks/fp8_peer.py``).
+     every W4A4 row. Peers: cuBLAS BF16 and the fused FP8 W8A8 peer (``benchmarks/ops/fp8_peer.py``).
      Rows: quads' exact path (k = 100% residual; W4A16); humming (``--modes``, default
      ``default`` = Stream-K heuristics) W4A16, W4A4 + residual ``stacked`` (2M rows), ``summed``
      (M rows; the operand now written by the quantization kernel itself: 3 launches), the stage-1
@@ -395,7 +395,7 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
     w16s = [dense_weight_fp16(p) for p in parts] if dense_ms else None
     fp8w = None
     if not DRY:
-        from benchmarks.fp8_peer import fp8_weight
+        from benchmarks.ops.fp8_peer import fp8_weight
 
         fp8w = [fp8_weight(w) for w in ws]
     t = time.time()
@@ -474,7 +474,7 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
             continue
         line = {"bf16": bf16}
         if fp8w is not None:
-            from benchmarks.fp8_peer import fp8_linear
+            from benchmarks.ops.fp8_peer import fp8_linear
 
             line["fp8"] = timed([lambda i=i: fp8_linear(xs[i], *fp8w[i]) for i in range(S)], budget)
         ops = [activation_operands_triton(x, QUADS_DEFAULT) for x in xs]
