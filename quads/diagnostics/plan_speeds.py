@@ -48,8 +48,8 @@ class StepTime:
         return self.bf16_s / self.plan_s
 
 
-_RL_STEP_MOE = "results/h200_2026-12-03_s7/rl_step/moe.json (Qwen3-MoE 2.4B, H200)"
-_RL_STEP_DENSE = "results/h200_2026-12-03_s7/rl_step/dense.json (Qwen3 dense 0.8B, H200)"
+_RL_STEP_MOE = "results/h200_2026-12-03_rl_step/rl_step/moe.json (Qwen3-MoE 2.4B, H200)"
+_RL_STEP_DENSE = "results/h200_2026-12-03_rl_step/rl_step/dense.json (Qwen3 dense 0.8B, H200)"
 
 PLAN_SPEEDS: dict[tuple[str, str], dict[str, StepTime]] = {
     ("hopper", "dense"): {

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Session 5, device call 6 (one H200, ~5.5 min), from the repository root:
-#   OUT=$OUT bash results/h200_2026-12-02_s5/call6.sh
+#   OUT=$OUT bash results/h200_2026-12-02_trainer_humming/call6.sh
 # 1. trainer after the host-glue cut (s5-host) and the once-per-parent group scale: the max|x| reduction natively,
 #    a dense profile (GPU idle), the step table
 # 0. the lean fake-quant variant natively (bits, per-shape time), the quads-lean step row
 # 2. humming: Stream-K vs no-Stream-K timings (W4A16's bf16 Stream-K fix-ups broke its bound), linear + MoE
 set -u
-source results/h200_2026-12-02_s5/setup.sh
+source results/h200_2026-12-02_trainer_humming/setup.sh
 mkdir -p $OUT
 timeout 90 python -m pytest -q tests/test_nvfp4_math.py tests/kernels/test_kernel_fake_quantize.py -k "max_abs or fake" 2>&1 | tail -2
 timeout 40 python -m benchmarks.ops.bench_fake_quant --out $OUT/bench_fake_quant.json > $OUT/bench_fake_quant.log 2>&1; echo "fq rc=$?"
