@@ -15,7 +15,7 @@ import quads.kernels.fp16_operand as fp16_operand
 import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper
 from quads.engine import GraphedDecoder, SamplingSpec
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend
+from quads.ops.backend_registry import Backend
 from quads.ops.sibling_linear import SiblingGroup, enabled_groups
 from quads.policies.fused_projections import share_quantization
 from quads.tensor.nvfp4_math import NVFP4Parts

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quads
-import quads.ops.backend as backend_mod
+import quads.ops.backend_registry as backend_mod
 from quads.policies.modules import RolloutExperts, RolloutLinear
 from tests.tiny_models import build
 

@@ -11,8 +11,8 @@ one stacked GEMM for q/k/v, gate/up), :mod:`.grouped_linear` and :mod:`.experts`
 """
 
 from quads.ops.activation_quant import ActivationQuant, QuantizedActivation, dequantize_activation, quantize_activation
-from quads.ops.backend import Backend, get_backend, register_backend, select_backend, use_backend
-from quads.ops.backends import BlackwellBackend, HopperBackend, TorchBackend  # registers the three
+from quads.ops.backend_registry import Backend, get_backend, register_backend, select_backend, use_backend
+from quads.ops.builtin_backends import BlackwellBackend, HopperBackend, TorchBackend  # registers the three
 from quads.ops.experts import rollout_experts
 from quads.ops.linear import rollout_linear, w4a4_matmul_reference
 from quads.ops.sibling_linear import SiblingGroup

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend_registry import Backend, select_backend
 from quads.tensor.nvfp4_math import BLOCK_SCALINGS, NVFP4Parts, check_quantizable, nvfp4_dequantize, nvfp4_quantize
 
 __all__ = [

@@ -9,7 +9,7 @@ transformers 5 MoE blocks (Qwen3-MoE, Mixtral, OLMoE, ...) call their experts mo
 * :func:`experts_loop` is the trainer's skeleton (each expert's MLP on its rows, outputs weighted
   and summed over the k choices in transformers' order), also used by the FP8 reference;
 * :func:`rollout_experts` is the rollout op: route, grouped ``gate_up`` GEMM, the module's gate,
-  grouped ``down`` GEMM, combine, with the grouped GEMMs of a :class:`~quads.ops.backend.Backend`.
+  grouped ``down`` GEMM, combine, with the grouped GEMMs of a :class:`~quads.ops.backend_registry.Backend`.
   Per row it computes what :func:`experts_loop` computes with rollout linears (tested).
 """
 
@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend_registry import Backend, select_backend
 from quads.ops.grouped_linear import grouped_linear
 from quads.tensor.nvfp4_math import NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor

@@ -1,6 +1,6 @@
 """The ``humming`` backend: rollout linears through vLLM's humming GEMMs on Hopper (the fast path).
 
-Same entries as :class:`~quads.ops.backends.HopperBackend`; quads keeps its NVFP4 parts, its one
+Same entries as :class:`~quads.ops.builtin_backends.HopperBackend`; quads keeps its NVFP4 parts, its one
 quantizer and its Triton activation quantization, and hands humming (:mod:`quads.kernels.humming_gemm`)
 the packed weight and 16-bit activation operands:
 
@@ -67,8 +67,8 @@ import os
 import torch
 
 from quads.ops.activation_quant import activation_operands_triton, summed_operand_triton
-from quads.ops.backend import register_backend
-from quads.ops.backends import HopperBackend
+from quads.ops.backend_registry import register_backend
+from quads.ops.builtin_backends import HopperBackend
 from quads.ops.linear import prepare_weight_hopper, register_held
 from quads.tensor.nvfp4_math import NVFP4Parts
 

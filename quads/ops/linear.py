@@ -41,7 +41,7 @@ from quads.ops.activation_quant import (
     quantize_activation_reference,
     quantize_activation_triton,
 )
-from quads.ops.backend import Backend, get_backend, select_backend
+from quads.ops.backend_registry import Backend, get_backend, select_backend
 from quads.ops.compile_alignment import align_this_compile
 from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize

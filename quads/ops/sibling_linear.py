@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend
+from quads.ops.backend_registry import Backend
 from quads.ops.linear import hopper_operands, linear_reference
 from quads.tensor.nvfp4_math import NVFP4Parts
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, gemm_shape, select_backend
+from quads.ops.backend_registry import Backend, gemm_shape, select_backend
 from quads.ops.experts import experts_loop, rollout_experts
 from quads.ops.linear import rollout_linear
 from quads.policies.policy import QuadsPolicy

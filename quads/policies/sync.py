@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend_registry import Backend, select_backend
 from quads.policies.modules import QuadsModule, rollout_owners
 from quads.policies.scope import conversion_mismatch
 from quads.policies.shards import has_sharded_parameters

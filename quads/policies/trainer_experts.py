@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from quads.ops.backend import Backend
+from quads.ops.backend_registry import Backend
 from quads.ops.experts import Routing
 from quads.policies.ste import fake_quantize_activation, fake_quantizer, forward_weight_dtype
 

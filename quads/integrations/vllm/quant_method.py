@@ -73,7 +73,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, gemm_shape, select_backend
+from quads.ops.backend_registry import Backend, gemm_shape, select_backend
 from quads.ops.experts import rollout_experts
 from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields, rollout_linear
 from quads.ops.sibling_linear import SiblingGroup

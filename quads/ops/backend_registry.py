@@ -7,7 +7,7 @@ projections and the grouped expert linear. ``quantize_`` (and the vLLM method's
 weights live on and stores it on the module (``quads_backend``), so a forward never re-resolves
 it; moving a module to another device picks again.
 
-The concrete backends live in :mod:`quads.ops.backends` (registered when :mod:`quads.ops` is
+The concrete backends live in :mod:`quads.ops.builtin_backends` (registered when :mod:`quads.ops` is
 imported): ``torch`` (the references: any device, the spec), ``hopper`` (the exact-emulation
 Triton kernels: sm_90; any device under ``TRITON_INTERPRET=1``), ``blackwell`` (native FP4 on
 sm_100+, NOT RUN: selectable, never ``auto``), and ``humming`` (:mod:`quads.ops.humming_backend`:

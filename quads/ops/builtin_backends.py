@@ -1,15 +1,15 @@
-"""The built-in backends: each entry of the :class:`~quads.ops.backend.Backend` interface bound
+"""The built-in backends: each entry of the :class:`~quads.ops.backend_registry.Backend` interface bound
 to one op file's implementation (the reference, or that op's kernel glue).
 
 Registered when :mod:`quads.ops` is imported. A new backend (for instance one on other
 kernels) is a class like these, in its own module, registered with
-:func:`~quads.ops.backend.register_backend` (see :mod:`quads.ops.backend`).
+:func:`~quads.ops.backend_registry.register_backend` (see :mod:`quads.ops.backend_registry`).
 """
 
 from __future__ import annotations
 
 from quads.ops.activation_quant import quantize_activation_reference, quantize_activation_triton
-from quads.ops.backend import Backend, register_backend
+from quads.ops.backend_registry import Backend, register_backend
 from quads.ops.grouped_linear import grouped_linear_hopper, grouped_linear_reference
 from quads.ops.linear import (
     hopper_operands,
