@@ -33,7 +33,7 @@ buffers the siblings read, and every replay recomputes them from the new input v
 Groups are made by :func:`quads.fuse_projections_` (stacked, always on) and by the graphed
 decoder (``share_quantization``: dormant groups switched on inside its forwards only). This
 module imports no module class: members are any objects with ``quads_sibling_inputs()``
-returning ``(NVFP4Parts, bias, prepared)`` and the attributes ``quads_group``/``quads_group_index``.
+returning ``(LinearKernel, bias)`` and the attributes ``quads_group``/``quads_group_index``.
 Also here: the stacked GEMM's reference and its Hopper glue.
 """
 
@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend_registry import Backend
+from quads.ops.backend_registry import Backend, LinearKernel
 from quads.ops.linear import hopper_operands, linear_reference
 from quads.tensor.nvfp4_math import NVFP4Parts
 
@@ -112,19 +112,18 @@ class SiblingGroup:
 
     # -- outputs ---------------------------------------------------------------------------------
 
-    def outputs(self, x2d: torch.Tensor, weights: Sequence[NVFP4Parts], biases: Sequence = (),
-                prepared: Sequence = ()) -> list[torch.Tensor]:
-        """Every member's ``(M, N_i)`` output for the 2-D input: one quantization, then the
-        stacked GEMM (no biases, few tokens) or one GEMM per member on the shared operands."""
+    def outputs(self, x2d: torch.Tensor, kernels: Sequence[LinearKernel], biases: Sequence = ()) -> list[torch.Tensor]:
+        """Every member's ``(M, N_i)`` output for the 2-D input (``kernels``: the members' linear
+        kernels): one quantization, then the stacked GEMM (no biases, few tokens) or each member's
+        kernel on the shared operands."""
         backend, act = self.backend, self.act
-        biases = list(biases) or [None] * len(weights)
-        prepared = list(prepared) or [None] * len(weights)
+        biases = list(biases) or [None] * len(kernels)
         operands = backend.activation_operands(x2d, act)
         if (self.stacked is not None and all(b is None for b in biases)
                 and backend.stacked_fits(x2d.shape[0], act)):
             y = backend.stacked_linear(x2d, self.stacked, self.row_scales, act, operands)
-            return [y[:, self.offsets[j]:self.offsets[j + 1]] for j in range(len(weights))]
-        return [backend.linear(x2d, w, b, act, None, p, operands) for w, b, p in zip(weights, biases, prepared)]
+            return [y[:, self.offsets[j]:self.offsets[j + 1]] for j in range(len(kernels))]
+        return [k.apply(x2d, b, operands) for k, b in zip(kernels, biases)]
 
     def forward(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member ``i``'s output through the group, or None (the member computes alone)."""
@@ -142,8 +141,8 @@ class SiblingGroup:
         inputs = [m.quads_sibling_inputs() for m in self.members]  # re-lays out weights written since
         if any(m.quads_group is not self for m in self.members):  # that refresh dissolved the group
             return None
-        weights, biases, prepared = zip(*inputs)
-        outs = self.outputs(x.reshape(-1, x.shape[-1]), weights, biases, prepared)
+        kernels, biases = zip(*inputs)
+        outs = self.outputs(x.reshape(-1, x.shape[-1]), kernels, biases)
         outs = [y.reshape(*x.shape[:-1], -1) for y in outs]
         rest = set(range(len(self.members))) - {i}
         self._pending = (key, x.detach(), outs, rest) if rest else None  # the alias keeps the storage alive

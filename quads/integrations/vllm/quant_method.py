@@ -34,8 +34,8 @@ How it works
   once): exactly the transformers rollout model's computation. MoE
   experts are already fused in transformers 5 (``gate_up_proj (E, 2I, H)``, one global scale per
   expert), which is vLLM's ``w13_weight`` layout, gate rows first.
-* **Forward**: W4A4 + residual compensation via :func:`quads.ops.rollout_linear` and
-  :func:`quads.ops.experts.rollout_experts` (Triton kernels on Hopper/Blackwell GPUs, the
+* **Forward**: W4A4 + residual compensation through the layer backend's kernels
+  (``Backend.linear_kernel``, ``Backend.experts_kernel``: Triton kernels on Hopper/Blackwell GPUs, the
   torch reference elsewhere, e.g. vLLM's CPU build). ``activations="bf16"`` gives W4A16.
 * **Not quantized** (as on the trainer side, :data:`quads.policies.policy.DEFAULT_SKIP_PATTERNS`):
   embeddings, ``lm_head``, MoE routers (``GateLinear``, ``...gate``), and anything matched by
@@ -73,9 +73,8 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend_registry import Backend, gemm_shape, select_backend
-from quads.ops.experts import rollout_experts
-from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields, rollout_linear
+from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
+from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields
 from quads.ops.sibling_linear import SiblingGroup
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
@@ -392,6 +391,12 @@ class QuadsLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # vLLM's default engine: torch.compile + CUDA graphs
             return compiled_shard_linear(layer, x, bias, self.config.activation_quant)
+        if len(layer.quads_output_partition_sizes) == 1:  # one weight: its kernel
+            (prepared,) = getattr(layer, "quads_prepared", None) or (None,)
+            (shard,) = self.shards(layer)
+            kernel = layer.quads_backend.linear_kernel(LinearArgs(shard.parts, self.config.activation_quant, None,
+                                                                  prepared))
+            return kernel.apply(x, bias)
         return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend,
                             getattr(layer, "quads_prepared", None), getattr(layer, "quads_siblings", None))
 
@@ -405,7 +410,7 @@ def shard_linear(
     prepared: tuple | None = None,
     group: SiblingGroup | None = None,
 ) -> torch.Tensor:
-    """``cat_i rollout_linear(x, shard_i, bias_i, act)`` along the output dim.
+    """``cat_i`` of each shard's linear kernel on ``x`` (with its bias) along the output dim.
 
     The shards read one input: a :class:`~quads.ops.sibling_linear.SiblingGroup` quantizes it
     once and runs each shard's GEMM on the shared operands (same bits as one call per shard: the
@@ -416,13 +421,14 @@ def shard_linear(
     """
     backend = backend or select_backend(x.device)
     prepared = prepared or (None,) * len(shards)
+    kernels = [backend.linear_kernel(LinearArgs(s.parts, act, None, p)) for s, p in zip(shards, prepared)]
     if len(shards) == 1:
-        return rollout_linear(x, shards[0], bias, act, backend=backend, prepared=prepared[0])
+        return kernels[0].apply(x, bias)
     sizes = [s.shape[0] for s in shards]
     biases = [None] * len(shards) if bias is None else list(bias.split(sizes))
     group = group if group is not None and group.backend is backend else SiblingGroup(backend, act, sizes)
     x2 = x.reshape(-1, x.shape[-1])
-    outs = group.outputs(x2, [s.parts for s in shards], biases, prepared)
+    outs = group.outputs(x2, kernels, biases)
     return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], sum(sizes))
 
 
@@ -561,19 +567,12 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         # Plain parts, no NVFP4Tensor: this runs inside vLLM's torch.compile (see compiled_shard_linear)
         gate_up = NVFP4Parts(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_global_scale)
         down = NVFP4Parts(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_global_scale)
-        return rollout_experts(
-            x,
-            topk_ids.long(),
-            topk_weights.to(x.dtype),  # as transformers' routers hand them to the experts
-            gate_up,
-            down,
-            self._apply_gate,
-            self.config.activation_quant,
-            getattr(layer, "w13_bias", None),
-            getattr(layer, "w2_bias", None),
-            backend=layer.quads_backend,
-            prepared=getattr(layer, "quads_prepared", (None, None)),
-        )
+        act, prepared = self.config.activation_quant, getattr(layer, "quads_prepared", (None, None))
+        kernel = layer.quads_backend.experts_kernel(LinearArgs(gate_up, act, None, prepared[0]),
+                                                    LinearArgs(down, act, None, prepared[1]))
+        return kernel.apply(x, topk_ids.long(),
+                            topk_weights.to(x.dtype),  # as transformers' routers hand them to the experts
+                            self._apply_gate, (getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)))
 
 
 def dequantize_moe_weights(layer: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
