@@ -1,30 +1,26 @@
-"""The backend interface, the registry of backends and the choice of one (made once, stored).
+"""The backend interface, the kernel objects' base, the registry of backends and the choice of one.
 
-A :class:`Backend` is the implementation of every rollout op for one kind of hardware: weight
-quantization, activation quantization, the W4A4/W4A16 linear, the stacked linear of sibling
-projections and the grouped expert linear. ``quantize_`` (and the vLLM method's
-``process_weights_after_loading``) picks one with :func:`select_backend` for the device the
-weights live on and stores it on the module (``quads_backend``), so a forward never re-resolves
-it; moving a module to another device picks again.
+A :class:`Backend` implements every rollout op for one kind of hardware: weight and activation
+quantization, the linear and experts kernels (:class:`LinearKernel`, one per quantized module, over
+one :class:`LinearArgs`), the stacked linear of sibling projections. ``quantize_`` (and the vLLM
+method's ``process_weights_after_loading``) picks one with :func:`select_backend` for the device
+and shapes of the module's weights and stores it (``quads_backend``); moving a module picks again.
 
-The concrete backends live in :mod:`quads.ops.builtin_backends` (registered when :mod:`quads.ops` is
-imported): ``torch`` (the references: any device, the spec), ``hopper`` (the exact-emulation
-Triton kernels: sm_90; any device under ``TRITON_INTERPRET=1``), ``blackwell`` (native FP4 on
-sm_100+, NOT RUN: selectable, never ``auto``), and ``humming`` (:mod:`quads.ops.humming_backend`:
-the rollout GEMMs through vLLM's humming library on sm_90, the fast non-exact path; registered on
-first use, humming imported lazily, ``pip install humming-kernels==0.1.19``).
+Built in (:mod:`quads.ops.builtin_backends`, registered when :mod:`quads.ops` is imported):
+``torch`` (the references: any device, the spec), ``hopper`` (the exact-emulation Triton kernels:
+sm_90; any device under ``TRITON_INTERPRET=1``), ``blackwell`` (native FP4 on sm_100+, NOT RUN:
+selectable, never ``auto``), and ``humming`` (:mod:`quads.ops.humming_backend`, vLLM's humming
+GEMMs on sm_90, the fast non-exact path; registered on first use).
 
-``auto`` (default) = ``hopper`` on CUDA sm_90 with Triton installed, ``torch`` anywhere else;
-with the kernel preference ``"fast"`` (``QuadsPolicy.kernel``) ``auto`` picks ``humming`` where
-it would pick ``hopper``.
-Force a backend for new modules and for tests with ``QUADS_BACKEND=<name>|auto`` or
-``with quads.use_backend(name):``. A forced kernel backend on a device that cannot run it raises
-instead of falling back.
+``auto`` (default) = ``hopper`` on CUDA sm_90 with Triton, ``torch`` anywhere else; with the
+kernel preference ``"fast"`` (``QuadsPolicy.kernel``) ``humming`` where it would pick ``hopper``,
+except for a module with a weight shape humming cannot serve (:meth:`Backend.shape_problem`):
+that module gets the exact kernels. Force a backend with ``QUADS_BACKEND=<name>|auto`` or
+``with quads.use_backend(name):`` (a forced kernel backend on a device that cannot run it raises).
 
-Adding a backend: subclass :class:`Backend` (or an existing backend, overriding only what it
-accelerates), give it a ``name``, implement the entries below with the same bits as the
-references (or document where it differs), and :func:`register_backend` an instance; add its
-device rule to :func:`select_backend` only once it is measured (``auto`` never guesses).
+Adding a backend: subclass :class:`Backend` (or an existing one), give it a ``name``, its kernel
+classes and entries with the references' bits (or a documented bound), :func:`register_backend`
+an instance; add its device rule to :func:`select_backend` only once it is measured.
 """
 
 from __future__ import annotations

@@ -1,62 +1,26 @@
-"""The ``humming`` backend: rollout linears through vLLM's humming GEMMs on Hopper (the fast path).
+"""The ``humming`` backend: rollout linears and experts through vLLM's humming GEMMs on Hopper (the fast path).
 
-Same entries as :class:`~quads.ops.builtin_backends.HopperBackend`; quads keeps its NVFP4 parts, its one
-quantizer and its Triton activation quantization, and hands humming (:mod:`quads.kernels.humming_gemm`)
-the packed weight and 16-bit activation operands:
+quads keeps its NVFP4 parts, its one quantizer and its Triton activation quantization, and hands
+humming (:mod:`quads.kernels.humming_gemm`) the packed weight and 16-bit activation operands:
+W4A16 feeds the bf16/fp16 activations directly; W4A4 (+ residual) feeds quads' exact fp16 operand
+rows, ``stacked`` (main then residual rows) or ``summed`` (``fp16(main + residual)``), and unscales
+the output rows (:class:`HummingLinearKernel` states the error bounds; docs/humming.md).
 
-* **W4A16** (``act=None``): the bf16/fp16 activations go in directly (a layer of ``x.dtype``);
-  output = ``fp32 sum of exact products * (1/S_w)``, rounded once to ``x.dtype``.
-* **W4A4 (+ residual)**: quads' fused quantization writes the exact fp16 operand rows
-  ``e2m1 * f32(block scale)`` of the main term and of the residual (both under the row's global
-  scale ``S_x``: quads quantizes the residual with the main term's ``S_x``, so nothing needs
-  folding); the GEMM's fp16 output rows are unscaled by ``2^c / S_x`` (:func:`unscale_rows`).
+``mode`` (``QUADS_HUMMING_MODE``): humming's kernel configuration
+(:data:`~quads.kernels.humming_gemm.HUMMING_MODES`); ``"default"`` is humming's fastest
+(Stream-K: not deterministic run to run), kept because the deterministic modes measured 35-60%
+slower on the dense linears on the H200.
 
-  - ``stacked`` (2M operand rows, main then residual; the two output rows are summed in fp32 in
-    the epilogue): every product exact, fp32 sums; error vs the exact path = the fp16 rounding
-    of each of the two GEMM output rows (relative 2^-11 of each, plus an absolute ``2^(c-25)/S_x``
-    below fp16's normal range) and the final rounding to ``x.dtype``.
-  - ``summed`` (M rows of ``fp16(main + residual)``): one more rounding per *operand element*
-    (relative 2^-11 of ``|x_hat + r_hat|`` scaled by ``S_x``), i.e. ``|Δy_n| <= 2^-11 * sum_k
-    |x̂+r̂|_k |w_nk|`` before the output roundings; half the GEMM rows, one more small kernel.
-
-  ``residual_layout``: ``"auto"`` = stacked below :data:`SUMMED_FROM_ROWS` rows, summed from
-  there (the H200 crossover of ``benchmarks/bench_humming.py``, 2026-12-01), or either forced
-  (``QUADS_HUMMING_RESIDUAL`` overrides).
-
-``mode`` (``QUADS_HUMMING_MODE`` overrides): humming's kernel configuration, see
-:data:`~quads.kernels.humming_gemm.HUMMING_MODES`. Default ``"default"`` (humming's fastest
-heuristics, Stream-K: not deterministic run to run; W4A16's bf16 output is then within
-``2^-6 max|y|`` of the exact product, not the per-element bound, see docs/humming.md): its sm_90
-tables give the no-split modes as few as N/128 CTAs at small M (32 of 132 SMs at N = 4096), and on
-the H200 (2026-12-02) ``no_stream_k`` cost the dense linears 35-60% of their speed, so it is not
-the default (issue 24's rule: a deterministic mode within 10% of the fastest becomes it). On the
-128-expert MoE block it was as fast, on the 8-expert block 15% slower (session 6), so the experts
-keep the default too.
-
-**MoE experts** (3-D weights, :meth:`HummingBackend.grouped_linear`): humming's grouped-contiguous
-MoE GEMM over quads' routing (rows sorted by expert, ``offsets`` = humming's ``expert_layout``);
-the token operands are built once and their rows gathered (quantization is row-local, so a
-gathered row has the bits of the token's); W4A4 + residual uses the *summed* operand there (the
-stacked one would need per-expert interleaving: next stage). Rows past ``offsets[E]`` (no expert)
-are zeroed as the exact path does.
-
+Experts (:class:`HummingExpertsKernel`): humming's grouped-contiguous MoE GEMM over quads' routing,
+the token rows quantized once and gathered per expert into the summed operand.
 Not on humming (the exact Hopper kernels serve them): weights with per-row global scales, experts
 with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
-experts. The prepared object of such a weight is the Hopper layout.
+experts; and weights of shapes humming cannot tile (:func:`humming_shape_problem`, the kernel choice).
 
-**Prefill** (``DENSE_PREFILL_FROM_ROWS``, measured slower: off by default): from that many rows a
-W4A4 linear runs :func:`dense_w4a4` (the weight dequantized exactly to fp16 per call, cuBLAS
-with fp32 output) instead of humming's GEMM; ``QUADS_HUMMING_DENSE_FROM`` overrides.
-
-Weight memory: one humming layout per weight (1.0x the packed NVFP4 bytes): the fp16 layer's,
-shared by the bf16 layer when its bits agree (checked on the tensors: humming's repack depends on
-the activation width only), and nothing else: :class:`HummingWeight` keeps no reference to the
-packed parts, :meth:`HummingWeight.packed_parts` derives them from the layout (the inverse of the
-repack, :mod:`quads.kernels.humming_layout`), and the layout is the rollout module's weight storage
-(``NVFP4Tensor.to_layout_``; a sync writes it through ``NVFP4Tensor.write_parts_``). The exact-path fallbacks and the
-dense prefill path get the parts per call (:meth:`HummingWeight.real_parts`). Under
-``torch.compile`` the weight goes through ``quads::linear_held`` by its handle
-(:func:`quads.ops.linear.register_held`).
+Weight memory: one humming layout per weight (1.0x the packed bytes), shared by the fp16 and bf16
+layers when their bits agree; :class:`HummingWeight` derives the packed parts back from it, so the
+layout is the rollout weight's storage (``NVFP4Tensor.to_layout_`` / ``write_parts_``). Under
+``torch.compile`` a layout is reached through ``quads::linear_held`` by its handle.
 """
 
 from __future__ import annotations
@@ -86,12 +50,12 @@ __all__ = ["DENSE_PREFILL_FROM_ROWS", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE"
            "humming_residual_layout", "humming_shape_problem"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
-#: from this many tokens on, ``auto`` uses the summed operand (H200, 2026-12-01: stacked faster at
+#: from this many tokens on, ``auto`` uses the summed operand (measured on the H200: stacked faster at
 #: M = 1 on all shapes and at M = 16 on the N, K <= 4096 ones; summed faster at M = 64, 256, 2048)
 SUMMED_FROM_ROWS = 64
 #: from this many tokens on, W4A4 (+ residual) linears run the dense prefill path
 #: (:func:`dense_w4a4`: the weight dequantized exactly to fp16 per call, cuBLAS with fp32 output)
-#: instead of humming's GEMM. None = off: on the H200 (2026-12-02, ``benchmarks/bench_humming.py``,
+#: instead of humming's GEMM. None = off: on the H200 (``benchmarks/bench_humming.py``,
 #: docs/humming.md) it never beat humming's summed layout at any M up to 2048 on the five linear
 #: shapes (0.37-0.71x BF16 against 0.39-0.76x); ``QUADS_HUMMING_DENSE_FROM`` (an integer, or
 #: ``off``) overrides it.
@@ -328,11 +292,20 @@ class HummingBackend(HopperBackend):
 
 
 class HummingLinearKernel(LinearKernel):
-    """One weight's linear on humming (see the module doc): W4A16 through the layer of
-    ``x.dtype``; W4A4 (+ residual) through the fp16 layer on quads' operands (stacked or summed,
-    :func:`humming_residual_layout`), or the dense prefill path from :func:`dense_prefill_from_rows`
-    rows. Activations of other dtypes than :attr:`humming_dtypes` take the exact kernels (the
-    parts derived from the layout). Compiled code reaches the layout through ``quads::linear_held``."""
+    """One weight's linear on humming (see the module doc). Activations of other dtypes than
+    :attr:`humming_dtypes` take the exact kernels (the parts derived from the layout); compiled
+    code reaches the layout through ``quads::linear_held``.
+
+    * W4A16 (``act=None``): the layer of ``x.dtype``; output = ``fp32 sum of exact products *
+      (1/S_w)``, rounded once to ``x.dtype``.
+    * W4A4 (+ residual): the fp16 layer on the exact operand rows ``e2m1 * f32(block scale)``
+      (main and residual under the row's ``S_x``), the fp16 output rows unscaled by ``2^c / S_x``
+      (:func:`~quads.kernels.humming_operands.unscale_rows`). ``stacked`` (2M rows, summed in fp32
+      in the epilogue): error vs the exact path = the fp16 rounding of each output row (relative
+      2^-11, plus ``2^(c-25)/S_x`` below fp16's normal range) and the final rounding. ``summed``
+      (M rows): one more rounding per operand element, ``|Δy_n| <= 2^-11 * sum_k |x̂+r̂|_k |w_nk|``.
+      :func:`humming_residual_layout` picks (``auto``: stacked below :data:`SUMMED_FROM_ROWS` rows).
+    * From :func:`dense_prefill_from_rows` rows (off by default): :func:`dense_w4a4`."""
 
     humming_dtypes = (torch.float16, torch.bfloat16)
     #: whether W4A4 may take the dense prefill path (it reads the parts derived from the layout)
@@ -469,7 +442,7 @@ HummingBackend.experts_kernel_class = HummingExpertsKernel
 register_backend(HummingBackend())
 
 
-# -- prefill candidate (issue 24 item 4 / stage 2 item 3): the weight dequantized to fp16, cuBLAS ----------
+# -- prefill candidate (off by default): the weight dequantized to fp16, cuBLAS ----------
 
 DENSE_LAYOUTS = ("summed", "stacked")
 

@@ -8,20 +8,14 @@ scales are divided out in the epilogue. Kernels agree with it up to float32 summ
 Without a config the layer is weight-only (W4A16): ``F.linear(x, DQ(W))``, bit-identical to the
 trainer's QAT forward.
 
-A rollout linear's forward takes four hops:
-
-1. the module's forward (``RolloutLinear.forward``, or a vLLM layer's ``apply``) calls
-2. :func:`rollout_linear` here (checks, reshape; inside ``torch.compile`` the ``quads::linear``
-   custom op, whose body is step 3), which calls
-3. ``backend.linear``: :func:`linear_reference` (torch), :func:`linear_hopper` (hopper),
-   :func:`w4a4_linear_blackwell` (blackwell), which call
-4. the kernel launchers (:func:`quads.kernels.quantize_nvfp4.quantize_rows`,
-   :func:`quads.kernels.w4a4_decode_hopper.decode_gemm`, :func:`quads.kernels.w4a4_gemm_hopper.w4a4_gemm`).
-
-Sibling linears reading one input (q/k/v, gate/up) go through one
-:class:`~quads.ops.sibling_linear.SiblingGroup` instead, which computes the backend's
-``activation_operands`` once and passes them to each member's ``backend.linear`` (``operands``).
-Every function below step 2 takes 2-D activations ``(M, K)``.
+The linear kernels (one per rollout module, made when its weights are set; ``LinearArgs`` holds
+the weight, the activation config, the static mask and the prepared layout):
+:class:`ReferenceLinearKernel` (torch), :class:`HopperLinearKernel` (hopper),
+:class:`BlackwellLinearKernel` (blackwell). A module's forward calls ``kernel.apply(x, bias)``,
+which calls the launchers (``quantize_rows``, ``decode_gemm``, ``w4a4_gemm``) itself; inside
+``torch.compile`` it calls the ``quads::linear`` custom op (``quads::linear_held`` for a weight
+held in the humming layout), whose body runs the same kernel eagerly. Sibling linears
+(:class:`~quads.ops.sibling_linear.SiblingGroup`) pass ``operands`` computed once.
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ from typing import NamedTuple
 from quads.ops.activation_quant import (
     ActivationQuant,
     QuantizedActivation,
-    activation_operands_triton,
     as_operands,
     operand_row_args,
     quantize_activation_reference,
@@ -129,7 +122,9 @@ def hopper_operands(x2: torch.Tensor, act: ActivationQuant | None, static_mask=N
         from quads.kernels.fp16_operand import scaled_fp16_rows
 
         return scaled_fp16_rows(x2)
-    return activation_operands_triton(x2, act, static_mask)
+    from quads.kernels.quantize_nvfp4 import quantize_rows
+
+    return as_operands(quantize_rows(x2, **operand_row_args(x2, act, static_mask)), x2.shape[0])
 
 
 def prepare_weight_hopper(weight: NVFP4Parts, out=None):

@@ -1,40 +1,28 @@
 """Sibling linears reading one input: one activation quantization, one stacked GEMM where possible.
 
-In a transformers decoder layer ``q_proj``, ``k_proj`` and ``v_proj`` read the same hidden
-states, and so do ``gate_proj`` and ``up_proj``; a vLLM merged layer (``qkv_proj``,
-``gate_up_proj``) holds them as shards of one weight. Each member quantized alone, that is 7
-activation quantizations per layer where 4 distinct inputs exist, and on the GPU a few tokens
-per call make each GEMM launch latency-bound (~6 us of fixed cost on the H200, docs/kernels.md).
+``q_proj``/``k_proj``/``v_proj`` read the same hidden states, and so do ``gate_proj``/``up_proj``
+(a vLLM merged layer holds them as shards of one weight): quantized one by one that is 7
+activation quantizations per layer where 4 inputs exist, and few-token GEMMs are launch-bound.
 
-A :class:`SiblingGroup` is the one object that serves such linears:
+A :class:`SiblingGroup` serves such linears. :meth:`~SiblingGroup.outputs` computes the backend's
+``activation_operands`` once, then one stacked GEMM over the members' weights (each row keeping
+its weight's global scale) where the backend has one (few tokens, no biases), else each
+member's kernel on the shared operands: every output column has its own linear's bits.
+:meth:`~SiblingGroup.forward` serves members called one by one: the first member called with an
+input computes all outputs; each other member, called next with the same input tensor (same
+storage, offset, shape, strides, dtype and version counter), takes its output once; any other
+call returns None (the member computes alone), so a result never depends on whether its
+siblings ran.
 
-* :meth:`SiblingGroup.outputs` computes the backend's ``activation_operands`` of the input
-  once and then every member's output: one stacked GEMM over the members' weights (each keeping
-  its own global scale, one ``S_w`` per output row) where the backend has one
-  (``backend.stack_prepared``; few tokens, no biases), else one ``backend.linear`` per member on
-  the shared operands. Every output column has its own linear's bits (the quantization depends
-  on the input only; the decode kernel's arithmetic per output row does not depend on the tile
-  it sits in). The vLLM method calls it with the shards of a merged layer.
-* :meth:`SiblingGroup.forward` serves members called one by one (the transformers modules): the
-  first member called with an input computes all outputs and keeps the others'; each of them,
-  called next with the same input tensor (same storage, offset, shape, strides, dtype and
-  version counter), takes its output once. Any other call returns None (the member computes
-  alone), so a member's result never depends on whether its siblings ran.
+Never shared: inference-mode tensors (no version counter), tensor subclasses, meta tensors, code
+traced by ``torch.compile`` (compiled code reuses buffers without version bumps). Writes that
+bypass the dispatcher are invisible to the check (transformers' decoder layers have none between
+siblings). Inside a CUDA-graph capture the hit is decided at capture time: replays recompute.
 
-Never shared: inference-mode tensors (no version counter: an in-place write between two
-siblings could not be seen), tensor subclasses, meta tensors, code traced by ``torch.compile``
-(the members then run the ``quads::linear`` custom op, whose body shares nothing: compiled code
-reuses buffers without version bumps). Writes that bypass the dispatcher (a raw kernel writing
-into an existing tensor) are invisible to the check; transformers' decoder layers have none
-between sibling projections. Inside a CUDA-graph capture the hit is decided at capture time from
-tensor identity: the graph then holds one quantization (and one stacked GEMM) whose output
-buffers the siblings read, and every replay recomputes them from the new input values.
-
-Groups are made by :func:`quads.fuse_projections_` (stacked, always on) and by the graphed
-decoder (``share_quantization``: dormant groups switched on inside its forwards only). This
-module imports no module class: members are any objects with ``quads_sibling_inputs()``
-returning ``(LinearKernel, bias)`` and the attributes ``quads_group``/``quads_group_index``.
-Also here: the stacked GEMM's reference and its Hopper glue.
+Groups are made by :func:`quads.fuse_projections_` (stacked) and by the graphed decoder (dormant
+groups switched on inside its forwards). Members are any objects with ``quads_sibling_inputs()``
+returning ``(LinearKernel, bias)`` and ``quads_group``/``quads_group_index``. Also here: the
+stacked GEMM's reference and its Hopper glue.
 """
 
 from __future__ import annotations

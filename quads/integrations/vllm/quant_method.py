@@ -1,60 +1,28 @@
 """The ``quads`` quantization method for vLLM (linear layers and fused MoE experts).
 
-Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
-``quantization_config`` in the checkpoint's ``config.json`` (or
-``LLM(..., hf_overrides={"quantization_config": {...}})``):
+Select it with ``LLM(model, quantization="quads")``, or a ``quantization_config`` in the
+checkpoint's ``config.json`` (or ``hf_overrides``) with the rollout keys of :class:`quads.QuadsPolicy`
+(``activations``, ``residual_fraction``, ``weight_global_scale``, ``scope``, ...);
+:func:`quads_quantization_config` builds the dict.
 
-.. code-block:: json
+* **Weights arrive in BF16**; ``process_weights_after_loading`` packs them with quads' quantizer
+  through the layer's backend (chosen there once, ``layer.quads_backend``), so ``DQ(engine weight)
+  == nvfp4_fake_quantize(master)`` bit for bit, and keeps only the packed parts (``weight``,
+  ``weight_scale``, ``weight_global_scale``; MoE: ``w13_*``/``w2_*``, one global scale per expert).
+* **Merged layers** (``qkv_proj``, ``gate_up_proj``) are packed per logical weight with the
+  sibling group's global scale (``weight_global_scale="group"``) or their own (``"tensor"``); the
+  forward quantizes the activation once and runs each shard's kernel: the transformers rollout
+  model's computation. MoE ``w13_weight`` is transformers 5's ``gate_up_proj`` layout.
+* **Forward**: the layer backend's kernels (``Backend.linear_kernel``, ``Backend.experts_kernel``),
+  W4A4 + residual, or W4A16 with ``activations="bf16"``.
+* **Not quantized** (as on the trainer side, :mod:`quads.policies.scope`): embeddings, ``lm_head``,
+  MoE routers, ``extra_skip_patterns``, every linear with ``scope="routed_experts"``, and the
+  ``skip_first_layers`` / ``skip_last_layers`` decoder layers: vLLM's unquantized methods run them.
+* **Weight reload**: vLLM calls ``process_weights_after_loading`` again and copies the packed
+  result into the existing storage: reload-safe with no extra work.
 
-    {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 1.0,
-     "residual_selection": "per_token", "activation_granularity": "row",
-     "extra_skip_patterns": [], "weight_global_scale": "group", "weight_block_scaling": "6",
-     "activation_block_scaling": "6", "scope": "all", "skip_first_layers": 0, "skip_last_layers": 0}
-
-The keys are the rollout side of :class:`quads.QuadsPolicy`; :func:`quads_quantization_config`
-builds the dict.
-
-How it works
-------------
-* **Weights arrive in BF16** (an ordinary checkpoint, or a trainer's masters pushed with
-  :func:`quads.integrations.vllm.weight_push.push_weights`). ``process_weights_after_loading``
-  packs them with quads' NVFP4 quantizer (:meth:`quads.NVFP4Tensor.from_float`), the function
-  the trainer's fake quantizer uses (through the layer's backend, chosen here once for the
-  weight's device and stored as ``layer.quads_backend``), so ``DQ(engine weight) == nvfp4_fake_quantize(master)`` bit
-  for bit. Afterwards each layer holds only the packed parts: ``weight`` (uint8 ``(N, K/2)``),
-  ``weight_scale`` (float8_e4m3fn ``(N, K/16)``) and ``weight_global_scale`` (float32, one per
-  *logical* weight); MoE layers hold ``w13_weight``/``w2_weight`` plus ``*_weight_scale`` and
-  ``*_weight_global_scale`` (one per expert).
-* **Fused vLLM layers are quantized per logical weight.** vLLM merges ``q/k/v_proj`` into
-  ``qkv_proj`` and ``gate_proj/up_proj`` into ``gate_up_proj``; a transformers trainer has one
-  ``nn.Linear`` per logical weight, whose global scale is its sibling group's
-  (``weight_global_scale="group"``, the default: one ``S_enc`` from the largest amax of the
-  shards, :mod:`quads.policies.scale_groups`) or its own (``"tensor"``). Each shard is packed
-  with that scale and the forward runs one W4A4 product per shard (the activation is quantized
-  once): exactly the transformers rollout model's computation. MoE
-  experts are already fused in transformers 5 (``gate_up_proj (E, 2I, H)``, one global scale per
-  expert), which is vLLM's ``w13_weight`` layout, gate rows first.
-* **Forward**: W4A4 + residual compensation through the layer backend's kernels
-  (``Backend.linear_kernel``, ``Backend.experts_kernel``: Triton kernels on Hopper/Blackwell GPUs, the
-  torch reference elsewhere, e.g. vLLM's CPU build). ``activations="bf16"`` gives W4A16.
-* **Not quantized** (as on the trainer side, :data:`quads.policies.policy.DEFAULT_SKIP_PATTERNS`):
-  embeddings, ``lm_head``, MoE routers (``GateLinear``, ``...gate``), and anything matched by
-  ``extra_skip_patterns``; with ``scope="routed_experts"`` every linear layer (attention, shared
-  experts), only the fused MoE experts being quantized; and every layer of the decoder layers
-  ``skip_first_layers`` / ``skip_last_layers`` keep in high precision (the layer index from the
-  prefix, ``model.layers.N...``; their count from the model config's ``num_hidden_layers``), as
-  :mod:`quads.policies.scope` decides on the transformers side. These layers run vLLM's
-  unquantized methods. Set the keys from the plan the trainer uses: nothing here can see the
-  trainer (a ``routed_experts`` plan on a dense model, which ``quantize_`` refuses, runs wholly
-  unquantized here).
-* **Weight reload** (``llm.collective_rpc("reload_weights", ...)``): vLLM restores the BF16
-  ``weight`` layout recorded at construction, loads the new tensors, calls
-  ``process_weights_after_loading`` again and copies the packed result into the existing
-  storage, so the method is reload-safe with no extra work.
-
-Limits: tensor/expert parallel size 1 (NVFP4 global scales are per whole logical weight; a TP
-shard would see a different amax), ``residual_selection="per_token"`` only (the calibrated
-``"static"`` masks have no checkpoint format yet), linear inputs a multiple of 16.
+Limits: tensor/expert parallel size 1 (global scales are per whole logical weight),
+``residual_selection="per_token"`` only, linear inputs a multiple of 16.
 """
 
 from __future__ import annotations
