@@ -13,7 +13,9 @@ attributes (``act_fn``, ``_apply_gate``, ``config``) are untouched. Two module k
 Every converted module stores the :class:`~quads.ops.Backend` that runs its ops
 (``quads_backend``), chosen when it is converted and again whenever it is moved to another
 device: the rollout's kernels, the trainer's fake quantizer (the fused kernel on kernel
-backends, the recipe on ``torch``; the same bits).
+backends, the recipe on ``torch``; the same bits). A rollout module also holds one kernel object
+made from that backend when its weights are set (:meth:`RolloutModule.quads_kernel`): its forward
+is ``kernel.apply``, which calls the launchers.
 """
 
 from __future__ import annotations
