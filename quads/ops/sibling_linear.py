@@ -4,12 +4,11 @@
 (a vLLM merged layer holds them as shards of one weight): quantized one by one that is 7
 activation quantizations per layer where 4 inputs exist, and few-token GEMMs are launch-bound.
 
-A :class:`SiblingGroup` serves such linears. :meth:`~SiblingGroup.outputs` computes the backend's
-``activation_operands`` once, then one stacked GEMM over the members' weights (each row keeping
-its weight's global scale) where the backend has one (few tokens, no biases), else each
-member's kernel on the shared operands: every output column has its own linear's bits.
-:meth:`~SiblingGroup.forward` serves members called one by one: the first member called with an
-input computes all outputs; each other member, called next with the same input tensor (same
+A :class:`SiblingGroup` serves such linears, called one by one (:meth:`~SiblingGroup.forward`):
+the first member called with an input computes the backend's ``activation_operands`` once, then
+every member's output: one stacked GEMM over the members' weights (each row keeping its weight's
+global scale) where the backend has one (few tokens, no biases), else each member's kernel on the
+shared operands (every output column has its own linear's bits); each other member, called next with the same input tensor (same
 storage, offset, shape, strides, dtype and version counter), takes its output once; any other
 call returns None (the member computes alone), so a result never depends on whether its
 siblings ran.
@@ -52,9 +51,8 @@ def _input_key(x: torch.Tensor) -> tuple | None:
 class SiblingGroup:
     """Linears of one backend and one activation configuration reading one input (module doc).
 
-    ``sizes``: the members' output rows; ``members``: the modules served one by one (empty for a
-    caller that only uses :meth:`outputs`); ``enabled``: whether :meth:`forward` serves (dormant
-    groups are switched on by :func:`enabled_groups`)."""
+    ``sizes``: the members' output rows; ``members``: the modules served one by one; ``enabled``:
+    whether :meth:`forward` serves (dormant groups are switched on by :func:`enabled_groups`)."""
 
     def __init__(self, backend: Backend, act: ActivationQuant | None, sizes: Sequence[int],
                  members: Sequence = (), enabled: bool = True):
@@ -100,19 +98,6 @@ class SiblingGroup:
 
     # -- outputs ---------------------------------------------------------------------------------
 
-    def outputs(self, x2d: torch.Tensor, kernels: Sequence[LinearKernel], biases: Sequence = ()) -> list[torch.Tensor]:
-        """Every member's ``(M, N_i)`` output for the 2-D input (``kernels``: the members' linear
-        kernels): one quantization, then the stacked GEMM (no biases, few tokens) or each member's
-        kernel on the shared operands."""
-        backend, act = self.backend, self.act
-        biases = list(biases) or [None] * len(kernels)
-        operands = backend.activation_operands(x2d, act)
-        if (self.stacked is not None and all(b is None for b in biases)
-                and backend.stacked_fits(x2d.shape[0], act)):
-            y = backend.stacked_linear(x2d, self.stacked, self.row_scales, act, operands)
-            return [y[:, self.offsets[j]:self.offsets[j + 1]] for j in range(len(kernels))]
-        return [k.apply(x2d, b, operands) for k, b in zip(kernels, biases)]
-
     def forward(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member ``i``'s output through the group, or None (the member computes alone)."""
         if not self.enabled:
@@ -129,8 +114,17 @@ class SiblingGroup:
         inputs = [m.quads_sibling_inputs() for m in self.members]  # re-lays out weights written since
         if any(m.quads_group is not self for m in self.members):  # that refresh dissolved the group
             return None
+        # every member's output: one quantization, then the stacked GEMM (no biases, few tokens) or
+        # each member's kernel on the shared operands
         kernels, biases = zip(*inputs)
-        outs = self.outputs(x.reshape(-1, x.shape[-1]), kernels, biases)
+        backend, act, x2 = self.backend, self.act, x.reshape(-1, x.shape[-1])
+        operands = backend.activation_operands(x2, act)
+        if (self.stacked is not None and all(b is None for b in biases)
+                and backend.stacked_fits(x2.shape[0], act)):
+            y = backend.stacked_linear(x2, self.stacked, self.row_scales, act, operands)
+            outs = [y[:, self.offsets[j]:self.offsets[j + 1]] for j in range(len(kernels))]
+        else:
+            outs = [k.apply(x2, b, operands) for k, b in zip(kernels, biases)]
         outs = [y.reshape(*x.shape[:-1], -1) for y in outs]
         rest = set(range(len(self.members))) - {i}
         self._pending = (key, x.detach(), outs, rest) if rest else None  # the alias keeps the storage alive

@@ -43,7 +43,6 @@ from vllm.model_executor.utils import set_weight_attrs
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
 from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields
-from quads.ops.sibling_linear import SiblingGroup
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
 from quads.policies.scope import boundary_layer, layer_index
@@ -335,9 +334,6 @@ class QuadsLinearMethod(LinearMethodBase):
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
-        # the shards read one input: one activation quantization for all of them
-        layer.quads_siblings = SiblingGroup(layer.quads_backend, self.config.activation_quant,
-                                            layer.quads_output_partition_sizes)
 
     def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         """The packed logical weights of ``layer`` (views of its parameters)."""
@@ -366,7 +362,7 @@ class QuadsLinearMethod(LinearMethodBase):
                                                                   prepared))
             return kernel.apply(x, bias)
         return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend,
-                            getattr(layer, "quads_prepared", None), getattr(layer, "quads_siblings", None))
+                            getattr(layer, "quads_prepared", None))
 
 
 def shard_linear(
@@ -376,16 +372,13 @@ def shard_linear(
     act: ActivationQuant | None,
     backend: Backend | None = None,
     prepared: tuple | None = None,
-    group: SiblingGroup | None = None,
 ) -> torch.Tensor:
     """``cat_i`` of each shard's linear kernel on ``x`` (with its bias) along the output dim.
 
-    The shards read one input: a :class:`~quads.ops.sibling_linear.SiblingGroup` quantizes it
-    once and runs each shard's GEMM on the shared operands (same bits as one call per shard: the
-    quantization depends on ``x`` only).
-    ``backend``: the layer's (stored at weight loading); None picks one for ``x``'s device.
+    The shards read one input: the backend's ``activation_operands`` are computed once and every
+    shard's kernel runs on them (the bits of one call per shard: the quantization depends on ``x``
+    only). ``backend``: the layer's (stored at weight loading); None picks one for ``x``'s device.
     ``prepared``: one ``backend.prepare_weight`` result per shard (None: built per call).
-    ``group``: the layer's group (made at weight loading); None makes one for this call.
     """
     backend = backend or select_backend(x.device)
     prepared = prepared or (None,) * len(shards)
@@ -394,9 +387,9 @@ def shard_linear(
         return kernels[0].apply(x, bias)
     sizes = [s.shape[0] for s in shards]
     biases = [None] * len(shards) if bias is None else list(bias.split(sizes))
-    group = group if group is not None and group.backend is backend else SiblingGroup(backend, act, sizes)
     x2 = x.reshape(-1, x.shape[-1])
-    outs = group.outputs(x2, kernels, biases)
+    operands = backend.activation_operands(x2, act)
+    outs = [k.apply(x2, b, operands) for k, b in zip(kernels, biases)]
     return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], sum(sizes))
 
 
