@@ -15,7 +15,7 @@ with dynamo only (``eager``) and with AOT autograd (``aot_eager``):
 import torch
 
 import quads
-from quads.ops.backend import get_backend
+from quads.ops.backend_registry import get_backend
 from quads.policies.ste import fake_quant_linear, fake_quantize_weight
 from tests.tiny_models import build
 

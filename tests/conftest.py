@@ -41,7 +41,7 @@ def memo_weight_kernel(monkeypatch):
     against the reference, without this). Opt-in per module (``pytest.mark.usefixtures``)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return  # on a GPU the kernel is fast: always run it
-    import quads.ops.backends as backends
+    import quads.ops.builtin_backends as backends
     from quads.ops.weight_quant import quantize_weight_triton
     from quads.tensor.nvfp4_math import NVFP4Parts
 

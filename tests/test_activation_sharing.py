@@ -15,7 +15,7 @@ import quads.kernels.fp16_operand as fp16_operand
 import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper
 from quads.engine import GraphedDecoder, SamplingSpec
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend
+from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel
 from quads.ops.sibling_linear import SiblingGroup, enabled_groups
 from quads.policies.fused_projections import share_quantization
 from quads.tensor.nvfp4_math import NVFP4Parts
@@ -146,8 +146,9 @@ class _Counting(Backend):
         self.calls += 1
         return object()
 
-    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
-        return x2d.new_zeros(x2d.shape[0], weight.qdata.shape[0])
+    class linear_kernel_class(LinearKernel):
+        def apply(self, x, bias=None, operands=None):
+            return x.new_zeros(x.shape[0], self.args.weight.qdata.shape[0])
 
 
 class _Member:
@@ -156,16 +157,17 @@ class _Member:
     quads_group = None
     quads_group_index = 0
 
-    def __init__(self, n, k):
-        self.parts = NVFP4Parts(torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16), torch.ones(()))
+    def __init__(self, backend, n, k):
+        parts = NVFP4Parts(torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16), torch.ones(()))
+        self.kernel = backend.linear_kernel(LinearArgs(parts))
 
     def quads_sibling_inputs(self):
-        return self.parts, None, None
+        return self.kernel, None
 
 
 def _group(k, enabled=True):
     backend = _Counting()
-    members = [_Member(8, k), _Member(8, k)]
+    members = [_Member(backend, 8, k), _Member(backend, 8, k)]
     return backend, SiblingGroup(backend, ActivationQuant(), [8, 8], members, enabled=enabled)
 
 

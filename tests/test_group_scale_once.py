@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import quads
-import quads.ops.backend
+import quads.ops.backend_registry
 import quads.policies.scale_groups as scale_groups
 from tests.scale_reference import reference_forward_weight
 from tests.tiny_models import build
@@ -48,7 +48,7 @@ def amax_calls(monkeypatch):
         return real(weights, *args, **kwargs)
 
     monkeypatch.setattr(scale_groups, "shared_global_encode_scale", counted)  # encode_scale (sync, export)
-    monkeypatch.setattr(quads.ops.backend, "shared_global_encode_scale", counted)  # Backend.group_scale (forward)
+    monkeypatch.setattr(quads.ops.backend_registry, "shared_global_encode_scale", counted)  # Backend.group_scale (forward)
     return calls
 
 
@@ -268,7 +268,7 @@ def test_compiled_trainer_on_the_kernel_backend_is_one_graph():
     the plain tiny Llama compiled by dynamo alone is off by up to 6e-7 in its float32 logits and
     in every gradient, the same for quads' torch and kernel backends; the traced graph's cuBLAS
     calls differ), so bit equality there would test cuBLAS, not quads."""
-    from quads.ops.backend import get_backend
+    from quads.ops.backend_registry import get_backend
     from quads.policies.ste import fake_quantize_weight
 
     torch._dynamo.reset()

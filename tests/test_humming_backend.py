@@ -19,7 +19,7 @@ import quads
 from quads.kernels import humming_gemm as hg
 from quads.kernels.humming_layout import repack_reference, scale_layout, scale_unlayout, unrepack_reference
 from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
-from quads.ops import backend as backend_mod
+from quads.ops import backend_registry as backend_mod
 from quads.ops import humming_backend as hb
 from quads.ops.activation_quant import (ActivationQuant, activation_operands_triton, quantize_activation_reference,
                                        summed_operand_triton)

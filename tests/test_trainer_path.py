@@ -244,7 +244,7 @@ def test_kernel_backend_trainer_equals_the_reference_trainer():
 def test_activation_fake_quant_kernel_equals_reference():
     from tests.kernels.test_kernel_quantize import adversarial
     from quads.ops.activation_quant import ActivationQuant
-    from quads.ops.backend import get_backend
+    from quads.ops.backend_registry import get_backend
 
     x = adversarial(m=9, k=48, dtype=torch.float32)
     for cfg in (ActivationQuant(0.0), ActivationQuant(0.0, granularity="tensor"), ActivationQuant(1.0)):

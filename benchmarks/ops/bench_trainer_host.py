@@ -43,7 +43,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from quads import QuadsPolicy, quantize_  # noqa: E402
 from quads.kernels import fake_quantize_nvfp4 as fq  # noqa: E402
-from quads.ops.backend import get_backend  # noqa: E402
+from quads.ops.backend_registry import get_backend  # noqa: E402
 from quads.policies.modules import TrainerModule  # noqa: E402
 from quads.tensor.nvfp4_math import shared_global_encode_scale  # noqa: E402
 from quads.tensor.files import write_atomically  # noqa: E402

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import quads  # noqa: E402
 from quads.kernels import fake_quantize_nvfp4 as fq  # noqa: E402
-from quads.ops.backend import get_backend  # noqa: E402
+from quads.ops.backend_registry import get_backend  # noqa: E402
 from quads.policies.modules import TrainerModule  # noqa: E402
 
 

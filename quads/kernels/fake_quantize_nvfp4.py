@@ -13,8 +13,8 @@ scale is given; the launch plan in detail: docs/trainer.md.
 One fused pass (``_lean_quant_blocks`` / ``_lean_dequant_blocks``): the recipe's steps (block
 scale, E4M3 round trip, E2M1 rounding, the exact ``(e2m1 * s) / S_enc``) done in float
 arithmetic on the values, building no E2M1 codes and no scale byte: the trainer only needs
-``DQ(Q(w))``, and the rollout quantizer (:mod:`quads.kernels.quantize_nvfp4`, ``_quant_blocks`` /
-``_dequant_blocks``) keeps the codes. Checked bit-exact against :mod:`quads.tensor.nvfp4_math`
+``DQ(Q(w))``, and the rollout quantizer (:mod:`quads.kernels.nvfp4_blocks`, ``quant_blocks``)
+keeps the codes. Checked bit-exact against :mod:`quads.tensor.nvfp4_math`
 (tests/kernels, and natively on the H200 on every weight of both benchmark models). The
 dequantization takes the fast exact path (a power-of-two split, see
 :mod:`quads.kernels.nvfp4_blocks`) unless a value of the tile could be subnormal in

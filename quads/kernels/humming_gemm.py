@@ -1,54 +1,27 @@
 """quads' NVFP4 weights as vLLM's humming GEMMs (humming-kernels 0.1.19): the Hopper fast path.
 
-humming (github.com/vllm-project/humming) JIT-compiles (NVRTC) mixed-precision GEMMs; its
-ModelOpt NVFP4 weight schema takes quads' packed parts as they are::
+humming (github.com/vllm-project/humming) JIT-compiles (NVRTC) mixed-precision GEMMs; its ModelOpt
+NVFP4 weight schema takes quads' packed parts as they are (``weight`` uint8 N x K/2,
+``weight_scale`` e4m3 N x K/16, ``weight_scale_2`` = 1/S_w). On sm_90 the weight is decoded in
+registers to the 16-bit activation dtype (``e2m1 * f32(s)`` is exact in fp16 and bf16), products
+are summed in fp32 and ``weight_scale_2`` (read at run time) scales the sum before the store.
+sm_90 has no 4-bit activation MMA, so quads hands over its exact fp16 operand rows.
 
-    HummingLayer(shape_n=N, shape_k=K, torch_dtype=fp16|bf16,
-                 weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"})
-    .load_from_tensors({"weight": qdata (uint8 N x K/2), "weight_scale": scale (e4m3 N x K/16),
-                        "weight_scale_2": 1/S_w (fp32 (1,))}); .transform()
+**Output range.** An fp16 output of unscaled quads operands can overflow: :func:`output_shift`
+picks on the device a power of two ``2^c`` under which the bound ``A * 96 * sum_b s_b / S_w``
+stays below ``2^15``; the GEMM reads ``2^-c / S_w`` and the epilogue multiplies by ``2^c`` (exact).
 
-On sm_90 the weight is decoded in registers to the activation dtype: ``e2m1 * f32(s)`` has at most
-6 significant bits and lies in [2^-10, 2688], so it is exact in fp16 and bf16; products are summed
-in fp32 and ``weight_scale_2`` (a fp32 tensor scale, read by the kernel at run time) multiplies
-the sum before the fp16/bf16 store. Activations are 16-bit (sm_90 has no 4-bit activation MMA:
-humming's sm_90 heuristics allow no 4-bit ``a_dtype``), so quads hands over its exact fp16
-operand rows ``e2m1 * f32(block scale)`` (see :mod:`quads.ops.humming_backend`).
+**Configurations** (``mode``, :data:`HUMMING_MODES`): ``"default"`` (humming's M-interval table,
+Stream-K: not deterministic run to run, measured max diff 0.0078 at 4096^2), ``"no_stream_k"``
+(the same table without Stream-K: deterministic) and ``"batch_invariant"``.
 
-**Output range.** A 16-bit activation needs an output of the same dtype (humming's rule). With
-the unscaled quads operands (|a| <= A) an fp16 output can overflow: ``|o_n| <= A * L_n / S_w`` with
-``L_n = sum_k |e2m1 * s|`` of output row n, bounded without decoding by ``96 * sum_b s_b`` (16
-values of at most 6 per block). :func:`output_shift` picks, on the device (no host sync), the
-power of two ``2^c`` that keeps that bound under ``2^15``; the GEMM then reads
-``weight_scale_2 = 2^-c / S_w`` and the epilogue multiplies by ``2^c`` (exact). Outputs below
-fp16's normal range (2^-14 after the shift) keep an absolute error below ``2^(c-25)`` before the
-per-row unscaling.
+**JIT**: a layer's first call compiles its table (~1.5 s per shape; :meth:`HummingNVFP4.warmup`
+before CUDA-graph capture), cached under quads' cache directory (``HUMMING_CACHE_DIR``).
 
-**Configurations** (``mode``): ``"default"`` (humming's heuristics: an M-interval table of
-kernels, Stream-K split reductions with atomic fix-ups on many shapes: NOT deterministic run to
-run nor batch invariant, measured max diff 0.0078 at 4096^2), ``"no_stream_k"`` (the same table
-with ``use_stream_k=False`` forced in every entry: deterministic; batch invariance is measured,
-not promised: the table switches tiles with M) and ``"batch_invariant"`` (humming's
-``compute_config={"use_batch_invariant": True}``: no Stream-K and one K-warp per block).
-
-**JIT**: the first call of a layer (per mode) compiles every kernel of its M-interval table (~1.5
-s per shape measured); :meth:`HummingNVFP4.warmup` pays it before CUDA-graph capture. The kernel
-cache lives under quads' cache directory (``HUMMING_CACHE_DIR``/``HUMMING_TMP_DIR`` set to
-``<cache>/humming/...`` unless the user set them).
-
-**Refresh** (a weight sync): no new layer. quads' new parts go through humming's own
-transform under the held layer's configuration, on the device: for NVFP4 weights and 16-bit
-activations one ``humming.ops.repack_weight`` launch per tensor (all experts in one grid)
-writes the repacked weight straight into the held tensor, and the small block-scale permutation
-and ``weight_scale_2`` are copied in (shapes checked before anything is written: all or
-nothing). Other configurations take humming's ``transform_humming_tensors`` and a copy.
-Captured graphs stay valid (same addresses). The first build allocates the layer's tensors on
-the device (``torch.device`` context): the stage-1 build allocated them in host memory and
-copied them over, and the stage-1 refresh built a whole scratch layer that way. That is where
-the 224 / 524 ms of the H200 MoE sync rows (2026-12-02) went, by the code and by the numbers (not
-profiled): both blocks ran at the same 3.0 GB/s of scratch-layer bytes (2 weights x 2 dtypes,
-about 1.0x the packed bytes each), a pageable host-to-device copy's rate, not a repack kernel's.
-
+**Refresh** (a weight sync): no new layer: one ``humming.ops.repack_weight`` launch per tensor
+writes the repacked weight into the held tensor, the block-scale permutation and
+``weight_scale_2`` are copied in (shapes checked first: all or nothing); captured graphs stay
+valid. Layers are built on the device (a host-side build costs a pageable copy per sync).
 This module needs CUDA sm_90 and humming; nothing here imports humming at quads import time.
 """
 

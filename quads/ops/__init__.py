@@ -4,15 +4,16 @@ MoE experts. Imports only ``tensor`` and ``kernels``.
 One op per file, each with its torch reference, its kernel glue, its ``torch.library`` custom op
 (with a fake implementation, for ``torch.compile``) and its front function:
 :mod:`.weight_quant` (``quantize_weight``), :mod:`.activation_quant` (``quantize_activation``),
-:mod:`.linear` (``rollout_linear``), :mod:`.sibling_linear` (``SiblingGroup``: one quantization and
-one stacked GEMM for q/k/v, gate/up), :mod:`.grouped_linear` and :mod:`.experts`
-(``rollout_experts``). :mod:`.backend` is the backend interface, registry and choice;
-:mod:`.backends` binds the built-in backends' entries to those files.
+:mod:`.linear` (the linear kernels, ``rollout_linear``), :mod:`.sibling_linear` (``SiblingGroup``:
+one quantization and one stacked GEMM for q/k/v, gate/up), :mod:`.grouped_linear` and
+:mod:`.experts` (the experts kernels, ``rollout_experts``). :mod:`.backend_registry` is the backend
+interface, the kernel base, the registry and the choice; :mod:`.builtin_backends` binds the
+built-in backends to those files.
 """
 
 from quads.ops.activation_quant import ActivationQuant, QuantizedActivation, dequantize_activation, quantize_activation
-from quads.ops.backend import Backend, get_backend, register_backend, select_backend, use_backend
-from quads.ops.backends import BlackwellBackend, HopperBackend, TorchBackend  # registers the three
+from quads.ops.backend_registry import Backend, get_backend, register_backend, select_backend, use_backend
+from quads.ops.builtin_backends import BlackwellBackend, HopperBackend, TorchBackend  # registers the three
 from quads.ops.experts import rollout_experts
 from quads.ops.linear import rollout_linear, w4a4_matmul_reference
 from quads.ops.sibling_linear import SiblingGroup

@@ -11,7 +11,7 @@ Global activation scales are per row (per token) by default, so a token's quanti
 hence its log-probs, never depend on which other tokens share the batch (batch invariance;
 the Triton kernel gets the whole row in one pass for free). ``"tensor"`` is available for
 comparison. The reference calls :mod:`quads.tensor.nvfp4_math`; the Triton kernel
-(:func:`quads.kernels.quantize_nvfp4.quantize_rows`) is checked bit-exact against it.
+(:func:`quads.kernels.quantize_activations.quantize_rows`) is checked bit-exact against it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend_registry import Backend, select_backend
 from quads.tensor.nvfp4_math import BLOCK_SCALINGS, NVFP4Parts, check_quantizable, nvfp4_dequantize, nvfp4_quantize
 
 __all__ = [
@@ -38,7 +38,11 @@ __all__ = [
     "quantize_activation_reference",
     "quantize_activation_triton",
     "activation_operands_triton",
+    "as_operands",
+    "operand_row_args",
     "summed_operand_triton",
+    "summed_row_args",
+    "per_row_scales",
     "dequantize_activation",
 ]
 
@@ -205,8 +209,25 @@ def quantize_activation_triton(
     return QuantizedActivation(q.main.parts(), None if q.residual is None else q.residual.parts())
 
 
-def _per_row(s: torch.Tensor, m: int) -> torch.Tensor:
+def per_row_scales(s: torch.Tensor, m: int) -> torch.Tensor:
     return s.reshape(1).expand(m).contiguous() if s.dim() == 0 else s
+
+
+def operand_row_args(x2d: torch.Tensor, config: ActivationQuant, static_mask: torch.Tensor | None = None) -> dict:
+    """The keyword arguments of ``quantize_rows`` that write the GEMM operands of ``x2d`` (stacked:
+    main rows, then residual rows); :func:`as_operands` reads its result."""
+    residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
+    return dict(residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
+                write_packed=False, write_operand=True, stacked=True, block_scaling=config.block_scaling)
+
+
+def as_operands(q, m: int) -> ActivationOperands:
+    """``quantize_rows``' result (with :func:`operand_row_args`) of ``m`` rows as :class:`ActivationOperands`."""
+    main, main_scale = q.main.operand, per_row_scales(q.main.global_encode_scale, m)
+    if q.residual is None:
+        return ActivationOperands(main, main_scale, None, main)
+    # the kernel wrote both halves of one buffer; the residual rows share the rows' scales
+    return ActivationOperands(main, main_scale, q.residual.operand, q.stacked_operand)
 
 
 def activation_operands_triton(
@@ -215,15 +236,16 @@ def activation_operands_triton(
     """Quantize rows straight into the GEMM operands (fp16 unscaled values, per-row scales)."""
     from quads.kernels.quantize_activations import quantize_rows
 
+    return as_operands(quantize_rows(x2d, **operand_row_args(x2d, config, static_mask)), x2d.shape[0])
+
+
+def summed_row_args(x2d: torch.Tensor, config: ActivationQuant, static_mask: torch.Tensor | None = None,
+                    row_idx: torch.Tensor | None = None) -> dict:
+    """The keyword arguments of ``quantize_rows`` that write the summed operand of ``x2d`` (or of
+    ``x2d[row_idx]``): see :func:`summed_operand_triton`."""
     residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
-    q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
-                      write_packed=False, write_operand=True, stacked=True, block_scaling=config.block_scaling)
-    m = x2d.shape[0]
-    main, main_scale = q.main.operand, _per_row(q.main.global_encode_scale, m)
-    if q.residual is None:
-        return ActivationOperands(main, main_scale, None, main)
-    # the kernel wrote both halves of one buffer; the residual rows share the rows' scales
-    return ActivationOperands(main, main_scale, q.residual.operand, q.stacked_operand)
+    return dict(residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
+                write_packed=False, write_sum=True, row_idx=row_idx, block_scaling=config.block_scaling)
 
 
 def summed_operand_triton(
@@ -236,11 +258,9 @@ def summed_operand_triton(
     without materializing it; quantization is row-local, so a gathered row has its token's bits."""
     from quads.kernels.quantize_activations import quantize_rows
 
-    residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
-    q = quantize_rows(x2d, residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
-                      write_packed=False, write_sum=True, row_idx=row_idx, block_scaling=config.block_scaling)
+    q = quantize_rows(x2d, **summed_row_args(x2d, config, static_mask, row_idx))
     rows = x2d.shape[0] if row_idx is None else row_idx.shape[0]
-    return q.summed_operand, _per_row(q.main.global_encode_scale, rows)
+    return q.summed_operand, per_row_scales(q.main.global_encode_scale, rows)
 
 
 def quantize_activation(

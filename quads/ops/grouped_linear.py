@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
-from quads.ops.backend import Backend, get_backend
+from quads.ops.backend_registry import Backend, get_backend
 from quads.ops.compile_alignment import align_this_compile
 from quads.ops.linear import (
     act_fields,

@@ -1,62 +1,26 @@
-"""The ``humming`` backend: rollout linears through vLLM's humming GEMMs on Hopper (the fast path).
+"""The ``humming`` backend: rollout linears and experts through vLLM's humming GEMMs on Hopper (the fast path).
 
-Same entries as :class:`~quads.ops.backends.HopperBackend`; quads keeps its NVFP4 parts, its one
-quantizer and its Triton activation quantization, and hands humming (:mod:`quads.kernels.humming_gemm`)
-the packed weight and 16-bit activation operands:
+quads keeps its NVFP4 parts, its one quantizer and its Triton activation quantization, and hands
+humming (:mod:`quads.kernels.humming_gemm`) the packed weight and 16-bit activation operands:
+W4A16 feeds the bf16/fp16 activations directly; W4A4 (+ residual) feeds quads' exact fp16 operand
+rows, ``stacked`` (main then residual rows) or ``summed`` (``fp16(main + residual)``), and unscales
+the output rows (:class:`HummingLinearKernel` states the error bounds; docs/humming.md).
 
-* **W4A16** (``act=None``): the bf16/fp16 activations go in directly (a layer of ``x.dtype``);
-  output = ``fp32 sum of exact products * (1/S_w)``, rounded once to ``x.dtype``.
-* **W4A4 (+ residual)**: quads' fused quantization writes the exact fp16 operand rows
-  ``e2m1 * f32(block scale)`` of the main term and of the residual (both under the row's global
-  scale ``S_x``: quads quantizes the residual with the main term's ``S_x``, so nothing needs
-  folding); the GEMM's fp16 output rows are unscaled by ``2^c / S_x`` (:func:`unscale_rows`).
+``mode`` (``QUADS_HUMMING_MODE``): humming's kernel configuration
+(:data:`~quads.kernels.humming_gemm.HUMMING_MODES`); ``"default"`` is humming's fastest
+(Stream-K: not deterministic run to run), kept because the deterministic modes measured 35-60%
+slower on the dense linears on the H200.
 
-  - ``stacked`` (2M operand rows, main then residual; the two output rows are summed in fp32 in
-    the epilogue): every product exact, fp32 sums; error vs the exact path = the fp16 rounding
-    of each of the two GEMM output rows (relative 2^-11 of each, plus an absolute ``2^(c-25)/S_x``
-    below fp16's normal range) and the final rounding to ``x.dtype``.
-  - ``summed`` (M rows of ``fp16(main + residual)``): one more rounding per *operand element*
-    (relative 2^-11 of ``|x_hat + r_hat|`` scaled by ``S_x``), i.e. ``|Δy_n| <= 2^-11 * sum_k
-    |x̂+r̂|_k |w_nk|`` before the output roundings; half the GEMM rows, one more small kernel.
-
-  ``residual_layout``: ``"auto"`` = stacked below :data:`SUMMED_FROM_ROWS` rows, summed from
-  there (the H200 crossover of ``benchmarks/bench_humming.py``, 2026-12-01), or either forced
-  (``QUADS_HUMMING_RESIDUAL`` overrides).
-
-``mode`` (``QUADS_HUMMING_MODE`` overrides): humming's kernel configuration, see
-:data:`~quads.kernels.humming_gemm.HUMMING_MODES`. Default ``"default"`` (humming's fastest
-heuristics, Stream-K: not deterministic run to run; W4A16's bf16 output is then within
-``2^-6 max|y|`` of the exact product, not the per-element bound, see docs/humming.md): its sm_90
-tables give the no-split modes as few as N/128 CTAs at small M (32 of 132 SMs at N = 4096), and on
-the H200 (2026-12-02) ``no_stream_k`` cost the dense linears 35-60% of their speed, so it is not
-the default (issue 24's rule: a deterministic mode within 10% of the fastest becomes it). On the
-128-expert MoE block it was as fast, on the 8-expert block 15% slower (session 6), so the experts
-keep the default too.
-
-**MoE experts** (3-D weights, :meth:`HummingBackend.grouped_linear`): humming's grouped-contiguous
-MoE GEMM over quads' routing (rows sorted by expert, ``offsets`` = humming's ``expert_layout``);
-the token operands are built once and their rows gathered (quantization is row-local, so a
-gathered row has the bits of the token's); W4A4 + residual uses the *summed* operand there (the
-stacked one would need per-expert interleaving: next stage). Rows past ``offsets[E]`` (no expert)
-are zeroed as the exact path does.
-
+Experts (:class:`HummingExpertsKernel`): humming's grouped-contiguous MoE GEMM over quads' routing,
+the token rows quantized once and gathered per expert into the summed operand.
 Not on humming (the exact Hopper kernels serve them): weights with per-row global scales, experts
 with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
-experts. The prepared object of such a weight is the Hopper layout.
+experts; and weights of shapes humming cannot tile (:func:`humming_shape_problem`, the kernel choice).
 
-**Prefill** (``DENSE_PREFILL_FROM_ROWS``, measured slower: off by default): from that many rows a
-W4A4 linear runs :func:`dense_w4a4` (the weight dequantized exactly to fp16 per call, cuBLAS
-with fp32 output) instead of humming's GEMM; ``QUADS_HUMMING_DENSE_FROM`` overrides.
-
-Weight memory: one humming layout per weight (1.0x the packed NVFP4 bytes): the fp16 layer's,
-shared by the bf16 layer when its bits agree (checked on the tensors: humming's repack depends on
-the activation width only), and nothing else: :class:`HummingWeight` keeps no reference to the
-packed parts, :meth:`HummingWeight.packed_parts` derives them from the layout (the inverse of the
-repack, :mod:`quads.kernels.humming_layout`), and the layout is the rollout module's weight storage
-(``NVFP4Tensor.to_layout_``; a sync writes it through ``NVFP4Tensor.write_parts_``). The exact-path fallbacks and the
-dense prefill path get the parts per call (:meth:`HummingWeight.real_parts`). Under
-``torch.compile`` the weight goes through ``quads::linear_held`` by its handle
-(:func:`quads.ops.linear.register_held`).
+Weight memory: one humming layout per weight (1.0x the packed bytes), shared by the fp16 and bf16
+layers when their bits agree; :class:`HummingWeight` derives the packed parts back from it, so the
+layout is the rollout weight's storage (``NVFP4Tensor.to_layout_`` / ``write_parts_``). Under
+``torch.compile`` a layout is reached through ``quads::linear_held`` by its handle.
 """
 
 from __future__ import annotations
@@ -66,23 +30,32 @@ import os
 
 import torch
 
-from quads.ops.activation_quant import activation_operands_triton, summed_operand_triton
-from quads.ops.backend import register_backend
-from quads.ops.backends import HopperBackend
-from quads.ops.linear import prepare_weight_hopper, register_held
+from quads.ops.activation_quant import (
+    activation_operands_triton,
+    as_operands,
+    operand_row_args,
+    per_row_scales,
+    summed_operand_triton,
+    summed_row_args,
+)
+from quads.ops.backend_registry import LinearArgs, LinearKernel, register_backend
+from quads.ops.builtin_backends import HopperBackend
+from quads.ops.experts import ExpertsKernel, Routing, combine_top_k
+from quads.ops.linear import HopperLinearKernel, held_linear, prepare_weight_hopper, register_held
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["DENSE_PREFILL_FROM_ROWS", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingWeight",
+__all__ = ["DENSE_PREFILL_FROM_ROWS", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel",
+           "HummingExpertsKernel",           "HummingWeight",
            "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16",
            "humming_residual_layout", "humming_shape_problem"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
-#: from this many tokens on, ``auto`` uses the summed operand (H200, 2026-12-01: stacked faster at
+#: from this many tokens on, ``auto`` uses the summed operand (measured on the H200: stacked faster at
 #: M = 1 on all shapes and at M = 16 on the N, K <= 4096 ones; summed faster at M = 64, 256, 2048)
 SUMMED_FROM_ROWS = 64
 #: from this many tokens on, W4A4 (+ residual) linears run the dense prefill path
 #: (:func:`dense_w4a4`: the weight dequantized exactly to fp16 per call, cuBLAS with fp32 output)
-#: instead of humming's GEMM. None = off: on the H200 (2026-12-02, ``benchmarks/bench_humming.py``,
+#: instead of humming's GEMM. None = off: on the H200 (``benchmarks/ops/bench_humming.py``,
 #: docs/humming.md) it never beat humming's summed layout at any M up to 2048 on the five linear
 #: shapes (0.37-0.71x BF16 against 0.39-0.76x); ``QUADS_HUMMING_DENSE_FROM`` (an integer, or
 #: ``off``) overrides it.
@@ -271,6 +244,7 @@ class HummingBackend(HopperBackend):
 
     name = "humming"
     fallback = "hopper"
+    experts_kernel_class = None  # set below (HummingExpertsKernel)
 
     def shape_problem(self, n: int, k: int) -> str | None:
         return humming_shape_problem(n, k)
@@ -309,50 +283,138 @@ class HummingBackend(HopperBackend):
     def stacked_fits(self, rows, act):
         return False
 
-    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
-        if not humming_supports(weight) or x2d.dtype not in (torch.float16, torch.bfloat16):
-            hopper = prepared if prepared is not None and not isinstance(prepared, HummingWeight) else None
-            if isinstance(prepared, HummingWeight):  # the exact path reads the packed parts: derived here
-                weight = prepared.real_parts(weight)
-            return super().linear(x2d, weight, bias, act, static_mask, hopper, operands)
-        prepared = prepared if isinstance(prepared, HummingWeight) else self.prepare_weight(weight)
-        if act is None:
-            y = prepared.layer(x2d.dtype)(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
-            return y if bias is None else y + bias.to(y.dtype)
-        dense_from = dense_prefill_from_rows()
-        if dense_from is not None and x2d.shape[0] >= dense_from and self.mode != "batch_invariant":
+    def linear_kernel(self, args: LinearArgs) -> LinearKernel:
+        """:class:`HummingLinearKernel` for a weight humming serves (a humming layout, or none yet);
+        the exact Hopper kernel for the rest (per-row global scales: its layout is the Hopper one)."""
+        if humming_supports(args.parts()) and (args.prepared is None or isinstance(args.prepared, HummingWeight)):
+            return HummingLinearKernel(self, args)
+        return HopperLinearKernel(self, args)
+
+
+class HummingLinearKernel(LinearKernel):
+    """One weight's linear on humming (see the module doc). Activations of other dtypes than
+    :attr:`humming_dtypes` take the exact kernels (the parts derived from the layout); compiled
+    code reaches the layout through ``quads::linear_held``.
+
+    * W4A16 (``act=None``): the layer of ``x.dtype``; output = ``fp32 sum of exact products *
+      (1/S_w)``, rounded once to ``x.dtype``.
+    * W4A4 (+ residual): the fp16 layer on the exact operand rows ``e2m1 * f32(block scale)``
+      (main and residual under the row's ``S_x``), the fp16 output rows unscaled by ``2^c / S_x``
+      (:func:`~quads.kernels.humming_operands.unscale_rows`). ``stacked`` (2M rows, summed in fp32
+      in the epilogue): error vs the exact path = the fp16 rounding of each output row (relative
+      2^-11, plus ``2^(c-25)/S_x`` below fp16's normal range) and the final rounding. ``summed``
+      (M rows): one more rounding per operand element, ``|Δy_n| <= 2^-11 * sum_k |x̂+r̂|_k |w_nk|``.
+      :func:`humming_residual_layout` picks (``auto``: stacked below :data:`SUMMED_FROM_ROWS` rows).
+    * From :func:`dense_prefill_from_rows` rows (off by default): :func:`dense_w4a4`."""
+
+    humming_dtypes = (torch.float16, torch.bfloat16)
+    #: whether W4A4 may take the dense prefill path (it reads the parts derived from the layout)
+    dense_prefill = True
+
+    def apply(self, x, bias=None, operands=None):
+        a, backend = self.args, self.backend
+        if torch.compiler.is_compiling():
+            if a.prepared is None:  # the custom op's body prepares per call
+                return HopperLinearKernel.apply(self, x, bias, operands)
+            return held_linear(x, a.prepared, bias, a.act, a.static_mask, backend, a.prepared.shape[-2])
+        prepared = a.prepared if a.prepared is not None else backend.prepare_weight(a.parts())
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        m = x2.shape[0]
+        if x2.dtype not in self.humming_dtypes:
+            exact = LinearArgs(prepared.real_parts(a.parts()), a.act, a.static_mask)
+            return HopperLinearKernel(backend, exact).apply(x, bias, operands)
+        if a.act is None:
+            y = prepared.layer(x2.dtype)(x2)
+            return (y if bias is None else y + bias.to(y.dtype)).reshape(*x.shape[:-1], y.shape[-1])
+        from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
+        from quads.kernels.quantize_activations import quantize_rows
+
+        if (self.dense_prefill and (dense_from := dense_prefill_from_rows()) is not None and m >= dense_from
+                and backend.mode != "batch_invariant"):
             # prefill: the operand of the residual layout in force (auto: summed there) times the exact fp16
             # weight, dequantized per call (no second weight held); not under batch_invariant (cuBLAS)
-            layout = humming_residual_layout(x2d.shape[0], self.residual_layout, self.mode)
-            return dense_w4a4(x2d, prepared.real_parts(weight), bias, act, static_mask, layout=layout,
-                              operands=operands)
-        return humming_w4a4(x2d, prepared.layer(torch.float16), bias, act, static_mask, self.residual_layout,
-                            operands)
+            layout = humming_residual_layout(m, backend.residual_layout, backend.mode)
+            y = dense_w4a4(x2, prepared.real_parts(a.parts()), bias, a.act, a.static_mask, layout=layout,
+                           operands=operands)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        layer = prepared.layer(torch.float16)
+        summed = a.act.has_residual and humming_residual_layout(m, backend.residual_layout, layer.mode) == "summed"
+        stacked = False
+        if summed and operands is None:  # the quantization kernel writes fp16(main + residual) itself
+            q = quantize_rows(x2, **summed_row_args(x2, a.act, a.static_mask))
+            op, scale = q.summed_operand, per_row_scales(q.main.global_encode_scale, m)
+        else:
+            ops = operands if operands is not None else as_operands(
+                quantize_rows(x2, **operand_row_args(x2, a.act, a.static_mask)), m)
+            scale = ops.main_scale
+            if ops.residual is None:
+                op = ops.main
+            elif not summed:
+                op, stacked = ops.stacked, True
+            else:  # operands shared by a sibling group arrive stacked: summed here (the fused kernel's bits)
+                op = sum_stacked_rows(ops.stacked, m)
+        scaling = "summed" if summed else "w4a4"
+        o = layer(op, scaling)
+        y = unscale_rows(o, m, layer.unshift[scaling], scale, bias, x2.dtype, stacked=stacked)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class _OneLayer:
+    """A single humming layer where :class:`HummingLinearKernel` reads a :class:`HummingWeight`."""
+
+    def __init__(self, layer):
+        self._layer = layer
+
+    def layer(self, dtype):
+        return self._layer
+
+
+class HummingExpertsKernel(ExpertsKernel):
+    """One experts module on humming's grouped MoE GEMM (see the module doc): the token operands
+    quantized once, gathered per expert row, into the summed operand (W4A4) or the 16-bit rows
+    themselves (W4A16). What humming does not serve (expert biases, fp32 activations, ``"tensor"``
+    activation scales, Hopper-laid weights, compiled code) takes the base path, whose
+    ``grouped_linear`` entry gives each projection the exact kernels where needed."""
+
+    def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
+        act = self.gate_up.act
+        if (torch.compiler.is_compiling() or biases[0] is not None or biases[1] is not None
+                or hidden.dtype not in (torch.float16, torch.bfloat16) or (act is not None and act.granularity != "row")
+                or not all(isinstance(a.prepared, HummingWeight) or (a.prepared is None and humming_supports(a.parts()))
+                           for a in (self.gate_up, self.down))):
+            return super().apply(hidden, top_k_index, top_k_weights, apply_gate, biases)
+        from quads.kernels.humming_operands import unscale_rows
+        from quads.kernels.quantize_activations import quantize_rows
+
+        route = Routing(top_k_index, self.gate_up.parts().qdata.shape[0])
+        num_rows = route.num_rows
+        valid = torch.arange(num_rows, device=hidden.device) < route.offsets[-1]  # rows of no expert give 0
+        x, rows = hidden, route.token_of_row
+        for i, a in enumerate((self.gate_up, self.down)):
+            if i:
+                x, rows = apply_gate(x), None
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            prepared = a.prepared if a.prepared is not None else self.backend.prepare_weight(a.parts())
+            if a.act is None:
+                y = prepared.layer(x.dtype)(x if rows is None else x.index_select(0, rows), expert_layout=route.offsets)
+            else:  # one kernel: the rows gathered per expert quantized straight into the summed operand
+                q = quantize_rows(x, **summed_row_args(x, a.act, a.static_mask, rows))
+                layer, scaling = prepared.layer(torch.float16), "summed" if a.act.has_residual else "w4a4"
+                o = layer(q.summed_operand, scaling, expert_layout=route.offsets)
+                y = unscale_rows(o, num_rows, layer.unshift[scaling], per_row_scales(q.main.global_encode_scale, num_rows),
+                                 None, x.dtype, stacked=False)
+            x = y.masked_fill_(~valid[:, None], 0)
+        return combine_top_k(x, route, top_k_weights, hidden)
 
 
 def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str = "auto", operands=None) -> torch.Tensor:
-    """W4A4 (+ residual) through one fp16 humming layer (see the module doc): quads' fused
-    quantization (``operands``: computed once by a sibling group, as on the Hopper backend; else
-    here), the GEMM, the epilogue."""
-    from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
-
-    x2 = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    m = x2.shape[0]
-    summed = act.has_residual and humming_residual_layout(m, residual_layout, layer.mode) == "summed"
-    if summed and operands is None:  # the quantization kernel writes fp16(main + residual) itself
-        op, scale = summed_operand_triton(x2, act, static_mask)
-        o = layer(op, "summed")
-        return unscale_rows(o, m, layer.unshift["summed"], scale, bias, x2.dtype, stacked=False)
-    ops = operands if operands is not None else activation_operands_triton(x2, act, static_mask)
-    if ops.residual is None:
-        o = layer(ops.main, "w4a4")
-        return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=False)
-    if not summed:
-        o = layer(ops.stacked, "w4a4")
-        return unscale_rows(o, m, layer.unshift["w4a4"], ops.main_scale, bias, x2.dtype, stacked=True)
-    # operands shared by a sibling group arrive stacked: sum them here (same bits as the fused kernel)
-    o = layer(sum_stacked_rows(ops.stacked, m), "summed")
-    return unscale_rows(o, m, layer.unshift["summed"], ops.main_scale, bias, x2.dtype, stacked=False)
+    """W4A4 (+ residual) through one fp16 humming layer in any activation dtype (fp32: the GEMM's
+    error without the final rounding): one call of :class:`HummingLinearKernel`."""
+    kernel = HummingLinearKernel(HummingBackend(layer.mode, residual_layout),
+                                 LinearArgs(None, act, static_mask, _OneLayer(layer)))
+    kernel.humming_dtypes, kernel.dense_prefill = (x2d.dtype,), False
+    return kernel.apply(x2d, bias, operands)
 
 
 def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask, num_rows: int) -> torch.Tensor:
@@ -376,10 +438,11 @@ def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask,
     return y.masked_fill_(~valid[:, None], 0)
 
 
+HummingBackend.experts_kernel_class = HummingExpertsKernel
 register_backend(HummingBackend())
 
 
-# -- prefill candidate (issue 24 item 4 / stage 2 item 3): the weight dequantized to fp16, cuBLAS ----------
+# -- prefill candidate (off by default): the weight dequantized to fp16, cuBLAS ----------
 
 DENSE_LAYOUTS = ("summed", "stacked")
 

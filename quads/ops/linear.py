@@ -8,20 +8,14 @@ scales are divided out in the epilogue. Kernels agree with it up to float32 summ
 Without a config the layer is weight-only (W4A16): ``F.linear(x, DQ(W))``, bit-identical to the
 trainer's QAT forward.
 
-A rollout linear's forward takes four hops:
-
-1. the module's forward (``RolloutLinear.forward``, or a vLLM layer's ``apply``) calls
-2. :func:`rollout_linear` here (checks, reshape; inside ``torch.compile`` the ``quads::linear``
-   custom op, whose body is step 3), which calls
-3. ``backend.linear``: :func:`linear_reference` (torch), :func:`linear_hopper` (hopper),
-   :func:`w4a4_linear_blackwell` (blackwell), which call
-4. the kernel launchers (:func:`quads.kernels.quantize_nvfp4.quantize_rows`,
-   :func:`quads.kernels.w4a4_decode_hopper.decode_gemm`, :func:`quads.kernels.w4a4_gemm_hopper.w4a4_gemm`).
-
-Sibling linears reading one input (q/k/v, gate/up) go through one
-:class:`~quads.ops.sibling_linear.SiblingGroup` instead, which computes the backend's
-``activation_operands`` once and passes them to each member's ``backend.linear`` (``operands``).
-Every function below step 2 takes 2-D activations ``(M, K)``.
+The linear kernels (one per rollout module, made when its weights are set; ``LinearArgs`` holds
+the weight, the activation config, the static mask and the prepared layout):
+:class:`ReferenceLinearKernel` (torch), :class:`HopperLinearKernel` (hopper),
+:class:`BlackwellLinearKernel` (blackwell). A module's forward calls ``kernel.apply(x, bias)``,
+which calls the launchers (``quantize_rows``, ``decode_gemm``, ``w4a4_gemm``) itself; inside
+``torch.compile`` it calls the ``quads::linear`` custom op (``quads::linear_held`` for a weight
+held in the humming layout), whose body runs the same kernel eagerly. Sibling linears
+(:class:`~quads.ops.sibling_linear.SiblingGroup`) pass ``operands`` computed once.
 """
 
 from __future__ import annotations
@@ -37,11 +31,12 @@ from typing import NamedTuple
 from quads.ops.activation_quant import (
     ActivationQuant,
     QuantizedActivation,
-    activation_operands_triton,
+    as_operands,
+    operand_row_args,
     quantize_activation_reference,
     quantize_activation_triton,
 )
-from quads.ops.backend import Backend, get_backend, select_backend
+from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel, get_backend, select_backend
 from quads.ops.compile_alignment import align_this_compile
 from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
@@ -66,7 +61,9 @@ __all__ = [
     "linear_hopper",
     "w4a4_linear_reference",
     "w4a4_linear_hopper",
-    "w4a4_linear_blackwell",
+    "ReferenceLinearKernel",
+    "HopperLinearKernel",
+    "BlackwellLinearKernel",
     "w4a16_linear",
     "w4a16_linear_hopper",
 ]
@@ -116,32 +113,6 @@ def w4a4_matmul_reference(qa: QuantizedActivation, weight: NVFP4Parts) -> torch.
     return _matmul_operands(ReferenceOperands(qa, unscaled_values(qa.main), res), weight)
 
 
-def linear_reference(
-    x2: torch.Tensor,
-    weight: NVFP4Parts,
-    bias: torch.Tensor | None,
-    act: ActivationQuant | None,
-    static_mask: torch.Tensor | None = None,
-    prepared=None,
-    operands: ReferenceOperands | None = None,
-) -> torch.Tensor:
-    """``Backend("torch").linear``: (M, K) -> (M, N) in ``x2.dtype``. With ``act``: quantize
-    (+ residual), exact-emulation product, bias (``operands``: :func:`reference_operands` of ``x2``
-    computed by the caller, shared by siblings); without: :func:`w4a16_linear`."""
-    if act is None:
-        return w4a16_linear(x2, weight, bias)
-    ops = operands if operands is not None else reference_operands(x2, act, static_mask)
-    y = _matmul_operands(ops, weight)
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x2.dtype)
-
-
-def w4a4_linear_reference(x2, weight: NVFP4Parts, bias, act: ActivationQuant, static_mask=None) -> torch.Tensor:
-    """The W4A4 (+ residual) reference (:func:`linear_reference` with an ``act``)."""
-    return linear_reference(x2, weight, bias, act, static_mask)
-
-
 def hopper_operands(x2: torch.Tensor, act: ActivationQuant | None, static_mask=None):
     """``Backend("hopper").activation_operands``: the fused quantization's GEMM operands
     (:class:`~quads.ops.activation_quant.ActivationOperands`), or without ``act`` (W4A16) the
@@ -151,7 +122,9 @@ def hopper_operands(x2: torch.Tensor, act: ActivationQuant | None, static_mask=N
         from quads.kernels.fp16_operand import scaled_fp16_rows
 
         return scaled_fp16_rows(x2)
-    return activation_operands_triton(x2, act, static_mask)
+    from quads.kernels.quantize_activations import quantize_rows
+
+    return as_operands(quantize_rows(x2, **operand_row_args(x2, act, static_mask)), x2.shape[0])
 
 
 def prepare_weight_hopper(weight: NVFP4Parts, out=None):
@@ -165,42 +138,116 @@ def prepare_weight_hopper(weight: NVFP4Parts, out=None):
     return to_hopper_layout(weight.qdata, weight.scale, out)
 
 
-def linear_hopper(
-    x2: torch.Tensor,
-    weight: NVFP4Parts,
-    bias: torch.Tensor | None,
-    act: ActivationQuant | None,
-    static_mask: torch.Tensor | None = None,
-    prepared=None,
-    operands=None,
-) -> torch.Tensor:
-    """``Backend("hopper").linear``, the Triton twin of :func:`linear_reference`: the input's GEMM
-    operands (``operands``, :func:`hopper_operands` of ``x2`` computed by the caller, else here:
-    the fused quantization, or W4A16's fp16 rows), then the exact decode GEMM (few tokens: the
-    weight streamed once in the layout ``prepared`` by :func:`prepare_weight_hopper`, built here if
-    not given) or the prefill GEMM (many tokens).
+def _op_args(kernel: LinearKernel, x2: torch.Tensor, bias) -> tuple:
+    """A linear kernel's call as the ``quads::linear`` custom op's plain arguments."""
+    a = kernel.args
+    w = a.parts()
+    return (x2, w.qdata, w.scale, w.global_encode_scale, bias, *prepared_fields(a.prepared), *act_fields(a.act),
+            a.static_mask, kernel.backend.name)
+
+
+class ReferenceLinearKernel(LinearKernel):
+    """The torch backend's linear: with ``act`` quantize (+ residual), the exact-emulation product
+    (:func:`w4a4_matmul_reference`), bias; without: :func:`w4a16_linear`. ``operands``:
+    :func:`reference_operands` of the input, computed once for sibling linears."""
+
+    def apply(self, x, bias=None, operands=None):
+        a = self.args
+        x2 = x.reshape(-1, x.shape[-1])
+        if torch.compiler.is_compiling():
+            y = torch.ops.quads.linear(*_op_args(self, x2, bias))
+        elif a.act is None:
+            y = F.linear(x2, dequantized_weight(a.parts(), x2.dtype), bias)  # cached until the weight changes
+        else:
+            ops = operands if operands is not None else reference_operands(x2, a.act, a.static_mask)
+            y = _matmul_operands(ops, a.parts())
+            if bias is not None:
+                y = y + bias.to(torch.float32)
+            y = y.to(x2.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class HopperLinearKernel(LinearKernel):
+    """The Hopper backend's linear, the Triton twin of :class:`ReferenceLinearKernel`: the input's
+    GEMM operands (``operands``, :meth:`Backend.activation_operands` computed by a sibling set,
+    else here: the fused quantization, or W4A16's fp16 rows), then the exact decode GEMM (few
+    tokens: the weight streamed once in the layout ``args.prepared``, built per call if absent)
+    or the prefill GEMM (many tokens).
 
     Weight-only (``act=None``): ``x`` goes in as fp16 with a per-row power of two
     (:mod:`quads.kernels.fp16_operand`), the weight as the exact ``e2m1 * s * 2^-14`` operand, the
     global scale divided out in fp32 at the end. Compared with :func:`w4a16_linear` (bf16
     ``DQ(W)``, a cuBLAS product) the weight is not rounded to bf16 and the fp32 sums run in
     another order: differences of that size."""
-    from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
-    from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
 
-    ops = operands if operands is not None else hopper_operands(x2, act, static_mask)
-    if act is None:
-        main = stacked = ops[0]
-        row_scale, residual = ops[1], None
-    else:
-        main, stacked, row_scale, residual = ops.main, ops.stacked, ops.main_scale, ops.residual
-    sw = weight.global_encode_scale.to(torch.float32)
-    m = x2.shape[0]
-    has_res = residual is not None
-    if (2 * m if has_res else m) <= max_decode_columns():
-        prepared = prepared if prepared is not None else prepare_weight_hopper(weight)
-        return decode_gemm(stacked, row_scale, prepared, sw, m, has_res, bias, x2.dtype)
-    return w4a4_gemm(main, row_scale, weight.qdata, weight.scale, sw, r16=residual, bias=bias, out_dtype=x2.dtype)
+    def apply(self, x, bias=None, operands=None):
+        x2 = x.reshape(-1, x.shape[-1])
+        if torch.compiler.is_compiling():
+            y = torch.ops.quads.linear(*_op_args(self, x2, bias))
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        from quads.kernels.fp16_operand import scaled_fp16_rows
+        from quads.kernels.quantize_activations import quantize_rows
+        from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
+        from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
+
+        a, m = self.args, x2.shape[0]
+        if operands is None:
+            x2c = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            if a.act is None:
+                operands = scaled_fp16_rows(x2c)
+            else:
+                operands = as_operands(quantize_rows(x2c, **operand_row_args(x2c, a.act, a.static_mask)), m)
+        if a.act is None:
+            main = stacked = operands[0]
+            row_scale, residual = operands[1], None
+        else:
+            main, stacked, row_scale, residual = operands.main, operands.stacked, operands.main_scale, operands.residual
+        w = a.parts()
+        sw = w.global_encode_scale.to(torch.float32)
+        has_res = residual is not None
+        if (2 * m if has_res else m) <= max_decode_columns():
+            prepared = a.prepared if a.prepared is not None else prepare_weight_hopper(w)
+            y = decode_gemm(stacked, row_scale, prepared, sw, m, has_res, bias, x2.dtype)
+        else:
+            y = w4a4_gemm(main, row_scale, w.qdata, w.scale, sw, r16=residual, bias=bias, out_dtype=x2.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class BlackwellLinearKernel(HopperLinearKernel):
+    """W4A4 (+ residual) through native FP4 GEMMs on sm_100+ (NOT RUN here, see kernels.blackwell);
+    weight-only and CPU tensors (the interpreter) take the Hopper emulation."""
+
+    def apply(self, x, bias=None, operands=None):
+        a = self.args
+        if a.act is None or not x.is_cuda or torch.compiler.is_compiling():
+            return super().apply(x, bias, operands)
+        from quads.kernels.blackwell import fp4_unscaled_mm
+
+        x2 = x.reshape(-1, x.shape[-1])
+        qa = quantize_activation_triton(x2, a.act, a.static_mask)  # packed operands, its own quantization
+        w = a.parts()
+        acc = fp4_unscaled_mm(qa.main, w)
+        if qa.residual is not None:
+            acc = acc + fp4_unscaled_mm(qa.residual, w)
+        y = acc / (_row_scale(qa.main.global_encode_scale, x2.shape[0]) * w.global_encode_scale.to(torch.float32))
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(x2.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def linear_reference(x2, weight: NVFP4Parts, bias, act, static_mask=None, prepared=None, operands=None):
+    """One call of :class:`ReferenceLinearKernel` (the torch backend's ``linear``)."""
+    return get_backend("torch").linear(x2, weight, bias, act, static_mask, prepared, operands)
+
+
+def linear_hopper(x2, weight: NVFP4Parts, bias, act, static_mask=None, prepared=None, operands=None):
+    """One call of :class:`HopperLinearKernel` (the hopper backend's ``linear``)."""
+    return get_backend("hopper").linear(x2, weight, bias, act, static_mask, prepared, operands)
+
+
+def w4a4_linear_reference(x2, weight: NVFP4Parts, bias, act: ActivationQuant, static_mask=None) -> torch.Tensor:
+    """The W4A4 (+ residual) reference (:func:`linear_reference` with an ``act``)."""
+    return linear_reference(x2, weight, bias, act, static_mask)
 
 
 def w4a4_linear_hopper(x2, weight: NVFP4Parts, bias, act: ActivationQuant, static_mask=None, prepared=None):
@@ -209,33 +256,8 @@ def w4a4_linear_hopper(x2, weight: NVFP4Parts, bias, act: ActivationQuant, stati
 
 
 def w4a16_linear_hopper(x2, weight: NVFP4Parts, bias, prepared=None) -> torch.Tensor:
-    """Weight-only on the Hopper kernels, reading the packed weight (no dequantized copy;
-    :func:`linear_hopper` without ``act``)."""
+    """Weight-only on the Hopper kernels, reading the packed weight (no dequantized copy)."""
     return linear_hopper(x2, weight, bias, None, None, prepared)
-
-
-def w4a4_linear_blackwell(
-    x2: torch.Tensor,
-    weight: NVFP4Parts,
-    bias: torch.Tensor | None,
-    act: ActivationQuant,
-    static_mask: torch.Tensor | None = None,
-    prepared=None,
-    operands=None,
-) -> torch.Tensor:
-    """W4A4 (+ residual) through native FP4 GEMMs on sm_100+ (NOT RUN here, see kernels.blackwell)."""
-    from quads.kernels.blackwell import fp4_unscaled_mm
-
-    qa = quantize_activation_triton(x2, act, static_mask)
-    m = x2.shape[0]
-    sw = weight.global_encode_scale.to(torch.float32)
-    acc = fp4_unscaled_mm(qa.main, weight)
-    if qa.residual is not None:
-        acc = acc + fp4_unscaled_mm(qa.residual, weight)
-    y = acc / (_row_scale(qa.main.global_encode_scale, m) * sw)
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x2.dtype)
 
 
 def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None) -> torch.Tensor:
@@ -299,10 +321,10 @@ def linear_op(
     activation quantization with another call (compiled code reuses buffers without version
     bumps, so tensor identity says nothing about values there)."""
     n, k = qdata.shape[0], qdata.shape[1] * 2
-    return get_backend(backend).linear(
-        x, NVFP4Parts(qdata, scale, global_encode_scale), bias,
-        act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling), static_mask,
-        prepared_from_fields(prepared_values, prepared_scales, n, k))
+    args = LinearArgs(NVFP4Parts(qdata, scale, global_encode_scale),
+                      act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling),
+                      static_mask, prepared_from_fields(prepared_values, prepared_scales, n, k))
+    return get_backend(backend).linear_kernel(args).apply(x, bias)
 
 
 @linear_op.register_fake
@@ -359,10 +381,10 @@ def linear_held_op(
     (an input, so the compiled graph orders the op after a write of it)."""
     prepared = held_prepared(handle)
     parts = prepared.shape_parts
-    weight = NVFP4Parts(parts.qdata, parts.scale, global_encode_scale)
-    return get_backend(backend).linear(
-        x, weight, bias, act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling),
-        static_mask, prepared)
+    args = LinearArgs(NVFP4Parts(parts.qdata, parts.scale, global_encode_scale),
+                      act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling),
+                      static_mask, prepared)
+    return get_backend(backend).linear_kernel(args).apply(x, bias)
 
 
 @linear_held_op.register_fake
@@ -401,20 +423,13 @@ def rollout_linear(
     backend: Backend | None = None,
     prepared=None,
 ) -> torch.Tensor:
-    """``x (..., K) -> (..., N)`` through a packed NVFP4 weight (N, K): step 2 of the forward.
+    """``x (..., K) -> (..., N)`` through a packed NVFP4 weight (N, K), for callers that keep no
+    kernel (a rollout module calls its :class:`~quads.ops.backend_registry.LinearKernel` instead).
 
-    With ``act``: W4A4 (+ residual compensation); without: weight-only W4A16. ``backend``: the
-    module's (stored at conversion); None picks one for ``x``'s device (``QUADS_BACKEND``,
-    ``use_backend``). ``prepared``: ``backend.prepare_weight(weight.parts)``, if the caller keeps it.
-    Inside ``torch.compile`` the ``quads::linear`` custom op runs the same ``backend.linear``."""
-    if torch.compiler.is_compiling() and held_handle(prepared) is not None:  # the weight is not touched
-        return held_linear(x, prepared, bias, act, static_mask, backend, prepared.shape[-2])
-    _check_linear_weight(x, weight)
+    With ``act``: W4A4 (+ residual compensation); without: weight-only W4A16. ``backend``: None
+    picks one for ``x``'s device (``QUADS_BACKEND``, ``use_backend``). ``prepared``:
+    ``backend.prepare_weight(weight.parts)``, if the caller keeps it."""
+    if not (torch.compiler.is_compiling() and held_handle(prepared) is not None):  # compiled: not touched
+        _check_linear_weight(x, weight)
     backend = backend or select_backend(x.device)
-    x2, parts = x.reshape(-1, x.shape[-1]), weight.stored_parts()  # meta placeholders where a layout holds them
-    if torch.compiler.is_compiling():
-        y = torch.ops.quads.linear(x2, parts.qdata, parts.scale, parts.global_encode_scale, bias,
-                                   *prepared_fields(prepared), *act_fields(act), static_mask, backend.name)
-    else:
-        y = backend.linear(x2, parts, bias, act, static_mask, prepared)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return backend.linear_kernel(LinearArgs(weight, act, static_mask, prepared)).apply(x, bias)

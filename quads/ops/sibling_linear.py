@@ -1,40 +1,27 @@
 """Sibling linears reading one input: one activation quantization, one stacked GEMM where possible.
 
-In a transformers decoder layer ``q_proj``, ``k_proj`` and ``v_proj`` read the same hidden
-states, and so do ``gate_proj`` and ``up_proj``; a vLLM merged layer (``qkv_proj``,
-``gate_up_proj``) holds them as shards of one weight. Each member quantized alone, that is 7
-activation quantizations per layer where 4 distinct inputs exist, and on the GPU a few tokens
-per call make each GEMM launch latency-bound (~6 us of fixed cost on the H200, docs/kernels.md).
+``q_proj``/``k_proj``/``v_proj`` read the same hidden states, and so do ``gate_proj``/``up_proj``
+(a vLLM merged layer holds them as shards of one weight): quantized one by one that is 7
+activation quantizations per layer where 4 inputs exist, and few-token GEMMs are launch-bound.
 
-A :class:`SiblingGroup` is the one object that serves such linears:
+A :class:`SiblingGroup` serves such linears, called one by one (:meth:`~SiblingGroup.forward`):
+the first member called with an input computes the backend's ``activation_operands`` once, then
+every member's output: one stacked GEMM over the members' weights (each row keeping its weight's
+global scale) where the backend has one (few tokens, no biases), else each member's kernel on the
+shared operands (every output column has its own linear's bits); each other member, called next with the same input tensor (same
+storage, offset, shape, strides, dtype and version counter), takes its output once; any other
+call returns None (the member computes alone), so a result never depends on whether its
+siblings ran.
 
-* :meth:`SiblingGroup.outputs` computes the backend's ``activation_operands`` of the input
-  once and then every member's output: one stacked GEMM over the members' weights (each keeping
-  its own global scale, one ``S_w`` per output row) where the backend has one
-  (``backend.stack_prepared``; few tokens, no biases), else one ``backend.linear`` per member on
-  the shared operands. Every output column has its own linear's bits (the quantization depends
-  on the input only; the decode kernel's arithmetic per output row does not depend on the tile
-  it sits in). The vLLM method calls it with the shards of a merged layer.
-* :meth:`SiblingGroup.forward` serves members called one by one (the transformers modules): the
-  first member called with an input computes all outputs and keeps the others'; each of them,
-  called next with the same input tensor (same storage, offset, shape, strides, dtype and
-  version counter), takes its output once. Any other call returns None (the member computes
-  alone), so a member's result never depends on whether its siblings ran.
+Never shared: inference-mode tensors (no version counter), tensor subclasses, meta tensors, code
+traced by ``torch.compile`` (compiled code reuses buffers without version bumps). Writes that
+bypass the dispatcher are invisible to the check (transformers' decoder layers have none between
+siblings). Inside a CUDA-graph capture the hit is decided at capture time: replays recompute.
 
-Never shared: inference-mode tensors (no version counter: an in-place write between two
-siblings could not be seen), tensor subclasses, meta tensors, code traced by ``torch.compile``
-(the members then run the ``quads::linear`` custom op, whose body shares nothing: compiled code
-reuses buffers without version bumps). Writes that bypass the dispatcher (a raw kernel writing
-into an existing tensor) are invisible to the check; transformers' decoder layers have none
-between sibling projections. Inside a CUDA-graph capture the hit is decided at capture time from
-tensor identity: the graph then holds one quantization (and one stacked GEMM) whose output
-buffers the siblings read, and every replay recomputes them from the new input values.
-
-Groups are made by :func:`quads.fuse_projections_` (stacked, always on) and by the graphed
-decoder (``share_quantization``: dormant groups switched on inside its forwards only). This
-module imports no module class: members are any objects with ``quads_sibling_inputs()``
-returning ``(NVFP4Parts, bias, prepared)`` and the attributes ``quads_group``/``quads_group_index``.
-Also here: the stacked GEMM's reference and its Hopper glue.
+Groups are made by :func:`quads.fuse_projections_` (stacked) and by the graphed decoder (dormant
+groups switched on inside its forwards). Members are any objects with ``quads_sibling_inputs()``
+returning ``(LinearKernel, bias)`` and ``quads_group``/``quads_group_index``. Also here: the
+stacked GEMM's reference and its Hopper glue.
 """
 
 from __future__ import annotations
@@ -45,7 +32,7 @@ from typing import Sequence
 import torch
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend
+from quads.ops.backend_registry import Backend, LinearKernel
 from quads.ops.linear import hopper_operands, linear_reference
 from quads.tensor.nvfp4_math import NVFP4Parts
 
@@ -64,9 +51,8 @@ def _input_key(x: torch.Tensor) -> tuple | None:
 class SiblingGroup:
     """Linears of one backend and one activation configuration reading one input (module doc).
 
-    ``sizes``: the members' output rows; ``members``: the modules served one by one (empty for a
-    caller that only uses :meth:`outputs`); ``enabled``: whether :meth:`forward` serves (dormant
-    groups are switched on by :func:`enabled_groups`)."""
+    ``sizes``: the members' output rows; ``members``: the modules served one by one; ``enabled``:
+    whether :meth:`forward` serves (dormant groups are switched on by :func:`enabled_groups`)."""
 
     def __init__(self, backend: Backend, act: ActivationQuant | None, sizes: Sequence[int],
                  members: Sequence = (), enabled: bool = True):
@@ -112,20 +98,6 @@ class SiblingGroup:
 
     # -- outputs ---------------------------------------------------------------------------------
 
-    def outputs(self, x2d: torch.Tensor, weights: Sequence[NVFP4Parts], biases: Sequence = (),
-                prepared: Sequence = ()) -> list[torch.Tensor]:
-        """Every member's ``(M, N_i)`` output for the 2-D input: one quantization, then the
-        stacked GEMM (no biases, few tokens) or one GEMM per member on the shared operands."""
-        backend, act = self.backend, self.act
-        biases = list(biases) or [None] * len(weights)
-        prepared = list(prepared) or [None] * len(weights)
-        operands = backend.activation_operands(x2d, act)
-        if (self.stacked is not None and all(b is None for b in biases)
-                and backend.stacked_fits(x2d.shape[0], act)):
-            y = backend.stacked_linear(x2d, self.stacked, self.row_scales, act, operands)
-            return [y[:, self.offsets[j]:self.offsets[j + 1]] for j in range(len(weights))]
-        return [backend.linear(x2d, w, b, act, None, p, operands) for w, b, p in zip(weights, biases, prepared)]
-
     def forward(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member ``i``'s output through the group, or None (the member computes alone)."""
         if not self.enabled:
@@ -142,8 +114,17 @@ class SiblingGroup:
         inputs = [m.quads_sibling_inputs() for m in self.members]  # re-lays out weights written since
         if any(m.quads_group is not self for m in self.members):  # that refresh dissolved the group
             return None
-        weights, biases, prepared = zip(*inputs)
-        outs = self.outputs(x.reshape(-1, x.shape[-1]), weights, biases, prepared)
+        # every member's output: one quantization, then the stacked GEMM (no biases, few tokens) or
+        # each member's kernel on the shared operands
+        kernels, biases = zip(*inputs)
+        backend, act, x2 = self.backend, self.act, x.reshape(-1, x.shape[-1])
+        operands = backend.activation_operands(x2, act)
+        if (self.stacked is not None and all(b is None for b in biases)
+                and backend.stacked_fits(x2.shape[0], act)):
+            y = backend.stacked_linear(x2, self.stacked, self.row_scales, act, operands)
+            outs = [y[:, self.offsets[j]:self.offsets[j + 1]] for j in range(len(kernels))]
+        else:
+            outs = [k.apply(x2, b, operands) for k, b in zip(kernels, biases)]
         outs = [y.reshape(*x.shape[:-1], -1) for y in outs]
         rest = set(range(len(self.members))) - {i}
         self._pending = (key, x.detach(), outs, rest) if rest else None  # the alias keeps the storage alive

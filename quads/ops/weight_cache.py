@@ -1,41 +1,26 @@
-"""A cache of tensors derived from weights, kept until the weight changes.
+"""A cache of tensors derived from weights, kept until the weight changes (off by default).
 
 Between two weight syncs every forward recomputes the same things from the same weights: the
-rollout reference dequantizes each packed weight (``e2m1 * scale``), the W4A16 path dequantizes
-it to the activation dtype, the FP8 reference rounds each weight to E4M3. (The QAT trainer does
-not use this cache: it recomputes its forward weight in every forward and backward, see
-:mod:`quads.policies.ste`.) :func:`cached_derived` computes such a tensor once
-and returns the stored result while the weight is unchanged.
+rollout reference dequantizes each packed weight, the W4A16 path dequantizes it to the
+activation dtype, the FP8 reference rounds each weight to E4M3. :func:`cached_derived` computes
+such a tensor once and returns it while the weight is unchanged (the QAT trainer never uses it).
 
-**When an entry is stale.** An entry records, for each source tensor, its data pointer and its
-version counter (``tensor._version``: every in-place write bumps it: ``copy_`` in
-``sync_weights_``, an optimizer step, ``mul_`` ...; views share their base's counter), and keeps
-a detached alias of each source, so the storage it describes cannot be freed and its address
-reused while the entry exists. Replacing ``param.data`` changes the data pointer; an in-place
-write changes the version: either way the next lookup recomputes. **Not seen**: in-place writes
-through a tensor that shares the storage without being a view of it (``p.data.copy_(w)``: a
-``.data`` tensor has its own version counter; ``set_``; storage-level writes such as FSDP's
-all-gather into a flat parameter). No quads path, torch optimizer or ``load_state_dict`` writes
-that way; code that does calls :func:`clear_weight_cache` afterwards (or runs with
-``QUADS_WEIGHT_CACHE_MB=0``). Entries of a source that is
-garbage collected are dropped with it (``weakref.finalize`` on the source, or on its base for a
-view such as one expert's slice).
+**Stale entries.** An entry records each source's data pointer and version counter and keeps a
+detached alias of it (its storage cannot be freed and reused). Replacing ``param.data`` or an
+in-place write (``copy_``, an optimizer step) makes the next lookup recompute. **Not seen**:
+writes through a tensor that shares the storage without being a view (``p.data.copy_``, ``set_``,
+FSDP's all-gather into a flat parameter): such code calls :func:`clear_weight_cache`. Entries of
+a collected source are dropped with it.
 
-**Off by default; on only where weights cannot change behind its back.** Version counters
-are not a reliable change signal in training: ``torch.optim.AdamW(fused=True)`` (transformers'
-and TRL's default optimizer where available) updates parameters without bumping them, and so
-do vLLM's weight loaders (``param.data.copy_``). A cache on by default served the trainer stale
-fake-quantized weights after fused optimizer steps (the TRL main job's log-prob gap grew from
-0.011 to 0.054 over 8 steps; found 2026-12-01). So the default budget is 0 and only code that
-owns its weights for the duration turns it on: ``quads diagnose`` runs inside
-:func:`weight_cache_enabled`. ``QUADS_WEIGHT_CACHE_MB`` sets the budget process-wide (for
-users who know their weights change only through in-place ops that bump version counters).
+**Off by default; on only where weights cannot change behind its back.** Fused optimizers
+(``AdamW(fused=True)``) and vLLM's weight loaders update parameters without bumping version
+counters; a cache on by default served the trainer stale weights after fused optimizer steps.
+So the budget is 0 and only code that owns its weights turns it on (``quads diagnose`` runs
+inside :func:`weight_cache_enabled`); ``QUADS_WEIGHT_CACHE_MB`` sets it process-wide.
 
-**Memory.** When on, the cache holds at most its budget in megabytes over all devices, least
-recently used first out; a budget of 0 (:func:`set_weight_cache_budget` ``(0)``) turns it off. Dequantized float32 values take 7x the
-packed weight (4 bytes per element against 0.5625), a BF16 fake-quant copy 1x the master.
-Tensors being traced (``torch.compile``), meta tensors and inference-mode tensors (no version
-counter) are never cached. Not thread-safe (like the modules that call it).
+**Memory.** At most the budget in megabytes over all devices, least recently used first out.
+Dequantized float32 values take 7x the packed weight. Traced, meta and inference-mode tensors are
+never cached. Not thread-safe (like the modules that call it).
 """
 
 from __future__ import annotations

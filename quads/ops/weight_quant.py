@@ -24,7 +24,7 @@ from quads.tensor.nvfp4_math import (
     nvfp4_quantize,
 )
 
-from quads.ops.backend import Backend, get_backend, select_backend
+from quads.ops.backend_registry import Backend, get_backend, select_backend
 from quads.ops.compile_alignment import align_this_compile
 
 __all__ = ["quantize_weight", "quantize_weight_op", "quantize_weight_reference", "quantize_weight_triton",

@@ -13,7 +13,9 @@ attributes (``act_fn``, ``_apply_gate``, ``config``) are untouched. Two module k
 Every converted module stores the :class:`~quads.ops.Backend` that runs its ops
 (``quads_backend``), chosen when it is converted and again whenever it is moved to another
 device: the rollout's kernels, the trainer's fake quantizer (the fused kernel on kernel
-backends, the recipe on ``torch``; the same bits).
+backends, the recipe on ``torch``; the same bits). A rollout module also holds one kernel object
+made from that backend when its weights are set (:meth:`RolloutModule.quads_kernel`): its forward
+is ``kernel.apply``, which calls the launchers.
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, gemm_shape, select_backend
-from quads.ops.experts import experts_loop, rollout_experts
-from quads.ops.linear import rollout_linear
+from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel, gemm_shape, select_backend
+from quads.ops.experts import experts_loop
 from quads.policies.policy import QuadsPolicy
 from quads.policies.ste import fake_quant_linear, fake_quantize_activation, fake_quantize_weight
 from quads.policies.trainer_experts import grouped_experts_forward, grouped_mm_available
@@ -129,6 +130,8 @@ class RolloutModule(QuadsModule):
                 group.write_scale(i, self.weight.global_encode_scale)
             else:  # another backend, or a layout not written in place (a device move): alone again
                 group.dissolve()
+        if getattr(self, "quads_policy", None) is not None:  # the kernel, made now (not inside a compiled trace)
+            self.quads_kernel()
 
     def quads_prepared_weights(self) -> tuple:
         """The prepared weights, rebuilt first if the packed parts were written in place since
@@ -137,6 +140,28 @@ class RolloutModule(QuadsModule):
         if not torch.compiler.is_compiling() and self._quads_versions() != self._quads_prepared_versions:
             self.quads_weights_changed()
         return self.quads_prepared
+
+    def _quads_kernel_sources(self) -> tuple:
+        """What this module's kernel is made from (compared by identity: any one replaced, it is remade)."""
+        return (self.quads_backend, self.quads_policy, *self.quads_prepared,
+                *(getattr(self, n) for n in self.quads_packed_names), *self._quads_masks())
+
+    def _quads_masks(self) -> tuple:
+        return ()
+
+    def quads_make_kernel(self):
+        raise NotImplementedError
+
+    def quads_kernel(self):
+        """This module's kernel (``kernel.apply`` runs its forward's GEMMs): made when its weights are set,
+        and again only when one of its sources was replaced (backend, policy, a prepared layout, a
+        packed weight, a static mask: a device move, a calibration), compared by identity."""
+        self.quads_prepared_weights()
+        sources = self._quads_kernel_sources()
+        held = self.__dict__.get("_quads_kernel")
+        if held is None or len(held[0]) != len(sources) or any(a is not b for a, b in zip(held[0], sources)):
+            held = self.__dict__["_quads_kernel"] = (sources, self.quads_make_kernel())
+        return held[1]
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -218,21 +243,25 @@ class RolloutLinear(RolloutModule):
     #: :class:`~quads.policies.scale_groups.ScaleGroup`), or None
     quads_scale_group = None
 
+    def _quads_masks(self) -> tuple:
+        return (self.quads_static_mask,)
+
+    def quads_make_kernel(self) -> LinearKernel:
+        (prepared,) = self.quads_prepared
+        return self.quads_backend.linear_kernel(LinearArgs(self.weight, self.quads_act, self.quads_static_mask,
+                                                           prepared))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Hop 1 of 4: the sibling group (one quantization for q/k/v, gate/up) or
-        :func:`~quads.ops.linear.rollout_linear`, then the backend's entry, then the launchers."""
+        """The sibling group (one quantization for q/k/v, gate/up), else this linear's kernel."""
         if self.quads_group is not None:
             y = self.quads_group.forward(self.quads_group_index, x)
             if y is not None:
                 return y
-        (prepared,) = self.quads_prepared_weights()
-        return rollout_linear(x, self.weight, self.bias, self.quads_act, self.quads_static_mask, self.quads_backend,
-                              prepared)
+        return self.quads_kernel().apply(x, self.bias)
 
     def quads_sibling_inputs(self) -> tuple:
-        """(packed parts, bias, prepared weight) as the sibling group computes with them."""
-        (prepared,) = self.quads_prepared_weights()
-        return self.weight.stored_parts(), self.bias, prepared
+        """(linear kernel, bias) as the sibling group computes with them."""
+        return self.quads_kernel(), self.bias
 
     def quads_unstack(self, view) -> None:
         """Leave a stacked layout: this linear's prepared weight becomes its own copy of ``view``."""
@@ -296,20 +325,16 @@ class RolloutExperts(RolloutModule):
             self.quads_observer("down_proj", h)
         return h
 
+    def _quads_masks(self) -> tuple:
+        return tuple(self.quads_static_masks)
+
+    def quads_make_kernel(self):
+        act, masks, prepared = self.quads_act, self.quads_static_masks, self.quads_prepared
+        return self.quads_backend.experts_kernel(LinearArgs(self.gate_up_proj, act, masks[0], prepared[0]),
+                                                 LinearArgs(self.down_proj, act, masks[1], prepared[1]))
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if self.quads_observer is not None:
             self.quads_observer("gate_up_proj", hidden_states)
-        return rollout_experts(
-            hidden_states,
-            top_k_index,
-            top_k_weights,
-            self.gate_up_proj,
-            self.down_proj,
-            self._gate_and_observe,
-            self.quads_act,
-            _bias(self, "gate_up_proj_bias"),
-            _bias(self, "down_proj_bias"),
-            self.quads_static_masks,
-            self.quads_backend,
-            self.quads_prepared_weights(),
-        )
+        return self.quads_kernel().apply(hidden_states, top_k_index, top_k_weights, self._gate_and_observe,
+                                         (_bias(self, "gate_up_proj_bias"), _bias(self, "down_proj_bias")))

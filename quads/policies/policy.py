@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import KERNEL_PREFERENCES
+from quads.ops.backend_registry import KERNEL_PREFERENCES
 from quads.tensor.nvfp4_math import BLOCK_SCALINGS
 
 __all__ = ["QuadsPolicy", "DEFAULT_SKIP_PATTERNS", "SIDES", "ACTIVATION_MODES", "WEIGHT_GLOBAL_SCALES", "SCOPES",

@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from quads.ops.backend import Backend, gemm_shape, select_backend
+from quads.ops.backend_registry import Backend, gemm_shape, select_backend
 from quads.policies.load_check import RolloutLoadCheck
 from quads.policies.modules import (
     QuadsModule,

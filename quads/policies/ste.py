@@ -27,7 +27,7 @@ import torch
 
 from quads.ops.activation_quant import (ActivationQuant, activation_operands_triton, dequantize_activation,
                                         quantize_activation)
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend_registry import Backend, select_backend
 from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize_weight_triton
 from quads.policies.shards import is_dtensor
 

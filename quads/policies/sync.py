@@ -1,29 +1,25 @@
 """Trainer -> rollout weight sync: re-quantize the BF16 masters into the rollout in place.
 
-A sync is a transaction, because an RL run syncs thousands of times and one bad step must
-never leave the rollout half-updated while it still produces plausible numbers:
+A sync is a transaction (an RL run syncs thousands of times; one bad step must never leave the
+rollout half-updated while it still produces plausible numbers):
 
-1. **plan** (metadata only): match every rollout parameter to a trainer parameter by name,
-   ties included (``named_parameters(remove_duplicate=False)``); unmatched names on either
-   side, shape or dtype mismatches, packed trainer parameters and ties the trainer does not
-   share are errors, all listed in one message;
-2. **stage**: every new value is computed first: packed parameters are re-quantized through
-   their module's backend into new parts, dense ones cast / moved to the rollout parameter;
-3. **check**: every tensor that will be written is finite (the master of a packed parameter,
-   the staged copy of a dense one), one fused reduction per tensor and one host sync per
-   device for the whole model (:func:`quads.tensor.finite.nonfinite_names`), and no packed
-   weight dequantizes beyond its rollout dtype (float16: 65504), bounded from the staged scales
-   (:func:`quads.tensor.finite.check_dequantized_range`);
+1. **plan** (metadata only): match every rollout parameter to a trainer parameter by name, ties
+   included; unmatched names, shape or dtype mismatches, packed trainer parameters and ties the
+   trainer does not share are errors, all listed in one message;
+2. **stage**: packed parameters are re-quantized through their module's backend into new parts,
+   dense ones cast / moved to the rollout parameter;
+3. **check**: every tensor to be written is finite (one fused reduction per tensor, one host sync
+   per device: :func:`quads.tensor.finite.nonfinite_names`), and no packed weight dequantizes
+   beyond its rollout dtype (:func:`quads.tensor.finite.check_dequantized_range`);
 4. **write**: in place, into the existing storage, then ``quads_weights_changed()`` on every
    rollout module whose packed weights were written.
 
 Any error in 1-3 leaves the rollout bit for bit as it was and names the parameter(s); an
 exception in 4, KeyboardInterrupt included, restores every tensor already written from a
-per-tensor snapshot (:func:`_write`), so no weight is ever left torn (new codes, old scales).
+per-tensor snapshot (:func:`_write`), so no weight is ever left torn.
 
 Two syncs into one rollout never interleave: each holds the rollout's lock
-(:func:`quads.policies.sync_lock.rollout_write_lock`) from plan to write, so a second one waits
-and then writes whole.
+(:func:`quads.policies.sync_lock.rollout_write_lock`) from plan to write.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from quads.ops.backend import Backend, select_backend
+from quads.ops.backend_registry import Backend, select_backend
 from quads.policies.modules import QuadsModule, rollout_owners
 from quads.policies.scope import conversion_mismatch
 from quads.policies.shards import has_sharded_parameters

@@ -11,7 +11,7 @@ what a BF16 step costs instead of a Python loop over experts:
   instead of keeping the (E, N, K) forward weight alive between forward and backward, and
   passes the weight gradient straight through to the master;
 * ``module.quads_keep_forward_weight = True`` (an option, off by default; measured by
-  ``benchmarks/bench_trainer.py``'s ``quads-keep`` variant) keeps the forward weight for the
+  ``benchmarks/ops/bench_trainer.py``'s ``quads-keep`` variant) keeps the forward weight for the
   backward instead of recomputing it: one fused pass less per micro-step, a forward-weight copy
   of every expert alive from forward to backward (what the BF16 peer with BF16 expert casts
   keeps too);
@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from quads.ops.backend import Backend
+from quads.ops.backend_registry import Backend
 from quads.ops.experts import Routing
 from quads.policies.ste import fake_quantize_activation, fake_quantizer, forward_weight_dtype
 

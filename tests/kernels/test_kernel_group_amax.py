@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 import quads  # noqa: E402
-from quads.ops.backend import get_backend  # noqa: E402
+from quads.ops.backend_registry import get_backend  # noqa: E402
 from quads.ops.weight_quant import (GroupAmaxBits, fake_quantize_weight_reference,  # noqa: E402
                                     fake_quantize_weight_triton)
 from quads.policies.modules import TrainerModule  # noqa: E402

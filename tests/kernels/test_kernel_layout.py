@@ -19,7 +19,7 @@ from quads.kernels.hopper_weight_layout import (  # noqa: E402
     to_hopper_layout,
     to_hopper_layout_reference,
 )
-from quads.ops.backend import get_backend  # noqa: E402
+from quads.ops.backend_registry import get_backend  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

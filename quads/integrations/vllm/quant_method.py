@@ -1,60 +1,28 @@
 """The ``quads`` quantization method for vLLM (linear layers and fused MoE experts).
 
-Select it with ``LLM(model, quantization="quads")`` (defaults below), or with a
-``quantization_config`` in the checkpoint's ``config.json`` (or
-``LLM(..., hf_overrides={"quantization_config": {...}})``):
+Select it with ``LLM(model, quantization="quads")``, or a ``quantization_config`` in the
+checkpoint's ``config.json`` (or ``hf_overrides``) with the rollout keys of :class:`quads.QuadsPolicy`
+(``activations``, ``residual_fraction``, ``weight_global_scale``, ``scope``, ...);
+:func:`quads_quantization_config` builds the dict.
 
-.. code-block:: json
+* **Weights arrive in BF16**; ``process_weights_after_loading`` packs them with quads' quantizer
+  through the layer's backend (chosen there once, ``layer.quads_backend``), so ``DQ(engine weight)
+  == nvfp4_fake_quantize(master)`` bit for bit, and keeps only the packed parts (``weight``,
+  ``weight_scale``, ``weight_global_scale``; MoE: ``w13_*``/``w2_*``, one global scale per expert).
+* **Merged layers** (``qkv_proj``, ``gate_up_proj``) are packed per logical weight with the
+  sibling group's global scale (``weight_global_scale="group"``) or their own (``"tensor"``); the
+  forward quantizes the activation once and runs each shard's kernel: the transformers rollout
+  model's computation. MoE ``w13_weight`` is transformers 5's ``gate_up_proj`` layout.
+* **Forward**: the layer backend's kernels (``Backend.linear_kernel``, ``Backend.experts_kernel``),
+  W4A4 + residual, or W4A16 with ``activations="bf16"``.
+* **Not quantized** (as on the trainer side, :mod:`quads.policies.scope`): embeddings, ``lm_head``,
+  MoE routers, ``extra_skip_patterns``, every linear with ``scope="routed_experts"``, and the
+  ``skip_first_layers`` / ``skip_last_layers`` decoder layers: vLLM's unquantized methods run them.
+* **Weight reload**: vLLM calls ``process_weights_after_loading`` again and copies the packed
+  result into the existing storage: reload-safe with no extra work.
 
-    {"quant_method": "quads", "activations": "nvfp4", "residual_fraction": 1.0,
-     "residual_selection": "per_token", "activation_granularity": "row",
-     "extra_skip_patterns": [], "weight_global_scale": "group", "weight_block_scaling": "6",
-     "activation_block_scaling": "6", "scope": "all", "skip_first_layers": 0, "skip_last_layers": 0}
-
-The keys are the rollout side of :class:`quads.QuadsPolicy`; :func:`quads_quantization_config`
-builds the dict.
-
-How it works
-------------
-* **Weights arrive in BF16** (an ordinary checkpoint, or a trainer's masters pushed with
-  :func:`quads.integrations.vllm.weight_push.push_weights`). ``process_weights_after_loading``
-  packs them with quads' NVFP4 quantizer (:meth:`quads.NVFP4Tensor.from_float`), the function
-  the trainer's fake quantizer uses (through the layer's backend, chosen here once for the
-  weight's device and stored as ``layer.quads_backend``), so ``DQ(engine weight) == nvfp4_fake_quantize(master)`` bit
-  for bit. Afterwards each layer holds only the packed parts: ``weight`` (uint8 ``(N, K/2)``),
-  ``weight_scale`` (float8_e4m3fn ``(N, K/16)``) and ``weight_global_scale`` (float32, one per
-  *logical* weight); MoE layers hold ``w13_weight``/``w2_weight`` plus ``*_weight_scale`` and
-  ``*_weight_global_scale`` (one per expert).
-* **Fused vLLM layers are quantized per logical weight.** vLLM merges ``q/k/v_proj`` into
-  ``qkv_proj`` and ``gate_proj/up_proj`` into ``gate_up_proj``; a transformers trainer has one
-  ``nn.Linear`` per logical weight, whose global scale is its sibling group's
-  (``weight_global_scale="group"``, the default: one ``S_enc`` from the largest amax of the
-  shards, :mod:`quads.policies.scale_groups`) or its own (``"tensor"``). Each shard is packed
-  with that scale and the forward runs one W4A4 product per shard (the activation is quantized
-  once): exactly the transformers rollout model's computation. MoE
-  experts are already fused in transformers 5 (``gate_up_proj (E, 2I, H)``, one global scale per
-  expert), which is vLLM's ``w13_weight`` layout, gate rows first.
-* **Forward**: W4A4 + residual compensation via :func:`quads.ops.rollout_linear` and
-  :func:`quads.ops.experts.rollout_experts` (Triton kernels on Hopper/Blackwell GPUs, the
-  torch reference elsewhere, e.g. vLLM's CPU build). ``activations="bf16"`` gives W4A16.
-* **Not quantized** (as on the trainer side, :data:`quads.policies.policy.DEFAULT_SKIP_PATTERNS`):
-  embeddings, ``lm_head``, MoE routers (``GateLinear``, ``...gate``), and anything matched by
-  ``extra_skip_patterns``; with ``scope="routed_experts"`` every linear layer (attention, shared
-  experts), only the fused MoE experts being quantized; and every layer of the decoder layers
-  ``skip_first_layers`` / ``skip_last_layers`` keep in high precision (the layer index from the
-  prefix, ``model.layers.N...``; their count from the model config's ``num_hidden_layers``), as
-  :mod:`quads.policies.scope` decides on the transformers side. These layers run vLLM's
-  unquantized methods. Set the keys from the plan the trainer uses: nothing here can see the
-  trainer (a ``routed_experts`` plan on a dense model, which ``quantize_`` refuses, runs wholly
-  unquantized here).
-* **Weight reload** (``llm.collective_rpc("reload_weights", ...)``): vLLM restores the BF16
-  ``weight`` layout recorded at construction, loads the new tensors, calls
-  ``process_weights_after_loading`` again and copies the packed result into the existing
-  storage, so the method is reload-safe with no extra work.
-
-Limits: tensor/expert parallel size 1 (NVFP4 global scales are per whole logical weight; a TP
-shard would see a different amax), ``residual_selection="per_token"`` only (the calibrated
-``"static"`` masks have no checkpoint format yet), linear inputs a multiple of 16.
+Limits: tensor/expert parallel size 1 (global scales are per whole logical weight),
+``residual_selection="per_token"`` only, linear inputs a multiple of 16.
 """
 
 from __future__ import annotations
@@ -73,10 +41,8 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend import Backend, gemm_shape, select_backend
-from quads.ops.experts import rollout_experts
-from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields, rollout_linear
-from quads.ops.sibling_linear import SiblingGroup
+from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
+from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
 from quads.policies.scope import boundary_layer, layer_index
@@ -368,9 +334,6 @@ class QuadsLinearMethod(LinearMethodBase):
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
-        # the shards read one input: one activation quantization for all of them
-        layer.quads_siblings = SiblingGroup(layer.quads_backend, self.config.activation_quant,
-                                            layer.quads_output_partition_sizes)
 
     def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         """The packed logical weights of ``layer`` (views of its parameters)."""
@@ -392,8 +355,14 @@ class QuadsLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # vLLM's default engine: torch.compile + CUDA graphs
             return compiled_shard_linear(layer, x, bias, self.config.activation_quant)
+        if len(layer.quads_output_partition_sizes) == 1:  # one weight: its kernel
+            (prepared,) = getattr(layer, "quads_prepared", None) or (None,)
+            (shard,) = self.shards(layer)
+            kernel = layer.quads_backend.linear_kernel(LinearArgs(shard.parts, self.config.activation_quant, None,
+                                                                  prepared))
+            return kernel.apply(x, bias)
         return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend,
-                            getattr(layer, "quads_prepared", None), getattr(layer, "quads_siblings", None))
+                            getattr(layer, "quads_prepared", None))
 
 
 def shard_linear(
@@ -403,26 +372,24 @@ def shard_linear(
     act: ActivationQuant | None,
     backend: Backend | None = None,
     prepared: tuple | None = None,
-    group: SiblingGroup | None = None,
 ) -> torch.Tensor:
-    """``cat_i rollout_linear(x, shard_i, bias_i, act)`` along the output dim.
+    """``cat_i`` of each shard's linear kernel on ``x`` (with its bias) along the output dim.
 
-    The shards read one input: a :class:`~quads.ops.sibling_linear.SiblingGroup` quantizes it
-    once and runs each shard's GEMM on the shared operands (same bits as one call per shard: the
-    quantization depends on ``x`` only).
-    ``backend``: the layer's (stored at weight loading); None picks one for ``x``'s device.
+    The shards read one input: the backend's ``activation_operands`` are computed once and every
+    shard's kernel runs on them (the bits of one call per shard: the quantization depends on ``x``
+    only). ``backend``: the layer's (stored at weight loading); None picks one for ``x``'s device.
     ``prepared``: one ``backend.prepare_weight`` result per shard (None: built per call).
-    ``group``: the layer's group (made at weight loading); None makes one for this call.
     """
     backend = backend or select_backend(x.device)
     prepared = prepared or (None,) * len(shards)
+    kernels = [backend.linear_kernel(LinearArgs(s.parts, act, None, p)) for s, p in zip(shards, prepared)]
     if len(shards) == 1:
-        return rollout_linear(x, shards[0], bias, act, backend=backend, prepared=prepared[0])
+        return kernels[0].apply(x, bias)
     sizes = [s.shape[0] for s in shards]
     biases = [None] * len(shards) if bias is None else list(bias.split(sizes))
-    group = group if group is not None and group.backend is backend else SiblingGroup(backend, act, sizes)
     x2 = x.reshape(-1, x.shape[-1])
-    outs = group.outputs(x2, [s.parts for s in shards], biases, prepared)
+    operands = backend.activation_operands(x2, act)
+    outs = [k.apply(x2, b, operands) for k, b in zip(kernels, biases)]
     return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], sum(sizes))
 
 
@@ -561,19 +528,12 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         # Plain parts, no NVFP4Tensor: this runs inside vLLM's torch.compile (see compiled_shard_linear)
         gate_up = NVFP4Parts(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_global_scale)
         down = NVFP4Parts(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_global_scale)
-        return rollout_experts(
-            x,
-            topk_ids.long(),
-            topk_weights.to(x.dtype),  # as transformers' routers hand them to the experts
-            gate_up,
-            down,
-            self._apply_gate,
-            self.config.activation_quant,
-            getattr(layer, "w13_bias", None),
-            getattr(layer, "w2_bias", None),
-            backend=layer.quads_backend,
-            prepared=getattr(layer, "quads_prepared", (None, None)),
-        )
+        act, prepared = self.config.activation_quant, getattr(layer, "quads_prepared", (None, None))
+        kernel = layer.quads_backend.experts_kernel(LinearArgs(gate_up, act, None, prepared[0]),
+                                                    LinearArgs(down, act, None, prepared[1]))
+        return kernel.apply(x, topk_ids.long(),
+                            topk_weights.to(x.dtype),  # as transformers' routers hand them to the experts
+                            self._apply_gate, (getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)))
 
 
 def dequantize_moe_weights(layer: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,45 +1,76 @@
-"""The backend interface, the registry of backends and the choice of one (made once, stored).
+"""The backend interface, the kernel objects' base, the registry of backends and the choice of one.
 
-A :class:`Backend` is the implementation of every rollout op for one kind of hardware: weight
-quantization, activation quantization, the W4A4/W4A16 linear, the stacked linear of sibling
-projections and the grouped expert linear. ``quantize_`` (and the vLLM method's
-``process_weights_after_loading``) picks one with :func:`select_backend` for the device the
-weights live on and stores it on the module (``quads_backend``), so a forward never re-resolves
-it; moving a module to another device picks again.
+A :class:`Backend` implements every rollout op for one kind of hardware: weight and activation
+quantization, the linear and experts kernels (:class:`LinearKernel`, one per quantized module, over
+one :class:`LinearArgs`), the stacked linear of sibling projections. ``quantize_`` (and the vLLM
+method's ``process_weights_after_loading``) picks one with :func:`select_backend` for the device
+and shapes of the module's weights and stores it (``quads_backend``); moving a module picks again.
 
-The concrete backends live in :mod:`quads.ops.backends` (registered when :mod:`quads.ops` is
-imported): ``torch`` (the references: any device, the spec), ``hopper`` (the exact-emulation
-Triton kernels: sm_90; any device under ``TRITON_INTERPRET=1``), ``blackwell`` (native FP4 on
-sm_100+, NOT RUN: selectable, never ``auto``), and ``humming`` (:mod:`quads.ops.humming_backend`:
-the rollout GEMMs through vLLM's humming library on sm_90, the fast non-exact path; registered on
-first use, humming imported lazily, ``pip install humming-kernels==0.1.19``).
+Built in (:mod:`quads.ops.builtin_backends`, registered when :mod:`quads.ops` is imported):
+``torch`` (the references: any device, the spec), ``hopper`` (the exact-emulation Triton kernels:
+sm_90; any device under ``TRITON_INTERPRET=1``), ``blackwell`` (native FP4 on sm_100+, NOT RUN:
+selectable, never ``auto``), and ``humming`` (:mod:`quads.ops.humming_backend`, vLLM's humming
+GEMMs on sm_90, the fast non-exact path; registered on first use).
 
-``auto`` (default) = ``hopper`` on CUDA sm_90 with Triton installed, ``torch`` anywhere else;
-with the kernel preference ``"fast"`` (``QuadsPolicy.kernel``) ``auto`` picks ``humming`` where
-it would pick ``hopper``.
-Force a backend for new modules and for tests with ``QUADS_BACKEND=<name>|auto`` or
-``with quads.use_backend(name):``. A forced kernel backend on a device that cannot run it raises
-instead of falling back.
+``auto`` (default) = ``hopper`` on CUDA sm_90 with Triton, ``torch`` anywhere else; with the
+kernel preference ``"fast"`` (``QuadsPolicy.kernel``) ``humming`` where it would pick ``hopper``,
+except for a module with a weight shape humming cannot serve (:meth:`Backend.shape_problem`):
+that module gets the exact kernels. Force a backend with ``QUADS_BACKEND=<name>|auto`` or
+``with quads.use_backend(name):`` (a forced kernel backend on a device that cannot run it raises).
 
-Adding a backend: subclass :class:`Backend` (or an existing backend, overriding only what it
-accelerates), give it a ``name``, implement the entries below with the same bits as the
-references (or document where it differs), and :func:`register_backend` an instance; add its
-device rule to :func:`select_backend` only once it is measured (``auto`` never guesses).
+Adding a backend: subclass :class:`Backend` (or an existing one), give it a ``name``, its kernel
+classes and entries with the references' bits (or a documented bound), :func:`register_backend`
+an instance; add its device rule to :func:`select_backend` only once it is measured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from quads.tensor.nvfp4_math import shared_global_encode_scale
+from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
 
-__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "backend_names", "gemm_shape", "get_backend",
-           "register_backend", "select_backend", "use_backend"]
+__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "LinearArgs", "LinearKernel", "backend_names",
+           "gemm_shape", "get_backend", "register_backend", "select_backend", "use_backend"]
+
+
+@dataclasses.dataclass
+class LinearArgs:
+    """What a quantized linear's GEMMs read besides the input, fixed when its weight is set.
+
+    ``weight``: the packed weight (an ``NVFP4Tensor``, read through ``stored_parts()`` per call so a
+    write in place is seen, or its ``NVFP4Parts``); ``act``: the ``ActivationQuant`` (None:
+    weight-only W4A16); ``static_mask``: the calibrated residual channels; ``prepared``: what the
+    backend derived from the weight (``Backend.prepare_weight``: the Hopper layout, a humming layout)."""
+
+    weight: Any
+    act: Any = None
+    static_mask: torch.Tensor | None = None
+    prepared: Any = None
+
+    def parts(self) -> NVFP4Parts:
+        w = self.weight
+        return w if isinstance(w, NVFP4Parts) else w.stored_parts()
+
+
+class LinearKernel:
+    """One quantized linear's kernel: a backend's GEMMs over one weight (:class:`LinearArgs`).
+
+    Made once when the weight is set (:meth:`Backend.linear_kernel`), applied per forward:
+    ``apply(x (..., K), bias, operands) -> (..., N)`` calls the launchers itself (inside
+    ``torch.compile``: the ``quads::linear`` custom op). ``operands``: the input's GEMM operands
+    computed once for sibling linears (:meth:`Backend.activation_operands`)."""
+
+    def __init__(self, backend: "Backend", args: LinearArgs):
+        self.backend, self.args = backend, args
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None, operands=None) -> torch.Tensor:
+        raise NotImplementedError
 
 #: ``QuadsPolicy.kernel``: the exact Triton kernels (bit-exact, deterministic, batch invariant) or
 #: the fast path (humming: within a stated bound of the exact path, see docs/humming.md)
@@ -61,8 +92,9 @@ class Backend:
     * ``activation_operands(x2d, act, static_mask)``: the input in the form this backend's GEMMs
       read (computed once and passed to several ``linear`` calls by a
       :class:`~quads.ops.sibling_linear.SiblingGroup`); ``act=None``: the weight-only operand.
-    * ``linear(x2d, weight, bias, act, static_mask, prepared, operands)`` -> ``(M, N)``: W4A4
-      (+ residual) with an ``ActivationQuant``, weight-only W4A16 with ``act=None``.
+    * ``linear_kernel(args)`` -> the :class:`LinearKernel` of one weight (the module's, made once);
+      ``linear(x2d, weight, bias, act, static_mask, prepared, operands)`` -> ``(M, N)``: one call
+      through it (W4A4 + residual with an ``ActivationQuant``, W4A16 with ``act=None``).
     * ``stack_prepared(prepared)`` -> the stacked layout of sibling weights and one view of it per
       member (written through the views from then on), or None when the backend has no stacked GEMM;
       ``stacked_linear(x2d, stacked, row_scales, act, operands)``: one GEMM over that layout.
@@ -97,8 +129,25 @@ class Backend:
     def activation_operands(self, x2d, act, static_mask=None):
         raise NotImplementedError
 
+    #: the class of this backend's linear kernels
+    linear_kernel_class: type[LinearKernel] = LinearKernel
+
+    def linear_kernel(self, args: LinearArgs) -> LinearKernel:
+        """The kernel that serves one weight (chosen once, when the weight is set)."""
+        return self.linear_kernel_class(self, args)
+
+    #: the class of this backend's experts kernels (:class:`quads.ops.experts.ExpertsKernel` or a subclass)
+    experts_kernel_class: type | None = None
+
+    def experts_kernel(self, gate_up: LinearArgs, down: LinearArgs):
+        """The kernel that serves one experts module's two 3-D weights (chosen once, when they are set)."""
+        if self.experts_kernel_class is None:
+            raise NotImplementedError(f"backend {self.name!r} names no experts_kernel_class")
+        return self.experts_kernel_class(self, gate_up, down)
+
     def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
-        raise NotImplementedError
+        """One linear call through :meth:`linear_kernel` (callers that keep no kernel)."""
+        return self.linear_kernel(LinearArgs(weight, act, static_mask, prepared)).apply(x2d, bias, operands)
 
     def stack_prepared(self, prepared: Sequence):
         return None

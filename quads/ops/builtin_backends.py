@@ -1,23 +1,24 @@
-"""The built-in backends: each entry of the :class:`~quads.ops.backend.Backend` interface bound
+"""The built-in backends: each entry of the :class:`~quads.ops.backend_registry.Backend` interface bound
 to one op file's implementation (the reference, or that op's kernel glue).
 
 Registered when :mod:`quads.ops` is imported. A new backend (for instance one on other
 kernels) is a class like these, in its own module, registered with
-:func:`~quads.ops.backend.register_backend` (see :mod:`quads.ops.backend`).
+:func:`~quads.ops.backend_registry.register_backend` (see :mod:`quads.ops.backend_registry`).
 """
 
 from __future__ import annotations
 
 from quads.ops.activation_quant import quantize_activation_reference, quantize_activation_triton
-from quads.ops.backend import Backend, register_backend
+from quads.ops.backend_registry import Backend, register_backend
+from quads.ops.experts import ExpertsKernel, HopperExpertsKernel
 from quads.ops.grouped_linear import grouped_linear_hopper, grouped_linear_reference
 from quads.ops.linear import (
+    BlackwellLinearKernel,
+    HopperLinearKernel,
+    ReferenceLinearKernel,
     hopper_operands,
-    linear_hopper,
-    linear_reference,
     prepare_weight_hopper,
     reference_operands,
-    w4a4_linear_blackwell,
 )
 from quads.ops.sibling_linear import stack_prepared_hopper, stacked_fits_hopper, stacked_linear_hopper
 from quads.ops.weight_quant import group_amax_bits_triton, quantize_weight_reference, quantize_weight_triton
@@ -39,7 +40,8 @@ class TorchBackend(Backend):
         return quantize_activation_reference(x2d, act, static_mask)
 
     activation_operands = staticmethod(reference_operands)
-    linear = staticmethod(linear_reference)
+    linear_kernel_class = ReferenceLinearKernel
+    experts_kernel_class = ExpertsKernel
     grouped_linear = staticmethod(grouped_linear_reference)
 
 
@@ -63,7 +65,8 @@ class HopperBackend(Backend):
         return group_amax_bits_triton(masters)
 
     activation_operands = staticmethod(hopper_operands)
-    linear = staticmethod(linear_hopper)
+    linear_kernel_class = HopperLinearKernel
+    experts_kernel_class = HopperExpertsKernel
     stack_prepared = staticmethod(stack_prepared_hopper)
     stacked_fits = staticmethod(stacked_fits_hopper)
     stacked_linear = staticmethod(stacked_linear_hopper)
@@ -76,10 +79,7 @@ class BlackwellBackend(HopperBackend):
 
     name = "blackwell"
 
-    def linear(self, x2d, weight, bias, act, static_mask=None, prepared=None, operands=None):
-        if act is None or not x2d.is_cuda:  # CPU tensors under the interpreter: the emulation
-            return linear_hopper(x2d, weight, bias, act, static_mask, prepared, operands)
-        return w4a4_linear_blackwell(x2d, weight, bias, act, static_mask)  # quantizes its own packed operands
+    linear_kernel_class = BlackwellLinearKernel
 
     def stack_prepared(self, prepared):
         return None
