@@ -1,6 +1,6 @@
 """Which part of a compiled trainer step leaves eager's bits on CUDA (session 6 diagnostic).
 
-tests/test_group_scale_once.py's GPU test found the compiled (aot_eager, fullgraph) trainer on the
+tests/policies/test_group_scale_once.py's GPU test found the compiled (aot_eager, fullgraph) trainer on the
 kernel backend off eager's logits by a few bits. This separates the candidates, each compiled
 with dynamo only (``eager``) and with AOT autograd (``aot_eager``):
 

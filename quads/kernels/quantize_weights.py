@@ -85,7 +85,7 @@ def quantize_given_scale(
     q = torch.empty((n_rows, k // 2), dtype=torch.uint8, device=dev) if write_packed else None
     s = torch.empty((n_rows, k // 16), dtype=torch.uint8, device=dev) if write_packed else None
     d = torch.empty((n_rows, k), dtype=torch.float16, device=dev) if write_operand else None
-    br, bb, nw = (2, 4, 4) if interpreting() else (4, 16, 4)
+    br, bb, nw = (32, 16, 4) if interpreting() else (4, 16, 4)  # interpreter: few large programs (each costs ~ms)
     bb = min(bb, triton.next_power_of_2(max(k // 16, 1)))
     grid = (triton.cdiv(n_rows, br), triton.cdiv(k // 16, bb))
     dummy = gs

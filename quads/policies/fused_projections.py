@@ -12,8 +12,8 @@ The members' global scales are mirrored into one per-row scale vector at every w
 
 :func:`sibling_groups_` makes *dormant* groups (quantization sharing only, switched on by
 :func:`~quads.ops.sibling_linear.enabled_groups`): the graphed decoder's ``share_quantization``.
-Every output has its own linear's bits either way (tests/test_fused_projections.py,
-tests/test_activation_sharing.py).
+Every output has its own linear's bits either way (tests/policies/test_fused_projections.py,
+tests/ops/test_activation_sharing.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from trl import GRPOConfig
 from quads.integrations.trl import QuadsGRPOTrainer
 from quads.tasks import make_prompts, make_tokenizer
 from quads.tensor import NVFP4Tensor
-from tests.test_trl_integration import QUADS_KEYS, _check_exact, tiny_model
+from tests.integrations.test_trl_integration import QUADS_KEYS, _check_exact, tiny_model
 
 
 def reward_char_codes(completions, **kwargs):

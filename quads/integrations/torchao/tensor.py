@@ -8,7 +8,7 @@ global scale is the one difference in layout: quads keeps the *encode* scale
 (shape ``()`` or ``(E, 1, 1)``) and dequantizes with ``e2m1 * (per_tensor_scale * s)``.
 
 The conversions move the parts unchanged (shared storage, no copy) and the global scale as
-its float32 reciprocal. What agrees and what does not (``tests/test_torchao.py`` shows each):
+its float32 reciprocal. What agrees and what does not (``tests/integrations/test_torchao.py`` shows each):
 
 * **Packed parts**: always carried over bit for bit, both ways.
 * **Global scale**: ``from_torchao_nvfp4(to_torchao_nvfp4(t))`` gives back ``S_enc`` exactly only

@@ -22,7 +22,7 @@ from quads.policies.modules import RolloutLinear, RolloutModule
 from quads.tensor import NVFP4Tensor
 from quads.tensor.nvfp4_math import nvfp4_quantize
 from tests.model_state import assert_unchanged, snapshot
-from tests.test_humming_backend import fake_humming  # noqa: F401  (fixture)
+from tests.ops.test_humming_backend import fake_humming  # noqa: F401  (fixture)
 
 # the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
@@ -209,7 +209,7 @@ def test_real_shapes_bytes_with_humming_on_cpu(humming_on_cpu, shape):
     assert torch.equal(q, w.qdata) and torch.equal(s.view(torch.uint8), w.scale.view(torch.uint8))
 
 
-from tests.test_humming_refresh import humming_on_cpu  # noqa: E402,F401  (fixture)
+from tests.ops.test_humming_refresh import humming_on_cpu  # noqa: E402,F401  (fixture)
 
 
 # -- torch.compile: the humming backend through quads::linear_held -------------------------------------

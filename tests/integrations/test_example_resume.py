@@ -17,7 +17,7 @@ pytest.importorskip("trl")
 
 from quads.diagnostics.cli_inputs import UsageError  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "trl_grpo_quads.py"
 RUN = ["--max-steps", "3", "--eval-n", "0", "--prompts-per-step", "2", "--num-generations", "2",
        "--train-prompts", "32", "--no-plot", "--threads", "2", "--seed", "3", "--learning-rate", "3e-3"]

@@ -367,7 +367,7 @@ def _example():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo_quads.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo_quads.py"
     spec = importlib.util.spec_from_file_location("trl_grpo_quads_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

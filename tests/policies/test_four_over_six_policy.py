@@ -13,7 +13,7 @@ from quads.tensor import NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
 from quads.tensor.modelopt_format import read_modelopt_checkpoint
 from tests.model_state import assert_unchanged, snapshot
 from tests.scale_reference import reference_forward_weight
-from tests.test_modelopt_export import _forward_weights
+from tests.integrations.test_modelopt_export import _forward_weights
 from tests.tiny_models import build
 
 FOS = "4over6"

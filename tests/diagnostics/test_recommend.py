@@ -8,7 +8,7 @@ from quads.diagnostics import plan_speeds, recommend as rec
 from quads.diagnostics.plan_speeds import HARDWARE, MODEL_KINDS, PLAN_SPEEDS, StepTime, measured_speed
 from quads.policies import POLICY_PRESETS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _rows(**gaps):

@@ -18,7 +18,7 @@ from quads.cli import main
 from quads.diagnostics.cli_inputs import UsageError
 from tests.tiny_models import build
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "trl_grpo_quads.py"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torchao")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 BODY = """
     import sys, inspect, torch
