@@ -58,6 +58,20 @@ class LinearArgs:
         return w if isinstance(w, NVFP4Parts) else w.stored_parts()
 
 
+def _weight_k(weight) -> int | None:
+    """K of a linear's weight (None: no weight, a kernel over a prepared layer alone); raises unless
+    it is a 2-D untransposed NVFP4 weight (an ``NVFP4Tensor`` or its parts)."""
+    if weight is None:
+        return None
+    if isinstance(weight, NVFP4Parts):
+        if weight.qdata.dim() != 2:
+            raise TypeError(f"a linear kernel expects 2-D NVFP4 parts (N, K/2), got qdata of shape {tuple(weight.qdata.shape)}")
+        return weight.qdata.shape[-1] * 2
+    if getattr(weight, "transposed", False) or weight.dim() != 2:
+        raise TypeError("a linear kernel expects a 2-D, untransposed NVFP4Tensor weight (N, K)")
+    return weight.shape[-1]
+
+
 class LinearKernel:
     """One quantized linear's kernel: a backend's GEMMs over one weight (:class:`LinearArgs`).
 
@@ -68,6 +82,12 @@ class LinearKernel:
 
     def __init__(self, backend: "Backend", args: LinearArgs):
         self.backend, self.args = backend, args
+        self.k = _weight_k(args.weight)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise unless ``x``'s last dim is the weight's K (some GEMMs read only the first K columns)."""
+        if self.k is not None and x.shape[-1] != self.k:
+            raise ValueError(f"quads linear: x of shape {tuple(x.shape)} has K={x.shape[-1]}, the weight has K={self.k}")
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None, operands=None) -> torch.Tensor:
         raise NotImplementedError
@@ -108,6 +128,12 @@ class Backend:
 
     name = "abstract"
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "linear" in cls.__dict__ and not {"linear_kernel_class", "linear_kernel"} & cls.__dict__.keys():
+            raise TypeError(f"{cls.__name__} defines linear(), which module forwards never call: put its GEMMs in "
+                            f"a LinearKernel subclass's apply() and set {cls.__name__}.linear_kernel_class to it")
+
     def prepare_weight(self, weight, out=None):
         raise NotImplementedError
 
@@ -136,7 +162,8 @@ class Backend:
         """The kernel that serves one weight (chosen once, when the weight is set)."""
         return self.linear_kernel_class(self, args)
 
-    #: the class of this backend's experts kernels (:class:`quads.ops.experts.ExpertsKernel` or a subclass)
+    #: the class of this backend's experts kernels: :class:`quads.ops.experts.ExpertsKernel` (set by
+    #: :mod:`quads.ops.builtin_backends`: it runs the backend's ``grouped_linear``) or a subclass
     experts_kernel_class: type | None = None
 
     def experts_kernel(self, gate_up: LinearArgs, down: LinearArgs):

@@ -85,6 +85,8 @@ class BlackwellBackend(HopperBackend):
         return None
 
 
+Backend.experts_kernel_class = ExpertsKernel  # the default (experts.py imports the registry, not the reverse)
+
 for _backend in (TorchBackend(), HopperBackend(), BlackwellBackend()):
     register_backend(_backend)
 del _backend

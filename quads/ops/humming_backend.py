@@ -238,59 +238,6 @@ class HummingWeight:
             self.layer(dtype).warmup(ms)
 
 
-class HummingBackend(HopperBackend):
-    """See the module doc. ``mode``/``residual_layout`` default to the env overrides, then
-    ``"default"``/``"auto"``."""
-
-    name = "humming"
-    fallback = "hopper"
-    experts_kernel_class = None  # set below (HummingExpertsKernel)
-
-    def shape_problem(self, n: int, k: int) -> str | None:
-        return humming_shape_problem(n, k)
-
-    def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
-        from quads.kernels.humming_gemm import HUMMING_MODES
-
-        self.mode = mode or os.environ.get("QUADS_HUMMING_MODE", "default")
-        if self.mode not in HUMMING_MODES:
-            raise ValueError(f"QUADS_HUMMING_MODE must be one of {HUMMING_MODES}, got {self.mode!r}")
-        if residual_layout not in RESIDUAL_LAYOUTS:
-            raise ValueError(f"residual_layout must be one of {RESIDUAL_LAYOUTS}, got {residual_layout!r}")
-        self.residual_layout = residual_layout
-
-    def prepare_weight(self, weight: NVFP4Parts, out=None):
-        if not humming_supports(weight):
-            return prepare_weight_hopper(weight, out if not isinstance(out, HummingWeight) else None)
-        if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode:
-            return out.write_parts_(weight)
-        return HummingWeight(weight, self.mode)
-
-    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
-        if (not isinstance(prepared, HummingWeight) and prepared is not None) or not humming_supports(weight) \
-                or bias is not None or x.dtype not in (torch.float16, torch.bfloat16) \
-                or (act is not None and act.granularity != "row"):
-            hopper = prepared if not isinstance(prepared, HummingWeight) else None
-            if isinstance(prepared, HummingWeight):  # the exact path reads the packed parts: derived here
-                weight = prepared.real_parts(weight)
-            return super().grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, hopper)
-        prepared = prepared if prepared is not None else self.prepare_weight(weight)
-        return humming_grouped(x, rows, offsets, prepared, act, static_mask, num_rows)
-
-    def stack_prepared(self, prepared):
-        return None  # no stacked humming GEMM yet: sibling groups share the quantization only
-
-    def stacked_fits(self, rows, act):
-        return False
-
-    def linear_kernel(self, args: LinearArgs) -> LinearKernel:
-        """:class:`HummingLinearKernel` for a weight humming serves (a humming layout, or none yet);
-        the exact Hopper kernel for the rest (per-row global scales: its layout is the Hopper one)."""
-        if humming_supports(args.parts()) and (args.prepared is None or isinstance(args.prepared, HummingWeight)):
-            return HummingLinearKernel(self, args)
-        return HopperLinearKernel(self, args)
-
-
 class HummingLinearKernel(LinearKernel):
     """One weight's linear on humming (see the module doc). Activations of other dtypes than
     :attr:`humming_dtypes` take the exact kernels (the parts derived from the layout); compiled
@@ -317,13 +264,14 @@ class HummingLinearKernel(LinearKernel):
             if a.prepared is None:  # the custom op's body prepares per call
                 return HopperLinearKernel.apply(self, x, bias, operands)
             return held_linear(x, a.prepared, bias, a.act, a.static_mask, backend, a.prepared.shape[-2])
+        self.check_input(x)
+        if x.dtype not in self.humming_dtypes:  # the exact kernels, on the parts (derived from a held layout)
+            parts = a.prepared.real_parts(a.parts()) if a.prepared is not None else a.parts()
+            return HopperLinearKernel(backend, LinearArgs(parts, a.act, a.static_mask)).apply(x, bias, operands)
         prepared = a.prepared if a.prepared is not None else backend.prepare_weight(a.parts())
         x2 = x.reshape(-1, x.shape[-1])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         m = x2.shape[0]
-        if x2.dtype not in self.humming_dtypes:
-            exact = LinearArgs(prepared.real_parts(a.parts()), a.act, a.static_mask)
-            return HopperLinearKernel(backend, exact).apply(x, bias, operands)
         if a.act is None:
             y = prepared.layer(x2.dtype)(x2)
             return (y if bias is None else y + bias.to(y.dtype)).reshape(*x.shape[:-1], y.shape[-1])
@@ -408,6 +356,60 @@ class HummingExpertsKernel(ExpertsKernel):
         return combine_top_k(x, route, top_k_weights, hidden)
 
 
+class HummingBackend(HopperBackend):
+    """See the module doc. ``mode``/``residual_layout`` default to the env overrides, then
+    ``"default"``/``"auto"``."""
+
+    name = "humming"
+    fallback = "hopper"
+    linear_kernel_class = HummingLinearKernel
+    experts_kernel_class = HummingExpertsKernel
+
+    def shape_problem(self, n: int, k: int) -> str | None:
+        return humming_shape_problem(n, k)
+
+    def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
+        from quads.kernels.humming_gemm import HUMMING_MODES
+
+        self.mode = mode or os.environ.get("QUADS_HUMMING_MODE", "default")
+        if self.mode not in HUMMING_MODES:
+            raise ValueError(f"QUADS_HUMMING_MODE must be one of {HUMMING_MODES}, got {self.mode!r}")
+        if residual_layout not in RESIDUAL_LAYOUTS:
+            raise ValueError(f"residual_layout must be one of {RESIDUAL_LAYOUTS}, got {residual_layout!r}")
+        self.residual_layout = residual_layout
+
+    def prepare_weight(self, weight: NVFP4Parts, out=None):
+        if not humming_supports(weight):
+            return prepare_weight_hopper(weight, out if not isinstance(out, HummingWeight) else None)
+        if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode:
+            return out.write_parts_(weight)
+        return HummingWeight(weight, self.mode)
+
+    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
+        if (not isinstance(prepared, HummingWeight) and prepared is not None) or not humming_supports(weight) \
+                or bias is not None or x.dtype not in (torch.float16, torch.bfloat16) \
+                or (act is not None and act.granularity != "row"):
+            hopper = prepared if not isinstance(prepared, HummingWeight) else None
+            if isinstance(prepared, HummingWeight):  # the exact path reads the packed parts: derived here
+                weight = prepared.real_parts(weight)
+            return super().grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, hopper)
+        prepared = prepared if prepared is not None else self.prepare_weight(weight)
+        return humming_grouped(x, rows, offsets, prepared, act, static_mask, num_rows)
+
+    def stack_prepared(self, prepared):
+        return None  # no stacked humming GEMM yet: sibling groups share the quantization only
+
+    def stacked_fits(self, rows, act):
+        return False
+
+    def linear_kernel(self, args: LinearArgs) -> LinearKernel:
+        """:class:`HummingLinearKernel` for a weight humming serves (a humming layout, or none yet);
+        the exact Hopper kernel for the rest (per-row global scales: its layout is the Hopper one)."""
+        if humming_supports(args.parts()) and (args.prepared is None or isinstance(args.prepared, HummingWeight)):
+            return HummingLinearKernel(self, args)
+        return HopperLinearKernel(self, args)
+
+
 def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str = "auto", operands=None) -> torch.Tensor:
     """W4A4 (+ residual) through one fp16 humming layer in any activation dtype (fp32: the GEMM's
     error without the final rounding): one call of :class:`HummingLinearKernel`."""
@@ -438,7 +440,6 @@ def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask,
     return y.masked_fill_(~valid[:, None], 0)
 
 
-HummingBackend.experts_kernel_class = HummingExpertsKernel
 register_backend(HummingBackend())
 
 

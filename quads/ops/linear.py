@@ -156,7 +156,9 @@ class ReferenceLinearKernel(LinearKernel):
         x2 = x.reshape(-1, x.shape[-1])
         if torch.compiler.is_compiling():
             y = torch.ops.quads.linear(*_op_args(self, x2, bias))
-        elif a.act is None:
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        self.check_input(x)
+        if a.act is None:
             y = F.linear(x2, dequantized_weight(a.parts(), x2.dtype), bias)  # cached until the weight changes
         else:
             ops = operands if operands is not None else reference_operands(x2, a.act, a.static_mask)
@@ -185,6 +187,7 @@ class HopperLinearKernel(LinearKernel):
         if torch.compiler.is_compiling():
             y = torch.ops.quads.linear(*_op_args(self, x2, bias))
             return y.reshape(*x.shape[:-1], y.shape[-1])
+        self.check_input(x)
         from quads.kernels.fp16_operand import scaled_fp16_rows
         from quads.kernels.quantize_activations import quantize_rows
         from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
@@ -223,6 +226,7 @@ class BlackwellLinearKernel(HopperLinearKernel):
             return super().apply(x, bias, operands)
         from quads.kernels.blackwell import fp4_unscaled_mm
 
+        self.check_input(x)
         x2 = x.reshape(-1, x.shape[-1])
         qa = quantize_activation_triton(x2, a.act, a.static_mask)  # packed operands, its own quantization
         w = a.parts()

@@ -89,4 +89,5 @@ def calibrate_residual_channels(model: nn.Module, batches: Iterable[dict | torch
             module.quads_static_masks = tuple(masks)
         if any(m is None for m in masks):
             raise ValueError(f"calibrate_residual_channels: layer {name!r} saw no calibration tokens")
+        module.quads_kernel()  # remade now with the mask, not at a later forward (perhaps inside a compiled trace)
     return len(layers)

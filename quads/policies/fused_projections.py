@@ -60,6 +60,7 @@ def _group(members: list[nn.Module], stack: bool, enabled: bool) -> SiblingGroup
                             [m.weight.parts.global_encode_scale for m in members])
         for m, view in zip(members, views or ()):
             m.quads_prepared = (view,)  # later weight writes land in the stacked layout directly
+            m.quads_kernel()  # remade now over the view, not at a later forward (perhaps inside a compiled trace)
     return group
 
 

@@ -88,6 +88,7 @@ class RolloutModule(QuadsModule):
     quads_backend: Backend
     #: per packed parameter, what the backend's kernels read (``backend.prepare_weight``)
     quads_prepared: tuple = ()
+    #: (the backend, the packed parameters' versions) that ``quads_prepared`` was made from
     _quads_prepared_versions: tuple | None = None
 
     def quads_select_backend(self) -> None:
@@ -122,7 +123,7 @@ class RolloutModule(QuadsModule):
                 w.to_layout_(out)
             prepared.append(out)
         self.quads_prepared = tuple(prepared)
-        self._quads_prepared_versions = self._quads_versions()
+        self._quads_prepared_versions = (self.quads_backend, self._quads_versions())
         group = getattr(self, "quads_group", None)
         if group is not None:  # sibling projections (quads.ops.sibling_linear)
             i = self.quads_group_index
@@ -135,9 +136,12 @@ class RolloutModule(QuadsModule):
 
     def quads_prepared_weights(self) -> tuple:
         """The prepared weights, rebuilt first if the packed parts were written in place since
-        (e.g. ``load_state_dict``: their version counters moved). Not checked inside compiled
-        graphs, where weights change only through ``sync_weights_``, which rebuilds eagerly."""
-        if not torch.compiler.is_compiling() and self._quads_versions() != self._quads_prepared_versions:
+        (e.g. ``load_state_dict``: their version counters moved) or ``quads_backend`` was set by
+        hand (another backend's layout). Not checked inside compiled graphs, where weights change
+        only through ``sync_weights_``, which rebuilds eagerly."""
+        held = self._quads_prepared_versions
+        if not torch.compiler.is_compiling() and (
+                held is None or held[0] is not self.quads_backend or held[1] != self._quads_versions()):
             self.quads_weights_changed()
         return self.quads_prepared
 

@@ -547,3 +547,20 @@ def test_warm_up_kernels_compiles_every_humming_weight_once_with_a_progress_line
         quads.quantize_(exact, quads.QuadsPolicy(side="rollout"))
     lines.clear()
     assert warm_up_kernels(exact, log=lines.append) == 0.0 and lines == []
+
+
+def test_fp32_activations_take_the_exact_kernel_without_a_humming_layout(fake_humming, monkeypatch):
+    be, w, act = hb.HummingBackend(), _weight(), ActivationQuant()
+    assert hb.HummingBackend.linear_kernel_class is hb.HummingLinearKernel
+    assert hb.HummingBackend.experts_kernel_class is hb.HummingExpertsKernel
+
+    def no_layout(*args, **kwargs):
+        raise AssertionError("a humming layout built for fp32 activations")
+
+    monkeypatch.setattr(be, "prepare_weight", no_layout)
+    kernel = be.linear_kernel(backend_mod.LinearArgs(w, act))
+    assert isinstance(kernel, hb.HummingLinearKernel)
+    x = _x().float()
+    assert torch.equal(kernel.apply(x), backend_mod.get_backend("hopper").linear(x, w, None, act))
+    with pytest.raises(ValueError, match="K=96, the weight has K=128"):
+        kernel.apply(_x(k=96))

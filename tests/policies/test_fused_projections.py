@@ -114,3 +114,13 @@ def test_unfuse_and_what_does_not_fuse():
     with quads.use_backend("hopper"):
         quads.quantize_(plain16, quads.QuadsPolicy(side="rollout", activations="bf16"))
     assert torch.equal(_logits(w16, ids), _logits(plain16, ids))  # the shared fp16 operand: the same bits
+
+
+def test_fusing_remakes_the_kernels_over_the_stacked_layout_at_once():
+    """Each member's kernel reads its view of the stacked layout right after fusing (not remade at
+    a later forward, which may run inside a compiled trace)."""
+    model = _rollout()
+    assert quads.fuse_projections_(model) == 2
+    attn = model.model.layers[0].self_attn
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert m.__dict__["_quads_kernel"][1].args.prepared is m.quads_prepared[0]

@@ -197,3 +197,18 @@ def test_quantize_errors():
     m.add_module("skipme", nn.Linear(32, 16))
     quads.quantize_(m, quads.QuadsPolicy(side="rollout", extra_skip_patterns=(r"skipme$",)))
     assert set(quads.quantized_modules(m)) == {"keep"}
+
+
+def test_calibration_remakes_the_kernels_at_once():
+    """The kernels hold the new masks right after calibration (not remade at a later forward,
+    which may run inside a compiled trace)."""
+    model = build("qwen3_moe")
+    quads.quantize_(model, quads.QuadsPolicy(side="rollout", residual_selection="static", residual_fraction=0.5))
+    quads.calibrate_residual_channels(model, [_ids(s, (2, 8)) for s in range(2)])
+    for module in quads.quantized_modules(model).values():
+        kernel = module.__dict__["_quads_kernel"][1]
+        if isinstance(module, RolloutLinear):
+            assert kernel.args.static_mask is module.quads_static_mask is not None
+        else:
+            masks = (kernel.gate_up.static_mask, kernel.down.static_mask)
+            assert all(a is b is not None for a, b in zip(masks, module.quads_static_masks))
