@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import quads, trl, triton, torchao, pytest, gguf" 2>/dev/null; then
+if ! .venv/bin/python -c "import quads, trl, triton, torchao, pytest, xdist, gguf" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q "torch==2.13.0"
   .venv/bin/pip install -q -e ".[test]"

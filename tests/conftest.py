@@ -11,6 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (scripts/test.sh), the workers share the cores instead of each taking all.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 # -- replaying the weight quantizer kernel's output for repeated, identical inputs ---------------
 
