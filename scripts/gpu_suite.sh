@@ -23,8 +23,9 @@
 # the examples on it are reported as skipped, with the reason. Every output goes under $OUT
 # (default runs/gpu_suite): gpu_suite_summary.txt (one line per test file, check run and example
 # run) and gpu_suite.tar.gz (every log, checks.json, each example's summary.json / metrics.csv);
-# caches stay in /tmp. Exit status: 0 when every section passed. DEVICE=cpu runs the examples on
-# the CPU instead (a dry run of this script on a machine without a GPU; the other sections skip).
+# caches stay in /tmp. QUADS_COMMIT names the commit in the summary (a device that receives a
+# copy of the working tree may hold older git metadata than the files it runs). Exit status: 0
+# when every section passed. DEVICE=cpu runs the examples on the CPU instead (a dry run of this script on a machine without a GPU; the other sections skip).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
