@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from quads.ops.activation_quant import ActivationQuant, as_operands, operand_row_args
-from quads.ops.backend_registry import Backend, LinearArgs, select_backend
+from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
 from quads.ops.grouped_linear import grouped_linear
 from quads.ops.linear import prepare_weight_hopper
 from quads.tensor.nvfp4_math import NVFP4Parts
@@ -96,10 +96,20 @@ class ExpertsKernel:
 
     def __init__(self, backend: Backend, gate_up: LinearArgs, down: LinearArgs):
         self.backend, self.gate_up, self.down = backend, gate_up, down
+        w = gate_up.weight
+        self.h = None if w is None else (w.qdata.shape[-1] * 2 if isinstance(w, NVFP4Parts) else gemm_shape(w)[1])
+
+    def check_input(self, hidden: torch.Tensor) -> None:
+        """Raise unless ``hidden``'s last dim is the experts' H (grouped GEMMs may read only the first H columns)."""
+        if self.h is not None and hidden.shape[-1] != self.h:
+            raise ValueError(f"quads experts: hidden of shape {tuple(hidden.shape)} has H={hidden.shape[-1]}, "
+                             f"the experts' weights have H={self.h}")
 
     def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
         """``hidden (T, H)`` routed by ``top_k_index``/``top_k_weights`` (T, k) -> (T, H);
         ``apply_gate`` maps the gate_up output (rows, 2I) to (rows, I)."""
+        if not torch.compiler.is_compiling():
+            self.check_input(hidden)
         gu, dn = self.gate_up.parts(), self.down.parts()
         route = Routing(top_k_index, gu.qdata.shape[0])
         h = grouped_linear(self.backend, hidden, route.token_of_row, route.offsets, gu, biases[0], self.gate_up.act,
@@ -122,6 +132,7 @@ class HopperExpertsKernel(ExpertsKernel):
         if (torch.compiler.is_compiling() or biases[0] is not None or biases[1] is not None
                 or (act is not None and act.granularity != "row")):
             return super().apply(hidden, top_k_index, top_k_weights, apply_gate, biases)
+        self.check_input(hidden)
         from quads.kernels.fp16_operand import scaled_fp16_rows
         from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm
         from quads.kernels.quantize_activations import quantize_rows

@@ -332,6 +332,7 @@ class HummingExpertsKernel(ExpertsKernel):
                 or not all(isinstance(a.prepared, HummingWeight) or (a.prepared is None and humming_supports(a.parts()))
                            for a in (self.gate_up, self.down))):
             return super().apply(hidden, top_k_index, top_k_weights, apply_gate, biases)
+        self.check_input(hidden)
         from quads.kernels.humming_operands import unscale_rows
         from quads.kernels.quantize_activations import quantize_rows
 

@@ -270,6 +270,7 @@ class RolloutLinear(RolloutModule):
     def quads_unstack(self, view) -> None:
         """Leave a stacked layout: this linear's prepared weight becomes its own copy of ``view``."""
         self.quads_prepared = (type(view)(view.values.clone(), view.scales.clone(), view.n, view.k),)
+        self.quads_kernel()  # remade now over its own layout, not at a later forward (perhaps inside a compiled trace)
 
 
 def apply_gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:

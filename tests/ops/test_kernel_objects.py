@@ -33,6 +33,23 @@ def test_module_forward_refuses_a_wrong_k(backend, activations):
             model(torch.randn(3, k, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("backend", ["torch", "hopper"])
+def test_experts_forward_refuses_a_wrong_hidden_size(backend):
+    """Hopper's grouped GEMM would read only the first H columns of a wider input."""
+    from tests.tiny_models import build
+
+    model = build("qwen3_moe")
+    with quads.use_backend(backend):
+        quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
+    experts = model.model.layers[0].mlp.experts
+    assert experts.quads_backend.name == backend
+    idx, w = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.full((3, 2), 0.5, dtype=torch.bfloat16)
+    assert experts(torch.randn(3, 64, dtype=torch.bfloat16), idx, w).shape == (3, 64)
+    for h in (80, 48):
+        with pytest.raises(ValueError, match=rf"H={h}, the experts' weights have H=64"):
+            experts(torch.randn(3, h, dtype=torch.bfloat16), idx, w)
+
+
 def test_a_kernel_refuses_a_weight_that_is_not_2d_untransposed():
     model = _rollout("torch")
     w = model[0].weight
