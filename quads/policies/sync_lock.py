@@ -21,15 +21,14 @@ import torch.nn as nn
 __all__ = ["rollout_write_lock"]
 
 _LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
-_TABLE_LOCK = threading.Lock()
 
 
 def _lock_of(model: nn.Module) -> threading.RLock:
-    with _TABLE_LOCK:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-        return lock
+    """The model's lock, made on first use. No lock guards the table: ``dict.setdefault`` is atomic
+    under the GIL, and a table lock would be held forever by a ``with`` whose exit an interrupt
+    skips (an interrupt can land after the block's last line, before its ``__exit__``)."""
+    lock = _LOCKS.get(model)
+    return lock if lock is not None else _LOCKS.setdefault(model, threading.RLock())
 
 
 @contextlib.contextmanager

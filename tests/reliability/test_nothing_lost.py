@@ -239,3 +239,45 @@ def test_an_export_racing_another_to_the_same_out_refuses_in_one_line(tmp_path, 
 def test_export_races_sampled_sweep():
     result = export_race_sweep(trials=2)
     assert result.bad == 0, result
+
+
+def test_an_interrupt_at_any_line_of_taking_a_sync_lock_leaves_other_rollouts_syncable():
+    """Ctrl-C at every executed line of taking and leaving one rollout's sync lock: another thread
+    still gets another rollout's lock at once (no lock of the table is left held)."""
+    import sys
+
+    import torch.nn as nn
+
+    from quads.policies import sync_lock
+
+    other = nn.Linear(16, 16)
+    n = 0
+    while True:
+        n += 1
+        seen = {"lines": 0, "hit": False}
+
+        def tracer(frame, event, arg):
+            if event == "line":
+                seen["lines"] += 1
+                if seen["lines"] == n:
+                    seen["hit"] = True
+                    raise KeyboardInterrupt(f"injected at line {n}")
+            return tracer
+
+        rollout = nn.Linear(16, 16)
+        sys.settrace(tracer)
+        try:
+            with sync_lock.rollout_write_lock(rollout):
+                pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        if not seen["hit"]:
+            break
+        got = []
+        worker = threading.Thread(target=lambda: (sync_lock._lock_of(other), got.append(True)), daemon=True)
+        worker.start()
+        worker.join(5)
+        assert got, f"an interrupt at executed line {n} left the sync lock table held"
+    assert n > 3  # the sweep reached the lines of the lock code
