@@ -1,6 +1,7 @@
 """Benchmark of ``quads.sync_weights_`` (trainer -> rollout), with and without its validation.
 
-    python -m benchmarks.ops.bench_sync [--model qwen3_moe|llama] [--size small|1b]
+    python -m benchmarks.ops.bench_sync [--model qwen3_moe|llama|rl_moe|rl_dense] [--size small|1b]
+                                                 [--preset quads] [--masters fp32|bf16] [--host-profile N]
                                                  [--repeats N] [--out DIR] [--csv PATH]
 
 Models are random, built from config (nothing is downloaded): ``small`` (~25M parameters, the
@@ -14,6 +15,12 @@ warm-up, the variants run round-robin, the device synchronised around each call:
 * ``sync_unchecked``: the same steps without the finiteness check (what validation costs);
 * ``check_fused``: the finiteness check alone, one reduction per tensor, one host sync per device;
 * ``check_per_tensor``: for comparison, one ``check_finite`` (one host sync) per tensor.
+
+``rl_moe`` / ``rl_dense`` are the models of ``benchmarks.rl.rl_step`` (``--size`` ignored);
+``--preset`` a ``POLICY_PRESETS`` name, ``-fast`` appended for ``kernel="fast"`` (rl_step's
+variants); ``--masters`` the trainer's parameter dtype. ``--host-profile N``: N more syncs under
+``cProfile``, the top functions by own and cumulative time printed (the sync's host cost: on a GPU
+its kernels take a fraction of its wall time).
 
 Output: a table on stdout, ``--out`` (JSON), and one row per variant (median µs) appended to
 ``results/kernels.csv`` (``--csv``, :func:`benchmarks.timing.append_results`).
@@ -56,6 +63,11 @@ SIZES = {  # (llama kwargs, qwen3-moe kwargs)
 
 
 def build(kind: str, size: str, device: torch.device, dtype: torch.dtype, seed: int):
+    if kind.startswith("rl_"):
+        from benchmarks.rl.rl_step import build_model
+
+        torch.manual_seed(seed)
+        return build_model(kind[3:], False, str(device)).to(dtype)
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     llama_kw, moe_kw = SIZES[size]
@@ -120,13 +132,33 @@ def time_all(fns: dict, device, repeats: int) -> dict[str, dict[str, float]]:
     return {name: {"median": statistics.median(ts), "min": min(ts)} for name, ts in times.items()}
 
 
+def host_profile(fn, device, n: int) -> None:
+    """``n`` calls of ``fn`` under cProfile (the device synchronized after each): the top functions."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(n):
+        prof.enable()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        prof.disable()
+    for key in ("tottime", "cumulative"):
+        print(f"-- host profile, {n} syncs, by {key}")
+        pstats.Stats(prof).sort_stats(key).print_stats(30)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["qwen3_moe", "llama"], default="qwen3_moe")
+    ap.add_argument("--model", choices=["qwen3_moe", "llama", "rl_moe", "rl_dense"], default="qwen3_moe")
     ap.add_argument("--size", choices=sorted(SIZES), default=None, help="default: 1b on a GPU, small on a CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--preset", default="quads", help="a POLICY_PRESETS name, optionally + '-fast'")
+    ap.add_argument("--masters", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--host-profile", type=int, default=0, help="N syncs under cProfile (module doc)")
     ap.add_argument("--out", default=None, help="write results.json here")
     add_csv_argument(ap)
     args = ap.parse_args(argv)
@@ -135,10 +167,13 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    trainer = build(args.model, size, device, torch.float32, seed=0)
+    from benchmarks.rl.rl_step import resolve
+
+    preset, _ = resolve(f"{args.preset}@{args.masters}")
+    trainer = build(args.model, size, device, torch.float32 if args.masters == "fp32" else torch.bfloat16, seed=0)
     rollout = build(args.model, size, device, torch.bfloat16, seed=1)
-    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
-    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    quads.quantize_(trainer, preset.trainer)
+    quads.quantize_(rollout, preset.rollout)
     n_params = sum(p.numel() for p in trainer.parameters())
     n_tensors = len(list(trainer.parameters()))
     backend = next(iter(quads.quantized_modules(rollout).values())).quads_backend.name
@@ -161,6 +196,8 @@ def main(argv=None) -> dict:
 
     result = {
         "model": args.model,
+        "preset": args.preset,
+        "masters": args.masters,
         "size": size,
         "parameters": n_params,
         "tensors": n_tensors,
@@ -187,12 +224,15 @@ def main(argv=None) -> dict:
         print(f"  {key:<17} {value['min']:10.2f} {value['median']:10.2f}")
     print(f"  validation (minima): check_fused = {ms['check_fused'] / ms['sync_unchecked'] * 100:.1f}% of the unchecked "
           f"sync; sync - sync_unchecked = {ms['sync'] - ms['sync_unchecked']:+.2f} ms")
-    path = Path(args.out) / f"sync_{args.model}_{size}_{device.type}.json" if args.out else None
+    if args.host_profile:
+        host_profile(lambda: quads.sync_weights_(rollout, trainer), device, args.host_profile)
+    path = Path(args.out) / f"sync_{args.model}_{size}_{args.preset}_{device.type}.json" if args.out else None
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(result, indent=1) + "\n")
         print(f"wrote {path}")
-    shape = f"{args.model} {size}: {n_params / 1e6:.0f}M parameters, {n_tensors} tensors, {backend} backend"
+    shape = (f"{args.model} {size}: {n_params / 1e6:.0f}M parameters, {n_tensors} tensors, {backend} backend, "
+             f"{args.preset}@{args.masters}")
     append_results([{"kernel": "sync_weights_", "shape": shape, "variant": key, "us": value["median"] * 1e3}
                     for key, value in result["ms"].items()], raw=str(path or ""), csv_path=args.csv)
     return result

@@ -37,6 +37,11 @@ parameters). Both ways matter for the BF16 peer of an MoE: transformers' ``group
 are not autocast, so with FP32 masters the BF16 MoE multiplies its experts in FP32 (the QUADS
 trainer's grouped path multiplies in the autocast dtype); ``bf16@bf16`` is the fair BF16 peer.
 
+``--profile``: one more step, after the timed ones, runs under ``torch.profiler`` (CPU and CUDA activity, kernels inside
+CUDA-graph replays included); each kernel is put in the phase whose range holds its start (the
+device is synchronized at every phase boundary), and ``<out>/profile_<model>_<variant>.json``
+holds, per phase, the range's wall time, the sum of kernel times and the top kernels by time.
+
 Writes ``<out>/rl_step.json`` (every row, the configuration, peak memory per variant) and
 ``<out>/rl_step.md`` (the table), and appends one row per phase to the results CSV
 (``benchmarks/timing.py``: kernel ``rl_step/<phase>``, us = seconds x 1e6).
@@ -151,6 +156,83 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class _PhaseProfile:
+    """The last step under ``torch.profiler``, its kernels summed per phase (module doc, ``--profile``)."""
+
+    TOP = 40
+
+    def __init__(self, trainer, last_step: int, path: Path):
+        from transformers import TrainerCallback
+
+        self.path, self.prof = path, None
+        # CPU runs (smoke tests of this script) sum the CPU ops instead of kernels
+        self.device_type = torch.autograd.DeviceType.CUDA if torch.cuda.is_available() else torch.autograd.DeviceType.CPU
+        prof_of = self
+        engine = trainer.quads_rollout
+        for name in ("generate", "sync_weights"):
+            setattr(engine, name, self._ranged(getattr(engine, name), name.split("_")[0]))
+        trainer._get_per_token_logps_and_entropies = self._ranged(trainer._get_per_token_logps_and_entropies, "score")
+
+        class Last(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                if state.global_step == last_step:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                    prof_of.prof = profile(activities=activities)
+                    prof_of.prof.__enter__()
+
+            def on_step_end(self, args, state, control, **kw):
+                if prof_of.prof is not None:
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    prof_of.prof.__exit__(None, None, None)
+                    prof_of.write()
+                    prof_of.prof = None
+
+        trainer.add_callback(Last())
+
+    @staticmethod
+    def _ranged(fn, phase: str):
+        def ranged(*a, **k):
+            if phase == "score" and torch.is_grad_enabled():
+                return fn(*a, **k)
+            with torch.profiler.record_function(f"rl_step:{phase}"):
+                return fn(*a, **k)
+        return ranged
+
+    def write(self) -> None:
+        events = self.prof.events()
+        ranges = [(e.name.split(":", 1)[1], e.time_range.start, e.time_range.end) for e in events
+                  if e.name.startswith("rl_step:")]
+        step = (min(e.time_range.start for e in events), max(e.time_range.end for e in events))
+        phases: dict[str, dict] = {}
+        for e in events:
+            if e.device_type != self.device_type or e.time_range.elapsed_us() <= 0:
+                continue
+            start = e.time_range.start
+            phase = next((name for name, a, b in ranges if a <= start <= b), "train")
+            ph = phases.setdefault(phase, {"kernel_us": 0.0, "kernels": {}})
+            k = ph["kernels"].setdefault(e.name[:160], [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+            ph["kernel_us"] += e.time_range.elapsed_us()
+        wall = {name: 0.0 for name, _, _ in ranges}
+        for name, a, b in ranges:
+            wall[name] += b - a
+        wall["step"] = step[1] - step[0]
+        out = {"wall_us": wall, "phases": {}}
+        for phase, ph in phases.items():
+            top = sorted(ph["kernels"].items(), key=lambda kv: -kv[1][1])[: self.TOP]
+            out["phases"][phase] = {"kernel_us": round(ph["kernel_us"], 1), "distinct": len(ph["kernels"]),
+                                    "launches": sum(c for c, _ in ph["kernels"].values()),
+                                    "top": [{"kernel": n, "calls": c, "us": round(t, 1)} for n, (c, t) in top]}
+        write_atomically(self.path, json.dumps(out, indent=1))
+        summary = ", ".join(f"{p} {v['kernel_us'] / 1e3:.1f} ms kernels" for p, v in out["phases"].items())
+        print(f"[rl_step] profile -> {self.path}: {summary}; ranges (ms) "
+              f"{ {k: round(v / 1e3, 1) for k, v in wall.items()} }", flush=True)
+
+
 class _Clock:
     """Step wall clock (TRL callback) and TRL's no-grad scoring forwards (method wrapper)."""
 
@@ -200,7 +282,7 @@ def run_variant(kind: str, variant: str, args) -> dict:
         raise NotApplicable(problem)
     params = sum(p.numel() for p in model.parameters())
     tok = make_tokenizer(model.config.vocab_size)
-    total = args.warmup + args.steps
+    total = args.warmup + args.steps + (1 if args.profile else 0)  # the profiled step is not timed
     batch = args.prompts * args.generations
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(output_dir=tmp, use_cpu=args.device == "cpu", bf16=True, per_device_train_batch_size=batch,
@@ -210,6 +292,8 @@ def run_variant(kind: str, variant: str, args) -> dict:
         trainer = QuadsGRPOTrainer(model, dummy_reward, config, train_dataset=make_dataset(args.prompts * total, args.prompt_len,
                                    model.config.vocab_size), processing_class=tok, quads_policy=preset)
         clock = _Clock(trainer, args.device)
+        if args.profile:
+            _PhaseProfile(trainer, total - 1, Path(args.out) / f"profile_{kind}_{variant.replace('@', '_')}.json")
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
@@ -221,7 +305,7 @@ def run_variant(kind: str, variant: str, args) -> dict:
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    timed = slice(args.warmup, None)
+    timed = slice(args.warmup, args.warmup + args.steps)
     gen = [h["timing/quads/generate_s"] for h in logs]
     syn = [h["timing/quads/sync_s"] for h in logs]
     phases = {"step": clock.step_s, "generate": gen, "score": clock.score_s, "sync": syn,
@@ -259,6 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=0, help="start no new variant after this many seconds (0: none)")
+    p.add_argument("--profile", action="store_true", help="profile the last step per phase (module doc)")
     p.add_argument("--tiny", action="store_true", help="toy widths (a smoke run of this script)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_csv_argument(p)

@@ -117,13 +117,21 @@ def _check_parts(qdata: torch.Tensor, scale: torch.Tensor, global_encode_scale: 
     return experts, gs
 
 
-def output_shift(scale: torch.Tensor, global_encode_scale: torch.Tensor, operand_max: float) -> torch.Tensor:
+def max_row_l1(scale: torch.Tensor) -> torch.Tensor:
+    """``96 * max_n sum_b s_nb`` (fp32, per expert or (1,)): the largest row's bound on
+    ``sum_k |w_nk| * S_w``, what :func:`output_shift` scales (one pass over the scales)."""
+    return (E2M1_BLOCK_L1_MAX * scale.to(torch.float32).sum(dim=-1)).amax(dim=-1).reshape(-1)
+
+
+def output_shift(scale: torch.Tensor, global_encode_scale: torch.Tensor, operand_max: float,
+                 row_l1_max: torch.Tensor | None = None) -> torch.Tensor:
     """``c`` (fp32, per expert or (1,)): the power of two of the module doc's output-range rule
     for operands with ``|a| <= operand_max``: the smallest ``c >= 0`` with
-    ``operand_max * 96 * max_n sum_b s_nb / S_w / 2^c <= 2^15``. Computed on the device."""
-    s = scale.to(torch.float32)
-    row_l1 = E2M1_BLOCK_L1_MAX * s.sum(dim=-1)  # (.., N)
-    bound = operand_max * row_l1.amax(dim=-1).reshape(-1) / global_encode_scale.reshape(-1).to(torch.float32)
+    ``operand_max * 96 * max_n sum_b s_nb / S_w / 2^c <= 2^15``. Computed on the device;
+    ``row_l1_max``: :func:`max_row_l1` of ``scale`` when already computed."""
+    if row_l1_max is None:
+        row_l1_max = max_row_l1(scale)
+    bound = operand_max * row_l1_max / global_encode_scale.reshape(-1).to(torch.float32)
     c = torch.ceil(torch.log2(torch.clamp(bound / FP16_OUTPUT_LIMIT, min=1.0)))
     return torch.nan_to_num(c, nan=0.0, posinf=0.0)  # inf/NaN weights: the output is inf/NaN anyway
 
@@ -292,12 +300,14 @@ class HummingNVFP4:
 
     def _write_scales(self, scale, gs):
         one = torch.ones(1, dtype=torch.float32, device=self.device)
+        shifted = [amax for amax in self.operand_max.values() if amax is not None]
+        row_l1_max = max_row_l1(scale) if shifted else None  # one pass over the scales for every range
         for name, amax in self.operand_max.items():
             # one shift for all experts (the epilogue's 2^c does not depend on the row's expert)
             if amax is None:
                 c = torch.zeros(1, device=self.device)
             else:
-                c = output_shift(scale, gs, amax).amax().reshape(1)
+                c = output_shift(scale, gs, amax, row_l1_max).amax().reshape(1)
             ws2 = one / gs.reshape(-1).to(torch.float32) * torch.exp2(-c)
             unshift = torch.exp2(c)
             if name in self.ws2:  # in place: captured graphs read these addresses
@@ -337,6 +347,12 @@ class HummingNVFP4:
             setattr(self.layer, name, q)  # the same Parameter objects: refreshed once, by the owner
         self.shared = True
         return True
+
+    def written_tensors(self) -> list[torch.Tensor]:
+        """The tensors :meth:`refresh_` writes in place (the layout's parameters, the run-time
+        scales): copies of them undo a refresh."""
+        return [p.data for p in self.layer.parameters()] + [*self.shift.values(), *self.ws2.values(),
+                                                            *self.unshift.values()]
 
     def packed_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """quads' packed ``(qdata, scale)`` derived from the held layout (the inverse permutations of

@@ -216,6 +216,14 @@ class HummingWeight:
             seen.update(layer.storages())
         return sum(seen.values())
 
+    def written_tensors(self) -> list[torch.Tensor]:
+        """Every tensor :meth:`write_parts_` writes in place, each once (``NVFP4Tensor.storage_snapshot``)."""
+        seen: dict[tuple, torch.Tensor] = {}
+        for layer in self.layers.values():
+            for t in layer.written_tensors():
+                seen.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), t)
+        return list(seen.values())
+
     def write_parts_(self, weight: NVFP4Parts) -> "HummingWeight":
         """Rewrite the layouts from new parts of the same shapes, in place (a sync, ``load_state_dict``)."""
         self.global_encode_scale = weight.global_encode_scale

@@ -355,7 +355,7 @@ def _write(entries: list[_Entry]) -> None:
     done = []
     try:
         for e in entries:
-            done.append((e, NVFP4Parts(*(t.clone() for t in e.param.parts)) if e.packed else e.param.clone()))
+            done.append((e, e.param.storage_snapshot() if e.packed else e.param.clone()))
             if e.packed:
                 qdata, block_scale = e.full
                 e.param.copy_(NVFP4Tensor(qdata, block_scale, e.global_scale, orig_dtype=e.param.orig_dtype))
@@ -367,7 +367,7 @@ def _write(entries: list[_Entry]) -> None:
     except BaseException:
         for e, old in reversed(done):
             if e.packed:
-                e.param.write_parts_(old)  # into the kernel layout when it holds the parts
+                e.param.restore_storage_(old)  # into the kernel layout when it holds the parts
             else:
                 e.param.copy_(old)
         for module in {id(m): m for e in entries for m in e.holders}.values():

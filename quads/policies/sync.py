@@ -197,7 +197,7 @@ def _stage(writes: list[_Write]) -> None:
                 granularity, scale = "tensor", group_scales[key].to(w.param.device)
             parts = w.backend.quantize_weight(dense.transpose(-2, -1) if w.param.transposed else dense,
                                               granularity, scale, w.block_scaling)
-            for part, new, old in zip(NVFP4Parts._fields, parts, w.param.parts):
+            for part, new, old in zip(NVFP4Parts._fields, parts, w.param.stored_parts()):  # shapes only
                 if new.shape != old.shape or new.dtype != old.dtype:
                     raise ValueError(
                         f"sync_weights_: nothing was written; re-quantizing {w.name} gave {part} "
@@ -251,17 +251,24 @@ def _write(writes: list[_Write], rollout_model: nn.Module) -> None:
             module.quads_weights_changed()
     except BaseException:
         for w, old in reversed(done):
-            _put(w, old)
+            _restore(w, old)
         for module in _written_modules(writes, rollout_model):
             module.quads_weights_changed()  # derived layouts follow the restored parts
         raise
 
 
 def _snapshot(w: _Write):
-    """A copy of what ``w`` overwrites: the packed parts (new tensors), or the dense parameter."""
+    """A copy of what ``w`` overwrites: the packed weight's storage (its parts, or the kernel layout
+    holding them: ``NVFP4Tensor.storage_snapshot``), or the dense parameter."""
+    return w.param.storage_snapshot() if w.packed else w.param.clone()
+
+
+def _restore(w: _Write, old) -> None:
+    """Undo ``w``'s write from its :func:`_snapshot`."""
     if w.packed:
-        return NVFP4Parts(*(t.clone() for t in w.param.parts))
-    return w.param.clone()
+        w.param.restore_storage_(old)
+    else:
+        w.param.copy_(old)
 
 
 def _put(w: _Write, value) -> None:

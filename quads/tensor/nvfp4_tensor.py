@@ -242,6 +242,28 @@ class NVFP4Tensor(torch.Tensor):
         # above this dispatch level); bump them so version-keyed caches see the write.
         torch.autograd.graph.increment_version((q, s, self.global_encode_scale))
 
+    def storage_snapshot(self) -> tuple:
+        """A copy of what :meth:`write_parts_` overwrites, for :meth:`restore_storage_` (undoing a
+        sync's write): the layout's own tensors when it holds the parts (nothing derived from it:
+        a derivation costs several passes over the weight), else the stored parts."""
+        layout = self.__dict__.get("_layout")
+        held = layout.written_tensors() if layout is not None else [self.__dict__["_qdata"], self.__dict__["_scale"]]
+        return layout, [(t, t.clone()) for t in (*held, self.global_encode_scale)]
+
+    def restore_storage_(self, snapshot: tuple) -> None:
+        """Put back, in place, what :meth:`storage_snapshot` copied; its storage is this tensor's again."""
+        layout, saved = snapshot
+        for t, old in saved:
+            t.copy_(old)
+        if layout is not None:
+            self.__dict__.pop("_qdata", None)
+            self.__dict__.pop("_scale", None)
+            self.__dict__["_layout"] = layout
+        else:
+            self.__dict__.pop("_layout", None)
+            self.__dict__["_qdata"], self.__dict__["_scale"] = saved[0][0], saved[1][0]
+        self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
+
     def parts_version(self) -> tuple:
         """A key that changes whenever the parts may have been written (a module then re-derives its
         kernel layout): the stored parts' version counters, or the layout's write count."""

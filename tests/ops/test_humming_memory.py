@@ -155,6 +155,24 @@ def test_sync_writes_through_the_layout_bit_exact_and_in_place(fake_humming):
     assert ptrs == [m.quads_prepared[0].layers[torch.float16].layer.weight.data_ptr() for m in _linears(rollout)]
 
 
+def test_sync_never_derives_the_parts_from_the_layout(fake_humming, monkeypatch):
+    """A sync writes the layout and snapshots the layout's own tensors for its rollback: deriving the
+    packed parts (the inverse repack, several passes over every weight) is not part of it."""
+    from quads.kernels import humming_gemm as hg
+
+    trainer = _llama(seed=7)
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    rollout = _fast_rollout(seed=1)
+    derived = []
+    orig = hg.HummingNVFP4.packed_parts
+    monkeypatch.setattr(hg.HummingNVFP4, "packed_parts", lambda self: derived.append(self) or orig(self))
+    quads.sync_weights_(rollout, trainer)
+    assert derived == []
+    assert all(m.weight.kernel_layout is m.quads_prepared[0] for m in _linears(rollout))
+    q, _ = _linears(rollout)[0].quads_prepared[0].packed_parts()  # the check itself sees a derivation
+    assert len(derived) == 1 and q.dtype == torch.uint8
+
+
 def test_sync_interrupted_after_the_write_leaves_the_layout_as_it_was(fake_humming, monkeypatch):
     """An exception while the modules are notified (some layouts already written) rolls every layout back."""
     trainer = _llama(seed=7)
