@@ -315,6 +315,32 @@ def test_grouped_experts_through_humming_match_the_exact_path(fake_humming, act)
     assert _rel(yd, refd) <= 2**-7
 
 
+def test_experts_projections_humming_does_not_serve_take_the_exact_kernel(fake_humming):
+    """Per projection: a biased one and ``"tensor"`` activation scales run the Hopper experts kernel
+    on the parts derived from the humming layout (its bits, no humming call); the unbiased
+    projection beside a biased one stays on humming."""
+    from quads.ops import get_backend
+    from quads.ops.experts import Routing
+
+    g = torch.Generator().manual_seed(6)
+    w = nvfp4_quantize(torch.randn(4, 128, 64, generator=g) * 0.1, "expert")
+    wd = nvfp4_quantize(torch.randn(4, 64, 128, generator=g) * 0.1, "expert")
+    x, idx = _x(m=5, k=64), torch.tensor([[0, 2], [1, 3], [3, 0], [2, 2], [1, 0]])
+    bias = torch.randn(4, 128, generator=g).bfloat16()
+    be, hopper, route = hb.HummingBackend(), get_backend("hopper"), Routing(idx, 4)
+    prepared = be.prepare_weight(w)
+    for act, b in ((ActivationQuant(), bias), (ActivationQuant(granularity="tensor"), None), (None, bias)):
+        fake_humming.clear()
+        y = be.grouped_linear(x, route.token_of_row, route.offsets, w, b, act, None, route.num_rows, prepared)
+        want = hopper.grouped_linear(x, route.token_of_row, route.offsets, w, b, act, None, route.num_rows)
+        assert torch.equal(y, want) and len(fake_humming) == 0
+    kernel = be.experts_kernel(backend_mod.LinearArgs(w, ActivationQuant(), None, prepared),
+                               backend_mod.LinearArgs(wd, ActivationQuant(), None, be.prepare_weight(wd)))
+    fake_humming.clear()
+    kernel.apply(x, idx, torch.full((5, 2), 0.5).bfloat16(), lambda h: h, (bias, None))
+    assert len(fake_humming) == 1  # the down projection on humming
+
+
 # -- selection and errors ------------------------------------------------------------------------------
 
 def test_residual_layout_selection(monkeypatch):
