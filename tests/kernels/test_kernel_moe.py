@@ -156,17 +156,24 @@ def test_split_k_grouped_kernel_has_the_same_bits(residual, gathered):
     assert torch.all(want[int(offsets[-1]):] == 0) and want[: int(offsets[-1])].abs().sum() > 0
 
 
+@pytest.mark.parametrize("tokens", [T, pytest.param(200, marks=pytest.mark.skipif(
+    INTERP, reason="the interpreter's prefill GEMM sums in another order than its decode and grouped kernels"))])
 @pytest.mark.parametrize("act", [ActivationQuant(), ActivationQuant(granularity="tensor"), None],
                          ids=["row", "tensor", "w4a16"])
-def test_biased_experts_rows_have_the_dense_linear_bits(act):
+def test_biased_experts_rows_have_the_dense_linear_bits(act, tokens):
     """Expert biases on the grouped kernel (added to the fp32 rows before the one rounding) and
     ``"tensor"`` activation scales (each expert's rows one tensor): each row has the bits of the
-    dense Hopper linear on its expert; W4A16 with biases the reference's ``F.linear``."""
+    dense Hopper linear on its expert (the decode GEMM for few rows, the prefill GEMM for many);
+    W4A16 with biases the reference's ``F.linear``."""
     from quads.ops.experts import Routing
     from quads.ops.linear import linear_hopper, w4a16_linear
     from quads.tensor.nvfp4_math import NVFP4Parts
 
     gu, _, hid, idx, _ = _experts(seed=4)
+    if tokens != T:
+        g = torch.Generator().manual_seed(7)
+        hid = torch.randn(tokens, H, generator=g).to(hid.dtype)
+        idx = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(tokens)])
     idx[0, 1] = E  # an expert-parallel sentinel: its row stays zero
     bias = (torch.randn(E, 2 * I, generator=torch.Generator().manual_seed(5)) * 0.1).bfloat16().to(DEV)
     route = Routing(idx.to(DEV), E)
