@@ -102,7 +102,8 @@ from quads.kernels import humming_gemm as hg
 from quads.kernels.hopper_weight_layout import to_hopper_layout
 from quads.ops import ActivationQuant, get_backend
 from quads.ops.activation_quant import activation_operands_triton, quantize_activation_reference, summed_operand_triton
-from quads.ops.humming_backend import HummingBackend, HummingWeight, dense_w4a4, dense_weight_fp16
+from lab.humming_dense_prefill import dense_w4a4, dense_weight_fp16
+from quads.ops.humming_backend import HummingBackend, HummingWeight
 from quads.ops.linear import unscaled_values, w4a4_linear_reference
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 from quads.tensor.files import write_atomically
@@ -233,7 +234,7 @@ def humming_variants(mode_weights: dict, modes, full=True) -> dict:
 
 
 def dense_variants(parts, w16s) -> dict:
-    """The prefill candidates (quads.ops.humming_backend.dense_w4a4): weight dequantized per call or held."""
+    """The prefill candidates (lab.humming_dense_prefill.dense_w4a4): weight dequantized per call or held."""
     out = {}
     for lay in ("summed", "stacked"):
         out[f"dense {lay}, W dequantized per call"] = (

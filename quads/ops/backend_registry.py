@@ -118,8 +118,10 @@ class Backend:
     * ``stack_prepared(prepared)`` -> the stacked layout of sibling weights and one view of it per
       member (written through the views from then on), or None when the backend has no stacked GEMM;
       ``stacked_linear(x2d, stacked, row_scales, act, operands)``: one GEMM over that layout.
-    * ``grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared)``:
-      the experts' grouped linear (:mod:`quads.ops.grouped_linear`).
+    * ``experts_kernel(gate_up, down)`` -> the experts module's kernel (``experts_kernel_class``);
+      ``grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared)``: one
+      projection over rows routed already (the ``quads::grouped_linear`` op's body; the built-in
+      backends run it through a one-projection experts kernel, :func:`quads.ops.experts.grouped_linear`).
 
     Trainer side: ``group_scale(masters, block_scaling="6")``, a sibling group's shared global
     scale in the form this backend's weight fake quantizer (:func:`~quads.policies.ste.fake_quantizer`)
@@ -166,8 +168,9 @@ class Backend:
     #: :mod:`quads.ops.builtin_backends`: it runs the backend's ``grouped_linear``) or a subclass
     experts_kernel_class: type | None = None
 
-    def experts_kernel(self, gate_up: LinearArgs, down: LinearArgs):
-        """The kernel that serves one experts module's two 3-D weights (chosen once, when they are set)."""
+    def experts_kernel(self, gate_up: LinearArgs, down: LinearArgs | None = None):
+        """The kernel that serves one experts module's two 3-D weights (chosen once, when they are
+        set); ``down`` None: a kernel of one projection over rows routed already."""
         if self.experts_kernel_class is None:
             raise NotImplementedError(f"backend {self.name!r} names no experts_kernel_class")
         return self.experts_kernel_class(self, gate_up, down)

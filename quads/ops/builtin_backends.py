@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from quads.ops.activation_quant import quantize_activation_reference, quantize_activation_triton
 from quads.ops.backend_registry import Backend, register_backend
-from quads.ops.experts import ExpertsKernel, HopperExpertsKernel
-from quads.ops.grouped_linear import grouped_linear_hopper, grouped_linear_reference
+from quads.ops.experts import ExpertsKernel, HopperExpertsKernel, ReferenceExpertsKernel, grouped_linear
 from quads.ops.linear import (
     BlackwellLinearKernel,
     HopperLinearKernel,
@@ -41,8 +40,8 @@ class TorchBackend(Backend):
 
     activation_operands = staticmethod(reference_operands)
     linear_kernel_class = ReferenceLinearKernel
-    experts_kernel_class = ExpertsKernel
-    grouped_linear = staticmethod(grouped_linear_reference)
+    experts_kernel_class = ReferenceExpertsKernel
+    grouped_linear = grouped_linear  # through the experts kernel (self: the backend)
 
 
 class HopperBackend(Backend):
@@ -70,7 +69,7 @@ class HopperBackend(Backend):
     stack_prepared = staticmethod(stack_prepared_hopper)
     stacked_fits = staticmethod(stacked_fits_hopper)
     stacked_linear = staticmethod(stacked_linear_hopper)
-    grouped_linear = staticmethod(grouped_linear_hopper)
+    grouped_linear = grouped_linear
 
 
 class BlackwellBackend(HopperBackend):

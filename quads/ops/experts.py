@@ -8,9 +8,13 @@ transformers 5 MoE blocks (Qwen3-MoE, Mixtral, OLMoE, ...) call their experts mo
   no host synchronisation), shared by every path so all see the same row order;
 * :func:`experts_loop` is the trainer's skeleton (each expert's MLP on its rows, outputs weighted
   and summed over the k choices in transformers' order), also used by the FP8 reference;
-* :func:`rollout_experts` is the rollout op: route, grouped ``gate_up`` GEMM, the module's gate,
-  grouped ``down`` GEMM, combine, with the grouped GEMMs of a :class:`~quads.ops.backend_registry.Backend`.
-  Per row it computes what :func:`experts_loop` computes with rollout linears (tested).
+* the experts kernels (one per rollout experts module, made when its weights are set):
+  :class:`ReferenceExpertsKernel` (torch), :class:`HopperExpertsKernel` (hopper, blackwell), the
+  generic :class:`ExpertsKernel` over a backend's ``grouped_linear``; ``apply`` routes, runs the
+  grouped ``gate_up`` GEMM, the module's gate, the grouped ``down`` GEMM (calling the launchers
+  itself) and combines. :func:`grouped_linear` is one projection through such a kernel;
+  :func:`rollout_experts` the op for callers that keep no kernel. Per row they compute what
+  :func:`experts_loop` computes with rollout linears (tested).
 """
 
 from __future__ import annotations
@@ -18,15 +22,18 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
-from quads.ops.activation_quant import ActivationQuant, as_operands, operand_row_args
+import quads.ops.grouped_linear  # noqa: F401  (registers the quads::grouped_linear custom op)
+from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
 from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
-from quads.ops.grouped_linear import grouped_linear
-from quads.ops.linear import prepare_weight_hopper
+from quads.ops.linear import _matmul_operands, act_fields, prepare_weight_hopper, prepared_fields, reference_operands
+from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
-__all__ = ["ExpertsKernel", "HopperExpertsKernel", "Routing", "combine_top_k", "route_by_expert", "experts_loop", "rollout_experts"]
+__all__ = ["ExpertsKernel", "HopperExpertsKernel", "ReferenceExpertsKernel", "Routing", "combine_top_k", "grouped_linear",
+           "route_by_expert", "experts_loop", "rollout_experts"]
 
 ExpertMLP = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -52,6 +59,15 @@ class Routing:
         self.top_k = top_k_index.shape[-1]
         self.token_of_row = self.order // self.top_k
         self.num_rows = flat.numel()
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor | None, offsets: torch.Tensor, num_rows: int) -> "Routing":
+        """Rows grouped by expert already: ``rows`` (sorted position -> activation row, None =
+        identity), ``offsets`` (E+1,); no ``order`` (one projection, no combine)."""
+        r = cls.__new__(cls)
+        r.order = r.counts = r.top_k = None
+        r.offsets, r.token_of_row, r.num_rows = offsets, rows, num_rows
+        return r
 
 
 def route_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,12 +106,17 @@ def experts_loop(
 class ExpertsKernel:
     """One experts module's kernel: routing, the grouped ``gate_up`` GEMM, the gate, the grouped
     ``down`` GEMM, the top-k combine, over two weights (:class:`~quads.ops.backend_registry.LinearArgs`,
-    3-D). Made once when the weights are set (``Backend.experts_kernel``). This base runs each
-    grouped GEMM through :func:`~quads.ops.grouped_linear.grouped_linear` (the backend's entry; the
-    custom op inside ``torch.compile``); kernel backends override :meth:`apply` with their launchers."""
+    3-D). Made once when the weights are set (``Backend.experts_kernel``); ``down=None`` makes a
+    kernel of one projection (:func:`grouped_linear`: rows routed already, no combine).
 
-    def __init__(self, backend: Backend, gate_up: LinearArgs, down: LinearArgs):
+    ``apply`` calls the launchers itself (inside ``torch.compile``: the ``quads::grouped_linear``
+    custom op per projection, whose body runs the same kernel eagerly). This generic base runs
+    each projection through the backend's ``grouped_linear`` (a backend that has only that entry);
+    the built-in backends' kernels override :meth:`apply`."""
+
+    def __init__(self, backend: Backend, gate_up: LinearArgs, down: LinearArgs | None = None):
         self.backend, self.gate_up, self.down = backend, gate_up, down
+        self.projections = (gate_up,) if down is None else (gate_up, down)
         w = gate_up.weight
         self.h = None if w is None else (w.qdata.shape[-1] * 2 if isinstance(w, NVFP4Parts) else gemm_shape(w)[1])
 
@@ -105,65 +126,157 @@ class ExpertsKernel:
             raise ValueError(f"quads experts: hidden of shape {tuple(hidden.shape)} has H={hidden.shape[-1]}, "
                              f"the experts' weights have H={self.h}")
 
-    def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
-        """``hidden (T, H)`` routed by ``top_k_index``/``top_k_weights`` (T, k) -> (T, H);
-        ``apply_gate`` maps the gate_up output (rows, 2I) to (rows, I)."""
+    def route(self, hidden: torch.Tensor, top_k_index) -> Routing:
+        """The input checked (eagerly) and its rows grouped by expert (``top_k_index`` may be a
+        :class:`Routing` already)."""
         if not torch.compiler.is_compiling():
             self.check_input(hidden)
-        gu, dn = self.gate_up.parts(), self.down.parts()
-        route = Routing(top_k_index, gu.qdata.shape[0])
-        h = grouped_linear(self.backend, hidden, route.token_of_row, route.offsets, gu, biases[0], self.gate_up.act,
-                           self.gate_up.static_mask, route.num_rows, prepared=self.gate_up.prepared)
-        h = apply_gate(h)
-        y = grouped_linear(self.backend, h, None, route.offsets, dn, biases[1], self.down.act, self.down.static_mask,
-                           route.num_rows, prepared=self.down.prepared)
-        return combine_top_k(y, route, top_k_weights, hidden)
+        if isinstance(top_k_index, Routing):
+            return top_k_index
+        return Routing(top_k_index, self.gate_up.parts().qdata.shape[0])
+
+    def op_args(self, a: LinearArgs, x, rows, route: Routing, bias) -> tuple:
+        """One projection as the ``quads::grouped_linear`` custom op's plain arguments."""
+        if getattr(a.prepared, "held_handle", None) is not None:
+            raise NotImplementedError("torch.compile of humming-prepared experts (kernel='fast' MoE) is not wired yet: "
+                                      "run the experts eagerly, or kernel='exact' (docs/humming.md, Not done yet)")
+        w = a.parts()
+        return (x, rows, route.offsets, w.qdata, w.scale, w.global_encode_scale, bias, *prepared_fields(a.prepared),
+                *act_fields(a.act), a.static_mask, route.num_rows, self.backend.name)
+
+    def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
+        """``hidden (T, H)`` routed by ``top_k_index``/``top_k_weights`` (T, k) -> (T, H);
+        ``apply_gate`` maps the gate_up output (rows, 2I) to (rows, I). ``top_k_weights`` None:
+        the projections' output rows in expert order (no combine)."""
+        route = self.route(hidden, top_k_index)
+        x, rows = hidden, route.token_of_row
+        for i, a in enumerate(self.projections):
+            if i:
+                x, rows = apply_gate(x), None
+            if torch.compiler.is_compiling():
+                x = torch.ops.quads.grouped_linear(*self.op_args(a, x, rows, route, biases[i]))
+            else:
+                x = self.backend.grouped_linear(x, rows, route.offsets, a.parts(), biases[i], a.act, a.static_mask,
+                                                route.num_rows, prepared=a.prepared)
+        return combine_top_k(x, route, top_k_weights, hidden)
+
+
+def _expert(parts: NVFP4Parts, e: int) -> NVFP4Parts:
+    return NVFP4Parts(parts.qdata[e], parts.scale[e], parts.global_encode_scale[e])
+
+
+class ReferenceExpertsKernel(ExpertsKernel):
+    """The torch backend's experts: each projection a host loop over the experts (``.tolist()``
+    synchronizes with the device), each expert's rows through the reference linear's product
+    (W4A4 + residual: the exact-emulation product of :mod:`quads.ops.linear`; W4A16: ``F.linear``
+    with ``DQ(W)`` in the input's dtype)."""
+
+    def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
+        route = self.route(hidden, top_k_index)
+        x, rows = hidden, route.token_of_row
+        for i, a in enumerate(self.projections):
+            if i:
+                x, rows = apply_gate(x), None
+            if torch.compiler.is_compiling():
+                x = torch.ops.quads.grouped_linear(*self.op_args(a, x, rows, route, biases[i]))
+                continue
+            w, bias = a.parts(), biases[i]
+            out = x.new_zeros(route.num_rows, w.qdata.shape[1])
+            bounds = route.offsets.tolist()
+            for e in range(len(bounds) - 1):
+                lo, hi = bounds[e], bounds[e + 1]
+                if hi == lo:
+                    continue
+                src, we = x[rows[lo:hi].long()] if rows is not None else x[lo:hi], _expert(w, e)
+                b = None if bias is None else bias[e]
+                if a.act is None:
+                    y = F.linear(src, dequantized_weight(we, src.dtype), b)
+                else:
+                    y = _matmul_operands(reference_operands(src, a.act, a.static_mask), we)
+                    y = (y if b is None else y + b.to(torch.float32)).to(src.dtype)
+                out[lo:hi] = y.to(out.dtype)
+            x = out
+        return combine_top_k(x, route, top_k_weights, hidden)
 
 
 class HopperExpertsKernel(ExpertsKernel):
     """The Hopper backend's experts: each projection one grouped W4A4 launch over all experts
-    (weights in the layout ``args.prepared``, built per call if absent), no host synchronisation;
-    ``act=None`` (W4A16) feeds the same kernel fp16 rows times a per-row power of two. Expert
-    biases, ``"tensor"`` activation scales and compiled code take the base path (the per-expert
-    loop where the grouped kernel does not reproduce the reference)."""
+    (weights in the layout ``args.prepared``, built per call if absent), each row with the bits of
+    the dense Hopper linear on its expert; no host synchronisation. ``act=None`` (W4A16) feeds the
+    same kernel fp16 rows times a per-row power of two. Expert biases are added to the fp32 rows
+    before the one rounding (as the dense kernels' epilogue does); ``"tensor"`` activation scales
+    quantize each expert's rows as one tensor (a host loop over experts, as the reference). W4A16
+    with biases runs the reference's per-expert ``F.linear`` (:class:`ReferenceExpertsKernel`)."""
 
     def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
-        act = self.gate_up.act
-        if (torch.compiler.is_compiling() or biases[0] is not None or biases[1] is not None
-                or (act is not None and act.granularity != "row")):
-            return super().apply(hidden, top_k_index, top_k_weights, apply_gate, biases)
-        self.check_input(hidden)
         from quads.kernels.fp16_operand import scaled_fp16_rows
         from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm
-        from quads.kernels.quantize_activations import quantize_rows
 
-        route = Routing(top_k_index, self.gate_up.parts().qdata.shape[0])
-        offsets = route.offsets.to(torch.int32)
-        x, rows = hidden, route.token_of_row.to(torch.int32)
-        for i, a in enumerate((self.gate_up, self.down)):
+        route = self.route(hidden, top_k_index)
+        x, rows = hidden, route.token_of_row
+        for i, a in enumerate(self.projections):
             if i:
                 x, rows = apply_gate(x), None
+            if torch.compiler.is_compiling():
+                x = torch.ops.quads.grouped_linear(*self.op_args(a, x, rows, route, biases[i]))
+                continue
+            w, bias = a.parts(), biases[i]
+            if a.act is None and bias is not None:
+                x = ReferenceExpertsKernel(self.backend, a).apply(x, Routing.of_rows(rows, route.offsets, route.num_rows),
+                                                                  None, None, (bias,))
+                continue
             x = x if x.stride(-1) == 1 else x.contiguous()
+            src_rows, rows_x, has_residual = rows, x.shape[0], False
             if a.act is None:
                 stacked, row_scale = scaled_fp16_rows(x)
-                has_residual = False
-            else:
-                ops = as_operands(quantize_rows(x, **operand_row_args(x, a.act, a.static_mask)), x.shape[0])
+            elif a.act.granularity == "row":
+                ops = activation_operands_triton(x, a.act, a.static_mask)
                 stacked, row_scale, has_residual = ops.stacked, ops.main_scale, ops.residual is not None
-            w = a.parts()
+            else:  # each expert's rows one tensor, the operand rows in expert order
+                bounds = route.offsets.tolist()
+                ops = [activation_operands_triton(x[rows[lo:hi]] if rows is not None else x[lo:hi], a.act, a.static_mask)
+                       for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+                if not ops:  # no row routed to an expert
+                    x = x.new_zeros(route.num_rows, w.qdata.shape[1])
+                    continue
+                has_residual = ops[0].residual is not None
+                stacked = torch.cat([o.main for o in ops] + ([o.residual for o in ops] if has_residual else []))
+                row_scale, src_rows, rows_x = torch.cat([o.main_scale for o in ops]), None, bounds[-1]
             prepared = a.prepared if a.prepared is not None else prepare_weight_hopper(w)
-            x = moe_w4a4_gemm(stacked, row_scale, rows, offsets, prepared, w.global_encode_scale.float(),
-                              route.num_rows, x.shape[0], has_residual, out_dtype=x.dtype)
+            y = moe_w4a4_gemm(stacked, row_scale, None if src_rows is None else src_rows.to(torch.int32),
+                              route.offsets.to(torch.int32), prepared, w.global_encode_scale.float(), route.num_rows,
+                              rows_x, has_residual, out_dtype=x.dtype if bias is None else torch.float32)
+            if bias is not None:  # fp32 rows + their expert's bias, one rounding; rows of no expert stay zero
+                expert = torch.searchsorted(route.offsets[1:].contiguous(), torch.arange(
+                    route.num_rows, device=y.device, dtype=route.offsets.dtype), right=True)
+                valid = (expert < bias.shape[0])[:, None]
+                y = torch.where(valid, y + bias.index_select(0, expert.clamp(max=bias.shape[0] - 1)).float(),
+                                y).to(x.dtype)
+            x = y
         return combine_top_k(x, route, top_k_weights, hidden)
 
 
-def combine_top_k(y: torch.Tensor, route: Routing, top_k_weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """The rows' outputs (sorted by expert) back in token order, weighted and summed over the k choices."""
+def combine_top_k(y: torch.Tensor, route: Routing, top_k_weights: torch.Tensor | None,
+                  hidden: torch.Tensor) -> torch.Tensor:
+    """The rows' outputs (sorted by expert) back in token order, weighted and summed over the k
+    choices; ``top_k_weights`` None: ``y`` as it is (one projection's rows)."""
+    if top_k_weights is None:
+        return y
     num_tokens, hidden_dim = hidden.shape
     out = torch.zeros(route.num_rows, hidden_dim, dtype=hidden.dtype, device=hidden.device)
     out.index_copy_(0, route.order, y.to(hidden.dtype))
     weighted = out.view(num_tokens, route.top_k, hidden_dim) * top_k_weights.unsqueeze(-1).to(out.dtype)
     return weighted.sum(dim=1).to(hidden.dtype)
+
+
+def grouped_linear(backend: Backend, x, rows, offsets, weight: NVFP4Parts, bias, act, static_mask, num_rows: int,
+                   prepared=None) -> torch.Tensor:
+    """(num_rows, N): one projection over rows grouped by expert (row ``p`` = ``linear(x[rows[p]],
+    W[e(p)])``, ``rows`` None = identity, rows from ``offsets[E]`` on zero) through a one-projection
+    :class:`ExpertsKernel` of ``backend``: the built-in backends' ``grouped_linear`` entry (the
+    ``quads::grouped_linear`` custom op's body)."""
+    kernel = backend.experts_kernel(LinearArgs(weight, act, static_mask, prepared), None)
+    return kernel.apply(x, Routing.of_rows(rows, offsets, num_rows), None, None, (bias,))
 
 
 def rollout_experts(

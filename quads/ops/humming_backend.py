@@ -30,36 +30,20 @@ import os
 
 import torch
 
-from quads.ops.activation_quant import (
-    activation_operands_triton,
-    as_operands,
-    operand_row_args,
-    per_row_scales,
-    summed_operand_triton,
-    summed_row_args,
-)
+from quads.ops.activation_quant import as_operands, operand_row_args, per_row_scales, summed_row_args
 from quads.ops.backend_registry import LinearArgs, LinearKernel, register_backend
 from quads.ops.builtin_backends import HopperBackend
-from quads.ops.experts import ExpertsKernel, Routing, combine_top_k
+from quads.ops.experts import ExpertsKernel, HopperExpertsKernel, Routing, combine_top_k
 from quads.ops.linear import HopperLinearKernel, held_linear, prepare_weight_hopper, register_held
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["DENSE_PREFILL_FROM_ROWS", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel",
-           "HummingExpertsKernel",           "HummingWeight",
-           "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "dense_prefill_from_rows", "dense_w4a4", "dense_weight_fp16",
-           "humming_residual_layout", "humming_shape_problem"]
+__all__ = ["HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel", "HummingExpertsKernel",
+           "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "humming_residual_layout", "humming_shape_problem"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
 #: from this many tokens on, ``auto`` uses the summed operand (measured on the H200: stacked faster at
 #: M = 1 on all shapes and at M = 16 on the N, K <= 4096 ones; summed faster at M = 64, 256, 2048)
 SUMMED_FROM_ROWS = 64
-#: from this many tokens on, W4A4 (+ residual) linears run the dense prefill path
-#: (:func:`dense_w4a4`: the weight dequantized exactly to fp16 per call, cuBLAS with fp32 output)
-#: instead of humming's GEMM. None = off: on the H200 (``benchmarks/ops/bench_humming.py``,
-#: docs/humming.md) it never beat humming's summed layout at any M up to 2048 on the five linear
-#: shapes (0.37-0.71x BF16 against 0.39-0.76x); ``QUADS_HUMMING_DENSE_FROM`` (an integer, or
-#: ``off``) overrides it.
-DENSE_PREFILL_FROM_ROWS: int | None = None
 #: operand bounds of the output-range rule: one exact operand row, and the sum of two
 _OPERAND_MAX = {"w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
 
@@ -77,23 +61,6 @@ def humming_residual_layout(rows: int, layout: str = "auto", mode: str = "defaul
     if layout == "auto":
         return "summed" if rows >= SUMMED_FROM_ROWS else "stacked"
     return layout
-
-
-def dense_prefill_from_rows() -> int | None:
-    """The row count from which W4A4 linears take :func:`dense_w4a4` (None: never):
-    ``QUADS_HUMMING_DENSE_FROM`` (integer or ``off``), else :data:`DENSE_PREFILL_FROM_ROWS`."""
-    env = os.environ.get("QUADS_HUMMING_DENSE_FROM")
-    if env is None:
-        return DENSE_PREFILL_FROM_ROWS
-    if env.strip().lower() in ("", "off", "none"):
-        return None
-    try:
-        rows = int(env)
-    except ValueError:
-        raise ValueError(f"QUADS_HUMMING_DENSE_FROM must be an integer row count or 'off', got {env!r}") from None
-    if rows < 1:
-        raise ValueError(f"QUADS_HUMMING_DENSE_FROM must be >= 1, got {rows}")
-    return rows
 
 
 def humming_supports(weight: NVFP4Parts) -> bool:
@@ -259,12 +226,9 @@ class HummingLinearKernel(LinearKernel):
       in the epilogue): error vs the exact path = the fp16 rounding of each output row (relative
       2^-11, plus ``2^(c-25)/S_x`` below fp16's normal range) and the final rounding. ``summed``
       (M rows): one more rounding per operand element, ``|Δy_n| <= 2^-11 * sum_k |x̂+r̂|_k |w_nk|``.
-      :func:`humming_residual_layout` picks (``auto``: stacked below :data:`SUMMED_FROM_ROWS` rows).
-    * From :func:`dense_prefill_from_rows` rows (off by default): :func:`dense_w4a4`."""
+      :func:`humming_residual_layout` picks (``auto``: stacked below :data:`SUMMED_FROM_ROWS` rows)."""
 
     humming_dtypes = (torch.float16, torch.bfloat16)
-    #: whether W4A4 may take the dense prefill path (it reads the parts derived from the layout)
-    dense_prefill = True
 
     def apply(self, x, bias=None, operands=None):
         a, backend = self.args, self.backend
@@ -286,14 +250,6 @@ class HummingLinearKernel(LinearKernel):
         from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
         from quads.kernels.quantize_activations import quantize_rows
 
-        if (self.dense_prefill and (dense_from := dense_prefill_from_rows()) is not None and m >= dense_from
-                and backend.mode != "batch_invariant"):
-            # prefill: the operand of the residual layout in force (auto: summed there) times the exact fp16
-            # weight, dequantized per call (no second weight held); not under batch_invariant (cuBLAS)
-            layout = humming_residual_layout(m, backend.residual_layout, backend.mode)
-            y = dense_w4a4(x2, prepared.real_parts(a.parts()), bias, a.act, a.static_mask, layout=layout,
-                           operands=operands)
-            return y.reshape(*x.shape[:-1], y.shape[-1])
         layer = prepared.layer(torch.float16)
         summed = a.act.has_residual and humming_residual_layout(m, backend.residual_layout, layer.mode) == "summed"
         stacked = False
@@ -327,40 +283,49 @@ class _OneLayer:
 
 
 class HummingExpertsKernel(ExpertsKernel):
-    """One experts module on humming's grouped MoE GEMM (see the module doc): the token operands
-    quantized once, gathered per expert row, into the summed operand (W4A4) or the 16-bit rows
-    themselves (W4A16). What humming does not serve (expert biases, fp32 activations, ``"tensor"``
-    activation scales, Hopper-laid weights, compiled code) takes the base path, whose
-    ``grouped_linear`` entry gives each projection the exact kernels where needed."""
+    """One experts module on humming's grouped MoE GEMM (see the module doc): per projection the
+    token operands quantized once, gathered per expert row, into the summed operand (W4A4) or the
+    16-bit rows themselves (W4A16). A projection humming does not serve (expert biases, fp32
+    activations, ``"tensor"`` activation scales, Hopper-laid weights) runs the exact
+    :class:`~quads.ops.experts.HopperExpertsKernel` on its packed parts (derived from a humming layout)."""
+
+    def serves(self, a: LinearArgs, x: torch.Tensor, bias) -> bool:
+        prepared = a.prepared
+        return ((prepared is None or isinstance(prepared, HummingWeight)) and humming_supports(a.parts())
+                and bias is None and x.dtype in (torch.float16, torch.bfloat16)
+                and (a.act is None or a.act.granularity == "row"))
 
     def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
-        act = self.gate_up.act
-        if (torch.compiler.is_compiling() or biases[0] is not None or biases[1] is not None
-                or hidden.dtype not in (torch.float16, torch.bfloat16) or (act is not None and act.granularity != "row")
-                or not all(isinstance(a.prepared, HummingWeight) or (a.prepared is None and humming_supports(a.parts()))
-                           for a in (self.gate_up, self.down))):
-            return super().apply(hidden, top_k_index, top_k_weights, apply_gate, biases)
-        self.check_input(hidden)
         from quads.kernels.humming_operands import unscale_rows
         from quads.kernels.quantize_activations import quantize_rows
 
-        route = Routing(top_k_index, self.gate_up.parts().qdata.shape[0])
-        num_rows = route.num_rows
-        valid = torch.arange(num_rows, device=hidden.device) < route.offsets[-1]  # rows of no expert give 0
-        x, rows = hidden, route.token_of_row
-        for i, a in enumerate((self.gate_up, self.down)):
+        route = self.route(hidden, top_k_index)
+        num_rows, x, rows = route.num_rows, hidden, route.token_of_row
+        for i, a in enumerate(self.projections):
             if i:
                 x, rows = apply_gate(x), None
+            if torch.compiler.is_compiling():
+                x = torch.ops.quads.grouped_linear(*self.op_args(a, x, rows, route, biases[i]))
+                continue
+            if not self.serves(a, x, biases[i]):
+                held = isinstance(a.prepared, HummingWeight)
+                exact = LinearArgs(a.prepared.real_parts(a.parts()) if held else a.parts(), a.act, a.static_mask,
+                                   None if held else a.prepared)
+                x = HopperExpertsKernel(self.backend, exact).apply(x, Routing.of_rows(rows, route.offsets, num_rows),
+                                                                   None, None, (biases[i],))
+                continue
             x = x if x.stride(-1) == 1 else x.contiguous()
             prepared = a.prepared if a.prepared is not None else self.backend.prepare_weight(a.parts())
             if a.act is None:
                 y = prepared.layer(x.dtype)(x if rows is None else x.index_select(0, rows), expert_layout=route.offsets)
-            else:  # one kernel: the rows gathered per expert quantized straight into the summed operand
+            else:  # one kernel: the rows gathered per expert quantized straight into the summed operand (row-local:
+                # a gathered row has its token's bits)
                 q = quantize_rows(x, **summed_row_args(x, a.act, a.static_mask, rows))
                 layer, scaling = prepared.layer(torch.float16), "summed" if a.act.has_residual else "w4a4"
                 o = layer(q.summed_operand, scaling, expert_layout=route.offsets)
                 y = unscale_rows(o, num_rows, layer.unshift[scaling], per_row_scales(q.main.global_encode_scale, num_rows),
                                  None, x.dtype, stacked=False)
+            valid = torch.arange(num_rows, device=y.device) < route.offsets[-1]  # rows of no expert give 0
             x = y.masked_fill_(~valid[:, None], 0)
         return combine_top_k(x, route, top_k_weights, hidden)
 
@@ -394,17 +359,6 @@ class HummingBackend(HopperBackend):
             return out.write_parts_(weight)
         return HummingWeight(weight, self.mode)
 
-    def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
-        if (not isinstance(prepared, HummingWeight) and prepared is not None) or not humming_supports(weight) \
-                or bias is not None or x.dtype not in (torch.float16, torch.bfloat16) \
-                or (act is not None and act.granularity != "row"):
-            hopper = prepared if not isinstance(prepared, HummingWeight) else None
-            if isinstance(prepared, HummingWeight):  # the exact path reads the packed parts: derived here
-                weight = prepared.real_parts(weight)
-            return super().grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, hopper)
-        prepared = prepared if prepared is not None else self.prepare_weight(weight)
-        return humming_grouped(x, rows, offsets, prepared, act, static_mask, num_rows)
-
     def stack_prepared(self, prepared):
         return None  # no stacked humming GEMM yet: sibling groups share the quantization only
 
@@ -424,84 +378,8 @@ def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str =
     error without the final rounding): one call of :class:`HummingLinearKernel`."""
     kernel = HummingLinearKernel(HummingBackend(layer.mode, residual_layout),
                                  LinearArgs(None, act, static_mask, _OneLayer(layer)))
-    kernel.humming_dtypes, kernel.dense_prefill = (x2d.dtype,), False
+    kernel.humming_dtypes = (x2d.dtype,)
     return kernel.apply(x2d, bias, operands)
 
 
-def humming_grouped(x, rows, offsets, prepared: HummingWeight, act, static_mask, num_rows: int) -> torch.Tensor:
-    """(num_rows, N) in ``x.dtype``: row ``p`` = ``linear(x[rows[p]], W[e(p)])`` through humming's
-    grouped MoE GEMM (see the module doc); ``rows`` None = identity."""
-    from quads.kernels.humming_operands import unscale_rows
-
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    valid = torch.arange(num_rows, device=x.device) < offsets[-1]  # rows of no expert give 0
-    if act is None:
-        a = x if rows is None else x.index_select(0, rows)
-        y = prepared.layer(x.dtype)(a, expert_layout=offsets)
-        return y.masked_fill_(~valid[:, None], 0)
-    # one kernel: the rows gathered per expert quantized straight into the summed operand (row-local:
-    # a gathered row has its token's bits)
-    op, scale = summed_operand_triton(x, act, static_mask, row_idx=rows)
-    layer = prepared.layer(torch.float16)
-    scaling = "summed" if act.has_residual else "w4a4"
-    o = layer(op, scaling, expert_layout=offsets)
-    y = unscale_rows(o, num_rows, layer.unshift[scaling], scale, None, x.dtype, stacked=False)
-    return y.masked_fill_(~valid[:, None], 0)
-
-
 register_backend(HummingBackend())
-
-
-# -- prefill candidate (off by default): the weight dequantized to fp16, cuBLAS ----------
-
-DENSE_LAYOUTS = ("summed", "stacked")
-
-
-def dense_weight_fp16(weight: NVFP4Parts) -> torch.Tensor:
-    """(N, K) fp16 ``e2m1 * f32(s) * 2^-14`` of a 2-D NVFP4 weight (exact: the values the exact
-    path's GEMMs multiply; one Triton kernel). Per call (prefill) or held per sync (3.6x the
-    packed NVFP4 bytes: over the rollout-memory target, measured as an upper bound)."""
-    from quads.kernels.w4a4_gemm_hopper import dequant_weight_fp16
-
-    return dequant_weight_fp16(weight.qdata, weight.scale)
-
-
-def dense_w4a4(x2d: torch.Tensor, weight: NVFP4Parts, bias, act, static_mask=None, w16: torch.Tensor | None = None,
-               layout: str = "summed", operands=None) -> torch.Tensor:
-    """W4A4 (+ residual) as a dense cuBLAS GEMM: fp16 operand rows (``summed``: one fused
-    quantization kernel writes ``fp16(x̂ + r̂)``; ``stacked``: the exact 2M rows) times the exact
-    fp16 weight ``w16`` (:func:`dense_weight_fp16`; built here when None), fp32 output
-    (``torch.mm(..., out_dtype=float32)``: no fp16 output rounding, no output shift), then
-    ``y = o * 2^14 / (S_w S_x)`` per row (:func:`unscale_rows`).
-
-    Error vs the exact path: ``stacked`` = fp32 summation order only (every product exact);
-    ``summed`` = + one fp16 rounding per operand element, ``|Δy| <= 2^-11 (|x̂+r̂| @ |W|ᵀ)``."""
-    from quads.kernels.humming_operands import unscale_rows
-
-    if layout not in DENSE_LAYOUTS:
-        raise ValueError(f"layout must be one of {DENSE_LAYOUTS}, got {layout!r}")
-    if weight.qdata.dim() != 2 or weight.global_encode_scale.numel() != 1:
-        raise ValueError("dense_w4a4 takes a 2-D weight with one global scale")
-    x2 = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    m = x2.shape[0]
-    w16 = dense_weight_fp16(weight) if w16 is None else w16
-    stacked = layout == "stacked" and act.has_residual
-    if operands is not None:  # computed once by a sibling group: stacked rows (main, then residual)
-        from quads.kernels.humming_operands import sum_stacked_rows
-
-        scale = operands.main_scale
-        if operands.residual is None:
-            a = operands.main
-        else:
-            a = operands.stacked if stacked else sum_stacked_rows(operands.stacked, m)
-    elif stacked:
-        ops = activation_operands_triton(x2, act, static_mask)
-        a, scale = ops.stacked, ops.main_scale
-    else:
-        a, scale = summed_operand_triton(x2, act, static_mask)
-    if a.is_cuda:
-        o = torch.mm(a, w16.t(), out_dtype=torch.float32)
-    else:  # CPU (tests): the same exact products, fp32 sums
-        o = a.float() @ w16.float().t()
-    unshift = (16384.0 / weight.global_encode_scale.reshape(1).to(torch.float32))
-    return unscale_rows(o, m, unshift, scale, bias, x2.dtype, stacked=stacked)

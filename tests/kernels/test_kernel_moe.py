@@ -101,7 +101,6 @@ def test_entry_point_no_tokens_for_most_experts():
 def test_weight_only_grouped_rows_equal_dense_w4a16_bits():
     """W4A16 experts (act=None) run on the grouped kernel (no host loop: graph-capturable), each
     row with the bits of the dense W4A16 Hopper path on its expert, close to the bf16 reference."""
-    from quads.ops.grouped_linear import grouped_linear_hopper, grouped_linear_reference
     from quads.ops.linear import w4a16_linear_hopper
 
     gu, _, hid, idx, _ = _experts(seed=3, dtype=torch.float32)
@@ -112,8 +111,9 @@ def test_weight_only_grouped_rows_equal_dense_w4a16_bits():
     offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=E), 0)
     rows = (order // TOPK).to(torch.int32)
     p = gu.to(DEV).parts
-    y = grouped_linear_hopper(hid.to(DEV), rows.to(DEV), offsets.to(DEV), p, None, None, None, flat.numel())
-    ref = grouped_linear_reference(hid, rows, offsets, gu.parts, None, None, None, flat.numel())
+    y = get_backend("hopper").grouped_linear(hid.to(DEV), rows.to(DEV), offsets.to(DEV), p, None, None, None,
+                                             flat.numel())
+    ref = get_backend("torch").grouped_linear(hid, rows, offsets, gu.parts, None, None, None, flat.numel())
     assert (y.cpu() - ref).norm() / ref.norm() < 1e-5
     for e in range(E):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
@@ -154,3 +154,37 @@ def test_split_k_grouped_kernel_has_the_same_bits(residual, gathered):
                         rows_x, residual, config=cfg)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert torch.all(want[int(offsets[-1]):] == 0) and want[: int(offsets[-1])].abs().sum() > 0
+
+
+@pytest.mark.parametrize("tokens", [T, pytest.param(200, marks=pytest.mark.skipif(
+    INTERP, reason="the interpreter's prefill GEMM sums in another order than its decode and grouped kernels"))])
+@pytest.mark.parametrize("act", [ActivationQuant(), ActivationQuant(granularity="tensor"), None],
+                         ids=["row", "tensor", "w4a16"])
+def test_biased_experts_rows_have_the_dense_linear_bits(act, tokens):
+    """Expert biases on the grouped kernel (added to the fp32 rows before the one rounding) and
+    ``"tensor"`` activation scales (each expert's rows one tensor): each row has the bits of the
+    dense Hopper linear on its expert (the decode GEMM for few rows, the prefill GEMM for many);
+    W4A16 with biases the reference's ``F.linear``."""
+    from quads.ops.experts import Routing
+    from quads.ops.linear import linear_hopper, w4a16_linear
+    from quads.tensor.nvfp4_math import NVFP4Parts
+
+    gu, _, hid, idx, _ = _experts(seed=4)
+    if tokens != T:
+        g = torch.Generator().manual_seed(7)
+        hid = torch.randn(tokens, H, generator=g).to(hid.dtype)
+        idx = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(tokens)])
+    idx[0, 1] = E  # an expert-parallel sentinel: its row stays zero
+    bias = (torch.randn(E, 2 * I, generator=torch.Generator().manual_seed(5)) * 0.1).bfloat16().to(DEV)
+    route = Routing(idx.to(DEV), E)
+    p, x = gu.to(DEV).parts, hid.to(DEV)
+    y = get_backend("hopper").grouped_linear(x, route.token_of_row, route.offsets, p, bias, act, None, route.num_rows)
+    bounds = route.offsets.tolist()
+    assert y.dtype == x.dtype and torch.all(y[bounds[-1]:] == 0)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi == lo:
+            continue
+        src, we = x[route.token_of_row[lo:hi]], NVFP4Parts(p.qdata[e], p.scale[e], p.global_encode_scale[e])
+        dense = w4a16_linear(src, we, bias[e]) if act is None else linear_hopper(src, we, bias[e], act)
+        assert torch.equal(y[lo:hi], dense), e

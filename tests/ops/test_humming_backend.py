@@ -242,20 +242,6 @@ def test_w4a4_residual_through_humming_matches_the_exact_path(fake_humming, layo
     assert _rel(y32, exact) <= (2**-10 if layout == "stacked" else 2**-9)
 
 
-@pytest.mark.parametrize("layout", ["stacked", "summed"])
-def test_dense_prefill_candidate_matches_the_exact_path(layout):
-    """The prefill candidate (fp16 weight dequantized exactly, dense GEMM with fp32 output): stacked =
-    fp32 summation order only; summed = + one fp16 rounding per operand element."""
-    w, x, act = _weight(), _x(), ActivationQuant()
-    w16 = hb.dense_weight_fp16(w)
-    assert torch.equal(w16.float(), _unscaled(w) * 2.0**-14)  # exact
-    exact = w4a4_linear_reference(x.float(), w, None, act)
-    y32 = hb.dense_w4a4(x.float(), w, None, act, w16=w16, layout=layout)
-    assert _rel(y32, exact) <= (2**-20 if layout == "stacked" else 2**-9)
-    y = hb.dense_w4a4(x, w, torch.ones(64).bfloat16(), act, layout=layout)  # weight built per call
-    assert y.dtype == torch.bfloat16 and _rel(y, w4a4_linear_reference(x, w, torch.ones(64).bfloat16(), act)) <= 2**-7
-
-
 def test_plain_w4a4_and_w4a16_through_humming(fake_humming):
     w, x = _weight(), _x()
     be = hb.HummingBackend()
@@ -302,8 +288,8 @@ def test_weights_humming_cannot_hold_go_to_the_hopper_layout(fake_humming, monke
 
 @pytest.mark.parametrize("act", [None, ActivationQuant(), ActivationQuant(residual_fraction=0.0)])
 def test_grouped_experts_through_humming_match_the_exact_path(fake_humming, act):
+    from quads.ops import get_backend
     from quads.ops.experts import Routing
-    from quads.ops.grouped_linear import grouped_linear_reference
 
     g = torch.Generator().manual_seed(3)
     w = nvfp4_quantize(torch.randn(4, 48, 64, generator=g) * torch.tensor([0.01, 0.1, 1.0, 5.0])[:, None, None],
@@ -315,7 +301,7 @@ def test_grouped_experts_through_humming_match_the_exact_path(fake_humming, act)
     prepared = be.prepare_weight(w)
     assert isinstance(prepared, hb.HummingWeight)
     y = be.grouped_linear(x, route.token_of_row, route.offsets, w, None, act, None, route.num_rows, prepared)
-    ref = grouped_linear_reference(x, route.token_of_row, route.offsets, w, None, act, None, route.num_rows)
+    ref = get_backend("torch").grouped_linear(x, route.token_of_row, route.offsets, w, None, act, None, route.num_rows)
     assert y.shape == ref.shape and y.dtype == torch.bfloat16
     assert torch.all(y[int(route.offsets[-1]):] == 0)  # the sentinel's row: no expert, zero
     for e in range(4):  # per expert (their scales differ by 500x): bf16 roundings + the summed operand's
@@ -325,8 +311,34 @@ def test_grouped_experts_through_humming_match_the_exact_path(fake_humming, act)
     h = _x(m=route.num_rows, k=48, seed=4)  # the down projection's input: already sorted rows
     wd = nvfp4_quantize(torch.randn(4, 64, 48, generator=g) * 0.05, "expert")
     yd = be.grouped_linear(h, None, route.offsets, wd, None, act, None, route.num_rows, be.prepare_weight(wd))
-    refd = grouped_linear_reference(h, None, route.offsets, wd, None, act, None, route.num_rows)
+    refd = get_backend("torch").grouped_linear(h, None, route.offsets, wd, None, act, None, route.num_rows)
     assert _rel(yd, refd) <= 2**-7
+
+
+def test_experts_projections_humming_does_not_serve_take_the_exact_kernel(fake_humming):
+    """Per projection: a biased one and ``"tensor"`` activation scales run the Hopper experts kernel
+    on the parts derived from the humming layout (its bits, no humming call); the unbiased
+    projection beside a biased one stays on humming."""
+    from quads.ops import get_backend
+    from quads.ops.experts import Routing
+
+    g = torch.Generator().manual_seed(6)
+    w = nvfp4_quantize(torch.randn(4, 128, 64, generator=g) * 0.1, "expert")
+    wd = nvfp4_quantize(torch.randn(4, 64, 128, generator=g) * 0.1, "expert")
+    x, idx = _x(m=5, k=64), torch.tensor([[0, 2], [1, 3], [3, 0], [2, 2], [1, 0]])
+    bias = torch.randn(4, 128, generator=g).bfloat16()
+    be, hopper, route = hb.HummingBackend(), get_backend("hopper"), Routing(idx, 4)
+    prepared = be.prepare_weight(w)
+    for act, b in ((ActivationQuant(), bias), (ActivationQuant(granularity="tensor"), None), (None, bias)):
+        fake_humming.clear()
+        y = be.grouped_linear(x, route.token_of_row, route.offsets, w, b, act, None, route.num_rows, prepared)
+        want = hopper.grouped_linear(x, route.token_of_row, route.offsets, w, b, act, None, route.num_rows)
+        assert torch.equal(y, want) and len(fake_humming) == 0
+    kernel = be.experts_kernel(backend_mod.LinearArgs(w, ActivationQuant(), None, prepared),
+                               backend_mod.LinearArgs(wd, ActivationQuant(), None, be.prepare_weight(wd)))
+    fake_humming.clear()
+    kernel.apply(x, idx, torch.full((5, 2), 0.5).bfloat16(), lambda h: h, (bias, None))
+    assert len(fake_humming) == 1  # the down projection on humming
 
 
 # -- selection and errors ------------------------------------------------------------------------------
@@ -443,39 +455,6 @@ def test_pruned_table_picks_humming_kernel_for_every_hinted_row_count():
     assert all(pick(pruned, m) == pick(table, m) for m in rows)
     assert pruned[0][0] == 0 and pruned[-1][1] == 1 << 30  # every M still has a kernel
     assert all(a[1] == b[0] for a, b in zip(pruned, pruned[1:]))
-
-
-def test_dense_prefill_is_wired_behind_a_threshold_to_be_measured(fake_humming, monkeypatch):
-    """``DENSE_PREFILL_FROM_ROWS`` (None: off until the H200 run picks it); the env override routes
-    W4A4 linears of that many rows to ``dense_w4a4`` (no humming call), W4A16 and smaller M stay."""
-    assert hb.DENSE_PREFILL_FROM_ROWS is None and hb.dense_prefill_from_rows() is None
-    w, act = _weight(), ActivationQuant()
-    be = hb.HummingBackend()
-    prepared = be.prepare_weight(w)
-    monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "4")
-    assert hb.dense_prefill_from_rows() == 4
-    fake_humming.clear()
-    small = be.linear(_x(m=3), w, None, act, prepared=prepared)
-    assert len(fake_humming) == 1  # below the threshold: humming
-    x = _x(m=6)
-    y = be.linear(x, w, None, act, prepared=prepared)
-    assert len(fake_humming) == 1  # dense: cuBLAS (torch on CPU), not humming
-    assert torch.equal(y, hb.dense_w4a4(x, w, None, act, layout="stacked"))  # auto: stacked below 64 rows
-    assert _rel(y, w4a4_linear_reference(x, w, None, act)) <= 2**-7 and small.shape == (3, 64)
-    ops = activation_operands_triton(x, act)  # operands shared by a sibling group: the same bits
-    assert torch.equal(be.linear(x, w, None, act, prepared=prepared, operands=ops), y)
-    summed = hb.HummingBackend(residual_layout="summed")
-    assert torch.equal(summed.linear(x, w, None, act, prepared=summed.prepare_weight(w)),
-                       hb.dense_w4a4(x, w, None, act, layout="summed"))
-    assert torch.equal(summed.linear(x, w, None, act, prepared=prepared, operands=ops),
-                       hb.dense_w4a4(x, w, None, act, layout="summed"))  # shared operands summed: same bits
-    be.linear(x, w, None, None, prepared=prepared)  # W4A16 stays on humming
-    assert len(fake_humming) == 2
-    monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "off")
-    assert hb.dense_prefill_from_rows() is None
-    monkeypatch.setenv("QUADS_HUMMING_DENSE_FROM", "many")
-    with pytest.raises(ValueError, match="QUADS_HUMMING_DENSE_FROM"):
-        hb.dense_prefill_from_rows()
 
 
 # -- the shapes humming serves: the rest keep the exact kernels ------------------------------------
