@@ -31,7 +31,8 @@ from typing import NamedTuple
 from quads.ops.activation_quant import (
     ActivationQuant,
     QuantizedActivation,
-    activation_operands_triton,
+    as_operands,
+    operand_row_args,
     quantize_activation_reference,
     quantize_activation_triton,
 )
@@ -121,7 +122,9 @@ def hopper_operands(x2: torch.Tensor, act: ActivationQuant | None, static_mask=N
         from quads.kernels.fp16_operand import scaled_fp16_rows
 
         return scaled_fp16_rows(x2)
-    return activation_operands_triton(x2, act, static_mask)
+    from quads.kernels.quantize_activations import quantize_rows
+
+    return as_operands(quantize_rows(x2, **operand_row_args(x2, act, static_mask)), x2.shape[0])
 
 
 def prepare_weight_hopper(weight: NVFP4Parts, out=None):
@@ -186,6 +189,7 @@ class HopperLinearKernel(LinearKernel):
             return y.reshape(*x.shape[:-1], y.shape[-1])
         self.check_input(x)
         from quads.kernels.fp16_operand import scaled_fp16_rows
+        from quads.kernels.quantize_activations import quantize_rows
         from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
         from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
 
@@ -195,7 +199,7 @@ class HopperLinearKernel(LinearKernel):
             if a.act is None:
                 operands = scaled_fp16_rows(x2c)
             else:
-                operands = activation_operands_triton(x2c, a.act, a.static_mask)
+                operands = as_operands(quantize_rows(x2c, **operand_row_args(x2c, a.act, a.static_mask)), m)
         if a.act is None:
             main = stacked = operands[0]
             row_scale, residual = operands[1], None
