@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import quads.ops.grouped_linear  # noqa: F401  (registers the quads::grouped_linear custom op)
-from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
+from quads.ops.activation_quant import ActivationQuant, as_operands, operand_row_args
 from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
 from quads.ops.linear import _matmul_operands, act_fields, prepare_weight_hopper, prepared_fields, reference_operands
 from quads.ops.weight_cache import dequantized_weight
@@ -211,6 +211,7 @@ class HopperExpertsKernel(ExpertsKernel):
     def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
         from quads.kernels.fp16_operand import scaled_fp16_rows
         from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm
+        from quads.kernels.quantize_activations import quantize_rows
 
         route = self.route(hidden, top_k_index)
         x, rows = hidden, route.token_of_row
@@ -230,12 +231,14 @@ class HopperExpertsKernel(ExpertsKernel):
             if a.act is None:
                 stacked, row_scale = scaled_fp16_rows(x)
             elif a.act.granularity == "row":
-                ops = activation_operands_triton(x, a.act, a.static_mask)
+                ops = as_operands(quantize_rows(x, **operand_row_args(x, a.act, a.static_mask)), x.shape[0])
                 stacked, row_scale, has_residual = ops.stacked, ops.main_scale, ops.residual is not None
             else:  # each expert's rows one tensor, the operand rows in expert order
                 bounds = route.offsets.tolist()
-                ops = [activation_operands_triton(x[rows[lo:hi]] if rows is not None else x[lo:hi], a.act, a.static_mask)
-                       for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+                parts = [x[rows[lo:hi]] if rows is not None else x[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])
+                         if hi > lo]
+                ops = [as_operands(quantize_rows(p, **operand_row_args(p, a.act, a.static_mask)), p.shape[0])
+                       for p in parts]
                 if not ops:  # no row routed to an expert
                     x = x.new_zeros(route.num_rows, w.qdata.shape[1])
                     continue
