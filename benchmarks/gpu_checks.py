@@ -464,7 +464,7 @@ def check_fused_projections():
 
 def humming_unavailable() -> str | None:
     """Why the ``kernel="fast"`` (humming) check cannot run here, or None."""
-    from quads.kernels.humming_gemm import HUMMING_REQUIREMENT, check_humming_device, import_humming
+    from quads.ops.humming_library import HUMMING_REQUIREMENT, check_humming_device, import_humming
 
     try:
         import_humming()

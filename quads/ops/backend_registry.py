@@ -314,13 +314,13 @@ def _select(device: torch.device | str, kernel: str) -> Backend:
     if requested == "auto":
         name = _kernel_backend_for(device) or "torch"
         if name == "hopper" and kernel == "fast":
-            from quads.kernels.humming_gemm import import_humming
+            from quads.ops.humming_library import import_humming
 
             import_humming()  # missing: the error names the pip requirement
             name = "humming"
         return get_backend(name)
     if requested == "humming" and not _interpreting():
-        from quads.kernels.humming_gemm import check_humming_device, import_humming
+        from quads.ops.humming_library import check_humming_device, import_humming
 
         check_humming_device(device)
         import_humming()

@@ -1,13 +1,13 @@
 """The ``humming`` backend: rollout linears and experts through vLLM's humming GEMMs on Hopper (the fast path).
 
 quads keeps its NVFP4 parts, its one quantizer and its Triton activation quantization, and hands
-humming (:mod:`quads.kernels.humming_gemm`) the packed weight and 16-bit activation operands:
+humming (:mod:`quads.ops.humming_library`) the packed weight and 16-bit activation operands:
 W4A16 feeds the bf16/fp16 activations directly; W4A4 (+ residual) feeds quads' exact fp16 operand
 rows, ``stacked`` (main then residual rows) or ``summed`` (``fp16(main + residual)``), and unscales
 the output rows (:class:`HummingLinearKernel` states the error bounds; docs/humming.md).
 
 ``mode`` (``QUADS_HUMMING_MODE``): humming's kernel configuration
-(:data:`~quads.kernels.humming_gemm.HUMMING_MODES`); ``"default"`` is humming's fastest
+(:data:`~quads.ops.humming_library.HUMMING_MODES`); ``"default"`` is humming's fastest
 (Stream-K: not deterministic run to run), kept because the deterministic modes measured 35-60%
 slower on the dense linears on the H200.
 
@@ -153,7 +153,7 @@ class HummingWeight:
                 and weight.qdata.device == self.device)
 
     def _build(self, dtype: torch.dtype, parts: NVFP4Parts):
-        from quads.kernels.humming_gemm import HummingNVFP4
+        from quads.ops.humming_library import HummingNVFP4
 
         operand_max = {"unit": None}
         if dtype == torch.float16:
@@ -182,7 +182,7 @@ class HummingWeight:
     @property
     def can_hold_parts(self) -> bool:
         """Whether :meth:`packed_parts` can give the packed parts back (humming's direct repack layout)."""
-        from quads.kernels.humming_gemm import direct_repack
+        from quads.ops.humming_library import direct_repack
 
         return direct_repack(self._owner().layer.humming_config)
 
@@ -370,7 +370,7 @@ class HummingBackend(HopperBackend):
         return humming_shape_problem(n, k)
 
     def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
-        from quads.kernels.humming_gemm import HUMMING_MODES
+        from quads.ops.humming_library import HUMMING_MODES
 
         self.mode = mode or os.environ.get("QUADS_HUMMING_MODE", "default")
         if self.mode not in HUMMING_MODES:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import quads
-from quads.kernels import humming_gemm as hg
+from quads.ops import humming_library as hg
 from quads.kernels.humming_layout import repack_reference, scale_layout, scale_unlayout, unrepack_reference
 from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
 from quads.ops import backend_registry as backend_mod

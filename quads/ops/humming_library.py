@@ -1,4 +1,4 @@
-"""quads' NVFP4 weights as vLLM's humming GEMMs (humming-kernels 0.1.19): the Hopper fast path.
+"""The adapter to vLLM's humming library (humming-kernels 0.1.19): quads' NVFP4 weights as its GEMMs.
 
 humming (github.com/vllm-project/humming) JIT-compiles (NVRTC) mixed-precision GEMMs; its ModelOpt
 NVFP4 weight schema takes quads' packed parts as they are (``weight`` uint8 N x K/2,
@@ -58,7 +58,7 @@ FP16_OUTPUT_LIMIT = 2.0**15  # keep the bound of |o| below this (fp16 max 65504)
 
 def humming_cache_root() -> Path:
     """``$QUADS_CACHE/humming``, else ``$XDG_CACHE_HOME/quads/humming``, else ``~/.cache/quads/humming``
-    (the rule of :func:`quads.models.cache.cache_root`, restated: this layer imports only tensor)."""
+    (the rule of :func:`quads.models.cache.cache_root`, restated: ops import nothing above them)."""
     env = os.environ.get("QUADS_CACHE")
     if env:
         return Path(env).expanduser() / "humming"
