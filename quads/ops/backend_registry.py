@@ -137,6 +137,16 @@ class Backend:
     def prepare_weight(self, weight, out=None):
         raise NotImplementedError
 
+    def op_prepared(self, prepared) -> tuple[list, str]:
+        """A ``prepare_weight`` result as ``quads::linear``'s arguments: its tensors and a static
+        description of them (``""``: none); :meth:`prepared_from_op` makes it back inside the op."""
+        return [], ""
+
+    def prepared_from_op(self, tensors: list, config: str, weight: NVFP4Parts | None, global_encode_scale):
+        """The prepared weight of :meth:`op_prepared`'s ``tensors`` and ``config``; ``weight``: the
+        packed parts, None where the prepared layout holds them."""
+        return None
+
     def refresh_prepared(self, held: tuple, weights: Sequence) -> tuple:
         """``prepare_weight`` of each of ``weights``, written **into** its predecessor in ``held``
         where that fits, else new. In place matters: CUDA graphs (ours, vLLM's) and compiled graphs

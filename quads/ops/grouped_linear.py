@@ -158,7 +158,7 @@ def grouped_linear(backend: Backend, x, rows, offsets, weight: NVFP4Parts, bias,
     """``backend.grouped_linear``, through the custom op inside compiled graphs (same bits either way)."""
     if not torch.compiler.is_compiling():
         return backend.grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=prepared)
-    if getattr(prepared, "held_handle", None) is not None:
+    if getattr(prepared, "backend_name", None) == "humming":
         raise NotImplementedError("torch.compile of humming-prepared experts (kernel='fast' MoE) is not wired yet: "
                                   "run the experts eagerly, or kernel='exact' (docs/humming.md, Not done yet)")
     return torch.ops.quads.grouped_linear(x, rows, offsets, weight.qdata, weight.scale, weight.global_encode_scale,
