@@ -334,6 +334,9 @@ class QuadsLinearMethod(LinearMethodBase):
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
+        # each shard's kernel made once here: what it builds (humming's W4A16 layers) exists before a trace
+        for p, prepared in zip(packed, layer.quads_prepared):
+            layer.quads_backend.linear_kernel(LinearArgs(p.parts, self.config.activation_quant, None, prepared))
 
     def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         """The packed logical weights of ``layer`` (views of its parameters)."""
