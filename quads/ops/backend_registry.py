@@ -106,6 +106,8 @@ class Backend:
     * ``prepare_weight(parts, out=None)``: what the backend's GEMMs read from a packed weight
       (e.g. the Hopper kernel layout; None when they read the parts). Called whenever a weight is
       written, never per forward; ``out``, an earlier result, is rewritten in place when it fits.
+      ``op_prepared(prepared)`` / ``prepared_from_op(...)``: that result as ``quads::linear``'s
+      tensors and static description, and back (compiled code).
     * ``quantize_weight(x, granularity, global_encode_scale, block_scaling="6")`` -> ``NVFP4Parts``
       (the sync's op; ``block_scaling``: ``"6"`` or ``"4over6"``, ``QuadsPolicy.weight_block_scaling``).
     * ``quantize_activation(x2d, act, static_mask)`` -> ``QuantizedActivation`` (packed parts).
