@@ -26,6 +26,7 @@ layout is the rollout weight's storage (``NVFP4Tensor.to_layout_`` / ``write_par
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 
@@ -188,7 +189,7 @@ class HummingWeight:
         layers over those tensors under the configurations built in this process for the same shapes,
         dtypes and modes (nothing looked up by identity). ``parts``: the weight's packed parts where
         the layout cannot give them back."""
-        spec = json.loads(config)
+        spec = _op_spec(config)
         self = cls.__new__(cls)
         self.shape, self.mode = tuple(spec["shape"]), spec["mode"]
         self.rows_hint = tuple(spec["rows_hint"]) if spec["rows_hint"] else None
@@ -274,6 +275,12 @@ class HummingWeight:
     def warmup(self, dtypes=(torch.float16,), ms=(1,)) -> None:
         for dtype in dtypes:
             self.layer(dtype).warmup(ms)
+
+
+@functools.lru_cache(maxsize=None)
+def _op_spec(config: str) -> dict:
+    """:attr:`HummingWeight.op_config` parsed (once per distinct configuration: it is static)."""
+    return json.loads(config)
 
 
 class HummingLinearKernel(LinearKernel):

@@ -444,7 +444,7 @@ class HummingNVFP4:
         ws2 = {name: next(tensors) for name in spec["scalings"]}
         self.unshift = {name: next(tensors) for name in spec["scalings"]}
         self.ws2, self.shift, self.operand_max = ws2, {}, {}
-        self.device = torch.device(next(iter(ws2.values())).device)
+        self.device = next(iter(ws2.values())).device
         try:
             humming_config, self.compute_config, self.tuning_config = _LAYER_CONFIGS[self._key()]
         except KeyError:
