@@ -306,8 +306,10 @@ class HummingLinearKernel(LinearKernel):
     def __init__(self, backend, args: LinearArgs):
         super().__init__(backend, args)
         if args.act is None and isinstance(args.prepared, HummingWeight) and not torch.compiler.is_compiling():
-            for dtype in self.humming_dtypes:  # W4A16 reads the layer of x.dtype: made now (one shared
-                args.prepared.layer(dtype)  # layout), so that compiled calls find it among the op's tensors
+            # W4A16 reads the layer of x.dtype: both are made now (one shared layout), so that a
+            # compiled call finds the one it reads among quads::linear's tensors
+            for dtype in self.humming_dtypes:
+                args.prepared.layer(dtype)
 
     def apply(self, x, bias=None, operands=None):
         a, backend = self.args, self.backend
