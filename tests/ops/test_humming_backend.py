@@ -564,3 +564,17 @@ def test_fp32_activations_take_the_exact_kernel_without_a_humming_layout(fake_hu
     assert torch.equal(kernel.apply(x), backend_mod.get_backend("hopper").linear(x, w, None, act))
     with pytest.raises(ValueError, match="K=96, the weight has K=128"):
         kernel.apply(_x(k=96))
+
+
+def test_compiled_humming_experts_are_not_wired_yet(fake_humming, monkeypatch):
+    """Inside a compiled graph a humming-prepared experts weight raises (``quads::grouped_linear``
+    takes the Hopper layout only) instead of reading the wrong layout."""
+    from quads.ops.grouped_linear import grouped_linear
+
+    w = nvfp4_quantize(torch.randn(2, 128, 128, generator=torch.Generator().manual_seed(0)) * 0.05, "expert")
+    be = hb.HummingBackend()
+    prepared = be.prepare_weight(w)
+    assert isinstance(prepared, hb.HummingWeight)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(NotImplementedError, match="humming-prepared experts"):
+        grouped_linear(be, torch.randn(4, 128).half(), None, torch.tensor([0, 2, 4]), w, None, None, None, 4, prepared)
