@@ -18,7 +18,8 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
 * ``humming`` (``kernel="fast"``; skipped, with the reason, where humming is not installed): each
   path (stacked / summed residual, plain W4A4, W4A16) within its stated bound of the exact fp32
   product, the in-place refresh bit-exact against a layout built from scratch (same addresses),
-  the packed parts derived back from the layout, one layout per rollout module (<= 1.1x);
+  the packed parts derived back from the layout, one layout per rollout module (<= 1.1x); under
+  ``torch.compile`` (``quads::linear`` over the layouts) bit-equal to eager, before and after a sync;
 * W4A16 decode vs the dense bf16 product; MoE experts (E=128 top-8 and E=8 top-2) vs the torch
   reference loop, grouped rows == dense decode bits, the whole experts op captured in a CUDA graph;
 * Four Over Six (``block_scaling="4over6"``): the weight quantizer and the fused fake-quant pass
@@ -464,7 +465,7 @@ def check_fused_projections():
 
 def humming_unavailable() -> str | None:
     """Why the ``kernel="fast"`` (humming) check cannot run here, or None."""
-    from quads.kernels.humming_gemm import HUMMING_REQUIREMENT, check_humming_device, import_humming
+    from quads.ops.humming_library import HUMMING_REQUIREMENT, check_humming_device, import_humming
 
     try:
         import_humming()
@@ -534,6 +535,56 @@ def check_humming():
            lin.weight.kernel_layout is not None and ratio <= 1.1, f"{ratio:.5f}x")
 
 
+@check("humming_compiled")
+def check_humming_compiled():
+    """``kernel="fast"`` under ``torch.compile`` (fullgraph, inductor): linears held in humming layouts
+    run as ``quads::linear`` over the layouts' tensors, bit-equal to eager (W4A4 + residual, W4A16;
+    M = 1, 16, 256; a bias), and again after a sync that rewrites the layouts in place (no
+    recompile). Humming's deterministic ``no_stream_k`` mode: Stream-K's bits vary run to run."""
+    why = humming_unavailable()
+    if why:
+        RESULTS["humming_compiled"] = {"ok": True, "skipped": True, "detail": why}
+        print(f"[SKIP] humming_compiled: {why}", flush=True)
+        return
+    from quads.ops.backend_registry import register_backend
+    from quads.ops.humming_backend import HummingBackend
+
+    def stack():
+        return torch.nn.Sequential(torch.nn.Linear(4096, 2048, bias=True),
+                                   torch.nn.Linear(2048, 4096, bias=False)).bfloat16().cuda()
+
+    counters = torch._dynamo.utils.counters
+    default = get_backend("humming")
+    register_backend(HummingBackend(mode="no_stream_k"))
+    try:
+        for activations in ("nvfp4", "bf16"):
+            torch.manual_seed(0)
+            rollout, trainer = stack(), stack()
+            with quads.use_backend("humming"):
+                quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", kernel="fast", activations=activations))
+            quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+            held = all(m.weight.kernel_layout is not None for m in rollout)
+            torch._dynamo.reset()
+            compiled = torch.compile(rollout, fullgraph=True)
+            g = torch.Generator(device="cuda").manual_seed(5)
+            xs = [torch.randn(m, 4096, device="cuda", generator=g).bfloat16() for m in (1, 16, 256)]
+            with torch.no_grad():
+                before = [compiled(x) for x in xs]
+                same = all(bits_equal(y, rollout(x)) for x, y in zip(xs, before))
+                graphs = counters["stats"]["unique_graphs"]
+                quads.sync_weights_(rollout, trainer)
+                after = [compiled(x) for x in xs]
+                synced = all(bits_equal(y, rollout(x)) for x, y in zip(xs, after))
+                kept = counters["stats"]["unique_graphs"] == graphs
+                changed = not bits_equal(after[0], before[0])
+            record(f"humming compiled ({activations} activations) == eager bits, and after a sync",
+                   held and same and synced and kept and changed,
+                   f"layout-held {held}, equal {same}, after sync {synced} (changed {changed}), no recompile {kept}")
+    finally:
+        register_backend(default)
+        torch._dynamo.reset()
+
+
 @check("four_over_six")
 def check_four_over_six():
     """``block_scaling="4over6"``: the weight quantizer, the fused fake-quant pass and the
@@ -587,7 +638,7 @@ def check_four_over_six():
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
-          "humming": check_humming, "four_over_six": check_four_over_six}
+          "humming": check_humming, "humming_compiled": check_humming_compiled, "four_over_six": check_four_over_six}
 
 
 def main():

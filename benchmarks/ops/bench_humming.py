@@ -98,7 +98,7 @@ if DRY:  # before any Triton kernel is decorated: the interpreter runs them on C
 import torch
 
 from benchmarks.timing import RESULTS_CSV, add_csv_argument, append_results
-from quads.kernels import humming_gemm as hg
+from quads.ops import humming_library as hg
 from quads.kernels.hopper_weight_layout import to_hopper_layout
 from quads.ops import ActivationQuant, get_backend
 from quads.ops.activation_quant import activation_operands_triton, quantize_activation_reference, summed_operand_triton
@@ -401,7 +401,7 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
         fp8w = [fp8_weight(w) for w in ws]
     t = time.time()
     # compile only the kernels humming picks for the row counts run here (stacked: 2M rows): the
-    # same kernel per M as its full table (quads.kernels.humming_gemm.prune_table)
+    # same kernel per M as its full table (quads.ops.humming_library.prune_table)
     hint = sorted({1, 2, *ms, *(2 * m for m in ms), *CHECK_MS, *(2 * m for m in CHECK_MS)})
     base = [HummingWeight(p, "default", rows_hint=hint) for p in parts]
     for hw in base:

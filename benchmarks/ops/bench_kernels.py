@@ -68,7 +68,7 @@ def row(section, name, us, floor_bytes=None, peers=None, **extra):
 def fast_backend():
     """The ``kernel="fast"`` backend (humming, docs/humming.md), or None with the reason printed:
     its rows are then absent (humming not installed, or not sm_90)."""
-    from quads.kernels.humming_gemm import HUMMING_REQUIREMENT, check_humming_device, import_humming
+    from quads.ops.humming_library import HUMMING_REQUIREMENT, check_humming_device, import_humming
 
     try:
         import_humming()

@@ -16,7 +16,7 @@ permutation of each run of 32 or 64 values: :func:`scale_permutation`).
 
 :func:`repack_reference` and :func:`unrepack_reference` are this permutation and its inverse:
 the CPU stand-in for humming's kernel in the tests, and the packed parts derived on demand from
-humming's layout (:meth:`quads.kernels.humming_gemm.HummingNVFP4.packed_parts`; the GPU run
+humming's layout (:meth:`quads.ops.humming_library.HummingNVFP4.packed_parts`; the GPU run
 checks both bit-exact against humming's own kernel before anything relies on them).
 """
 

@@ -106,6 +106,8 @@ class Backend:
     * ``prepare_weight(parts, out=None)``: what the backend's GEMMs read from a packed weight
       (e.g. the Hopper kernel layout; None when they read the parts). Called whenever a weight is
       written, never per forward; ``out``, an earlier result, is rewritten in place when it fits.
+      ``op_prepared(prepared)`` / ``prepared_from_op(...)``: that result as ``quads::linear``'s
+      tensors and static description, and back (compiled code).
     * ``quantize_weight(x, granularity, global_encode_scale, block_scaling="6")`` -> ``NVFP4Parts``
       (the sync's op; ``block_scaling``: ``"6"`` or ``"4over6"``, ``QuadsPolicy.weight_block_scaling``).
     * ``quantize_activation(x2d, act, static_mask)`` -> ``QuantizedActivation`` (packed parts).
@@ -138,6 +140,16 @@ class Backend:
 
     def prepare_weight(self, weight, out=None):
         raise NotImplementedError
+
+    def op_prepared(self, prepared) -> tuple[list, str]:
+        """A ``prepare_weight`` result as ``quads::linear``'s arguments: its tensors and a static
+        description of them (``""``: none); :meth:`prepared_from_op` makes it back inside the op."""
+        return [], ""
+
+    def prepared_from_op(self, tensors: list, config: str, weight: NVFP4Parts | None, global_encode_scale):
+        """The prepared weight of :meth:`op_prepared`'s ``tensors`` and ``config``; ``weight``: the
+        packed parts, None where the prepared layout holds them."""
+        return None
 
     def refresh_prepared(self, held: tuple, weights: Sequence) -> tuple:
         """``prepare_weight`` of each of ``weights``, written **into** its predecessor in ``held``
@@ -317,13 +329,13 @@ def _select(device: torch.device | str, kernel: str) -> Backend:
     if requested == "auto":
         name = _kernel_backend_for(device) or "torch"
         if name == "hopper" and kernel == "fast":
-            from quads.kernels.humming_gemm import import_humming
+            from quads.ops.humming_library import import_humming
 
             import_humming()  # missing: the error names the pip requirement
             name = "humming"
         return get_backend(name)
     if requested == "humming" and not _interpreting():
-        from quads.kernels.humming_gemm import check_humming_device, import_humming
+        from quads.ops.humming_library import check_humming_device, import_humming
 
         check_humming_device(device)
         import_humming()

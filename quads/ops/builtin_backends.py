@@ -17,6 +17,8 @@ from quads.ops.linear import (
     ReferenceLinearKernel,
     hopper_operands,
     prepare_weight_hopper,
+    prepared_fields,
+    prepared_from_fields,
     reference_operands,
 )
 from quads.ops.sibling_linear import stack_prepared_hopper, stacked_fits_hopper, stacked_linear_hopper
@@ -51,6 +53,12 @@ class HopperBackend(Backend):
 
     def prepare_weight(self, weight, out=None):
         return prepare_weight_hopper(weight, out)
+
+    def op_prepared(self, prepared):
+        return ([], "") if prepared is None else (list(prepared_fields(prepared)), "hopper")
+
+    def prepared_from_op(self, tensors, config, weight, global_encode_scale):
+        return prepared_from_fields(*tensors, weight.qdata.shape[0], weight.qdata.shape[1] * 2) if config else None
 
     def quantize_weight(self, x, granularity=None, global_encode_scale=None, block_scaling="6"):
         return quantize_weight_triton(x, granularity, global_encode_scale, block_scaling)

@@ -137,7 +137,7 @@ class ExpertsKernel:
 
     def op_args(self, a: LinearArgs, x, rows, route: Routing, bias) -> tuple:
         """One projection as the ``quads::grouped_linear`` custom op's plain arguments."""
-        if getattr(a.prepared, "held_handle", None) is not None:
+        if getattr(a.prepared, "backend_name", None) == "humming":  # quads::grouped_linear reads Hopper layouts
             raise NotImplementedError("torch.compile of humming-prepared experts (kernel='fast' MoE) is not wired yet: "
                                       "run the experts eagerly, or kernel='exact' (docs/humming.md, Not done yet)")
         w = a.parts()

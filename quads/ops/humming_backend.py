@@ -1,13 +1,13 @@
 """The ``humming`` backend: rollout linears and experts through vLLM's humming GEMMs on Hopper (the fast path).
 
 quads keeps its NVFP4 parts, its one quantizer and its Triton activation quantization, and hands
-humming (:mod:`quads.kernels.humming_gemm`) the packed weight and 16-bit activation operands:
+humming (:mod:`quads.ops.humming_library`) the packed weight and 16-bit activation operands:
 W4A16 feeds the bf16/fp16 activations directly; W4A4 (+ residual) feeds quads' exact fp16 operand
 rows, ``stacked`` (main then residual rows) or ``summed`` (``fp16(main + residual)``), and unscales
 the output rows (:class:`HummingLinearKernel` states the error bounds; docs/humming.md).
 
 ``mode`` (``QUADS_HUMMING_MODE``): humming's kernel configuration
-(:data:`~quads.kernels.humming_gemm.HUMMING_MODES`); ``"default"`` is humming's fastest
+(:data:`~quads.ops.humming_library.HUMMING_MODES`); ``"default"`` is humming's fastest
 (Stream-K: not deterministic run to run), kept because the deterministic modes measured 35-60%
 slower on the dense linears on the H200.
 
@@ -20,12 +20,14 @@ experts; and weights of shapes humming cannot tile (:func:`humming_shape_problem
 Weight memory: one humming layout per weight (1.0x the packed bytes), shared by the fp16 and bf16
 layers when their bits agree; :class:`HummingWeight` derives the packed parts back from it, so the
 layout is the rollout weight's storage (``NVFP4Tensor.to_layout_`` / ``write_parts_``). Under
-``torch.compile`` a layout is reached through ``quads::linear_held`` by its handle.
+``torch.compile`` ``quads::linear`` takes the layout's tensors (:attr:`HummingWeight.op_tensors`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import os
 
 import torch
@@ -34,7 +36,7 @@ from quads.ops.activation_quant import as_operands, operand_row_args, per_row_sc
 from quads.ops.backend_registry import LinearArgs, LinearKernel, register_backend
 from quads.ops.builtin_backends import HopperBackend
 from quads.ops.experts import ExpertsKernel, HopperExpertsKernel, Routing, combine_top_k
-from quads.ops.linear import HopperLinearKernel, held_linear, prepare_weight_hopper, register_held
+from quads.ops.linear import HopperLinearKernel, prepare_weight_hopper
 from quads.tensor.nvfp4_math import NVFP4Parts
 
 __all__ = ["HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel", "HummingExpertsKernel",
@@ -99,7 +101,11 @@ class HummingWeight:
 
     Holds no reference to the packed parts it was built from: :meth:`packed_parts` derives them
     back from the layout, which is then the weight's storage (``NVFP4Tensor.to_layout_``: one
-    layout per weight, 1.0x the packed bytes)."""
+    layout per weight, 1.0x the packed bytes).
+
+    Compiled code passes it to ``quads::linear`` as :attr:`op_tensors` (every layer's tensors) and
+    :attr:`op_config` (their static description, a JSON string); :meth:`from_op_fields` makes it
+    back from them inside the op."""
 
     backend_name = "humming"
 
@@ -110,17 +116,17 @@ class HummingWeight:
         self.device = weight.qdata.device
         self.global_encode_scale = weight.global_encode_scale  # quads' own (the layout holds 2^-c / S_w)
         self.layers: dict[torch.dtype, object] = {}
-        self.held_handle = register_held(self)  # compiled code reaches it through quads::linear_held
         self._build(torch.float16, weight)  # the owner of the layout, built from the parts given
         # a layout the parts cannot be read back from (another humming configuration): keep them
         self._parts = None if self.can_hold_parts else weight
+        self.holds_parts = self._parts is None  # whether the layout is all a weight needs (compiled calls)
 
     def fits(self, weight: NVFP4Parts) -> bool:
         return (humming_supports(weight) and tuple(weight.qdata.shape) == self.shape
                 and weight.qdata.device == self.device)
 
     def _build(self, dtype: torch.dtype, parts: NVFP4Parts):
-        from quads.kernels.humming_gemm import HummingNVFP4
+        from quads.ops.humming_library import HummingNVFP4
 
         operand_max = {"unit": None}
         if dtype == torch.float16:
@@ -131,7 +137,40 @@ class HummingWeight:
         if owner is not None:
             held.share_layout_(owner)  # one layout for both activation dtypes when the bits agree
         self.layers[dtype] = held
+        self._set_op_fields()
         return held
+
+    def _set_op_fields(self) -> None:
+        tensors, specs = [], []
+        for lay in self.layers.values():
+            t, spec = lay.op_fields(with_layout=not lay.shared)
+            tensors += t
+            specs.append(spec)
+        self.op_tensors: list[torch.Tensor] = tensors
+        self.op_config = json.dumps({"shape": list(self.shape), "mode": self.mode, "layers": specs,
+                                     "rows_hint": list(self.rows_hint) if self.rows_hint else None})
+
+    @classmethod
+    def from_op_fields(cls, tensors, config: str, global_encode_scale, parts: NVFP4Parts | None = None):
+        """The prepared weight of :attr:`op_tensors` / :attr:`op_config` (a compiled call's arguments):
+        layers over those tensors under the configurations built in this process for the same shapes,
+        dtypes and modes (nothing looked up by identity). ``parts``: the weight's packed parts where
+        the layout cannot give them back."""
+        spec = _op_spec(config)
+        self = cls.__new__(cls)
+        self.shape, self.mode = tuple(spec["shape"]), spec["mode"]
+        self.rows_hint = tuple(spec["rows_hint"]) if spec["rows_hint"] else None
+        self.global_encode_scale, self._parts, self.holds_parts = global_encode_scale, parts, parts is None
+        self.layers, layout, it = {}, None, iter(tensors)
+        from quads.ops.humming_library import HummingNVFP4
+
+        for lay_spec in spec["layers"]:
+            lay = HummingNVFP4.from_op_fields(lay_spec, it, layout, self.shape)
+            layout = layout if layout is not None or lay.shared else dict(lay.layer.named_parameters())
+            self.layers[lay.dtype] = lay
+        self.device = lay.device
+        self.op_tensors, self.op_config = list(tensors), config
+        return self
 
     def layer(self, dtype: torch.dtype):
         held = self.layers.get(dtype)
@@ -149,7 +188,7 @@ class HummingWeight:
     @property
     def can_hold_parts(self) -> bool:
         """Whether :meth:`packed_parts` can give the packed parts back (humming's direct repack layout)."""
-        from quads.kernels.humming_gemm import direct_repack
+        from quads.ops.humming_library import direct_repack
 
         return direct_repack(self._owner().layer.humming_config)
 
@@ -204,8 +243,8 @@ class HummingWeight:
         """The layers built so far, run under another humming ``mode`` (views: one layout)."""
         view = copy.copy(self)
         view.mode = mode
-        view.held_handle = register_held(view)
         view.layers = {dtype: layer.with_mode(mode) for dtype, layer in self.layers.items()}
+        view._set_op_fields()
         return view
 
     def warmup(self, dtypes=(torch.float16,), ms=(1,)) -> None:
@@ -213,10 +252,16 @@ class HummingWeight:
             self.layer(dtype).warmup(ms)
 
 
+@functools.lru_cache(maxsize=None)
+def _op_spec(config: str) -> dict:
+    """:attr:`HummingWeight.op_config` parsed (once per distinct configuration: it is static)."""
+    return json.loads(config)
+
+
 class HummingLinearKernel(LinearKernel):
     """One weight's linear on humming (see the module doc). Activations of other dtypes than
     :attr:`humming_dtypes` take the exact kernels (the parts derived from the layout); compiled
-    code reaches the layout through ``quads::linear_held``.
+    code calls ``quads::linear`` with the layout's tensors, whose body runs this kernel eagerly.
 
     * W4A16 (``act=None``): the layer of ``x.dtype``; output = ``fp32 sum of exact products *
       (1/S_w)``, rounded once to ``x.dtype``.
@@ -230,12 +275,18 @@ class HummingLinearKernel(LinearKernel):
 
     humming_dtypes = (torch.float16, torch.bfloat16)
 
+    def __init__(self, backend, args: LinearArgs):
+        super().__init__(backend, args)
+        if args.act is None and isinstance(args.prepared, HummingWeight) and not torch.compiler.is_compiling():
+            # W4A16 reads the layer of x.dtype: both are made now (one shared layout), so that a
+            # compiled call finds the one it reads among quads::linear's tensors
+            for dtype in self.humming_dtypes:
+                args.prepared.layer(dtype)
+
     def apply(self, x, bias=None, operands=None):
         a, backend = self.args, self.backend
-        if torch.compiler.is_compiling():
-            if a.prepared is None:  # the custom op's body prepares per call
-                return HopperLinearKernel.apply(self, x, bias, operands)
-            return held_linear(x, a.prepared, bias, a.act, a.static_mask, backend, a.prepared.shape[-2])
+        if torch.compiler.is_compiling():  # quads::linear over the layout's tensors (prepared per call if none)
+            return HopperLinearKernel.apply(self, x, bias, operands)
         self.check_input(x)
         if x.dtype not in self.humming_dtypes:  # the exact kernels, on the parts (derived from a held layout)
             parts = a.prepared.real_parts(a.parts()) if a.prepared is not None else a.parts()
@@ -343,7 +394,7 @@ class HummingBackend(HopperBackend):
         return humming_shape_problem(n, k)
 
     def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
-        from quads.kernels.humming_gemm import HUMMING_MODES
+        from quads.ops.humming_library import HUMMING_MODES
 
         self.mode = mode or os.environ.get("QUADS_HUMMING_MODE", "default")
         if self.mode not in HUMMING_MODES:
@@ -358,6 +409,16 @@ class HummingBackend(HopperBackend):
         if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode:
             return out.write_parts_(weight)
         return HummingWeight(weight, self.mode)
+
+    def op_prepared(self, prepared):
+        if isinstance(prepared, HummingWeight):
+            return prepared.op_tensors, prepared.op_config
+        return super().op_prepared(prepared)
+
+    def prepared_from_op(self, tensors, config, weight, global_encode_scale):
+        if config.startswith("{"):  # HummingWeight.op_config
+            return HummingWeight.from_op_fields(tensors, config, global_encode_scale, weight)
+        return super().prepared_from_op(tensors, config, weight, global_encode_scale)
 
     def stack_prepared(self, prepared):
         return None  # no stacked humming GEMM yet: sibling groups share the quantization only

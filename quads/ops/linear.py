@@ -13,15 +13,12 @@ the weight, the activation config, the static mask and the prepared layout):
 :class:`ReferenceLinearKernel` (torch), :class:`HopperLinearKernel` (hopper),
 :class:`BlackwellLinearKernel` (blackwell). A module's forward calls ``kernel.apply(x, bias)``,
 which calls the launchers (``quantize_rows``, ``decode_gemm``, ``w4a4_gemm``) itself; inside
-``torch.compile`` it calls the ``quads::linear`` custom op (``quads::linear_held`` for a weight
-held in the humming layout), whose body runs the same kernel eagerly. Sibling linears
+``torch.compile`` it calls the ``quads::linear`` custom op (the prepared layout passed as its
+tensors, :meth:`Backend.op_prepared`), whose body runs the same kernel eagerly. Sibling linears
 (:class:`~quads.ops.sibling_linear.SiblingGroup`) pass ``operands`` computed once.
 """
 
 from __future__ import annotations
-
-import itertools
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +45,7 @@ __all__ = [
     "linear_op",
     "act_fields",
     "prepared_fields",
-    "held_handle",
-    "held_linear",
-    "linear_held_op",
-    "register_held",
+    "linear_op_args",
     "reference_operands",
     "hopper_operands",
     "prepare_weight_hopper",
@@ -141,9 +135,8 @@ def prepare_weight_hopper(weight: NVFP4Parts, out=None):
 def _op_args(kernel: LinearKernel, x2: torch.Tensor, bias) -> tuple:
     """A linear kernel's call as the ``quads::linear`` custom op's plain arguments."""
     a = kernel.args
-    w = a.parts()
-    return (x2, w.qdata, w.scale, w.global_encode_scale, bias, *prepared_fields(a.prepared), *act_fields(a.act),
-            a.static_mask, kernel.backend.name)
+    held = getattr(a.prepared, "holds_parts", False)  # then the weight is not read (in a trace: no parts)
+    return linear_op_args(kernel.backend, x2, None if held else a.parts(), bias, a.prepared, a.act, a.static_mask)
 
 
 class ReferenceLinearKernel(LinearKernel):
@@ -289,8 +282,8 @@ def act_from_fields(quantize_activations: bool, residual_fraction: float, select
 
 def prepared_fields(prepared) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A prepared weight as two optional tensors (the Hopper layout's values and scales)."""
-    if held_handle(prepared) is not None:
-        raise TypeError("a prepared weight held as an object (humming) goes through quads::linear_held")
+    if prepared is not None and not hasattr(prepared, "values"):
+        raise TypeError(f"{type(prepared).__name__} is no Hopper layout: pass it as Backend.op_prepared's tensors")
     return (None, None) if prepared is None else (prepared.values, prepared.scales)
 
 
@@ -302,15 +295,31 @@ def prepared_from_fields(values, scales, n: int, k: int):
     return HopperWeight(values, scales, n, k)
 
 
+def linear_op_args(backend: Backend, x2: torch.Tensor, weight: NVFP4Parts | None, bias, prepared, act,
+                   static_mask) -> tuple:
+    """One linear's call as ``quads::linear``'s plain arguments: the prepared layout as its tensors
+    and their static description (:meth:`Backend.op_prepared`). ``weight`` None: the layout holds
+    the packed parts (``prepared.holds_parts``, the humming layout), its ``global_encode_scale``
+    and packed ``shape`` stand for them."""
+    tensors, config = backend.op_prepared(prepared)
+    if weight is None:
+        q = s = None
+        gs, n = prepared.global_encode_scale, prepared.shape[-2]
+    else:
+        q, s, gs, n = weight.qdata, weight.scale, weight.global_encode_scale, weight.qdata.shape[0]
+    return (x2, q, s, gs, bias, tensors, config, n, *act_fields(act), static_mask, backend.name)
+
+
 @torch.library.custom_op("quads::linear", mutates_args=())
 def linear_op(
     x: torch.Tensor,
-    qdata: torch.Tensor,
-    scale: torch.Tensor,
+    qdata: torch.Tensor | None,
+    scale: torch.Tensor | None,
     global_encode_scale: torch.Tensor,
     bias: torch.Tensor | None,
-    prepared_values: torch.Tensor | None,
-    prepared_scales: torch.Tensor | None,
+    prepared: list[torch.Tensor],
+    prepared_config: str,
+    out_features: int,
     quantize_activations: bool,
     residual_fraction: float,
     selection: str,
@@ -320,95 +329,27 @@ def linear_op(
     backend: str,
 ) -> torch.Tensor:
     """(M, K) -> (M, N): ``backend.linear`` as an op opaque to ``torch.compile`` (same bits as
-    eager). Arguments are tensors and plain values: the backend by name, the activation
-    quantizer as its fields, the Hopper layout as its two tensors. Its body never shares an
-    activation quantization with another call (compiled code reuses buffers without version
-    bumps, so tensor identity says nothing about values there)."""
-    n, k = qdata.shape[0], qdata.shape[1] * 2
-    args = LinearArgs(NVFP4Parts(qdata, scale, global_encode_scale),
-                      act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling),
-                      static_mask, prepared_from_fields(prepared_values, prepared_scales, n, k))
-    return get_backend(backend).linear_kernel(args).apply(x, bias)
+    eager). Arguments are tensors and plain values (:func:`linear_op_args`): the backend by name,
+    the activation quantizer as its fields, the prepared layout as its tensors and a static
+    description the backend makes it back from (:meth:`Backend.prepared_from_op`: nothing is
+    looked up by identity), the packed parts None where that layout holds them. Its body never
+    shares an activation quantization with another call (compiled code reuses buffers without
+    version bumps, so tensor identity says nothing about values there)."""
+    be = get_backend(backend)
+    weight = None if qdata is None else NVFP4Parts(qdata, scale, global_encode_scale)
+    prepared = be.prepared_from_op(prepared, prepared_config, weight, global_encode_scale)
+    if weight is None:  # the layout holds the parts: their shapes (meta) and the global scale
+        weight = NVFP4Parts(*prepared.shape_parts[:2], global_encode_scale)
+    args = LinearArgs(weight, act_from_fields(quantize_activations, residual_fraction, selection, granularity,
+                                              act_block_scaling), static_mask, prepared)
+    return be.linear_kernel(args).apply(x, bias)
 
 
 @linear_op.register_fake
-def _(x, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scales, quantize_activations,
+def _(x, qdata, scale, global_encode_scale, bias, prepared, prepared_config, out_features, quantize_activations,
       residual_fraction, selection, granularity, act_block_scaling, static_mask, backend):
     align_this_compile()
-    return x.new_empty(x.shape[0], qdata.shape[0])
-
-
-# -- weights held in a backend's own layout (the humming backend) under torch.compile ------------------
-#
-# A humming-prepared weight is not a pair of tensors (its layers, their run-time scales, humming's
-# configuration strings) and its module holds no packed parts at all (the layout is their storage:
-# ``NVFP4Tensor.to_layout_``). Compiled code passes it to ``quads::linear_held`` as an integer
-# handle into a registry of live prepared weights (weakly held): the op is opaque to the compiler,
-# its body looks the object up and runs ``backend.linear`` with it (the eager bits); a sync writes
-# the layout in place, so compiled and CUDA-graphed code read the new weights at the same addresses.
-
-_HELD: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_held_ids = itertools.count(1)
-
-
-def register_held(prepared) -> int:
-    """A handle for ``prepared`` (a backend's prepared weight) that ``quads::linear_held`` resolves."""
-    handle = next(_held_ids)
-    _HELD[handle] = prepared
-    return handle
-
-
-def held_prepared(handle: int):
-    try:
-        return _HELD[handle]
-    except KeyError:
-        raise RuntimeError(f"quads::linear_held: prepared weight {handle} is gone (its module was freed)") from None
-
-
-@torch.library.custom_op("quads::linear_held", mutates_args=())
-def linear_held_op(
-    x: torch.Tensor,
-    global_encode_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    handle: int,
-    n: int,
-    quantize_activations: bool,
-    residual_fraction: float,
-    selection: str,
-    granularity: str,
-    act_block_scaling: str,
-    static_mask: torch.Tensor | None,
-    backend: str,
-) -> torch.Tensor:
-    """(M, K) -> (M, N): ``backend.linear`` over the prepared weight of ``handle`` (:func:`register_held`),
-    opaque to ``torch.compile`` (same bits as eager). ``global_encode_scale`` is the weight's own
-    (an input, so the compiled graph orders the op after a write of it)."""
-    prepared = held_prepared(handle)
-    parts = prepared.shape_parts
-    args = LinearArgs(NVFP4Parts(parts.qdata, parts.scale, global_encode_scale),
-                      act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling),
-                      static_mask, prepared)
-    return get_backend(backend).linear_kernel(args).apply(x, bias)
-
-
-@linear_held_op.register_fake
-def _(x, global_encode_scale, bias, handle, n, quantize_activations, residual_fraction, selection, granularity,
-      act_block_scaling, static_mask, backend):
-    align_this_compile()
-    return x.new_empty(x.shape[0], n)
-
-
-def held_handle(prepared) -> int | None:
-    """The compile handle of a prepared weight held as an object (None: a Hopper layout or nothing)."""
-    return getattr(prepared, "held_handle", None)
-
-
-def held_linear(x: torch.Tensor, prepared, bias, act, static_mask, backend: Backend, n: int) -> torch.Tensor:
-    """``x (..., K) -> (..., N)`` through ``quads::linear_held`` (compiled code, a held prepared weight)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.quads.linear_held(x2, prepared.global_encode_scale, bias, held_handle(prepared), n,
-                                    *act_fields(act), static_mask, backend.name)
-    return y.reshape(*x.shape[:-1], n)
+    return x.new_empty(x.shape[0], out_features)
 
 
 def _check_linear_weight(x: torch.Tensor, weight: NVFP4Tensor) -> None:
@@ -433,7 +374,7 @@ def rollout_linear(
     With ``act``: W4A4 (+ residual compensation); without: weight-only W4A16. ``backend``: None
     picks one for ``x``'s device (``QUADS_BACKEND``, ``use_backend``). ``prepared``:
     ``backend.prepare_weight(weight.parts)``, if the caller keeps it."""
-    if not (torch.compiler.is_compiling() and held_handle(prepared) is not None):  # compiled: not touched
+    if not (torch.compiler.is_compiling() and getattr(prepared, "holds_parts", False)):  # compiled: not read
         _check_linear_weight(x, weight)
     backend = backend or select_backend(x.device)
     return backend.linear_kernel(LinearArgs(weight, act, static_mask, prepared)).apply(x, bias)

@@ -225,8 +225,8 @@ def test_custom_op_bodies_do_not_share(launches):
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     (prepared,) = layer.quads_prepared_weights()
     w = layer.weight.parts
-    args = (w.qdata, w.scale, w.global_encode_scale, None, prepared.values, prepared.scales, True, 1.0,
-            "per_token", "row", "6", None, "hopper")
+    args = (w.qdata, w.scale, w.global_encode_scale, None, [prepared.values, prepared.scales], "hopper",
+            w.qdata.shape[0], True, 1.0, "per_token", "row", "6", None, "hopper")
     with share_quantization(model), torch.no_grad():
         a = torch.ops.quads.linear(x, *args)
         b = torch.ops.quads.linear(x, *args)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import quads
-from quads.kernels import humming_gemm as hg
+from quads.ops import humming_library as hg
 from quads.kernels.humming_layout import repack_reference, scale_layout, scale_unlayout, unrepack_reference
 from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
 from quads.ops import backend_registry as backend_mod
@@ -543,3 +543,19 @@ def test_fp32_activations_take_the_exact_kernel_without_a_humming_layout(fake_hu
     assert torch.equal(kernel.apply(x), backend_mod.get_backend("hopper").linear(x, w, None, act))
     with pytest.raises(ValueError, match="K=96, the weight has K=128"):
         kernel.apply(_x(k=96))
+
+
+def test_compiled_humming_experts_are_not_wired_yet(fake_humming, monkeypatch):
+    """Inside a compiled graph a humming-prepared experts weight raises (``quads::grouped_linear``
+    takes the Hopper layout only) instead of reading the wrong layout."""
+    from quads.ops.backend_registry import LinearArgs
+    from quads.ops.experts import Routing
+
+    w = nvfp4_quantize(torch.randn(2, 128, 128, generator=torch.Generator().manual_seed(0)) * 0.05, "expert")
+    be = hb.HummingBackend()
+    prepared = be.prepare_weight(w)
+    assert isinstance(prepared, hb.HummingWeight)
+    kernel = be.experts_kernel(LinearArgs(w, None, None, prepared))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(NotImplementedError, match="humming-prepared experts"):
+        kernel.apply(torch.randn(4, 128).half(), Routing.of_rows(None, torch.tensor([0, 2, 4]), 4), None, None)

@@ -158,7 +158,7 @@ def test_sync_writes_through_the_layout_bit_exact_and_in_place(fake_humming):
 def test_sync_never_derives_the_parts_from_the_layout(fake_humming, monkeypatch):
     """A sync writes the layout and snapshots the layout's own tensors for its rollback: deriving the
     packed parts (the inverse repack, several passes over every weight) is not part of it."""
-    from quads.kernels import humming_gemm as hg
+    from quads.ops import humming_library as hg
 
     trainer = _llama(seed=7)
     quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
@@ -230,7 +230,7 @@ def test_real_shapes_bytes_with_humming_on_cpu(humming_on_cpu, shape):
 from tests.ops.test_humming_refresh import humming_on_cpu  # noqa: E402,F401  (fixture)
 
 
-# -- torch.compile: the humming backend through quads::linear_held -------------------------------------
+# -- torch.compile: quads::linear over the layout's tensors ---------------------------------------------
 
 @pytest.fixture
 def _fresh_dynamo():
@@ -240,8 +240,8 @@ def _fresh_dynamo():
 
 
 def test_compiled_fast_rollout_traces_to_the_eager_bits_and_follows_syncs(fake_humming, _fresh_dynamo):
-    """fullgraph compile of a humming rollout model: each linear is one opaque ``quads::linear_held``
-    op over the held layout (no packed part is read: the weights stay dropped), eager bits; a sync
+    """fullgraph compile of a humming rollout model: each linear is one opaque ``quads::linear`` op
+    over the held layout (no packed part is read: the weights stay dropped), eager bits; a sync
     writes the layout in place and the compiled model follows it without recompiling."""
     import torch._inductor.config as inductor_config
 
@@ -260,6 +260,70 @@ def test_compiled_fast_rollout_traces_to_the_eager_bits_and_follows_syncs(fake_h
         y1 = compiled(x).logits
         assert torch.equal(y1, model(x).logits) and not torch.equal(y1, y0)
         assert counts["stats"]["unique_graphs"] == frames  # no recompile: the same layout, written in place
+
+
+def _compiled_graph(model, x):
+    """(the FX graph dynamo makes of ``model(x)``, fullgraph; its real input tensors in placeholder order)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    y = torch.compile(model, backend=backend, fullgraph=True)(x).logits
+    assert len(seen) == 1 and torch.equal(y, model(x).logits)
+    return seen[0]
+
+
+@pytest.mark.parametrize("activations", ["nvfp4", "bf16"])
+def test_compiled_graph_calls_quads_linear_with_the_layout_tensors(fake_humming, _fresh_dynamo, activations):
+    """The compiled graph of layout-held weights: one ``quads::linear`` per linear (no other quads op),
+    its packed parts None and its prepared tensors the weight's humming layout itself (graph inputs:
+    written in place by syncs). W4A16 (``bf16``) reads the layer of the activation dtype, made with the
+    kernel so that its tensors are there."""
+    model = _llama()
+    with quads.use_backend("humming"):
+        quads.quantize_(model, quads.QuadsPolicy(side="rollout", kernel="fast", activations=activations))
+    model.eval()
+    with torch.no_grad():
+        gm, inputs = _compiled_graph(model, _input())
+    placeholders = {n: t for n, t in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs)}
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "quads" in str(n.target)]
+    linears = _linears(model)
+    assert len(calls) == len(linears) and all(n.target in (torch.ops.quads.linear, torch.ops.quads.linear.default) for n in calls)
+    layouts = {tuple(id(t) for t in m.quads_prepared[0].op_tensors) for m in linears}
+    for node in calls:
+        assert node.args[1] is None and node.args[2] is None  # no packed parts: the layout holds them
+        passed = tuple(id(placeholders[a]) for a in node.args[5])
+        assert passed in layouts
+    if activations == "bf16":
+        assert all(set(m.quads_prepared[0].layers) == {torch.float16, torch.bfloat16} for m in linears)
+
+
+def test_linear_op_makes_the_layout_back_from_its_arguments(fake_humming):
+    """``quads::linear``'s body runs on the tensors it is given (copies here, the layout then
+    rewritten): no registry, no handle, nothing looked up by identity."""
+    import quads.ops.linear as linear_module
+    from quads.ops.backend_registry import get_backend
+    from quads.ops.linear import linear_op_args
+
+    assert not hasattr(torch.ops.quads, "linear_held")
+    assert not hasattr(linear_module, "register_held")
+    model = _fast_rollout()
+    m = _linears(model)[0]
+    prepared, kernel = m.quads_prepared[0], m.quads_kernel()
+    assert not hasattr(prepared, "held_handle")
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = kernel.apply(x)
+        args = list(linear_op_args(get_backend("humming"), x, None, None, prepared, m.quads_act, None))
+        args[5] = [t.clone() for t in args[5]]
+        args[3] = args[3].clone()
+        trainer = _llama(seed=7)
+        quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+        quads.sync_weights_(model, trainer)  # the module's layout rewritten in place
+        assert not torch.equal(kernel.apply(x), want)
+        assert torch.equal(torch.ops.quads.linear(*args), want)
 
 
 def test_reads_under_inference_mode(fake_humming):

@@ -42,7 +42,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
-from quads.ops.linear import act_fields, held_handle, held_linear, prepared_fields
+from quads.ops.linear import linear_op_args
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
 from quads.policies.scope import boundary_layer, layer_index
@@ -334,6 +334,9 @@ class QuadsLinearMethod(LinearMethodBase):
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
+        # each shard's kernel made once here: what it builds (humming's W4A16 layers) exists before a trace
+        for p, prepared in zip(packed, layer.quads_prepared):
+            layer.quads_backend.linear_kernel(LinearArgs(p.parts, self.config.activation_quant, None, prepared))
 
     def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         """The packed logical weights of ``layer`` (views of its parameters)."""
@@ -413,12 +416,9 @@ def compiled_shard_linear(
     for i, n in enumerate(sizes):
         parts = NVFP4Parts(layer.weight[start:start + n], layer.weight_scale[start:start + n],
                            layer.weight_global_scale[i])
-        if held_handle(prepared[i]) is not None:  # humming (kernel="fast"): its layout, reached by handle
-            outs.append(held_linear(x2, prepared[i], biases[i], act, None, layer.quads_backend, n))
-        else:
-            outs.append(torch.ops.quads.linear(x2, parts.qdata, parts.scale, parts.global_encode_scale, biases[i],
-                                               *prepared_fields(prepared[i]), *act_fields(act), None,
-                                               layer.quads_backend.name))
+        held = getattr(prepared[i], "holds_parts", False)  # humming (kernel="fast"): its layout holds them
+        outs.append(torch.ops.quads.linear(*linear_op_args(layer.quads_backend, x2, None if held else parts,
+                                                           biases[i], prepared[i], act, None)))
         start += n
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,4 +1,4 @@
-"""quads' NVFP4 weights as vLLM's humming GEMMs (humming-kernels 0.1.19): the Hopper fast path.
+"""The adapter to vLLM's humming library (humming-kernels 0.1.19): quads' NVFP4 weights as its GEMMs.
 
 humming (github.com/vllm-project/humming) JIT-compiles (NVRTC) mixed-precision GEMMs; its ModelOpt
 NVFP4 weight schema takes quads' packed parts as they are (``weight`` uint8 N x K/2,
@@ -58,7 +58,7 @@ FP16_OUTPUT_LIMIT = 2.0**15  # keep the bound of |o| below this (fp16 max 65504)
 
 def humming_cache_root() -> Path:
     """``$QUADS_CACHE/humming``, else ``$XDG_CACHE_HOME/quads/humming``, else ``~/.cache/quads/humming``
-    (the rule of :func:`quads.models.cache.cache_root`, restated: this layer imports only tensor)."""
+    (the rule of :func:`quads.models.cache.cache_root`, restated: ops import nothing above them)."""
     env = os.environ.get("QUADS_CACHE")
     if env:
         return Path(env).expanduser() / "humming"
@@ -251,6 +251,32 @@ def transform_into_(layer, qdata, scale, global_encode_scale) -> None:
         held[name].data.copy_(v)
 
 
+#: (experts, N, K, dtype, mode, rows_hint, device) -> (humming_config, compute_config, tuning_config) of the
+#: layers built in this process: what a layer made back from a compiled call's tensors runs under
+_LAYER_CONFIGS: dict[tuple, tuple] = {}
+
+
+class _LayerTensors:
+    """A transformed humming layer's configuration and tensors, as :class:`HummingNVFP4` reads them."""
+
+    def __init__(self, humming_config, params: dict, buffers: dict):
+        self.humming_config, self._params, self._buffers = humming_config, params, buffers
+        self.__dict__.update(params)
+        self.__dict__.update(buffers)
+
+    def named_parameters(self):
+        return iter(self._params.items())
+
+    def named_buffers(self):
+        return iter(self._buffers.items())
+
+    def parameters(self):
+        return iter(self._params.values())
+
+    def buffers(self):
+        return iter(self._buffers.values())
+
+
 class HummingNVFP4:
     """One NVFP4 weight (N, K), or experts (E, N, K), as a transformed humming layer, its GEMM configuration and the
     fp32 tensors the kernel reads at run time (``weight_scale_2`` per operand range, the
@@ -280,6 +306,7 @@ class HummingNVFP4:
         self.unshift: dict[str, torch.Tensor] = {}
         self._write_scales(scale, global_encode_scale)
         self.compute_config, self.tuning_config = self._configs()
+        self._remember_configs()
 
     # -- building and refreshing ------------------------------------------------------------------
     def _build(self, qdata, scale, gs):
@@ -343,8 +370,8 @@ class HummingNVFP4:
             if p.shape != q.shape or p.dtype != q.dtype or not torch.equal(
                     p.data.contiguous().view(torch.uint8), q.data.contiguous().view(torch.uint8)):
                 return False
-        for name, q in theirs.items():
-            setattr(self.layer, name, q)  # the same Parameter objects: refreshed once, by the owner
+        for name, q in theirs.items():  # the owner's tensors (refreshed once, by the owner)
+            setattr(self.layer, name, q if isinstance(q, torch.nn.Parameter) else torch.nn.Parameter(q, False))
         self.shared = True
         return True
 
@@ -393,7 +420,54 @@ class HummingNVFP4:
         view = copy.copy(self)
         view.mode = mode
         view.compute_config, view.tuning_config = view._configs()
+        view._remember_configs()
         return view
+
+    # -- as a custom op's arguments (torch.compile) ------------------------------------------------
+    def _key(self) -> tuple:
+        return (self.num_experts, self.shape_n, self.shape_k, self.dtype, self.mode, self.rows_hint, str(self.device))
+
+    def _remember_configs(self) -> None:
+        _LAYER_CONFIGS[self._key()] = (self.layer.humming_config, self.compute_config, self.tuning_config)
+
+    def op_fields(self, with_layout: bool) -> tuple[list[torch.Tensor], dict]:
+        """This layer as plain tensors and a static description (JSON values): its layout (with
+        ``with_layout``; a layer sharing another's layout leaves it out), its buffers (Stream-K
+        locks, left as found by each call) and each scaling's run-time ``weight_scale_2`` and
+        ``2^c``. :meth:`from_op_fields` makes the layer back from them."""
+        params = dict(self.layer.named_parameters()) if with_layout else {}
+        buffers = dict(self.layer.named_buffers())
+        scalings = list(self.ws2)
+        tensors = [*params.values(), *buffers.values(), *(self.ws2[n] for n in scalings),
+                   *(self.unshift[n] for n in scalings)]
+        spec = {"dtype": str(self.dtype).removeprefix("torch."), "mode": self.mode, "shared": self.shared,
+                "rows_hint": list(self.rows_hint) if self.rows_hint else None, "params": list(params),
+                "buffers": list(buffers), "scalings": scalings}
+        return tensors, spec
+
+    @classmethod
+    def from_op_fields(cls, spec: dict, tensors, layout: dict | None, shape: tuple) -> "HummingNVFP4":
+        """A layer over ``tensors`` (an iterator, consumed in :meth:`op_fields`' order; ``layout``:
+        the owner's layout tensors by name, for a layer sharing them) of a weight of packed shape
+        ``shape``, under the configuration built in this process for the same shape, dtype and mode."""
+        self = cls.__new__(cls)
+        self.dtype, self.mode, self.shared = getattr(torch, spec["dtype"]), spec["mode"], spec["shared"]
+        self.rows_hint = tuple(spec["rows_hint"]) if spec["rows_hint"] else None
+        self.num_experts = shape[0] if len(shape) == 3 else None
+        self.shape_n, self.shape_k = shape[-2], shape[-1] * 2
+        params = {name: next(tensors) for name in spec["params"]} if not spec["shared"] else dict(layout)
+        buffers = {name: next(tensors) for name in spec["buffers"]}
+        ws2 = {name: next(tensors) for name in spec["scalings"]}
+        self.unshift = {name: next(tensors) for name in spec["scalings"]}
+        self.ws2, self.shift, self.operand_max = ws2, {}, {}
+        self.device = next(iter(ws2.values())).device
+        try:
+            humming_config, self.compute_config, self.tuning_config = _LAYER_CONFIGS[self._key()]
+        except KeyError:
+            raise RuntimeError(f"no humming layer of {self._key()} was built in this process") from None
+        self.humming = None
+        self.layer = _LayerTensors(humming_config, params, buffers)
+        return self
 
     # -- running ----------------------------------------------------------------------------------
     def __call__(self, a: torch.Tensor, scaling: str = "unit", out: torch.Tensor | None = None,
