@@ -9,20 +9,17 @@ checkpoint's ``config.json`` (or ``hf_overrides``) with the rollout keys of :cla
   through the layer's backend (chosen there once, ``layer.quads_backend``), so ``DQ(engine weight)
   == nvfp4_fake_quantize(master)`` bit for bit, and keeps only the packed parts (``weight``,
   ``weight_scale``, ``weight_global_scale``; MoE: ``w13_*``/``w2_*``, one global scale per expert).
-* **Merged layers** (``qkv_proj``, ``gate_up_proj``) are packed per logical weight with the
-  sibling group's global scale (``weight_global_scale="group"``) or their own (``"tensor"``) and
-  served by one :class:`~quads.ops.sibling_linear.SiblingSet`: the activation's operands once,
-  then one GEMM over the stacked shards where the backend has one (hopper: few tokens, no bias;
-  each row keeps its shard's scale), else each shard's kernel on them: the transformers rollout
-  model's computation. MoE ``w13_weight`` is transformers 5's ``gate_up_proj`` layout.
-* **Forward**: the layer's kernels, made once after loading (``Backend.linear_kernel``, the
-  set's kernel; ``Backend.experts_kernel``), W4A4 + residual, or W4A16 with ``activations="bf16"``.
+* **Merged layers** (``qkv_proj``, ``gate_up_proj``): packed per logical weight with the group's
+  global scale (``weight_global_scale="group"``) or their own (``"tensor"``), served by one
+  :class:`~quads.ops.sibling_linear.SiblingSet`: the operands once, one GEMM over the stacked
+  shards where the backend has one, else each shard's kernel: the transformers rollout's bits.
+* **Forward**: the layer's kernels, made after loading (``Backend.linear_kernel``, the set's;
+  ``Backend.experts_kernel``), W4A4 + residual, or W4A16 with ``activations="bf16"``.
 * **Not quantized** (as on the trainer side, :mod:`quads.policies.scope`): embeddings, ``lm_head``,
   MoE routers, ``extra_skip_patterns``, every linear with ``scope="routed_experts"``, and the
   ``skip_first_layers`` / ``skip_last_layers`` decoder layers: vLLM's unquantized methods run them.
-* **Weight reload**: vLLM calls ``process_weights_after_loading`` again (on fresh parameters) and
-  copies the packed result into the existing storage; derived layouts are rewritten in place and
-  the linear kernels are remade once, at the next forward, over the restored parameters.
+* **Weight reload**: vLLM reprocesses fresh parameters and copies the result into the existing
+  storage; layouts are rewritten in place, the kernels remade once over the restored parameters.
 
 Limits: tensor/expert parallel size 1 (global scales are per whole logical weight),
 ``residual_selection="per_token"`` only, linear inputs a multiple of 16.
