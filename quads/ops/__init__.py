@@ -4,7 +4,7 @@ MoE experts. Imports only ``tensor`` and ``kernels``.
 One op per file, each with its torch reference, its kernel glue, its ``torch.library`` custom op
 (with a fake implementation, for ``torch.compile``) and its front function:
 :mod:`.weight_quant` (``quantize_weight``), :mod:`.activation_quant` (``quantize_activation``),
-:mod:`.linear` (the linear kernels, ``rollout_linear``), :mod:`.sibling_linear` (``SiblingGroup``:
+:mod:`.linear` (the linear kernels, ``rollout_linear``), :mod:`.sibling_linear` (``SiblingSet``:
 one quantization and one stacked GEMM for q/k/v, gate/up), :mod:`.grouped_linear` and
 :mod:`.experts` (the experts kernels, ``rollout_experts``). :mod:`.backend_registry` is the backend
 interface, the kernel base, the registry and the choice; :mod:`.builtin_backends` binds the
@@ -16,7 +16,7 @@ from quads.ops.backend_registry import Backend, get_backend, register_backend, s
 from quads.ops.builtin_backends import BlackwellBackend, HopperBackend, TorchBackend  # registers the three
 from quads.ops.experts import rollout_experts
 from quads.ops.linear import rollout_linear, w4a4_matmul_reference
-from quads.ops.sibling_linear import SiblingGroup
+from quads.ops.sibling_linear import SiblingSet
 from quads.ops.weight_quant import quantize_weight
 
 __all__ = [
@@ -25,7 +25,7 @@ __all__ = [
     "BlackwellBackend",
     "HopperBackend",
     "QuantizedActivation",
-    "SiblingGroup",
+    "SiblingSet",
     "TorchBackend",
     "dequantize_activation",
     "get_backend",

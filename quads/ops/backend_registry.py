@@ -112,14 +112,15 @@ class Backend:
       (the sync's op; ``block_scaling``: ``"6"`` or ``"4over6"``, ``QuadsPolicy.weight_block_scaling``).
     * ``quantize_activation(x2d, act, static_mask)`` -> ``QuantizedActivation`` (packed parts).
     * ``activation_operands(x2d, act, static_mask)``: the input in the form this backend's GEMMs
-      read (computed once and passed to several ``linear`` calls by a
-      :class:`~quads.ops.sibling_linear.SiblingGroup`); ``act=None``: the weight-only operand.
+      read (computed once for several linear kernels by a sibling set's kernel); ``act=None``:
+      the weight-only operand.
     * ``linear_kernel(args)`` -> the :class:`LinearKernel` of one weight (the module's, made once);
       ``linear(x2d, weight, bias, act, static_mask, prepared, operands)`` -> ``(M, N)``: one call
       through it (W4A4 + residual with an ``ActivationQuant``, W4A16 with ``act=None``).
     * ``stack_prepared(prepared)`` -> the stacked layout of sibling weights and one view of it per
       member (written through the views from then on), or None when the backend has no stacked GEMM;
-      ``stacked_linear(x2d, stacked, row_scales, act, operands)``: one GEMM over that layout.
+      ``sibling_kernel_class``: the kernel of a :class:`~quads.ops.sibling_linear.SiblingSet` (the
+      operands once, one GEMM over that layout where there is one).
     * ``experts_kernel(gate_up, down)`` -> the experts module's kernel (``experts_kernel_class``);
       ``grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared)``: one
       projection over rows routed already (the ``quads::grouped_linear`` op's body; the built-in
@@ -194,12 +195,9 @@ class Backend:
     def stack_prepared(self, prepared: Sequence):
         return None
 
-    def stacked_fits(self, rows: int, act) -> bool:
-        """Whether ``rows`` tokens go through :meth:`stacked_linear` (else member by member)."""
-        return False
-
-    def stacked_linear(self, x2d, stacked, row_scales, act, operands=None):
-        raise NotImplementedError
+    #: the class of this backend's sibling-set kernels: :class:`quads.ops.sibling_linear.SiblingKernel`
+    #: (set by :mod:`quads.ops.builtin_backends`: the operands once) or a subclass with a stacked GEMM
+    sibling_kernel_class: type | None = None
 
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
         raise NotImplementedError

@@ -21,7 +21,7 @@ from quads.ops.linear import (
     prepared_from_fields,
     reference_operands,
 )
-from quads.ops.sibling_linear import stack_prepared_hopper, stacked_fits_hopper, stacked_linear_hopper
+from quads.ops.sibling_linear import HopperSiblingKernel, SiblingKernel, stack_prepared_hopper
 from quads.ops.weight_quant import group_amax_bits_triton, quantize_weight_reference, quantize_weight_triton
 
 __all__ = ["TorchBackend", "HopperBackend", "BlackwellBackend"]
@@ -74,9 +74,8 @@ class HopperBackend(Backend):
     activation_operands = staticmethod(hopper_operands)
     linear_kernel_class = HopperLinearKernel
     experts_kernel_class = HopperExpertsKernel
+    sibling_kernel_class = HopperSiblingKernel
     stack_prepared = staticmethod(stack_prepared_hopper)
-    stacked_fits = staticmethod(stacked_fits_hopper)
-    stacked_linear = staticmethod(stacked_linear_hopper)
     grouped_linear = grouped_linear
 
 
@@ -92,7 +91,9 @@ class BlackwellBackend(HopperBackend):
         return None
 
 
-Backend.experts_kernel_class = ExpertsKernel  # the default (experts.py imports the registry, not the reverse)
+# the defaults (experts.py and sibling_linear.py import the registry, not the reverse)
+Backend.experts_kernel_class = ExpertsKernel
+Backend.sibling_kernel_class = SiblingKernel
 
 for _backend in (TorchBackend(), HopperBackend(), BlackwellBackend()):
     register_backend(_backend)

@@ -421,10 +421,7 @@ class HummingBackend(HopperBackend):
         return super().prepared_from_op(tensors, config, weight, global_encode_scale)
 
     def stack_prepared(self, prepared):
-        return None  # no stacked humming GEMM yet: sibling groups share the quantization only
-
-    def stacked_fits(self, rows, act):
-        return False
+        return None  # no stacked humming GEMM yet: sibling sets share the quantization only
 
     def linear_kernel(self, args: LinearArgs) -> LinearKernel:
         """:class:`HummingLinearKernel` for a weight humming serves (a humming layout, or none yet);

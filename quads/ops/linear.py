@@ -15,7 +15,7 @@ the weight, the activation config, the static mask and the prepared layout):
 which calls the launchers (``quantize_rows``, ``decode_gemm``, ``w4a4_gemm``) itself; inside
 ``torch.compile`` it calls the ``quads::linear`` custom op (the prepared layout passed as its
 tensors, :meth:`Backend.op_prepared`), whose body runs the same kernel eagerly. Sibling linears
-(:class:`~quads.ops.sibling_linear.SiblingGroup`) pass ``operands`` computed once.
+(:class:`~quads.ops.sibling_linear.SiblingSet`) pass ``operands`` computed once.
 """
 
 from __future__ import annotations

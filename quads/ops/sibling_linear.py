@@ -1,27 +1,24 @@
-"""Sibling linears reading one input: one activation quantization, one stacked GEMM where possible.
+"""Sibling linears reading one input (q/k/v, gate/up): one activation quantization, one stacked GEMM.
 
-``q_proj``/``k_proj``/``v_proj`` read the same hidden states, and so do ``gate_proj``/``up_proj``
-(a vLLM merged layer holds them as shards of one weight): quantized one by one that is 7
-activation quantizations per layer where 4 inputs exist, and few-token GEMMs are launch-bound.
+A :class:`SiblingSet` (one per parent) owns its members' stacked prepared weight (each member's
+own layout a view of it, written in place by every sync), the per-row weight global scales and
+one kernel (:class:`SiblingKernel`, the backend's ``sibling_kernel_class``), made when the
+members' weights are set. A member's forward calls ``kernel.apply(x, i)``: the input's GEMM
+operands once, then the stacked GEMM (few tokens, no biases: every output column with its own
+linear's bits) or the operands for each member's own kernel. A vLLM merged layer is a set
+without members (``apply(x)``: every column at once).
 
-A :class:`SiblingGroup` serves such linears, called one by one (:meth:`~SiblingGroup.forward`):
-the first member called with an input computes the backend's ``activation_operands`` once, then
-every member's output: one stacked GEMM over the members' weights (each row keeping its weight's
-global scale) where the backend has one (few tokens, no biases), else each member's kernel on the
-shared operands (every output column has its own linear's bits); each other member, called next with the same input tensor (same
-storage, offset, shape, strides, dtype and version counter), takes its output once; any other
-call returns None (the member computes alone), so a result never depends on whether its
-siblings ran.
+Members called one by one share by input identity: each other member, called next with the same
+tensor (same storage, offset, shape, strides, dtype and version counter), takes its output or
+the operands once; any other call computes anew, so a result never depends on whether its
+siblings ran. Never shared: inference-mode tensors (no version counter), tensor subclasses, meta
+tensors, code traced by ``torch.compile`` (compiled code reuses buffers without version bumps).
+Writes that bypass the dispatcher are invisible to the check (transformers' decoder layers have
+none between siblings). Inside a CUDA-graph capture the hit is decided at capture time.
 
-Never shared: inference-mode tensors (no version counter), tensor subclasses, meta tensors, code
-traced by ``torch.compile`` (compiled code reuses buffers without version bumps). Writes that
-bypass the dispatcher are invisible to the check (transformers' decoder layers have none between
-siblings). Inside a CUDA-graph capture the hit is decided at capture time: replays recompute.
-
-Groups are made by :func:`quads.fuse_projections_` (stacked) and by the graphed decoder (dormant
-groups switched on inside its forwards). Members are any objects with ``quads_sibling_inputs()``
-returning ``(LinearKernel, bias)`` and ``quads_group``/``quads_group_index``. Also here: the
-stacked GEMM's reference and its Hopper glue.
+Sets are made by :func:`quads.fuse_projections_` (stacked) and by the graphed decoder (dormant
+sets, switched on inside its forwards by :func:`enabled_groups`). Members are any objects with
+``quads_sibling_inputs()`` returning ``(LinearKernel, bias)`` and ``quads_group``/``quads_group_index``.
 """
 
 from __future__ import annotations
@@ -31,13 +28,10 @@ from typing import Sequence
 
 import torch
 
-from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend_registry import Backend, LinearKernel
-from quads.ops.linear import hopper_operands, linear_reference
-from quads.tensor.nvfp4_math import NVFP4Parts
+from quads.ops.activation_quant import ActivationQuant, as_operands, operand_row_args
+from quads.ops.backend_registry import Backend
 
-__all__ = ["SiblingGroup", "enabled_groups", "stacked_linear_reference", "stacked_linear_hopper",
-           "stack_prepared_hopper", "stacked_fits_hopper"]
+__all__ = ["SiblingSet", "SiblingKernel", "HopperSiblingKernel", "enabled_groups", "stack_prepared_hopper"]
 
 
 def _input_key(x: torch.Tensor) -> tuple | None:
@@ -48,21 +42,23 @@ def _input_key(x: torch.Tensor) -> tuple | None:
             x.dtype, x.device, x._version)
 
 
-class SiblingGroup:
+class SiblingSet:
     """Linears of one backend and one activation configuration reading one input (module doc).
 
-    ``sizes``: the members' output rows; ``members``: the modules served one by one; ``enabled``:
-    whether :meth:`forward` serves (dormant groups are switched on by :func:`enabled_groups`)."""
+    ``sizes``: the members' output rows; ``members``: the modules served one by one (none for a
+    vLLM merged layer); ``enabled``: whether :meth:`kernel` serves (dormant sets are switched on
+    by :func:`enabled_groups`)."""
 
     def __init__(self, backend: Backend, act: ActivationQuant | None, sizes: Sequence[int],
                  members: Sequence = (), enabled: bool = True):
         self.backend, self.act, self.enabled = backend, act, enabled
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         self.members = list(members)
-        self.stacked = None  # the stacked weights as the backend's stacked GEMM reads them
+        self.stacked = None  # the stacked weights as the backend's sibling kernel reads them
         self.views: list = []  # member i's prepared weight: a view into ``stacked``
         self.row_scales: torch.Tensor | None = None  # (N,) fp32: each output row's weight global scale
-        self._pending: tuple | None = None  # (input key, input alias, outputs, members not served yet)
+        self._pending: tuple | None = None  # (input key, input alias, (outputs, operands), members not served yet)
+        self._kernel: tuple | None = None  # (sources, kernel)
         for i, m in enumerate(self.members):
             m.quads_group, m.quads_group_index = self, i
 
@@ -81,6 +77,7 @@ class SiblingGroup:
         self.row_scales = torch.empty(self.offsets[-1], dtype=torch.float32, device=global_scales[0].device)
         for i, gs in enumerate(global_scales):
             self.write_scale(i, gs)
+        self.kernel()  # made now over the stacked layout
         return self.views
 
     def write_scale(self, i: int, global_encode_scale: torch.Tensor) -> None:
@@ -91,44 +88,75 @@ class SiblingGroup:
 
     def holds(self, i: int, prepared) -> bool:
         """Whether ``prepared`` is still member ``i``'s view of the stacked layout (a sync wrote it
-        in place) or the group has no stacked layout."""
+        in place) or the set has no stacked layout."""
         if self.stacked is None:
             return True
         return prepared is not None and prepared.values.data_ptr() == self.views[i].values.data_ptr()
 
-    # -- outputs ---------------------------------------------------------------------------------
+    # -- the kernel ------------------------------------------------------------------------------
 
-    def forward(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
-        """Member ``i``'s output through the group, or None (the member computes alone)."""
+    def kernel(self) -> "SiblingKernel | None":
+        """The set's kernel (None while dormant): made when the stacked layout is set, and again
+        only when one of its sources (backend, configuration, stacked layout, row scales) was
+        replaced, compared by identity."""
         if not self.enabled:
             return None
+        sources = (self.backend, self.act, self.stacked, self.row_scales)
+        held = self._kernel
+        if held is None or any(a is not b for a, b in zip(held[0], sources)):
+            held = self._kernel = (sources, self.backend.sibling_kernel_class(self))
+        return held[1]
+
+    def forward(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Member ``i``'s output through the set, or None (the member computes alone): one call
+        for callers that hold no kernel (a member's forward calls :meth:`kernel` itself)."""
+        kernel = self.kernel()
+        if kernel is None:
+            return None
+        y, operands = kernel.apply(x, i)
+        if y is not None or operands is None:
+            return y
+        k, bias = self.members[i].quads_sibling_inputs()
+        return k.apply(x, bias, operands)
+
+    # -- the memo (members called one by one) ----------------------------------------------------
+
+    def begin(self, i: int | None, x: torch.Tensor, bias=None) -> tuple:
+        """``(hit, key, biased)`` before a kernel computes for member ``i`` (None: every output, no
+        memo): ``hit`` the ``(output, operands)`` to return now (``(None, None)``: the member
+        computes alone), else None; ``key`` the input's identity; ``biased`` whether an output has a
+        bias (no stacked GEMM then). Re-lays out the members' weights written since."""
+        if i is None:
+            return None, None, bias is not None
         key = _input_key(x)
         if key is None:
-            return None
+            return (None, None), None, False
         pending = self._pending
         if pending is not None and pending[0] == key and i in pending[3]:
             pending[3].discard(i)
             if not pending[3]:
                 self._pending = None
-            return pending[2][i]
+            outs, operands = pending[2]
+            return (None if outs is None else outs[i], operands), key, False
         inputs = [m.quads_sibling_inputs() for m in self.members]  # re-lays out weights written since
-        if any(m.quads_group is not self for m in self.members):  # that refresh dissolved the group
-            return None
-        # every member's output: one quantization, then the stacked GEMM (no biases, few tokens) or
-        # each member's kernel on the shared operands
-        kernels, biases = zip(*inputs)
-        backend, act, x2 = self.backend, self.act, x.reshape(-1, x.shape[-1])
-        operands = backend.activation_operands(x2, act)
-        if (self.stacked is not None and all(b is None for b in biases)
-                and backend.stacked_fits(x2.shape[0], act)):
-            y = backend.stacked_linear(x2, self.stacked, self.row_scales, act, operands)
-            outs = [y[:, self.offsets[j]:self.offsets[j + 1]] for j in range(len(kernels))]
-        else:
-            outs = [k.apply(x2, b, operands) for k, b in zip(kernels, biases)]
-        outs = [y.reshape(*x.shape[:-1], -1) for y in outs]
+        if any(m.quads_group is not self for m in self.members):  # that refresh dissolved the set
+            return (None, None), None, False
+        return None, key, any(b is not None for _, b in inputs)
+
+    def keep(self, i: int | None, key, x: torch.Tensor, y: torch.Tensor | None, operands) -> tuple:
+        """Member ``i``'s ``(output, operands)`` from a kernel's ``y (M, N)`` (or None) and
+        ``operands``, keeping them for the siblings not served yet; ``i`` None: ``y`` whole."""
+        lead = x.shape[:-1]
+        if i is None:
+            return (None if y is None else y.reshape(*lead, y.shape[-1])), (operands if y is None else None)
+        outs = None
+        if y is not None:
+            o = self.offsets
+            outs = [y[:, o[j]:o[j + 1]].reshape(*lead, -1) for j in range(len(o) - 1)]
+            operands = None
         rest = set(range(len(self.members))) - {i}
-        self._pending = (key, x.detach(), outs, rest) if rest else None  # the alias keeps the storage alive
-        return outs[i]
+        self._pending = (key, x.detach(), (outs, operands), rest) if rest else None  # the alias keeps the storage alive
+        return (None if outs is None else outs[i]), operands
 
     def drop_pending(self) -> None:
         self._pending = None
@@ -143,11 +171,57 @@ class SiblingGroup:
         self.members = []
 
 
+class SiblingKernel:
+    """One sibling set's kernel on a backend with no stacked GEMM: the input's operands once
+    (``backend.activation_operands``), which each member's own kernel then reads."""
+
+    def __init__(self, siblings: SiblingSet):
+        self.siblings = siblings
+        self.backend, self.act = siblings.backend, siblings.act
+        self.stacked, self.row_scales = siblings.stacked, siblings.row_scales
+
+    def apply(self, x: torch.Tensor, i: int | None = None, bias: torch.Tensor | None = None) -> tuple:
+        """``(y, operands)`` for ``x (..., K)``: ``y`` the stacked GEMM's output (member ``i``'s
+        columns; ``i`` None: all of them, ``bias`` their concatenated bias) where it ran, else None
+        and ``operands``, the input's operands for each member's kernel (None: each computes alone)."""
+        hit, key, _ = self.siblings.begin(i, x, bias)
+        if hit is not None:
+            return hit
+        operands = self.backend.activation_operands(x.reshape(-1, x.shape[-1]), self.act)
+        return self.siblings.keep(i, key, x, None, operands)
+
+
+class HopperSiblingKernel(SiblingKernel):
+    """The Hopper backend's: the fused quantization's operands (or W4A16's fp16 rows) once, then
+    one decode GEMM over the stacked layout with the per-row global scales where the set has one,
+    no output has a bias and the tokens (with their residual rows) fit one decode launch."""
+
+    def apply(self, x, i=None, bias=None):
+        hit, key, biased = self.siblings.begin(i, x, bias)
+        if hit is not None:
+            return hit
+        from quads.kernels.fp16_operand import scaled_fp16_rows
+        from quads.kernels.quantize_activations import quantize_rows
+        from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
+
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        m = x2.shape[0]
+        if self.act is None:
+            return self.siblings.keep(i, key, x, None, scaled_fp16_rows(x2))
+        ops = as_operands(quantize_rows(x2, **operand_row_args(x2, self.act)), m)
+        y = None
+        if self.stacked is not None and not biased and 2 * m <= max_decode_columns():
+            y = decode_gemm(ops.stacked, ops.main_scale, self.stacked, self.row_scales, m, ops.residual is not None,
+                            None, x.dtype)
+        return self.siblings.keep(i, key, x, y, ops)
+
+
 @contextlib.contextmanager
-def enabled_groups(groups: Sequence[SiblingGroup]):
-    """Dormant groups serve their members inside the block; on exit they are dormant again and
+def enabled_groups(sets: Sequence[SiblingSet]):
+    """Dormant sets serve their members inside the block; on exit they are dormant again and
     hold no outputs (nothing outlives a forward: no graph-pool tensor, no activation kept)."""
-    switched = [g for g in groups if not g.enabled]
+    switched = [g for g in sets if not g.enabled]
     for g in switched:
         g.enabled = True
     try:
@@ -156,16 +230,6 @@ def enabled_groups(groups: Sequence[SiblingGroup]):
         for g in switched:
             g.enabled = False
             g.drop_pending()
-
-
-# ---------------------------------------------------------------------------------------------
-# The stacked GEMM: reference and Hopper glue
-# ---------------------------------------------------------------------------------------------
-
-
-def stacked_linear_reference(x2: torch.Tensor, weights: Sequence[NVFP4Parts], act: ActivationQuant) -> torch.Tensor:
-    """(M, K) -> (M, sum N_i): each weight's reference W4A4 linear, concatenated (the spec)."""
-    return torch.cat([linear_reference(x2, w, None, act) for w in weights], dim=-1)
 
 
 def stack_prepared_hopper(prepared: Sequence):
@@ -191,22 +255,3 @@ def stack_prepared_hopper(prepared: Sequence):
         views.append(view)
         lo = hi
     return stacked, views
-
-
-def stacked_fits_hopper(rows: int, act: ActivationQuant | None) -> bool:
-    """Whether ``rows`` tokens (with their residual rows) fit one decode-GEMM launch."""
-    from quads.kernels.w4a4_decode_hopper import max_decode_columns
-
-    return act is not None and 2 * rows <= max_decode_columns()
-
-
-def stacked_linear_hopper(x2: torch.Tensor, prepared, row_scales: torch.Tensor, act: ActivationQuant,
-                          operands=None) -> torch.Tensor:
-    """(M, K) -> (M, N) in ``x2.dtype``: one decode GEMM over ``prepared`` (the stacked weights'
-    Hopper layout, N = sum of theirs) with ``row_scales`` (N,) fp32, each row's weight's global
-    scale; ``operands``: :func:`~quads.ops.linear.hopper_operands` of ``x2`` (computed if None)."""
-    from quads.kernels.w4a4_decode_hopper import decode_gemm
-
-    ops = operands if operands is not None else hopper_operands(x2, act)
-    return decode_gemm(ops.stacked, ops.main_scale, prepared, row_scales, x2.shape[0], ops.residual is not None,
-                       None, x2.dtype)

@@ -1,16 +1,16 @@
-"""Sibling rollout projections grouped into :class:`~quads.ops.sibling_linear.SiblingGroup` objects.
+"""Sibling rollout projections, one :class:`~quads.ops.sibling_linear.SiblingSet` per parent.
 
 In a transformers decoder layer ``q_proj``, ``k_proj`` and ``v_proj`` read the same hidden
 states, and so do ``gate_proj`` and ``up_proj`` (:data:`SIBLING_PROJECTIONS`, the one list of
 them; the ModelOpt export uses it too). :func:`fuse_projections_` gives each such set of rollout
 linears (one backend, one activation configuration, one K, one device, no calibrated mask) one
-group: one activation quantization per input and, where the backend has a stacked GEMM (Hopper,
+:class:`SiblingSet`: one activation quantization per input and, where the backend has a stacked GEMM (Hopper,
 W4A4, no bias, rows a multiple of 64), one Hopper layout of the stacked weights of which each
 member's own layout is a view, so ``quantize_``/``sync_weights_`` keep writing the members'
-layouts in place (CUDA graphs keep their addresses) and the group's stays current with no copy.
+layouts in place (CUDA graphs keep their addresses) and the set's stays current with no copy.
 The members' global scales are mirrored into one per-row scale vector at every weight write.
 
-:func:`sibling_groups_` makes *dormant* groups (quantization sharing only, switched on by
+:func:`sibling_groups_` makes *dormant* sets (quantization sharing only, switched on by
 :func:`~quads.ops.sibling_linear.enabled_groups`): the graphed decoder's ``share_quantization``.
 Every output has its own linear's bits either way (tests/policies/test_fused_projections.py,
 tests/ops/test_activation_sharing.py).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from quads.ops.sibling_linear import SiblingGroup, enabled_groups
+from quads.ops.sibling_linear import SiblingSet, enabled_groups
 
 __all__ = ["SIBLING_PROJECTIONS", "fuse_projections_", "unfuse_projections_", "sibling_groups_", "share_quantization"]
 
@@ -48,12 +48,12 @@ def _sibling_sets(model: nn.Module):
                 yield members
 
 
-def _group(members: list[nn.Module], stack: bool, enabled: bool) -> SiblingGroup:
-    for m in members:  # a dormant group of these members makes way
+def _group(members: list[nn.Module], stack: bool, enabled: bool) -> SiblingSet:
+    for m in members:  # a dormant set of these members makes way
         if m.quads_group is not None:
             m.quads_group.dissolve()
     first = members[0]
-    group = SiblingGroup(first.quads_backend, first.quads_act, [m.weight.shape[0] for m in members], members,
+    group = SiblingSet(first.quads_backend, first.quads_act, [m.weight.shape[0] for m in members], members,
                          enabled=enabled)
     if stack and all(m.bias is None for m in members):
         views = group.stack([m.quads_prepared_weights()[0] for m in members],
@@ -65,9 +65,9 @@ def _group(members: list[nn.Module], stack: bool, enabled: bool) -> SiblingGroup
 
 
 def fuse_projections_(model: nn.Module) -> int:
-    """Group the sibling projections of every module of ``model`` (see the module doc): one
-    activation quantization per input, and one stacked GEMM where the backend has one. Returns
-    the number of groups made (sets already grouped are left as they are; dormant groups of
+    """One :class:`SiblingSet` for the sibling projections of every module of ``model`` (see the
+    module doc): one activation quantization per input, and one stacked GEMM where the backend has
+    one. Returns the number of sets made (sets already made are left as they are; dormant ones of
     :func:`sibling_groups_` are replaced). Modules that do not qualify (not rollout linears, a
     calibrated residual mask, different backends or configurations) are left as they are."""
     if not isinstance(model, nn.Module):
@@ -81,15 +81,15 @@ def fuse_projections_(model: nn.Module) -> int:
 
 
 def unfuse_projections_(model: nn.Module) -> int:
-    """Undo :func:`fuse_projections_` (and :func:`sibling_groups_`); returns the number of groups dissolved."""
+    """Undo :func:`fuse_projections_` (and :func:`sibling_groups_`); returns the number of sets dissolved."""
     seen = {id(m.quads_group): m.quads_group for m in model.modules() if getattr(m, "quads_group", None) is not None}
     for g in seen.values():
         g.dissolve()
     return len(seen)
 
 
-def sibling_groups_(model: nn.Module) -> list[SiblingGroup]:
-    """Every sibling group of ``model``, making dormant ones (quantization sharing, no stacked
+def sibling_groups_(model: nn.Module) -> list[SiblingSet]:
+    """Every sibling set of ``model``, making dormant ones (quantization sharing, no stacked
     layout, off until :func:`~quads.ops.sibling_linear.enabled_groups`) for sibling sets not
     grouped yet."""
     groups = {}

@@ -125,7 +125,7 @@ class RolloutModule(QuadsModule):
         self.quads_prepared = tuple(prepared)
         self._quads_prepared_versions = (self.quads_backend, self._quads_versions())
         group = getattr(self, "quads_group", None)
-        if group is not None:  # sibling projections (quads.ops.sibling_linear)
+        if group is not None:  # sibling projections (quads.ops.sibling_linear.SiblingSet)
             i = self.quads_group_index
             if group.backend is self.quads_backend and group.holds(i, self.quads_prepared[0]):
                 group.write_scale(i, self.weight.global_encode_scale)
@@ -240,7 +240,7 @@ class RolloutLinear(RolloutModule):
     quads_packed_names = ("weight",)
     #: calibrated channel mask (K,) for residual_selection="static", else None
     quads_static_mask: torch.Tensor | None = None
-    #: the sibling group (:class:`~quads.ops.sibling_linear.SiblingGroup`) this linear belongs to, if any
+    #: the sibling set (:class:`~quads.ops.sibling_linear.SiblingSet`) this linear belongs to, if any
     quads_group = None
     quads_group_index = 0
     #: the siblings sharing this weight's NVFP4 global scale (group mode,
@@ -256,15 +256,18 @@ class RolloutLinear(RolloutModule):
                                                            prepared))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The sibling group (one quantization for q/k/v, gate/up), else this linear's kernel."""
-        if self.quads_group is not None:
-            y = self.quads_group.forward(self.quads_group_index, x)
+        """This linear's kernel; in a sibling set (q/k/v, gate/up) first the set's kernel: this
+        linear's columns of the stacked GEMM, or the input's operands computed once for all."""
+        siblings = self.quads_group
+        if siblings is not None and (kernel := siblings.kernel()) is not None:
+            y, operands = kernel.apply(x, self.quads_group_index)
             if y is not None:
                 return y
+            return self.quads_kernel().apply(x, self.bias, operands)
         return self.quads_kernel().apply(x, self.bias)
 
     def quads_sibling_inputs(self) -> tuple:
-        """(linear kernel, bias) as the sibling group computes with them."""
+        """(linear kernel, bias) as the sibling set computes with them."""
         return self.quads_kernel(), self.bias
 
     def quads_unstack(self, view) -> None:

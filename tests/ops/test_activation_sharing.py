@@ -1,4 +1,4 @@
-"""One activation quantization for sibling linears (quads.ops.sibling_linear.SiblingGroup).
+"""One activation quantization for sibling linears (quads.ops.sibling_linear.SiblingSet).
 
 Kernels run under the Triton interpreter (tests/conftest.py). Counted: calls of the fused row
 quantizer (one launch each on the GPU) per forward; checked: outputs bit-identical to no sharing.
@@ -16,7 +16,7 @@ import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper
 from quads.engine import GraphedDecoder, SamplingSpec
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel
-from quads.ops.sibling_linear import SiblingGroup, enabled_groups
+from quads.ops.sibling_linear import SiblingSet, enabled_groups
 from quads.policies.fused_projections import share_quantization
 from quads.tensor.nvfp4_math import NVFP4Parts
 from tests.tiny_models import build
@@ -152,7 +152,7 @@ class _Counting(Backend):
 
 
 class _Member:
-    """A stand-in sibling module: what a SiblingGroup asks of its members."""
+    """A stand-in sibling module: what a SiblingSet asks of its members."""
 
     quads_group = None
     quads_group_index = 0
@@ -168,7 +168,7 @@ class _Member:
 def _group(k, enabled=True):
     backend = _Counting()
     members = [_Member(backend, 8, k), _Member(backend, 8, k)]
-    return backend, SiblingGroup(backend, ActivationQuant(), [8, 8], members, enabled=enabled)
+    return backend, SiblingSet(backend, ActivationQuant(), [8, 8], members, enabled=enabled)
 
 
 def test_hits_need_the_same_tensor_and_version():

@@ -9,17 +9,17 @@ checkpoint's ``config.json`` (or ``hf_overrides``) with the rollout keys of :cla
   through the layer's backend (chosen there once, ``layer.quads_backend``), so ``DQ(engine weight)
   == nvfp4_fake_quantize(master)`` bit for bit, and keeps only the packed parts (``weight``,
   ``weight_scale``, ``weight_global_scale``; MoE: ``w13_*``/``w2_*``, one global scale per expert).
-* **Merged layers** (``qkv_proj``, ``gate_up_proj``) are packed per logical weight with the
-  sibling group's global scale (``weight_global_scale="group"``) or their own (``"tensor"``); the
-  forward quantizes the activation once and runs each shard's kernel: the transformers rollout
-  model's computation. MoE ``w13_weight`` is transformers 5's ``gate_up_proj`` layout.
-* **Forward**: the layer backend's kernels (``Backend.linear_kernel``, ``Backend.experts_kernel``),
-  W4A4 + residual, or W4A16 with ``activations="bf16"``.
+* **Merged layers** (``qkv_proj``, ``gate_up_proj``): packed per logical weight with the group's
+  global scale (``weight_global_scale="group"``) or their own (``"tensor"``), served by one
+  :class:`~quads.ops.sibling_linear.SiblingSet`: the operands once, one GEMM over the stacked
+  shards where the backend has one, else each shard's kernel: the transformers rollout's bits.
+* **Forward**: the layer's kernels, made after loading (``Backend.linear_kernel``, the set's;
+  ``Backend.experts_kernel``), W4A4 + residual, or W4A16 with ``activations="bf16"``.
 * **Not quantized** (as on the trainer side, :mod:`quads.policies.scope`): embeddings, ``lm_head``,
   MoE routers, ``extra_skip_patterns``, every linear with ``scope="routed_experts"``, and the
   ``skip_first_layers`` / ``skip_last_layers`` decoder layers: vLLM's unquantized methods run them.
-* **Weight reload**: vLLM calls ``process_weights_after_loading`` again and copies the packed
-  result into the existing storage: reload-safe with no extra work.
+* **Weight reload**: vLLM reprocesses fresh parameters and copies the result into the existing
+  storage; layouts are rewritten in place, the kernels remade once over the restored parameters.
 
 Limits: tensor/expert parallel size 1 (global scales are per whole logical weight),
 ``residual_selection="per_token"`` only, linear inputs a multiple of 16.
@@ -43,6 +43,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
 from quads.ops.linear import linear_op_args
+from quads.ops.sibling_linear import SiblingSet
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight
 from quads.policies.scope import boundary_layer, layer_index
@@ -334,9 +335,44 @@ class QuadsLinearMethod(LinearMethodBase):
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
-        # each shard's kernel made once here: what it builds (humming's W4A16 layers) exists before a trace
-        for p, prepared in zip(packed, layer.quads_prepared):
-            layer.quads_backend.linear_kernel(LinearArgs(p.parts, self.config.activation_quant, None, prepared))
+        if len(packed) > 1:
+            self._stack_shards(layer, packed)
+        if layer.__dict__.pop("quads_kernels", None) is None:  # a reload: remade over the restored parameters
+            self.kernels(layer)
+
+    def _stack_shards(self, layer: torch.nn.Module, packed: list[NVFP4Tensor]) -> None:
+        """The merged layer's :class:`SiblingSet` (``layer.quads_siblings``): the shards' layouts
+        stacked where the backend has a stacked GEMM (their views become ``layer.quads_prepared``,
+        rewritten in place by a reload), their global scales mirrored per row."""
+        siblings = layer.__dict__.get("quads_siblings")
+        if siblings is not None and siblings.backend is layer.quads_backend and all(
+                siblings.holds(i, p) for i, p in enumerate(layer.quads_prepared)):
+            for i, p in enumerate(packed):
+                siblings.write_scale(i, p.global_encode_scale)
+            return
+        siblings = SiblingSet(layer.quads_backend, self.config.activation_quant, layer.quads_output_partition_sizes)
+        views = siblings.stack(layer.quads_prepared, [p.global_encode_scale for p in packed])
+        if views is not None:
+            layer.quads_prepared = tuple(views)
+        layer.quads_siblings = siblings
+
+    def kernels(self, layer: torch.nn.Module) -> tuple[list, Any]:
+        """``(one linear kernel per shard, the merged layer's sibling kernel or None)``: made after
+        loading, and again only when one of their sources was replaced (backend, a parameter, a
+        prepared layout: vLLM's reload processes fresh parameters, then puts the originals back)."""
+        sources = (layer.quads_backend, layer.weight, layer.weight_scale, layer.weight_global_scale,
+                   *layer.quads_prepared)
+        held = layer.__dict__.get("quads_kernels")
+        if held is None or len(held[0]) != len(sources) or any(a is not b for a, b in zip(held[0], sources)):
+            act, kernels, start = self.config.activation_quant, [], 0
+            for i, n in enumerate(layer.quads_output_partition_sizes):
+                parts = NVFP4Parts(layer.weight[start:start + n], layer.weight_scale[start:start + n],
+                                   layer.weight_global_scale[i])
+                kernels.append(layer.quads_backend.linear_kernel(LinearArgs(parts, act, None, layer.quads_prepared[i])))
+                start += n
+            siblings = layer.__dict__.get("quads_siblings")
+            held = layer.quads_kernels = (sources, (kernels, None if siblings is None else siblings.kernel()))
+        return held[1]
 
     def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         """The packed logical weights of ``layer`` (views of its parameters)."""
@@ -358,14 +394,17 @@ class QuadsLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # vLLM's default engine: torch.compile + CUDA graphs
             return compiled_shard_linear(layer, x, bias, self.config.activation_quant)
-        if len(layer.quads_output_partition_sizes) == 1:  # one weight: its kernel
-            (prepared,) = getattr(layer, "quads_prepared", None) or (None,)
-            (shard,) = self.shards(layer)
-            kernel = layer.quads_backend.linear_kernel(LinearArgs(shard.parts, self.config.activation_quant, None,
-                                                                  prepared))
-            return kernel.apply(x, bias)
-        return shard_linear(x, self.shards(layer), bias, self.config.activation_quant, layer.quads_backend,
-                            getattr(layer, "quads_prepared", None))
+        kernels, siblings = self.kernels(layer)
+        if siblings is None:  # one weight: its kernel
+            return kernels[0].apply(x, bias)
+        y, operands = siblings.apply(x, bias=bias)  # the operands once; the stacked GEMM where it runs
+        if y is not None:
+            return y
+        sizes = layer.quads_output_partition_sizes
+        biases = [None] * len(sizes) if bias is None else bias.split(sizes)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.cat([k.apply(x2, b, operands) for k, b in zip(kernels, biases)], dim=-1)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def shard_linear(
@@ -376,12 +415,13 @@ def shard_linear(
     backend: Backend | None = None,
     prepared: tuple | None = None,
 ) -> torch.Tensor:
-    """``cat_i`` of each shard's linear kernel on ``x`` (with its bias) along the output dim.
+    """``cat_i`` of each shard's linear kernel on ``x`` (with its bias) along the output dim, for
+    callers that keep no kernels (a layer's forward uses those made at loading).
 
-    The shards read one input: the backend's ``activation_operands`` are computed once and every
+    The shards read one input: a :class:`SiblingSet`'s kernel computes the operands once and every
     shard's kernel runs on them (the bits of one call per shard: the quantization depends on ``x``
-    only). ``backend``: the layer's (stored at weight loading); None picks one for ``x``'s device.
-    ``prepared``: one ``backend.prepare_weight`` result per shard (None: built per call).
+    only). ``backend``: None picks one for ``x``'s device. ``prepared``: one
+    ``backend.prepare_weight`` result per shard (None: built per call).
     """
     backend = backend or select_backend(x.device)
     prepared = prepared or (None,) * len(shards)
@@ -389,9 +429,9 @@ def shard_linear(
     if len(shards) == 1:
         return kernels[0].apply(x, bias)
     sizes = [s.shape[0] for s in shards]
+    _, operands = SiblingSet(backend, act, sizes).kernel().apply(x)
     biases = [None] * len(shards) if bias is None else list(bias.split(sizes))
     x2 = x.reshape(-1, x.shape[-1])
-    operands = backend.activation_operands(x2, act)
     outs = [k.apply(x2, b, operands) for k, b in zip(kernels, biases)]
     return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], sum(sizes))
 
