@@ -9,9 +9,11 @@ and never guesses. ``bf16`` is the reference (speed 1 by definition).
 
 Filled from ``python -m benchmarks.rl.rl_step`` on the H200 (``docs/engine.md`` section 6): one
 GRPO step of ``QuadsGRPOTrainer`` (64 sequences of 64 + 192 tokens) on models whose GEMMs bound the
-step, every plan on its default exact kernels with FP32 masters under BF16 autocast (the example's
-recipe), against BF16 with BF16 parameters (the fair peer: transformers' ``grouped_mm`` experts
-are not autocast), median of 3 steps after one warm-up, one process:
+step, against BF16 with BF16 parameters (the fair peer: transformers' ``grouped_mm`` experts are
+not autocast), median of 3-5 steps after one warm-up, one process. Each entry is the plan's
+fastest measured configuration, named in its source: the kernel (``exact``, or ``fast``:
+humming's GEMMs, ``QuadsPolicy(kernel="fast")``) and the trainer's parameters (FP32 masters under
+BF16 autocast, the example's recipe, or BF16 parameters as the peer's):
 
 * ``("hopper", "moe")``: Qwen3-MoE, 4 layers, hidden 2048, 64 experts top-6 of width 1408;
 * ``("hopper", "dense")``: Qwen3, 6 layers, hidden 3072, MLP 8192. The plans with a W4A4 QAT
@@ -48,8 +50,12 @@ class StepTime:
         return self.bf16_s / self.plan_s
 
 
-_RL_STEP_MOE = "results/h200_2026-12-03_rl_step/rl_step/moe.json (Qwen3-MoE 2.4B, H200)"
-_RL_STEP_DENSE = "results/h200_2026-12-03_rl_step/rl_step/dense.json (Qwen3 dense 0.8B, H200)"
+_RL_STEP_MOE = "results/h200_2026-12-03_rl_step/rl_step/moe.json (Qwen3-MoE 2.4B, H200, exact kernels, FP32 masters)"
+_RL_STEP_DENSE = "results/h200_2026-12-03_rl_step/rl_step/dense.json (Qwen3 dense 0.8B, H200, exact kernels, FP32 masters)"
+_RL_STEP_MOE_FINAL = ("results/h200_2026-12-04_rl_step_profile/final_repeat/rl_step.json (Qwen3-MoE 2.4B, H200, "
+                      "kernel='fast', BF16 parameters; the mean of its two bf16@bf16 / quads-experts-fast@bf16 pairs)")
+_RL_STEP_MOE_W4A16 = ("results/h200_2026-12-04_rl_step_profile/moe/rl_step.json (Qwen3-MoE 2.4B, H200, kernel='fast', "
+                      "BF16 parameters)")
 
 PLAN_SPEEDS: dict[tuple[str, str], dict[str, StepTime]] = {
     ("hopper", "dense"): {
@@ -58,7 +64,8 @@ PLAN_SPEEDS: dict[tuple[str, str], dict[str, StepTime]] = {
     },
     ("hopper", "moe"): {
         "quads": StepTime(0.830, 0.849, _RL_STEP_MOE),
-        "quads-experts": StepTime(0.788, 0.849, _RL_STEP_MOE),
+        "quads-experts": StepTime(0.678, 0.8147, _RL_STEP_MOE_FINAL),
+        "w4a16-experts": StepTime(0.768, 0.860, _RL_STEP_MOE_W4A16),
     },
     ("blackwell", "dense"): {},
     ("blackwell", "moe"): {},
