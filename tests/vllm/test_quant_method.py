@@ -8,7 +8,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from _support import agreement, make_llm, release  # noqa: E402
+from _support import agreement, greedy, make_llm, release  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import quads  # noqa: E402
@@ -100,6 +100,24 @@ def test_loads_and_weights_equal_trainer_fake_quant(engine):
     if kind == "qwen3_moe":
         gate = vm.model.layers[0].mlp.gate
         assert type(gate.quant_method).__name__ == "UnquantizedLinearMethod"
+
+
+def test_moe_kernel_is_made_at_loading_not_per_forward(engine, monkeypatch):
+    """Each MoE layer's experts kernel exists after loading and generation constructs none."""
+    from quads.ops.experts import ExpertsKernel
+
+    kind, llm, _, _ = engine
+    if kind != "qwen3_moe":
+        pytest.skip("a dense model has no MoE layer")
+    layers = [m for m in engine_model(llm).modules() if isinstance(getattr(m, "quant_method", None), QuadsFusedMoEMethod)]
+    assert layers and all("quads_experts_kernel" in m.__dict__ for m in layers)
+    kernels = [m.quant_method.experts_kernel(m) for m in layers]
+    made = []
+    real_init = ExpertsKernel.__init__
+    monkeypatch.setattr(ExpertsKernel, "__init__", lambda self, *a, **k: made.append(1) or real_init(self, *a, **k))
+    greedy(llm, max_tokens=3)
+    assert made == []
+    assert all(m.quant_method.experts_kernel(m) is k for m, k in zip(layers, kernels))
 
 
 @torch.no_grad()

@@ -541,6 +541,25 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             gate_up, down = self.packed_weights(layer)
             layer.quads_prepared = layer.quads_backend.refresh_prepared(
                 getattr(layer, "quads_prepared", ()), [gate_up.parts, down.parts])
+            self.experts_kernel(layer)  # made now (a reload's fresh parameters: remade once, see below)
+
+    def experts_kernel(self, layer: torch.nn.Module):
+        """The layer's experts kernel: made after loading, again only when one of its sources was
+        replaced (the backend, a parameter, a prepared layout: vLLM's reload processes fresh
+        parameters, then puts the originals back). Plain parts, no NVFP4Tensor: ``apply`` also
+        runs inside vLLM's torch.compile (see :func:`compiled_shard_linear`)."""
+        prepared = getattr(layer, "quads_prepared", (None, None))
+        sources = (layer.quads_backend, layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_global_scale,
+                   layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_global_scale, *prepared)
+        held = layer.__dict__.get("quads_experts_kernel")
+        if held is None or len(held[0]) != len(sources) or any(a is not b for a, b in zip(held[0], sources)):
+            gate_up = NVFP4Parts(*sources[1:4])
+            down = NVFP4Parts(*sources[4:7])
+            act = self.config.activation_quant
+            kernel = layer.quads_backend.experts_kernel(LinearArgs(gate_up, act, None, prepared[0]),
+                                                        LinearArgs(down, act, None, prepared[1]))
+            held = layer.quads_experts_kernel = (sources, kernel)
+        return held[1]
 
     def packed_weights(self, layer: torch.nn.Module) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         dtype = layer.quads_orig_dtype
@@ -565,13 +584,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         # Shared experts (if any) run in vLLM's MoE runner (no overlap without a modular kernel).
         if layer.apply_router_weight_on_input:
             raise NotImplementedError("quads: apply_router_weight_on_input MoE models are not supported")
-        # Plain parts, no NVFP4Tensor: this runs inside vLLM's torch.compile (see compiled_shard_linear)
-        gate_up = NVFP4Parts(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_global_scale)
-        down = NVFP4Parts(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_global_scale)
-        act, prepared = self.config.activation_quant, getattr(layer, "quads_prepared", (None, None))
-        kernel = layer.quads_backend.experts_kernel(LinearArgs(gate_up, act, None, prepared[0]),
-                                                    LinearArgs(down, act, None, prepared[1]))
-        return kernel.apply(x, topk_ids.long(),
+        return self.experts_kernel(layer).apply(x, topk_ids.long(),
                             topk_weights.to(x.dtype),  # as transformers' routers hand them to the experts
                             self._apply_gate, (getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)))
 
