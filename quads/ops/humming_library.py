@@ -119,18 +119,17 @@ def _check_parts(qdata: torch.Tensor, scale: torch.Tensor, global_encode_scale: 
 
 def max_row_l1(scale: torch.Tensor) -> torch.Tensor:
     """``96 * max_n sum_b s_nb`` (fp32, per expert or (1,)): the largest row's bound on
-    ``sum_k |w_nk| * S_w``, what :func:`output_shift` scales (one pass over the scales)."""
+    ``sum_k |w_nk| * S_w``, what :func:`output_shift` scales."""
     return (E2M1_BLOCK_L1_MAX * scale.to(torch.float32).sum(dim=-1)).amax(dim=-1).reshape(-1)
 
 
-def output_shift(scale: torch.Tensor, global_encode_scale: torch.Tensor, operand_max: float,
-                 row_l1_max: torch.Tensor | None = None) -> torch.Tensor:
+def output_shift(scale: torch.Tensor, global_encode_scale: torch.Tensor,
+                 operand_max: float | torch.Tensor) -> torch.Tensor:
     """``c`` (fp32, per expert or (1,)): the power of two of the module doc's output-range rule
     for operands with ``|a| <= operand_max``: the smallest ``c >= 0`` with
-    ``operand_max * 96 * max_n sum_b s_nb / S_w / 2^c <= 2^15``. Computed on the device;
-    ``row_l1_max``: :func:`max_row_l1` of ``scale`` when already computed."""
-    if row_l1_max is None:
-        row_l1_max = max_row_l1(scale)
+    ``operand_max * 96 * max_n sum_b s_nb / S_w / 2^c <= 2^15``. Computed on the device, one pass
+    over the scales; ``operand_max`` a (ranges, 1) fp32 tensor: every range at once, (ranges, experts)."""
+    row_l1_max = max_row_l1(scale)
     bound = operand_max * row_l1_max / global_encode_scale.reshape(-1).to(torch.float32)
     c = torch.ceil(torch.log2(torch.clamp(bound / FP16_OUTPUT_LIMIT, min=1.0)))
     return torch.nan_to_num(c, nan=0.0, posinf=0.0)  # inf/NaN weights: the output is inf/NaN anyway
@@ -326,23 +325,29 @@ class HummingNVFP4:
         return layer
 
     def _write_scales(self, scale, gs):
+        """Each operand range's ``c``, ``weight_scale_2 = 2^-c / S_w`` and ``2^c`` (module doc, **Output
+        range**), every range in one pass: the per-range tensors are rows of one tensor each,
+        rewritten in place (captured graphs read these addresses)."""
+        names = list(self.operand_max)
+        shifted = [i for i, name in enumerate(names) if self.operand_max[name] is not None]
+        gs32 = gs.reshape(-1).to(torch.float32)
+        c = torch.zeros(len(names), 1, device=self.device)
+        if shifted:  # one shift for all experts (the epilogue's 2^c does not depend on the row's expert)
+            amax = torch.tensor([[self.operand_max[names[i]]] for i in shifted], dtype=torch.float32,
+                                device=self.device)
+            c[shifted] = output_shift(scale, gs, amax).amax(dim=-1, keepdim=True)  # (ranges, experts) -> (ranges, 1)
         one = torch.ones(1, dtype=torch.float32, device=self.device)
-        shifted = [amax for amax in self.operand_max.values() if amax is not None]
-        row_l1_max = max_row_l1(scale) if shifted else None  # one pass over the scales for every range
-        for name, amax in self.operand_max.items():
-            # one shift for all experts (the epilogue's 2^c does not depend on the row's expert)
-            if amax is None:
-                c = torch.zeros(1, device=self.device)
-            else:
-                c = output_shift(scale, gs, amax, row_l1_max).amax().reshape(1)
-            ws2 = one / gs.reshape(-1).to(torch.float32) * torch.exp2(-c)
-            unshift = torch.exp2(c)
-            if name in self.ws2:  # in place: captured graphs read these addresses
-                self.shift[name].copy_(c)
-                self.ws2[name].copy_(ws2)
-                self.unshift[name].copy_(unshift)
-            else:
-                self.shift[name], self.ws2[name], self.unshift[name] = c, ws2.contiguous(), unshift
+        ws2 = one / gs32 * torch.exp2(-c)  # (ranges, experts or 1)
+        unshift = torch.exp2(c)
+        if self.ws2:  # in place
+            self._scales[0].copy_(c)
+            self._scales[1].copy_(ws2)
+            self._scales[2].copy_(unshift)
+        else:
+            self._scales = (c, ws2.contiguous(), unshift)
+            self.shift = {name: c[i] for i, name in enumerate(names)}
+            self.ws2 = {name: self._scales[1][i] for i, name in enumerate(names)}
+            self.unshift = {name: unshift[i] for i, name in enumerate(names)}
 
     def refresh_(self, qdata, scale, global_encode_scale) -> None:
         """Rewrite the held layout from new parts of the same shapes, in place, on the device (module

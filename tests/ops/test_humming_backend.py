@@ -88,6 +88,28 @@ def test_output_shift_is_the_smallest_power_of_two_that_bounds_the_fp16_output(s
         assert bound / 2.0 ** (float(c) - 1) > hg.FP16_OUTPUT_LIMIT
 
 
+@pytest.mark.parametrize("shape,gran", [((64, 256), "tensor"), ((3, 128, 64), "expert")])
+def test_run_time_scales_are_each_ranges_shift_written_in_place(fake_humming, shape, gran):
+    """Every operand range's ``c`` (one pass for all ranges) is :func:`output_shift`'s for that range
+    alone, maxed over experts; ``weight_scale_2 = (1 / S_w) * 2^-c`` and ``2^c`` follow it; a refresh
+    rewrites them at the same addresses."""
+    ranges = {"unit": None, "w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
+    g = torch.Generator().manual_seed(2)
+    weights = [nvfp4_quantize(torch.randn(*shape, generator=g) * s, gran) for s in (0.01, 40.0)]
+    layer = hg.HummingNVFP4(*weights[0], dtype=torch.float16, operand_max=ranges)
+    ptrs = {name: (layer.ws2[name].data_ptr(), layer.unshift[name].data_ptr()) for name in ranges}
+    for w in weights:
+        layer.refresh_(*w)
+        assert ptrs == {name: (layer.ws2[name].data_ptr(), layer.unshift[name].data_ptr()) for name in ranges}
+        gs = w.global_encode_scale.reshape(-1).float()
+        for name, amax in ranges.items():
+            c = torch.zeros(1) if amax is None else hg.output_shift(w.scale, w.global_encode_scale, amax).amax().reshape(1)
+            assert torch.equal(layer.shift[name], c), name
+            assert torch.equal(layer.ws2[name], torch.ones(1) / gs * torch.exp2(-c)), name
+            assert torch.equal(layer.unshift[name], torch.exp2(c)), name
+    assert float(layer.shift["summed"]) > float(layer.shift["w4a4"]) > 0  # the last weight's ranges shift, apart
+
+
 # -- the kernels around the GEMM (interpreter) -------------------------------------------------------
 
 def test_sum_stacked_rows_is_one_rounding_of_the_fp32_sum():
