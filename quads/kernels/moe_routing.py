@@ -84,6 +84,7 @@ def moe_routing(flat: torch.Tensor, num_experts: int, top_k: int, method: str = 
     offsets, counts, order, token = buf[:e1], buf[e1:2 * e1], buf[2 * e1:2 * e1 + r], buf[2 * e1 + r:]
     block = triton.next_power_of_2(max(r, 16))
     bins = max(32, triton.next_power_of_2(num_experts + 2))
+    chunk = min(block, max(16, 8192 // block))  # (BLOCK, CHUNK) compares a step: 8192 up to 512 rows
     _moe_routing_kernel[(1,)](flat, r, num_experts, top_k, offsets, counts, order, token, BLOCK=block, BINS=bins,
-                              COUNT_RANKS=method == "count", CHUNK=16, num_warps=4 if block <= 1024 else 8)
+                              COUNT_RANKS=method == "count", CHUNK=chunk, num_warps=4 if block <= 1024 else 8)
     return order, counts, offsets, token
