@@ -24,7 +24,9 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
   reference loop, grouped rows == dense decode bits, the whole experts op captured in a CUDA graph;
 * Four Over Six (``block_scaling="4over6"``): the weight quantizer and the fused fake-quant pass
   bit-exact against the reference on the GPU (benchmark and SmolLM2 shapes, experts, adversarial
-  rows, a group's amax bits), the standard pass unchanged.
+  rows, a group's amax bits), the standard pass unchanged;
+* MoE routing: the one-launch kernel (both methods) == the torch ops (T=64 top-6 E=64, T=1,
+  T=256 top-8 E=128, sentinels, the size limit's fallback), CUDA-graph replay; all timed (µs).
 """
 
 from __future__ import annotations
@@ -635,10 +637,72 @@ def check_four_over_six():
         record(f"4over6 activations {cfg.residual_fraction}/{cfg.granularity} 4096x4096", ok)
 
 
+@check("moe_routing")
+def check_moe_routing():
+    """The one-launch routing kernel == Routing's torch ops on the GPU (decode sizes, sentinels),
+    replayed in a CUDA graph; the methods and the torch ops timed in CUDA graphs (µs printed, no bound)."""
+    from benchmarks.timing import graph_time
+    from quads.kernels import moe_routing as mr
+    from quads.ops import experts as ex
+
+    def routing(idx, e, kernel):
+        applies = ex._routing_kernel_applies
+        ex._routing_kernel_applies = applies if kernel else (lambda flat, n: False)
+        try:
+            return ex.Routing(idx, e)
+        finally:
+            ex._routing_kernel_applies = applies
+
+    def same(a, b):
+        return all(getattr(a, f).dtype == getattr(b, f).dtype and torch.equal(getattr(a, f), getattr(b, f))
+                   for f in ("order", "counts", "offsets", "token_of_row"))
+
+    for T, K, E in ((64, 6, 64), (1, 6, 64), (256, 8, 128), (128, 8, 128), (mr.MAX_ROWS // 8 + 1, 8, 128)):
+        g = torch.Generator(device="cuda").manual_seed(T * K + E)
+        sets = []
+        for s in range(4):
+            idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
+            if s == 1:  # expert-parallel sentinels mixed in
+                idx = torch.where(torch.rand(T, K, device="cuda", generator=g) < 0.2, -1, idx)
+                idx[0, 0] = E
+            sets.append(idx)
+        fits = mr.routing_fits(T * K, E)
+        ok = ex._routing_kernel_applies(sets[0].reshape(-1), E) == fits  # the kernel where it fits, on CUDA
+        ok = ok and all(same(routing(i, E, True), routing(i, E, False)) for i in sets)
+        record(f"moe_routing T={T} top{K} E={E} ({'kernel' if fits else 'torch ops'}) == torch ops", ok)
+        if not fits:
+            continue
+        other = "sort" if mr.METHOD == "count" else "count"
+        ok = True
+        for i in sets:
+            order, counts, offsets, token = mr.moe_routing(i.reshape(-1), E, K, other)
+            ref = routing(i, E, False)
+            ok = ok and all(torch.equal(a, b) for a, b in zip((order, counts[:E], offsets, token), (
+                ref.order, ref.counts, ref.offsets, ref.token_of_row)))
+        record(f"moe_routing T={T} top{K} E={E} method {other} == torch ops", ok)
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st):
+            routing(sets[1], E, True)
+        torch.cuda.current_stream().wait_stream(st)
+        gph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gph, stream=st):
+            rg = routing(sets[1], E, True)
+        gph.replay()
+        torch.cuda.synchronize()
+        record(f"moe_routing T={T} top{K} E={E} CUDA-graph replay == torch ops", same(rg, routing(sets[1], E, False)))
+        us = {mr.METHOD: graph_time([lambda i=i: routing(i, E, True) for i in sets]),
+              other: graph_time([lambda i=i: mr.moe_routing(i.reshape(-1), E, K, other) for i in sets]),
+              "torch ops": graph_time([lambda i=i: routing(i, E, False) for i in sets])}
+        print(f"   moe_routing T={T} top{K} E={E} (us per call, CUDA graph): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
+
+
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
-          "humming": check_humming, "humming_compiled": check_humming_compiled, "four_over_six": check_four_over_six}
+          "humming": check_humming, "humming_compiled": check_humming_compiled, "four_over_six": check_four_over_six,
+          "moe_routing": check_moe_routing}
 
 
 def main():

@@ -13,12 +13,12 @@ launch lives in that op's file under :mod:`quads.ops`.
 * :mod:`.w4a4_gemm_hopper` -- its prefill twin (many tokens: one walk over K of the decoded fp16
   weight, the same segment order and bits);
 * :mod:`.moe_grouped_gemm` -- the grouped twin over packed 3-D experts, driven by top-k routing;
+  :mod:`.moe_routing` -- that routing (rows grouped by expert) in one launch for decode sizes;
 * :mod:`.hopper_weight_layout` -- the weight layout those GEMMs read: its torch reference, the
   kernel that builds it from the packed parts (weight sync); :mod:`.hopper_weight_decode` -- its
   in-register decode inside the GEMMs;
 * :mod:`.blackwell` -- native FP4 through ``torch._scaled_mm`` (written, NOT RUN);
-* :mod:`.fp16_operand`, :mod:`.arrival_counters` -- W4A16's fp16 activation operand; the split-K
-  kernels' arrival counters;
+* :mod:`.fp16_operand`, :mod:`.arrival_counters` -- W4A16's fp16 operand; split-K arrival counters;
 * :mod:`._interpreter` -- the ``TRITON_INTERPRET=1`` (CPU test) helpers; under the interpreter the
   ``pick_*`` configs are the GPU's on smaller tiles (tests/kernels/test_kernel_configs.py).
 

@@ -40,13 +40,23 @@ ExpertMLP = Callable[[torch.Tensor, int], torch.Tensor]
 
 class Routing:
     """(token, choice) rows grouped by expert: ``order`` (sorted position -> flat row),
-    ``offsets`` (E+1,) int32 bounds of each expert's rows, ``token_of_row`` (sorted position ->
-    token). Ids outside ``[0, E)`` (expert-parallel sentinels) sort last and belong to no expert."""
+    ``offsets`` (E+1,) int64 bounds of each expert's rows, ``token_of_row`` (sorted position ->
+    token). Ids outside ``[0, E)`` (expert-parallel sentinels) sort last and belong to no expert.
+    On CUDA a problem one program holds (decode) is one Triton launch
+    (:mod:`quads.kernels.moe_routing`), otherwise torch ops; the same bits either way."""
 
     __slots__ = ("order", "counts", "offsets", "token_of_row", "num_rows", "top_k")
 
     def __init__(self, top_k_index: torch.Tensor, num_experts: int):
         flat = top_k_index.reshape(-1)
+        self.top_k = top_k_index.shape[-1]
+        self.num_rows = flat.numel()
+        if _routing_kernel_applies(flat, num_experts):
+            from quads.kernels.moe_routing import moe_routing
+
+            self.order, counts, self.offsets, self.token_of_row = moe_routing(flat, num_experts, self.top_k)
+            self.counts = counts[:num_experts]
+            return
         valid = (flat >= 0) & (flat < num_experts)
         key = torch.where(valid, flat, num_experts)
         self.order = torch.argsort(key, stable=True)
@@ -56,9 +66,7 @@ class Routing:
         # exclusive prefix sum over the E+1 counts (the sentinels' last): 0, c0, c0+c1, ... (exact
         # int64); two kernels, no zero-filled buffer and slice assignment (host time per call)
         self.offsets = torch.cumsum(counts, 0) - counts
-        self.top_k = top_k_index.shape[-1]
         self.token_of_row = self.order // self.top_k
-        self.num_rows = flat.numel()
 
     @classmethod
     def of_rows(cls, rows: torch.Tensor | None, offsets: torch.Tensor, num_rows: int) -> "Routing":
@@ -68,6 +76,16 @@ class Routing:
         r.order = r.counts = r.top_k = None
         r.offsets, r.token_of_row, r.num_rows = offsets, rows, num_rows
         return r
+
+
+def _routing_kernel_applies(flat: torch.Tensor, num_experts: int) -> bool:
+    """The one-launch routing kernel: CUDA int64 ids one program holds, eagerly (compiled code
+    traces the torch ops); CPU tensors (the interpreter too) take the torch ops."""
+    if not flat.is_cuda or flat.dtype != torch.int64 or torch.compiler.is_compiling():
+        return False
+    from quads.kernels.moe_routing import routing_fits
+
+    return routing_fits(flat.numel(), num_experts)
 
 
 def route_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
