@@ -20,6 +20,8 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
   product, the in-place refresh bit-exact against a layout built from scratch (same addresses),
   the packed parts derived back from the layout, one layout per rollout module (<= 1.1x); under
   ``torch.compile`` (``quads::linear`` over the layouts) bit-equal to eager, before and after a sync;
+  a sibling set's one GEMM over its stacked weight (group mode) against the members' own GEMMs:
+  the stated bound, the bits compared, both timed under CUDA graphs (``humming_siblings``);
 * W4A16 decode vs the dense bf16 product; MoE experts (E=128 top-8 and E=8 top-2) vs the torch
   reference loop, grouped rows == dense decode bits, the whole experts op captured in a CUDA graph;
 * Four Over Six (``block_scaling="4over6"``): the weight quantizer and the fused fake-quant pass
@@ -537,6 +539,94 @@ def check_humming():
            lin.weight.kernel_layout is not None and ratio <= 1.1, f"{ratio:.5f}x")
 
 
+def _graph_us(fn, reps=200) -> float:
+    """Microseconds per replay of ``fn`` captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
+
+
+@check("humming_siblings")
+def check_humming_siblings():
+    """Sibling sets on humming (group mode: one global scale): one GEMM over the stacked weight
+    against each member's own GEMM on the same operands, at SmolLM2 (K=576) and Qwen3 dense
+    (K=3072) shapes, M = 1, 16, 64: each output within the stated bound of the exact path
+    (``bench_humming.bounds``), whether the bits equal the per-member GEMM's (reported), and the
+    time of both under CUDA graphs (the quantization included in both)."""
+    why = humming_unavailable()
+    if why:
+        RESULTS["humming_siblings"] = {"ok": True, "skipped": True, "detail": why}
+        print(f"[SKIP] humming_siblings: {why}", flush=True)
+        return
+    from benchmarks.ops.bench_humming import bounds
+    from quads.ops.backend_registry import LinearArgs
+    from quads.ops.activation_quant import as_operands, operand_row_args
+    from quads.ops.humming_backend import (HummingBackend, HummingLinearKernel, humming_residual_layout,
+                                           humming_shape_problem)
+    from quads.ops.sibling_linear import SiblingSet
+    from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
+
+    act = ActivationQuant(residual_fraction=1.0)
+    g = torch.Generator(device="cuda").manual_seed(31)
+    sets = {"smollm2 q/k/v": (576, (576, 192, 192)), "smollm2 gate/up": (576, (1536, 1536)),
+            "qwen3 q/k/v": (3072, (3072, 1024, 1024)), "qwen3 gate/up": (3072, (8192, 8192))}
+    for mode in ("no_stream_k", "default"):
+        backend = HummingBackend(mode=mode, stack_siblings=True)
+        for name, (k, sizes) in sets.items():
+            problem = humming_shape_problem(sum(sizes), k) or next(
+                (humming_shape_problem(n, k) for n in sizes if humming_shape_problem(n, k)), None)
+            if problem:  # the exact Hopper kernels serve these weights (and stack them) on the humming backend
+                record(f"humming siblings {name}: not on humming", True, problem)
+                continue
+            masters = [(torch.randn(n, k, device="cuda", generator=g) * 0.02 * (i + 1)).bfloat16()
+                       for i, n in enumerate(sizes)]
+            shared = shared_global_encode_scale(masters)
+            parts = [nvfp4_quantize(w, None, shared) for w in masters]
+            prepared = [backend.prepare_weight(p) for p in parts]
+            siblings = SiblingSet(backend, act, sizes)  # a vLLM merged layer's form: apply(x) gives every column
+            siblings.stack(prepared, [shared] * len(sizes), shared_scale=True)
+            stack, kernel = siblings.stacked, siblings.kernel()
+            whole = NVFP4Parts(torch.cat([p.qdata for p in parts]), torch.cat([p.scale for p in parts]), shared)
+            each = [HummingLinearKernel(backend, LinearArgs(p, act, None, w)) for p, w in zip(parts, prepared)]
+            for hw in (stack.weight, *prepared):
+                hw.warmup(ms=(1, 16, 64))
+            for m in (1, 16, 64):
+                x = torch.randn(m, k, device="cuda", generator=g)
+                x[:, 3] *= 30.0
+                x = x.bfloat16()
+                y, _ = kernel.apply(x)
+                ops = as_operands(quantize_rows(x, **operand_row_args(x, act)), m)
+                ys = torch.cat([kern.apply(x, None, ops) for kern in each], dim=-1)
+                ref, b = bounds(x, whole, humming_residual_layout(m, backend.residual_layout, mode))
+                worst = float(((y.float() - ref).abs() / b.clamp(min=1e-30)).max())
+                worst_each = float(((ys.float() - ref).abs() / b.clamp(min=1e-30)).max())
+                t_one = _graph_us(lambda: kernel.apply(x))
+                t_each = _graph_us(lambda: [kern.apply(x, None, o) for o in [as_operands(
+                    quantize_rows(x, **operand_row_args(x, act)), m)] for kern in each])
+                shifts = [float(w.layer(torch.float16).shift["w4a4"]) for w in prepared]
+                shift = float(stack.weight.layer(torch.float16).shift["w4a4"])
+                record(f"humming siblings {name} {mode} M={m}: stacked GEMM within the stated bound",
+                       worst <= 1 and worst_each <= 1,
+                       f"max |err|/bound stacked {worst:.3f}, per member {worst_each:.3f}; bits == per member "
+                       f"{bits_equal(y, ys)}; shifts {shifts} -> {shift}; "
+                       f"graphs: stacked {t_one:.1f} us, per member {t_each:.1f} us")
+            del prepared, siblings, stack, kernel, each
+
+
 @check("humming_compiled")
 def check_humming_compiled():
     """``kernel="fast"`` under ``torch.compile`` (fullgraph, inductor): linears held in humming layouts
@@ -701,7 +791,8 @@ def check_moe_routing():
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
-          "humming": check_humming, "humming_compiled": check_humming_compiled, "four_over_six": check_four_over_six,
+          "humming": check_humming, "humming_compiled": check_humming_compiled,
+          "humming_siblings": check_humming_siblings, "four_over_six": check_four_over_six,
           "moe_routing": check_moe_routing}
 
 

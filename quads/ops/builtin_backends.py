@@ -87,7 +87,7 @@ class BlackwellBackend(HopperBackend):
 
     linear_kernel_class = BlackwellLinearKernel
 
-    def stack_prepared(self, prepared):
+    def stack_prepared(self, prepared, shared_scale=False):
         return None
 
 

@@ -6,20 +6,21 @@ W4A16 feeds the bf16/fp16 activations directly; W4A4 (+ residual) feeds quads' e
 rows, ``stacked`` (main then residual rows) or ``summed`` (``fp16(main + residual)``), and unscales
 the output rows (:class:`HummingLinearKernel` states the error bounds; docs/humming.md).
 
-``mode`` (``QUADS_HUMMING_MODE``): humming's kernel configuration
-(:data:`~quads.ops.humming_library.HUMMING_MODES`); ``"default"`` is humming's fastest
-(Stream-K: not deterministic run to run), kept because the deterministic modes measured 35-60%
-slower on the dense linears on the H200.
+``mode`` (``QUADS_HUMMING_MODE``, :data:`~quads.ops.humming_library.HUMMING_MODES`): ``"default"``
+is humming's fastest (Stream-K: not deterministic run to run; the deterministic modes measured
+35-60% slower on the dense linears on the H200).
 
 Experts (:class:`HummingExpertsKernel`): humming's grouped-contiguous MoE GEMM over quads' routing,
-the token rows quantized once and gathered per expert into the summed operand.
-Not on humming (the exact Hopper kernels serve them): weights with per-row global scales, experts
-with one global scale for all, fp32 activations, biased experts, ``"tensor"`` activation scales in
-experts; and weights of shapes humming cannot tile (:func:`humming_shape_problem`, the kernel choice).
+the token rows quantized once and gathered per expert into the summed operand. Sibling sets
+(:class:`HummingSiblingKernel`): one GEMM over a stacked copy of the members' layouts where they
+share one global scale (group mode). Not on humming (the exact Hopper kernels serve them): weights
+with per-row global scales, experts with one global scale for all, fp32 activations, biased
+experts, ``"tensor"`` activation scales in experts; weights of shapes humming cannot tile
+(:func:`humming_shape_problem`, the kernel choice).
 
-Weight memory: one humming layout per weight (1.0x the packed bytes), shared by the fp16 and bf16
-layers when their bits agree; :class:`HummingWeight` derives the packed parts back from it, so the
-layout is the rollout weight's storage (``NVFP4Tensor.to_layout_`` / ``write_parts_``). Under
+Weight memory: one humming layout per weight (1.0x the packed bytes; a sibling set's stacked copy
+once more), shared by the fp16 and bf16 layers; :class:`HummingWeight` derives the packed parts
+back from it, so the layout is the weight's storage (``NVFP4Tensor.to_layout_``). Under
 ``torch.compile`` ``quads::linear`` takes the layout's tensors (:attr:`HummingWeight.op_tensors`).
 """
 
@@ -37,10 +38,12 @@ from quads.ops.backend_registry import LinearArgs, LinearKernel, register_backen
 from quads.ops.builtin_backends import HopperBackend
 from quads.ops.experts import ExpertsKernel, HopperExpertsKernel, Routing, combine_top_k
 from quads.ops.linear import HopperLinearKernel, prepare_weight_hopper
+from quads.ops.sibling_linear import HopperSiblingKernel, stack_prepared_hopper
 from quads.tensor.nvfp4_math import NVFP4Parts
 
 __all__ = ["HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel", "HummingExpertsKernel",
-           "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS", "humming_residual_layout", "humming_shape_problem"]
+           "HummingSiblingKernel", "HummingStack", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
+           "humming_residual_layout", "humming_shape_problem", "stack_prepared_humming"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
 #: from this many tokens on, ``auto`` uses the summed operand (measured on the H200: stacked faster at
@@ -381,20 +384,135 @@ class HummingExpertsKernel(ExpertsKernel):
         return combine_top_k(x, route, top_k_weights, hidden)
 
 
+class HummingStack:
+    """Sibling weights sharing one global scale as one humming weight of N = the members' sum:
+    the set's own copy (humming's layout of the stacked weight is the members' layouts side by
+    side along its last dim, but a member's columns are not contiguous, which humming's GEMM and
+    repack need), so each member keeps its own layout and :meth:`write_member_` copies a
+    member's written layout into its columns. The output-range shift is the members' largest
+    (the stacked weight's own: the shift rises with the largest row sum, one global scale)."""
+
+    def __init__(self, weight: HummingWeight, members: list[HummingWeight], offsets: list[int]):
+        self.weight, self.members, self.offsets = weight, members, offsets
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def write_member_(self, i: int) -> None:
+        """Member ``i``'s layout (written by a sync) into its columns, in place; the shifts from all members'."""
+        dst, src = self.weight.layer(torch.float16), self.members[i].layer(torch.float16)
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        dst.layer.weight.data[..., 2 * lo:2 * hi].copy_(src.layer.weight.data)
+        dst.layer.weight_scale.data[..., lo:hi].copy_(src.layer.weight_scale.data)
+        gs = self.members[i].global_encode_scale
+        self.weight.global_encode_scale = gs
+        one = torch.ones(1, dtype=torch.float32, device=dst.ws2[next(iter(dst.ws2))].device)
+        for name in dst.ws2:
+            c = torch.stack([m.layer(torch.float16).shift[name].reshape(()) for m in self.members]).amax().reshape(1)
+            dst.shift[name].copy_(c)
+            dst.ws2[name].copy_(one / gs.reshape(-1).to(torch.float32) * torch.exp2(-c))
+            dst.unshift[name].copy_(torch.exp2(c))
+
+
+def _layer_fields(w: HummingWeight):
+    lay = w.layer(torch.float16)
+    return lay.layer.weight, lay.layer.weight_scale, getattr(lay.layer.humming_config, "should_apply_bs_on_c", None)
+
+
+def stack_prepared_humming(prepared, shared_scale: bool):
+    """A :class:`HummingStack` of sibling humming weights (one K, mode and device, humming's direct
+    layout, one global scale by construction: ``shared_scale``), and the members' own weights as
+    their views; None when they do not qualify."""
+    if not shared_scale or not all(isinstance(p, HummingWeight) and len(p.shape) == 2 for p in prepared):
+        return None
+    first = prepared[0]
+    if any(p.shape[1] != first.shape[1] or p.device != first.device or p.mode != first.mode
+           or p.rows_hint != first.rows_hint or not p.can_hold_parts for p in prepared):
+        return None
+    parts = [p.packed_parts() for p in prepared]  # transient: the stacked layout is built from them
+    weight = HummingWeight(NVFP4Parts(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]),
+                                      first.global_encode_scale), first.mode, first.rows_hint)
+    del parts
+    offsets = [0]
+    for p in prepared:
+        offsets.append(offsets[-1] + p.shape[0])
+    stacked = HummingStack(weight, list(prepared), offsets)
+    w, ws, on_c = _layer_fields(weight)
+    fields = [_layer_fields(p) for p in prepared]
+    if (not weight.can_hold_parts or any(f[2] != on_c for f in fields)
+            or tuple(w.shape[:-1]) != tuple(fields[0][0].shape[:-1]) or w.shape[-1] != 2 * offsets[-1]
+            or ws.shape[-1] != offsets[-1] or any(f[1].shape[-1] != p.shape[0] for f, p in zip(fields, prepared))):
+        return None  # not the column-concatenated layout the member writes rely on
+    for i in range(len(prepared)):
+        stacked.write_member_(i)  # the members' shifts (one for all)
+    return stacked, list(prepared)
+
+
+class HummingSiblingKernel(HopperSiblingKernel):
+    """The humming backend's sibling-set kernel: over a :class:`HummingStack`, for 16-bit inputs
+    where no member has a bias, the input quantized once and one humming GEMM over the stacked
+    weight (:class:`HummingLinearKernel`'s W4A4 steps and bits, inline: the launchers two calls
+    below a member's forward), its columns to the members; else the operands once
+    for the members' own kernels; over a Hopper-laid stack the Hopper decode GEMM
+    (:class:`~quads.ops.sibling_linear.HopperSiblingKernel`'s)."""
+
+    def __init__(self, siblings):
+        super().__init__(siblings)
+        self.layer = None
+        if isinstance(self.stacked, HummingStack):  # (a Hopper-laid stack: the Hopper decode GEMM)
+            self.layer, self.stacked = self.stacked.weight.layer(torch.float16), None
+
+    def apply(self, x, i=None, bias=None):
+        if self.layer is None or x.dtype not in HummingLinearKernel.humming_dtypes:
+            return super().apply(x, i, bias)
+        hit, key, biased = self.siblings.begin(i, x, bias)
+        if hit is not None:
+            return hit
+        from quads.kernels.humming_operands import unscale_rows
+        from quads.kernels.quantize_activations import quantize_rows
+
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        m, layer, act = x2.shape[0], self.layer, self.act
+        summed = act.has_residual and humming_residual_layout(m, self.backend.residual_layout, layer.mode) == "summed"
+        if summed and not (i is not None and biased):  # the quantization writes fp16(main + residual) itself
+            q = quantize_rows(x2, **summed_row_args(x2, act, None))
+            op, scale, stacked = q.summed_operand, per_row_scales(q.main.global_encode_scale, m), False
+        else:
+            ops = as_operands(quantize_rows(x2, **operand_row_args(x2, act)), m)
+            if i is not None and biased:  # the operands once, for the members' own kernels
+                return self.siblings.keep(i, key, x, None, ops)
+            stacked = ops.residual is not None
+            op, scale = (ops.stacked if stacked else ops.main), ops.main_scale
+        scaling = "summed" if summed else "w4a4"
+        y = unscale_rows(layer(op, scaling), m, layer.unshift[scaling], scale, bias, x2.dtype, stacked=stacked)
+        return self.siblings.keep(i, key, x, y, None)
+
+
 class HummingBackend(HopperBackend):
     """See the module doc. ``mode``/``residual_layout`` default to the env overrides, then
-    ``"default"``/``"auto"``."""
+    ``"default"``/``"auto"``; ``stack_siblings`` (``QUADS_HUMMING_STACK_SIBLINGS=1``, default off): a
+    sibling set of one global scale runs one GEMM over a stacked copy of its members' layouts
+    (:class:`HummingStack`: the members' bytes once more, and each member's output under the set's
+    output-range shift, within the bound, not the member GEMM's bits). Off until measured faster
+    on the GPU: it costs memory and moves bits."""
 
     name = "humming"
     fallback = "hopper"
     linear_kernel_class = HummingLinearKernel
     experts_kernel_class = HummingExpertsKernel
+    sibling_kernel_class = HummingSiblingKernel
 
     def shape_problem(self, n: int, k: int) -> str | None:
         return humming_shape_problem(n, k)
 
-    def __init__(self, mode: str | None = None, residual_layout: str = "auto"):
+    def __init__(self, mode: str | None = None, residual_layout: str = "auto", stack_siblings: bool | None = None):
         from quads.ops.humming_library import HUMMING_MODES
+
+        if stack_siblings is None:
+            stack_siblings = os.environ.get("QUADS_HUMMING_STACK_SIBLINGS", "0") == "1"
+        self.stack_siblings = stack_siblings
 
         self.mode = mode or os.environ.get("QUADS_HUMMING_MODE", "default")
         if self.mode not in HUMMING_MODES:
@@ -420,8 +538,11 @@ class HummingBackend(HopperBackend):
             return HummingWeight.from_op_fields(tensors, config, global_encode_scale, weight)
         return super().prepared_from_op(tensors, config, weight, global_encode_scale)
 
-    def stack_prepared(self, prepared):
-        return None  # no stacked humming GEMM yet: sibling sets share the quantization only
+    def stack_prepared(self, prepared, shared_scale=False):
+        """One humming weight over sibling humming weights of one global scale; siblings in the
+        Hopper layout (shapes humming cannot tile) stacked as on the Hopper backend."""
+        return (stack_prepared_humming(prepared, shared_scale and self.stack_siblings)
+                or stack_prepared_hopper(prepared))
 
     def linear_kernel(self, args: LinearArgs) -> LinearKernel:
         """:class:`HummingLinearKernel` for a weight humming serves (a humming layout, or none yet);

@@ -1,11 +1,12 @@
 """Sibling linears reading one input (q/k/v, gate/up): one activation quantization, one stacked GEMM.
 
-A :class:`SiblingSet` (one per parent) owns its members' stacked prepared weight (each member's
-own layout a view of it, written in place by every sync), the per-row weight global scales and
-one kernel (:class:`SiblingKernel`, the backend's ``sibling_kernel_class``), made when the
-members' weights are set. A member's forward calls ``kernel.apply(x, i)``: the input's GEMM
-operands once, then the stacked GEMM (few tokens, no biases: every output column with its own
-linear's bits) or the operands for each member's own kernel. A vLLM merged layer is a set
+A :class:`SiblingSet` (one per parent) owns its members' stacked prepared weight (Hopper: each
+member's own layout a view of it, written in place by every sync; humming: a copy each member
+write refreshes, ``stacked.write_member_``), the per-row weight global scales and one kernel
+(:class:`SiblingKernel`, the backend's ``sibling_kernel_class``), made when the members' weights
+are set. A member's forward calls ``kernel.apply(x, i)``: the input's GEMM operands once, then
+the stacked GEMM (Hopper: few tokens, no biases, every output column with its own linear's bits;
+humming: one global scale for all members) or the operands for each member's own kernel. A vLLM merged layer is a set
 without members (``apply(x)``: every column at once).
 
 Members called one by one share by input identity: each other member, called next with the same
@@ -64,13 +65,16 @@ class SiblingSet:
 
     # -- the stacked layout ----------------------------------------------------------------------
 
-    def stack(self, prepared: Sequence, global_scales: Sequence[torch.Tensor]) -> list | None:
+    def stack(self, prepared: Sequence, global_scales: Sequence[torch.Tensor],
+              shared_scale: bool = False) -> list | None:
         """Build the stacked layout from the members' prepared weights (copied in) and return
         the members' views of it (their prepared weights from now on, written in place by every
-        sync), or None where the backend has no stacked GEMM for them."""
+        sync), or None where the backend has no stacked GEMM for them. ``shared_scale``: the
+        members' weights share one global scale by construction (group mode), which a stacked
+        GEMM with one scale for all (humming's) needs."""
         if self.act is None or len(prepared) < 2:
             return None
-        made = self.backend.stack_prepared(prepared)
+        made = self.backend.stack_prepared(prepared, shared_scale)
         if made is None:
             return None
         self.stacked, self.views = made
@@ -81,17 +85,25 @@ class SiblingSet:
         return self.views
 
     def write_scale(self, i: int, global_encode_scale: torch.Tensor) -> None:
-        """Mirror member ``i``'s weight global scale into its rows of the per-row vector."""
+        """Member ``i``'s weight was written: mirror its global scale into its rows of the per-row
+        vector and, where the stacked layout is a copy (``stacked.write_member_``), its layout."""
         if self.row_scales is not None:
             lo, hi = self.offsets[i], self.offsets[i + 1]
             self.row_scales[lo:hi].copy_(global_encode_scale.reshape(1).float().expand(hi - lo))
+        write_member = getattr(self.stacked, "write_member_", None)
+        if write_member is not None:
+            write_member(i)
 
     def holds(self, i: int, prepared) -> bool:
         """Whether ``prepared`` is still member ``i``'s view of the stacked layout (a sync wrote it
         in place) or the set has no stacked layout."""
         if self.stacked is None:
             return True
-        return prepared is not None and prepared.values.data_ptr() == self.views[i].values.data_ptr()
+        view = self.views[i]
+        if prepared is view:
+            return True
+        return (prepared is not None and hasattr(view, "values") and hasattr(prepared, "values")
+                and prepared.values.data_ptr() == view.values.data_ptr())
 
     # -- the kernel ------------------------------------------------------------------------------
 
@@ -162,10 +174,11 @@ class SiblingSet:
         self._pending = None
 
     def dissolve(self) -> None:
-        """Members compute alone again (each gets its own copy of its stacked view)."""
+        """Members compute alone again (each gets its own copy of its stacked view; a stacked copy
+        (``stacked.write_member_``) is dropped, the members' own layouts kept)."""
         self._pending = None
         for i, m in enumerate(self.members):
-            if self.stacked is not None:
+            if self.stacked is not None and not hasattr(self.stacked, "write_member_"):
                 m.quads_unstack(self.views[i])
             m.quads_group, m.quads_group_index = None, 0
         self.members = []
@@ -232,7 +245,7 @@ def enabled_groups(sets: Sequence[SiblingSet]):
             g.drop_pending()
 
 
-def stack_prepared_hopper(prepared: Sequence):
+def stack_prepared_hopper(prepared: Sequence, shared_scale: bool = False):
     """The Hopper layouts of sibling weights (each N a multiple of 64, one K, one device) as one
     layout stacked along N, and each member's view of it; None when they do not qualify."""
     from quads.kernels.hopper_weight_layout import ROW_PAD, HopperWeight

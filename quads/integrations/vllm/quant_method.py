@@ -351,7 +351,8 @@ class QuadsLinearMethod(LinearMethodBase):
                 siblings.write_scale(i, p.global_encode_scale)
             return
         siblings = SiblingSet(layer.quads_backend, self.config.activation_quant, layer.quads_output_partition_sizes)
-        views = siblings.stack(layer.quads_prepared, [p.global_encode_scale for p in packed])
+        shared = self.config.policy.weight_global_scale == "group"  # one global scale for all shards
+        views = siblings.stack(layer.quads_prepared, [p.global_encode_scale for p in packed], shared_scale=shared)
         if views is not None:
             layer.quads_prepared = tuple(views)
         layer.quads_siblings = siblings
