@@ -326,8 +326,9 @@ class HummingNVFP4:
 
     def _write_scales(self, scale, gs):
         """Each operand range's ``c``, ``weight_scale_2 = 2^-c / S_w`` and ``2^c`` (module doc, **Output
-        range**), every range in one pass: the per-range tensors are rows of one tensor each,
-        rewritten in place (captured graphs read these addresses)."""
+        range**), computed for every range in one pass, then written into each range's own tensors
+        in place (captured graphs read these addresses; humming takes each ``weight_scale_2`` at a
+        16-byte-aligned address: one allocation per range, never a row of a shared tensor)."""
         names = list(self.operand_max)
         shifted = [i for i, name in enumerate(names) if self.operand_max[name] is not None]
         gs32 = gs.reshape(-1).to(torch.float32)
@@ -339,15 +340,13 @@ class HummingNVFP4:
         one = torch.ones(1, dtype=torch.float32, device=self.device)
         ws2 = one / gs32 * torch.exp2(-c)  # (ranges, experts or 1)
         unshift = torch.exp2(c)
-        if self.ws2:  # in place
-            self._scales[0].copy_(c)
-            self._scales[1].copy_(ws2)
-            self._scales[2].copy_(unshift)
-        else:
-            self._scales = (c, ws2.contiguous(), unshift)
-            self.shift = {name: c[i] for i, name in enumerate(names)}
-            self.ws2 = {name: self._scales[1][i] for i, name in enumerate(names)}
-            self.unshift = {name: unshift[i] for i, name in enumerate(names)}
+        for i, name in enumerate(names):
+            if name in self.ws2:  # in place
+                self.shift[name].copy_(c[i])
+                self.ws2[name].copy_(ws2[i])
+                self.unshift[name].copy_(unshift[i])
+            else:
+                self.shift[name], self.ws2[name], self.unshift[name] = c[i].clone(), ws2[i].clone(), unshift[i].clone()
 
     def refresh_(self, qdata, scale, global_encode_scale) -> None:
         """Rewrite the held layout from new parts of the same shapes, in place, on the device (module

@@ -40,19 +40,17 @@ def _ids(t, k, e, seed):
     return torch.where(sentinel, bad, idx)
 
 
-@pytest.mark.parametrize("method", ["count", "sort"])
 @pytest.mark.parametrize("t", [1, 7, 64])
 @pytest.mark.parametrize("k", [1, 2, 6, 8])
-def test_kernel_equals_torch(t, k, method):
+def test_kernel_equals_torch(t, k):
     e = (60, 64, 128)[(t + k) % 3]
     idx = _ids(t, k, e, seed=t * 10 + k)
-    _assert_same(mr.moe_routing(idx.reshape(-1).to(DEV), e, k, method), _torch_routing(idx, e), e)
+    _assert_same(mr.moe_routing(idx.reshape(-1).to(DEV), e, k), _torch_routing(idx, e), e)
 
 
-@pytest.mark.parametrize("method", ["count", "sort"])
 @pytest.mark.parametrize("case", ["one_expert", "all_sentinels", "empty_experts", "one_token_one_expert",
                                   "duplicates", "no_rows"])
-def test_kernel_adversarial(case, method):
+def test_kernel_adversarial(case):
     t, k, e = 7, 6, 60
     g = torch.Generator().manual_seed(3)
     if case == "one_expert":  # every row to expert 59 (the last): stable order == row order
@@ -68,7 +66,7 @@ def test_kernel_adversarial(case, method):
         idx = torch.randint(0, 3, (t, k), generator=g)
     else:
         idx = torch.zeros(0, k, dtype=torch.int64)
-    _assert_same(mr.moe_routing(idx.reshape(-1).to(DEV), e, k, method), _torch_routing(idx, e), e)
+    _assert_same(mr.moe_routing(idx.reshape(-1).to(DEV), e, k), _torch_routing(idx, e), e)
 
 
 def test_size_limits():
@@ -76,18 +74,14 @@ def test_size_limits():
     assert mr.routing_fits(16, mr.MAX_BINS - 2) and not mr.routing_fits(16, mr.MAX_BINS - 1)
     with pytest.raises(ValueError, match="exceed one program"):
         mr.moe_routing(torch.zeros(mr.MAX_ROWS + 1, dtype=torch.int64, device=DEV), 64, 1)
-    with pytest.raises(ValueError, match="not 'count' or 'sort'"):
-        mr.moe_routing(torch.zeros(4, dtype=torch.int64, device=DEV), 64, 1, "radix")
 
 
-@pytest.mark.parametrize("rows,e,method", [(mr.MAX_ROWS, 128, "count"), (mr.MAX_ROWS, 128, "sort"),
-                                           (mr.MAX_ROWS - 8, 60, "count"), (16, mr.MAX_BINS - 2, "count"),
-                                           (16, mr.MAX_BINS - 2, "sort")])
-def test_kernel_at_the_limits(rows, e, method):
+@pytest.mark.parametrize("rows,e", [(mr.MAX_ROWS, 128), (mr.MAX_ROWS - 8, 60), (16, mr.MAX_BINS - 2)])
+def test_kernel_at_the_limits(rows, e):
     """The largest problems one program takes: a full row block, the most experts."""
     k = 8
     idx = _ids(rows // k, k, e, seed=rows + e)
-    _assert_same(mr.moe_routing(idx.reshape(-1).to(DEV), e, k, method), _torch_routing(idx, e), e)
+    _assert_same(mr.moe_routing(idx.reshape(-1).to(DEV), e, k), _torch_routing(idx, e), e)
 
 
 @pytest.fixture

@@ -91,13 +91,15 @@ def test_output_shift_is_the_smallest_power_of_two_that_bounds_the_fp16_output(s
 @pytest.mark.parametrize("shape,gran", [((64, 256), "tensor"), ((3, 128, 64), "expert")])
 def test_run_time_scales_are_each_ranges_shift_written_in_place(fake_humming, shape, gran):
     """Every operand range's ``c`` (one pass for all ranges) is :func:`output_shift`'s for that range
-    alone, maxed over experts; ``weight_scale_2 = (1 / S_w) * 2^-c`` and ``2^c`` follow it; a refresh
-    rewrites them at the same addresses."""
+    alone, maxed over experts; ``weight_scale_2 = (1 / S_w) * 2^-c`` and ``2^c`` follow it, each range's
+    in its own aligned tensor; a refresh rewrites them at the same addresses."""
     ranges = {"unit": None, "w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
     g = torch.Generator().manual_seed(2)
     weights = [nvfp4_quantize(torch.randn(*shape, generator=g) * s, gran) for s in (0.01, 40.0)]
     layer = hg.HummingNVFP4(*weights[0], dtype=torch.float16, operand_max=ranges)
     ptrs = {name: (layer.ws2[name].data_ptr(), layer.unshift[name].data_ptr()) for name in ranges}
+    # humming reads each weight_scale_2 at a 16-byte-aligned address (a row of a shared tensor is not)
+    assert all(layer.ws2[name].data_ptr() % 16 == 0 for name in ranges)
     for w in weights:
         layer.refresh_(*w)
         assert ptrs == {name: (layer.ws2[name].data_ptr(), layer.unshift[name].data_ptr()) for name in ranges}
