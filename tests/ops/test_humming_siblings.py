@@ -163,3 +163,44 @@ def test_launchers_are_two_calls_below_a_member_forward(fake_humming):
     finally:
         sys.setprofile(None)
     assert {n for n, _ in depths} == launchers and {d for _, d in depths} == {2}
+
+
+def test_an_interrupted_sync_leaves_the_stacked_copy_as_it_was(fake_humming, monkeypatch):
+    """The rollback restores the members' layouts; the stacked copy (written from them while the
+    modules were notified) follows them back, bit for bit, with the set's output-range scales."""
+    from quads.policies.modules import RolloutModule
+
+    trainer = _llama(seed=7)
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    model = _fast_rollout(seed=1)
+    fuse_projections_(model)
+    stacks = [s.stacked for s in _sets(model)]
+    assert len(stacks) == 2
+
+    def held(s):
+        lay = s.weight.layer(torch.float16)
+        return [t.clone() for t in lay.written_tensors()]
+
+    before = [held(s) for s in stacks]
+    x = _input()
+    with torch.no_grad():
+        y0 = model(x).logits
+    calls, orig = [], RolloutModule.quads_weights_changed
+
+    def flaky(self):  # every member notified (its new layout copied into the stack) before the interrupt
+        calls.append(self)
+        if len(calls) == len(_linears(model)):
+            raise KeyboardInterrupt
+        return orig(self)
+
+    monkeypatch.setattr(RolloutModule, "quads_weights_changed", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        quads.sync_weights_(model, trainer)
+    monkeypatch.setattr(RolloutModule, "quads_weights_changed", orig)
+    assert [s.stacked for s in _sets(model)] == stacks  # still stacked
+    for s, old in zip(stacks, before):
+        now = held(s)
+        assert len(now) == len(old) and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                            for a, b in zip(now, old))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, y0)

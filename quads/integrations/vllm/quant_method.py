@@ -542,7 +542,10 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             gate_up, down = self.packed_weights(layer)
             layer.quads_prepared = layer.quads_backend.refresh_prepared(
                 getattr(layer, "quads_prepared", ()), [gate_up.parts, down.parts])
-            self.experts_kernel(layer)  # made now (a reload's fresh parameters: remade once, see below)
+            # made now; on a reload dropped (made here, it would hold the fresh parameters until the
+            # next forward) and remade over the restored ones at the next forward
+            if layer.__dict__.pop("quads_experts_kernel", None) is None:
+                self.experts_kernel(layer)
 
     def experts_kernel(self, layer: torch.nn.Module):
         """The layer's experts kernel: made after loading, again only when one of its sources was
