@@ -764,15 +764,20 @@ def check_moe_routing():
             continue
         st = torch.cuda.Stream()
         st.wait_stream(torch.cuda.current_stream())
+        static = sets[1].clone()  # captured on one set of ids, replayed on others: nothing fixed at capture
         with torch.cuda.stream(st):
-            routing(sets[1], E, True)
+            routing(static, E, True)
         torch.cuda.current_stream().wait_stream(st)
         gph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gph, stream=st):
-            rg = routing(sets[1], E, True)
-        gph.replay()
-        torch.cuda.synchronize()
-        record(f"moe_routing T={T} top{K} E={E} CUDA-graph replay == torch ops", same(rg, routing(sets[1], E, False)))
+            rg = routing(static, E, True)
+        ok = True
+        for i in (sets[2], sets[1], sets[3]):
+            static.copy_(i)
+            gph.replay()
+            torch.cuda.synchronize()
+            ok = ok and same(rg, routing(i, E, False))
+        record(f"moe_routing T={T} top{K} E={E} CUDA-graph replay on new ids == torch ops", ok)
         us = {"kernel": graph_time([lambda i=i: routing(i, E, True) for i in sets]),
               "torch ops": graph_time([lambda i=i: routing(i, E, False) for i in sets])}
         print(f"   moe_routing T={T} top{K} E={E} (us per call, CUDA graph): "
