@@ -36,21 +36,23 @@ def test_the_layout_of_stacked_weights_is_the_members_layouts_side_by_side(apply
 
 @pytest.fixture(autouse=True)
 def _stacking_on(monkeypatch):
-    """The stacked copy is off by default (memory, bits): these tests switch it on for the backend."""
+    """The stacked copy is on by default; these tests set it on for the backend whatever the env says."""
     from quads.ops.backend_registry import get_backend
 
     monkeypatch.setattr(get_backend("humming"), "stack_siblings", True)
 
 
-def test_stacking_is_off_by_default(monkeypatch):
-    """Default: no stacked copy (one layout per weight), each member its own humming GEMM."""
+def test_stacking_is_on_by_default(monkeypatch):
+    """Default: a stacked copy per sibling set of one global scale; QUADS_HUMMING_STACK_SIBLINGS=0
+    keeps one layout per weight, each member its own humming GEMM."""
     monkeypatch.delenv("QUADS_HUMMING_STACK_SIBLINGS", raising=False)
-    assert hb.HummingBackend().stack_siblings is False
-    monkeypatch.setenv("QUADS_HUMMING_STACK_SIBLINGS", "1")
     assert hb.HummingBackend().stack_siblings is True
+    monkeypatch.setenv("QUADS_HUMMING_STACK_SIBLINGS", "0")
+    assert hb.HummingBackend().stack_siblings is False
+    assert hb.HummingBackend(stack_siblings=True).stack_siblings is True
 
 
-def test_default_backend_keeps_one_layout_per_weight(fake_humming, monkeypatch):
+def test_unstacked_backend_keeps_one_layout_per_weight(fake_humming, monkeypatch):
     from quads.ops.backend_registry import get_backend
 
     monkeypatch.setattr(get_backend("humming"), "stack_siblings", False)
