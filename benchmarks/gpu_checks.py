@@ -28,7 +28,10 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
   bit-exact against the reference on the GPU (benchmark and SmolLM2 shapes, experts, adversarial
   rows, a group's amax bits), the standard pass unchanged;
 * MoE routing: the one-launch kernel == the torch ops (T=64 top-6 E=64, T=1,
-  T=256 top-8 E=128, sentinels, the size limit's fallback), CUDA-graph replay; all timed (µs).
+  T=256 top-8 E=128, sentinels, the size limit's fallback), CUDA-graph replay; all timed (µs);
+* the graphed weight sync (``GraphedSync``) == the eager sync's bits over repeated syncs (dense
+  exact / W4A16 fast / W4A4 fast, MoE experts fast), a NaN master refused with nothing written,
+  an interrupt after the write restored; ms per sync of both.
 """
 
 from __future__ import annotations
@@ -784,12 +787,109 @@ def check_moe_routing():
               + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
 
 
+def _rollout_state(model) -> list[torch.Tensor]:
+    """Every tensor a sync writes in ``model``, in order (a packed weight's storage, dense parameters)."""
+    out = []
+    for p_ in model.parameters():
+        out += list(p_.written_storage()) if isinstance(p_, NVFP4Tensor) else [p_.detach()]
+    return out
+
+
+@check("graphed_sync")
+def check_graphed_sync():
+    """``GraphedSync`` (the sync captured as CUDA graphs and replayed) against the eager
+    ``sync_weights_`` on a twin rollout, three optimizer-like steps apart: every written tensor
+    bit-equal (packed storages, humming layouts, dense parameters), the replays used, a NaN master
+    refused with the rollout unchanged, an interrupt after the write restored; ms per sync of both
+    (dense Qwen3 4 layers 1024/2816 and an MoE of 16 experts; exact and fast kernels)."""
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from quads.policies import POLICY_PRESETS, build_rollout_model
+    from quads.policies.graphed_sync import GraphedSync
+    from quads.policies.presets import with_kernel
+
+    fast_ok = humming_unavailable() is None
+    dense = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False)
+    moe = Qwen3MoeConfig(vocab_size=4096, hidden_size=1024, moe_intermediate_size=768, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16,
+                         num_experts_per_tok=4, tie_word_embeddings=False)
+    cases = [("dense", dense, Qwen3ForCausalLM, "quads", False), ("dense", dense, Qwen3ForCausalLM, "w4a16", True),
+             ("dense", dense, Qwen3ForCausalLM, "quads", True), ("moe", moe, Qwen3MoeForCausalLM, "quads-experts", True)]
+    for model_name, cfg, cls, preset_name, fast in cases:
+        label = f"graphed_sync {model_name} {preset_name}{'-fast' if fast else ''}"
+        if fast and not fast_ok:
+            print(f"[SKIP] {label}: {humming_unavailable()}", flush=True)
+            continue
+        preset = POLICY_PRESETS[preset_name]
+        if fast:
+            preset = with_kernel(preset, "fast")
+        torch.manual_seed(0)
+        trainer = cls(cfg).bfloat16().cuda()
+        quads.quantize_(trainer, preset.trainer)
+        rollout = build_rollout_model(trainer, preset.rollout)
+        twin = build_rollout_model(trainer, preset.rollout)
+        graphed = GraphedSync(rollout, trainer)
+        equal, times = [], {"eager": [], "graphed": []}
+        for step in range(4):
+            with torch.no_grad():
+                for p_ in trainer.parameters():
+                    p_.add_(torch.randn_like(p_) * 1e-3)
+            for name, fn in (("eager", lambda: quads.sync_weights_(twin, trainer)), ("graphed", graphed)):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times[name].append((time.perf_counter() - t) * 1e3)
+            equal.append(all(bits_equal(a, b) for a, b in zip(_rollout_state(rollout), _rollout_state(twin))))
+        record(f"{label}: == eager sync bits after each of 4 syncs, replays used",
+               all(equal) and graphed.replays == 3 and graphed.blocker is None,
+               f"equal {equal}, replays {graphed.replays}, captures {graphed.captures}, blocker {graphed.blocker}; "
+               f"ms per sync (steps 2-4) eager {sorted(times['eager'][1:])[1]:.1f}, "
+               f"graphed {sorted(times['graphed'][1:])[1]:.1f} (first call {times['graphed'][0]:.0f})")
+        before = [t.clone() for t in _rollout_state(rollout)]
+        master = next(p_ for n, p_ in trainer.named_parameters() if "proj" in n)
+        keep = master.detach().clone()
+        with torch.no_grad():
+            master.view(-1)[7] = float("nan")
+        try:
+            graphed()
+            refused = False
+        except ValueError as e:
+            refused = "non-finite" in str(e)
+        with torch.no_grad():
+            master.copy_(keep)
+        unchanged = all(bits_equal(a, b) for a, b in zip(_rollout_state(rollout), before))
+        # an interrupt after the write's replay: every tensor restored
+        module = next(m for m in rollout.modules() if hasattr(m, "quads_weights_rewritten"))
+        original = module.quads_weights_rewritten
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        module.quads_weights_rewritten = interrupted
+        with torch.no_grad():
+            for p_ in trainer.parameters():
+                p_.add_(torch.randn_like(p_) * 1e-3)
+        try:
+            graphed()
+            restored = False
+        except KeyboardInterrupt:
+            restored = all(bits_equal(a, b) for a, b in zip(_rollout_state(rollout), before))
+        finally:
+            del module.quads_weights_rewritten
+        record(f"{label}: a NaN master refused, nothing written; an interrupt after the write restored",
+               refused and unchanged and restored and original is not None,
+               f"refused {refused}, unchanged {unchanged}, restored {restored}")
+
+
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
           "humming": check_humming, "humming_compiled": check_humming_compiled,
           "humming_siblings": check_humming_siblings, "four_over_six": check_four_over_six,
-          "moe_routing": check_moe_routing}
+          "moe_routing": check_moe_routing, "graphed_sync": check_graphed_sync}
 
 
 def main():

@@ -298,7 +298,7 @@ def run_variant(kind: str, variant: str, args) -> dict:
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
         logs = [h for h in trainer.state.log_history if "timing/quads/generate_s" in h]
-        decode = trainer.quads_rollout.decode_report()
+        decode = {**trainer.quads_rollout.decode_report(), **trainer.quads_rollout.sync_report()}
         lengths = [h.get("completions/mean_length") for h in logs]
         peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
         del trainer, model
@@ -383,7 +383,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"[rl_step] {kind} {variant}: step {row['step_s']:.3f} s (generate {row['generate_s']:.3f}, score "
                   f"{row['score_s']:.3f}, train {row['train_s']:.3f}, sync {row['sync_s']:.4f}; first step "
-                  f"{row['first_step_s']:.1f} s; {row['decode']['decoder']}, {row['decode']['captures']} capture(s)) "
+                  f"{row['first_step_s']:.1f} s; {row['decode']['decoder']}, {row['decode']['captures']} capture(s); sync "
+                  f"{row['decode']['sync']} {row['decode']['replays']} replay(s) {row['decode']['sync_blocker'] or ''}) "
                   f"[{time.time() - t0:.0f} s]", flush=True)
             write_atomically(out / "rl_step.json", json.dumps({"args": vars(args), "rows": rows, "skipped": skipped, "failed": failed}, indent=1))
     text = table(rows) + (f"\n\nnot run (--budget-s): {', '.join(skipped)}" if skipped else "")

@@ -134,6 +134,12 @@ class RolloutModule(QuadsModule):
         if getattr(self, "quads_policy", None) is not None:  # the kernel, made now (not inside a compiled trace)
             self.quads_kernel()
 
+    def quads_weights_rewritten(self) -> None:
+        """The packed weights and what :meth:`quads_weights_changed` derives from them were rewritten in
+        place by a replayed capture of it (:class:`quads.policies.graphed_sync.GraphedSync`): record
+        the weights' new versions, so nothing is rebuilt at the next forward."""
+        self._quads_prepared_versions = (self.quads_backend, self._quads_versions())
+
     def quads_prepared_weights(self) -> tuple:
         """The prepared weights, rebuilt first if the packed parts were written in place since
         (e.g. ``load_state_dict``: their version counters moved) or ``quads_backend`` was set by

@@ -34,7 +34,7 @@ from quads.policies.modules import QuadsModule, rollout_owners
 from quads.policies.scope import conversion_mismatch
 from quads.policies.shards import has_sharded_parameters
 from quads.policies.sync_lock import rollout_write_lock
-from quads.tensor.finite import check_all_finite, check_dequantized_range
+from quads.tensor.finite import FiniteProbe
 from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -42,6 +42,7 @@ __all__ = ["sync_weights_"]
 
 _SHOWN = 5  # names listed per problem in an error message
 _QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
+NOTHING_WRITTEN = "sync_weights_ (nothing was written)"
 
 
 @dataclass
@@ -208,15 +209,17 @@ def _stage(writes: list[_Write]) -> None:
             w.staged = w.source.to(device=w.param.device, dtype=w.param.dtype)
 
 
+def _probe(writes: list[_Write]) -> FiniteProbe:
+    """The checks' reductions, launched (read by ``FiniteProbe.check``): every master of a packed
+    weight and every dense value to be written is finite, no packed weight dequantizes beyond its
+    rollout dtype."""
+    return FiniteProbe([(w.name, w.source if w.packed else w.staged) for w in writes],
+                       [(w.name, w.staged, w.param.orig_dtype) for w in writes if w.packed])
+
+
 def _check_finite(writes: list[_Write]) -> None:
     """Every tensor that will be written is finite: one reduction each, one host sync per device."""
-    check_all_finite(
-        [(w.name, w.source if w.packed else w.staged) for w in writes],
-        "sync_weights_ (nothing was written)",
-    )
-    check_dequantized_range(
-        [(w.name, w.staged, w.param.orig_dtype) for w in writes if w.packed], "sync_weights_ (nothing was written)"
-    )
+    _probe(writes).check(NOTHING_WRITTEN)
 
 
 def _written_modules(writes: list[_Write], rollout_model: nn.Module) -> list:

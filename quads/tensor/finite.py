@@ -21,7 +21,7 @@ import torch
 
 from quads.tensor.nvfp4_math import nvfp4_max_abs
 
-__all__ = ["check_finite", "nonfinite_names", "check_all_finite", "check_dequantized_range", "check_fits_dtype"]
+__all__ = ["FiniteProbe", "check_finite", "nonfinite_names", "check_all_finite", "check_dequantized_range", "check_fits_dtype"]
 
 
 def _extremes(x: torch.Tensor) -> torch.Tensor:
@@ -40,18 +40,58 @@ def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     One reduction per tensor, one host sync per device. Meta tensors have no values and are
     skipped (they cannot be checked).
     """
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    order: list[str] = []
-    for name, x in named:
-        if x.device.type == "meta" or not (x.is_floating_point() or x.is_complex()):
-            continue  # no values to check / integers are always finite
-        order.append(name)
-        by_device.setdefault(x.device, []).append((name, _extremes(x)))
-    bad: set[str] = set()
-    for items in by_device.values():
-        flags = torch.isfinite(torch.stack([m for _, m in items])).all(dim=1).tolist()  # the one sync
-        bad.update(name for (name, _), ok in zip(items, flags) if not ok)
-    return [n for n in order if n in bad]
+    return FiniteProbe(named).nonfinite()
+
+
+class FiniteProbe:
+    """The reductions of :func:`check_all_finite` / :func:`check_dequantized_range`, launched when
+    made and read by :meth:`check`: a captured weight sync launches them inside a CUDA graph (no
+    host sync there) and reads them after each replay. ``named``: ``(name, tensor)`` to be finite;
+    ``ranged``: ``(name, NVFP4 parts, dtype)`` whose dequantization must fit ``dtype``."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]] = (), ranged: Iterable[tuple[str, object, torch.dtype]] = ()):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.order: list[str] = []
+        self._extremes: dict[torch.device, tuple[list[str], torch.Tensor]] = {}
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for name, x in named:
+            if x.device.type == "meta" or not (x.is_floating_point() or x.is_complex()):
+                continue  # no values to check / integers are always finite
+            self.order.append(name)
+            self.tensors[name] = x
+            by_device.setdefault(x.device, []).append((name, _extremes(x)))
+        for device, items in by_device.items():
+            self._extremes[device] = ([n for n, _ in items], torch.stack([m for _, m in items]))
+        self._bounds: dict[torch.device, tuple[list[tuple[str, torch.dtype]], torch.Tensor]] = {}
+        ranges: dict[torch.device, list[tuple[str, torch.dtype, torch.Tensor]]] = {}
+        for name, parts, dtype in ranged:
+            if dtype == torch.float32 or parts.scale.device.type == "meta":
+                continue
+            ranges.setdefault(parts.scale.device, []).append(
+                (name, dtype, nvfp4_max_abs(parts.scale, parts.global_encode_scale)))
+        for device, items in ranges.items():
+            self._bounds[device] = ([(n, d) for n, d, _ in items], torch.stack([b for _, _, b in items]))
+
+    def nonfinite(self) -> list[str]:
+        """Names of the ``named`` tensors holding NaN/Inf, in input order (one host sync per device)."""
+        bad: set[str] = set()
+        for names, extremes in self._extremes.values():
+            flags = torch.isfinite(extremes).all(dim=1).tolist()  # the one sync
+            bad.update(name for name, ok in zip(names, flags) if not ok)
+        return [n for n in self.order if n in bad]
+
+    def overflowing(self) -> list[tuple[str, torch.dtype, float]]:
+        """``(name, dtype, bound)`` of the ``ranged`` weights that would dequantize to Inf."""
+        bad = []
+        for items, bounds in self._bounds.values():
+            values = bounds.tolist()  # the one sync
+            bad += [(n, d, b) for (n, d), b in zip(items, values) if b >= _overflow_threshold(d)]
+        return bad
+
+    def check(self, what: str) -> None:
+        """Raise ValueError as :func:`check_all_finite`, then :func:`check_dequantized_range` would."""
+        _raise_nonfinite(self.nonfinite(), self.tensors, what)
+        _raise_overflowing(self.overflowing(), what)
 
 
 def _count_nonfinite(x: torch.Tensor) -> int:
@@ -60,11 +100,12 @@ def _count_nonfinite(x: torch.Tensor) -> int:
 
 def check_all_finite(named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
     """Raise ValueError naming every tensor of ``named`` that holds NaN or Inf (see module doc)."""
-    named = list(named)
-    bad = nonfinite_names(named)
+    FiniteProbe(named).check(what)
+
+
+def _raise_nonfinite(bad: list[str], tensors: dict[str, torch.Tensor], what: str) -> None:
     if not bad:
         return
-    tensors = dict(named)
     shown = ", ".join(f"{n} ({_count_nonfinite(tensors[n])} NaN/Inf)" for n in bad[:5])
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
     raise ValueError(
@@ -101,16 +142,10 @@ def check_dequantized_range(named: Iterable[tuple[str, object, torch.dtype]], wh
     logit NaN. Bounded from the scales (:func:`quads.tensor.nvfp4_math.nvfp4_max_abs`): one
     small reduction per tensor, one host sync per device; float32 targets are not checked.
     """
-    by_device: dict[torch.device, list[tuple[str, torch.dtype, torch.Tensor]]] = {}
-    for name, parts, dtype in named:
-        if dtype == torch.float32 or parts.scale.device.type == "meta":
-            continue
-        by_device.setdefault(parts.scale.device, []).append(
-            (name, dtype, nvfp4_max_abs(parts.scale, parts.global_encode_scale)))
-    bad = []
-    for items in by_device.values():
-        bounds = torch.stack([b for _, _, b in items]).tolist()  # the one sync
-        bad += [(n, d, b) for (n, d, _), b in zip(items, bounds) if b >= _overflow_threshold(d)]
+    _raise_overflowing(FiniteProbe(ranged=named).overflowing(), what)
+
+
+def _raise_overflowing(bad: list[tuple[str, torch.dtype, float]], what: str) -> None:
     if bad:
         shown = ", ".join(f"{n} (up to {b:.3g} > {str(d).replace('torch.', '')} max {torch.finfo(d).max:.6g})"
                           for n, d, b in bad[:5])

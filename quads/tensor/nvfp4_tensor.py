@@ -242,13 +242,23 @@ class NVFP4Tensor(torch.Tensor):
         # above this dispatch level); bump them so version-keyed caches see the write.
         torch.autograd.graph.increment_version((q, s, self.global_encode_scale))
 
+    def written_storage(self) -> list[torch.Tensor]:
+        """Every tensor :meth:`write_parts_` overwrites: the layout's own tensors when it holds the
+        parts, else the stored parts; the global scale last."""
+        layout = self.__dict__.get("_layout")
+        held = layout.written_tensors() if layout is not None else [self.__dict__["_qdata"], self.__dict__["_scale"]]
+        return [*held, self.global_encode_scale]
+
     def storage_snapshot(self) -> tuple:
         """A copy of what :meth:`write_parts_` overwrites, for :meth:`restore_storage_` (undoing a
         sync's write): the layout's own tensors when it holds the parts (nothing derived from it:
         a derivation costs several passes over the weight), else the stored parts."""
-        layout = self.__dict__.get("_layout")
-        held = layout.written_tensors() if layout is not None else [self.__dict__["_qdata"], self.__dict__["_scale"]]
-        return layout, [(t, t.clone()) for t in (*held, self.global_encode_scale)]
+        return self.__dict__.get("_layout"), [(t, t.clone()) for t in self.written_storage()]
+
+    def mark_written_(self) -> None:
+        """Count a write that bypassed :meth:`write_parts_` (a replayed CUDA graph of one): version-keyed
+        caches of the parts (:meth:`parts_version`) then see it."""
+        self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
 
     def restore_storage_(self, snapshot: tuple) -> None:
         """Put back, in place, what :meth:`storage_snapshot` copied; its storage is this tensor's again."""

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from quads.engine import GraphedDecoder, SamplingSpec, unsupported_reason
 from quads.policies import sync_weights_
+from quads.policies.graphed_sync import GraphedSync
 
 __all__ = ["QuadsRolloutEngine"]
 
@@ -54,8 +55,11 @@ class QuadsRolloutEngine:
         pad_token_id: int,
         eos_token_ids: Sequence[int],
         graphed: bool | None = None,
+        graphed_sync: bool | None = None,
     ):
         self.model = rollout_model
+        self.graphed_sync = graphed_sync
+        self._graphed_sync: GraphedSync | None = None
         self.trainer_model = trainer_model
         self.global_step = global_step
         self.generation_config = generation_config
@@ -76,6 +80,13 @@ class QuadsRolloutEngine:
         return {"decoder": "graphed" if d is not None else "generate", "captures": d.num_captures if d else 0,
                 "capture_blocker": d.capture_blocker if d else None, "fallback_reason": self.fallback_reason}
 
+    def sync_report(self) -> dict:
+        """How the weights were synced: ``sync`` (``"graphed"`` or ``"eager"``), the graphs'
+        ``captures`` and ``replays``, and ``sync_blocker`` (why the graphs are not used)."""
+        g = self._graphed_sync
+        return {"sync": "graphed" if g is not None and g.replays else "eager", "captures": g.captures if g else 0,
+                "replays": g.replays if g else 0, "sync_blocker": g.blocker if g else None}
+
     def take_seconds(self) -> dict[str, float]:
         """The phase seconds since the last call (then reset)."""
         taken, self.seconds = self.seconds, {"generate": 0.0, "sync": 0.0}
@@ -84,10 +95,16 @@ class QuadsRolloutEngine:
     @torch.no_grad()
     def sync_weights(self) -> int:
         start = time.perf_counter()
-        n = sync_weights_(self.model, self.trainer_model())
+        trainer = self.trainer_model()
+        device = next(self.model.parameters()).device
+        if self.graphed_sync if self.graphed_sync is not None else device.type == "cuda":
+            if self._graphed_sync is None or self._graphed_sync.trainer_model is not trainer:
+                self._graphed_sync = GraphedSync(self.model, trainer)
+            n = self._graphed_sync()
+        else:
+            n = sync_weights_(self.model, trainer)
         self.num_syncs += 1
         self.last_sync_step = self.global_step()
-        device = next(self.model.parameters()).device
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the writes are queued: time them, not their launch
         self.seconds["sync"] += time.perf_counter() - start

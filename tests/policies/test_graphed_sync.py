@@ -1,0 +1,173 @@
+"""GraphedSync: the sync's transaction around its captured phases (capture itself: GPU check ``graphed_sync``).
+
+On CPU there are no CUDA graphs: the default capture makes every call the eager sync (and says
+why); ``RerunCapture`` runs the captured phases again at each replay, which exercises everything
+around the graphs: the plan key, the checks read after the stage, the write's snapshot and
+restore, the modules' bookkeeping.
+"""
+
+import pytest
+import torch
+
+import quads
+from quads.policies import graphed_sync as gs
+from quads.policies.graphed_sync import GraphedSync, RerunCapture
+from quads.tensor import NVFP4Tensor
+from tests.model_state import assert_unchanged, snapshot
+from tests.tiny_models import build
+
+
+def _pair(kind="qwen3_moe", fuse=False):
+    trainer = build(kind, seed=1)
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    rollout, twin = build(kind, seed=2), build(kind, seed=2)
+    for m in (rollout, twin):
+        quads.quantize_(m, quads.QuadsPolicy(side="rollout"))
+        if fuse:
+            quads.fuse_projections_(m)
+    return trainer, rollout, twin
+
+
+def _step(trainer, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.01)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(_state(a), _state(b)))
+
+
+def _state(model):
+    out = []
+    for p in model.parameters():
+        out += [t.reshape(-1).view(torch.uint8) for t in p.parts] if isinstance(p, NVFP4Tensor) else [p.detach()]
+    return out
+
+
+@pytest.fixture
+def rerun(monkeypatch):
+    monkeypatch.setattr(GraphedSync, "capture", RerunCapture)
+
+
+def test_cpu_default_is_the_eager_sync_and_says_why():
+    trainer, rollout, twin = _pair()
+    sync = GraphedSync(rollout, trainer)
+    for step in range(2):
+        _step(trainer, step)
+        assert sync() == quads.sync_weights_(twin, trainer)
+        assert _same(rollout, twin)
+    assert sync.replays == 0 and sync.captures == 0
+    assert "CUDA" in sync.blocker
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_replays_equal_the_eager_sync(rerun, fuse):
+    trainer, rollout, twin = _pair(fuse=fuse)
+    sync = GraphedSync(rollout, trainer)
+    for step in range(4):
+        _step(trainer, step)
+        sync()
+        quads.sync_weights_(twin, trainer)
+        assert _same(rollout, twin), step
+    assert (sync.captures, sync.replays, sync.blocker) == (1, 3, None)
+    ids = torch.randint(0, 96, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(rollout(ids).logits, twin(ids).logits)
+
+
+def test_replay_records_versions_so_nothing_is_rebuilt(rerun, monkeypatch):
+    trainer, rollout, _ = _pair()
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    _step(trainer, 1)
+    versions = {id(p): p.parts_version() for p in rollout.parameters() if isinstance(p, NVFP4Tensor)}
+    sync()
+    assert all(p.parts_version() != versions[id(p)] for p in rollout.parameters() if isinstance(p, NVFP4Tensor))
+    rebuilt = []
+    for m in rollout.modules():
+        if hasattr(m, "quads_weights_changed"):
+            monkeypatch.setattr(m, "quads_weights_changed", lambda m=m: rebuilt.append(m))
+    with torch.no_grad():
+        rollout(torch.zeros(1, 3, dtype=torch.long))
+    assert rebuilt == []
+
+
+def test_a_replaced_master_recaptures(rerun):
+    trainer, rollout, twin = _pair()
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    sync()
+    master = trainer.model.layers[0].self_attn.q_proj.weight
+    master.data = master.data.clone() * 1.5  # new storage: the captured plan read the old one
+    sync()
+    quads.sync_weights_(twin, trainer)
+    assert _same(rollout, twin)
+    assert sync.captures == 2
+
+
+def test_nan_master_is_refused_and_nothing_written(rerun):
+    trainer, rollout, _ = _pair()
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    sync()
+    before = snapshot(rollout)
+    with torch.no_grad():
+        trainer.model.layers[1].mlp.experts.down_proj[-1, -1, -1] = float("nan")
+    with pytest.raises(ValueError, match=r"nothing was written.*model\.layers\.1\.mlp\.experts\.down_proj"):
+        sync()
+    assert_unchanged(before, rollout)
+
+
+def test_interrupt_after_the_write_restores_everything(rerun, monkeypatch):
+    trainer, rollout, _ = _pair()
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    sync()
+    before = snapshot(rollout)
+    _step(trainer, 7)
+    module = next(m for m in rollout.modules() if hasattr(m, "quads_weights_rewritten"))
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "quads_weights_rewritten", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sync()
+    monkeypatch.undo()  # the patched method is an attribute of the module: gone before comparing
+    assert_unchanged(before, rollout)
+
+
+def test_interrupt_inside_the_write_restores_what_was_written(rerun, monkeypatch):
+    trainer, rollout, _ = _pair()
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    sync()
+    before = snapshot(rollout)
+    _step(trainer, 8)
+    real_put, calls = gs._put, []
+
+    def put(w, value):
+        calls.append(w.name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_put(w, value)
+
+    monkeypatch.setattr(gs, "_put", put)
+    with pytest.raises(KeyboardInterrupt):
+        sync()
+    assert_unchanged(before, rollout)
+
+
+def test_mark_written_moves_the_parts_version():
+    w = NVFP4Tensor.from_float(torch.randn(32, 64))
+    v = w.parts_version()
+    w.mark_written_()
+    assert w.parts_version() != v
+    assert [t.data_ptr() for t in w.written_storage()] == [t.data_ptr() for t in w.parts]
+
+
+def test_arguments_are_checked():
+    with pytest.raises(TypeError, match="rollout_model must be an nn.Module"):
+        GraphedSync({}, torch.nn.Linear(2, 2))
