@@ -22,6 +22,8 @@ checks both bit-exact against humming's own kernel before anything relies on the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from quads.tensor.nvfp4_math import pack_e2m1, unpack_e2m1
@@ -76,7 +78,13 @@ def unrepack_reference(layout: torch.Tensor) -> torch.Tensor:
 
 def scale_permutation(apply_on_c: bool, device=None) -> torch.Tensor:
     """The index permutation humming's ``transform_humming_weight_scale`` applies to each run of
-    transposed block scales (its ``perm_new``)."""
+    transposed block scales (its ``perm_new``); one tensor per device, made once, so a weight
+    write captured in a CUDA graph copies nothing from the host."""
+    return _scale_permutation(apply_on_c, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=None)
+def _scale_permutation(apply_on_c: bool, device: torch.device) -> torch.Tensor:
     perm = [0, 1, 8, 9, 16, 17, 24, 25] if apply_on_c else [0, 8, 16, 24, 32, 40, 48, 56]
     count = sum(x < 8 for x in perm)
     full = [x + count * i for i in range(8 // count) for x in perm]

@@ -218,14 +218,17 @@ def transform_into_(layer, qdata, scale, global_encode_scale) -> None:
     own transform under the layer's configuration (module doc, **Refresh**). Every shape and dtype
     is checked before the first write."""
     from humming import ops
-    from humming.transform import transform_humming_tensors, transform_humming_weight_scale
+    from humming.transform import transform_humming_tensors
+
+    from quads.kernels.humming_layout import scale_layout
 
     cfg = layer.humming_config
     held = dict(layer.named_parameters())
     t = humming_tensors(qdata, scale, global_encode_scale)
     if direct_repack(cfg):
-        new = {"weight_scale": transform_humming_weight_scale(t["weight_scale"],
-                                                              to_apply_on_c=cfg.should_apply_bs_on_c),
+        # quads' restatement of humming's scale transform (same bytes, tested against it): humming's
+        # builds its permutation from a host list per call, which a CUDA-graph capture refuses
+        new = {"weight_scale": scale_layout(t["weight_scale"], bool(cfg.should_apply_bs_on_c)),
                "weight_scale_2": t["weight_scale_2"]}
         ws2 = held.get("weight_scale_2")
         if ws2 is not None and ws2.numel() == new["weight_scale_2"].numel():  # (E,) held as humming shaped it
@@ -334,8 +337,7 @@ class HummingNVFP4:
         gs32 = gs.reshape(-1).to(torch.float32)
         c = torch.zeros(len(names), 1, device=self.device)
         if shifted:  # one shift for all experts (the epilogue's 2^c does not depend on the row's expert)
-            amax = torch.tensor([[self.operand_max[names[i]]] for i in shifted], dtype=torch.float32,
-                                device=self.device)
+            amax = self._operand_amax(tuple(self.operand_max[names[i]] for i in shifted))
             c[shifted] = output_shift(scale, gs, amax).amax(dim=-1, keepdim=True)  # (ranges, experts) -> (ranges, 1)
         one = torch.ones(1, dtype=torch.float32, device=self.device)
         ws2 = one / gs32 * torch.exp2(-c)  # (ranges, experts or 1)
@@ -347,6 +349,15 @@ class HummingNVFP4:
                 self.unshift[name].copy_(unshift[i])
             else:
                 self.shift[name], self.ws2[name], self.unshift[name] = c[i].clone(), ws2[i].clone(), unshift[i].clone()
+
+    def _operand_amax(self, bounds: tuple) -> torch.Tensor:
+        """The operand bounds as a (ranges, 1) device tensor, made once (a write captured in a CUDA
+        graph copies nothing from the host)."""
+        held = self.__dict__.get("_amax")
+        if held is None or held[0] != bounds:
+            held = self.__dict__["_amax"] = (bounds, torch.tensor([[b] for b in bounds], dtype=torch.float32,
+                                                                  device=self.device))
+        return held[1]
 
     def refresh_(self, qdata, scale, global_encode_scale) -> None:
         """Rewrite the held layout from new parts of the same shapes, in place, on the device (module
