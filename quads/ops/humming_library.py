@@ -333,12 +333,15 @@ class HummingNVFP4:
         in place (captured graphs read these addresses; humming takes each ``weight_scale_2`` at a
         16-byte-aligned address: one allocation per range, never a row of a shared tensor)."""
         names = list(self.operand_max)
-        shifted = [i for i, name in enumerate(names) if self.operand_max[name] is not None]
         gs32 = gs.reshape(-1).to(torch.float32)
-        c = torch.zeros(len(names), 1, device=self.device)
-        if shifted:  # one shift for all experts (the epilogue's 2^c does not depend on the row's expert)
-            amax = self._operand_amax(tuple(self.operand_max[names[i]] for i in shifted))
-            c[shifted] = output_shift(scale, gs, amax).amax(dim=-1, keepdim=True)  # (ranges, experts) -> (ranges, 1)
+        if any(self.operand_max[name] is not None for name in names):
+            # one shift for all experts (the epilogue's 2^c does not depend on the row's expert); an
+            # unshifted range's bound 0 gives c = 0; no indexing by a host list (a captured write
+            # must copy nothing from the host)
+            amax = self._operand_amax(tuple(self.operand_max[name] or 0.0 for name in names))
+            c = output_shift(scale, gs, amax).amax(dim=-1, keepdim=True)  # (ranges, experts) -> (ranges, 1)
+        else:
+            c = torch.zeros(len(names), 1, device=self.device)
         one = torch.ones(1, dtype=torch.float32, device=self.device)
         ws2 = one / gs32 * torch.exp2(-c)  # (ranges, experts or 1)
         unshift = torch.exp2(c)

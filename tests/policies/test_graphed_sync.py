@@ -8,12 +8,15 @@ restore, the modules' bookkeeping.
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import quads
 from quads.policies import graphed_sync as gs
 from quads.policies.graphed_sync import GraphedSync, RerunCapture
 from quads.tensor import NVFP4Tensor
 from tests.model_state import assert_unchanged, snapshot
+from tests.ops.test_humming_backend import fake_humming  # noqa: F401  (fixture)
+from tests.ops.test_humming_memory import _fast_rollout, _llama
 from tests.tiny_models import build
 
 
@@ -171,3 +174,49 @@ def test_mark_written_moves_the_parts_version():
 def test_arguments_are_checked():
     with pytest.raises(TypeError, match="rollout_model must be an nn.Module"):
         GraphedSync({}, torch.nn.Linear(2, 2))
+
+
+#: ops a CUDA-graph capture refuses or cannot record: a tensor made from host data (``torch.tensor``,
+#: indexing by a Python list: a copy from pageable host memory) and a read of a device value
+_HOST_OPS = {torch.ops.aten.lift_fresh.default, torch.ops.aten._local_scalar_dense.default}
+
+
+class _HostOps(TorchDispatchMode):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_OPS:
+            import traceback
+
+            self.seen.append(f"{func}: {traceback.format_stack(limit=6)[0].strip()}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["exact", "fast"])
+def test_the_captured_phases_take_nothing_from_the_host(kind, monkeypatch, request):
+    """What the graphs capture (stage, write: the quantizer, the checks' reductions, the layouts'
+    writes, a sibling set's stacked copy) makes no tensor from host data and reads no device value:
+    the CPU restatement of what CUDA-graph capture refuses (the H200 refused a humming write that
+    indexed by a host list)."""
+    seen: list[str] = []
+
+    class Watched(RerunCapture):
+        def replay(self):
+            with _HostOps(seen):
+                return self.fn()
+
+    monkeypatch.setattr(GraphedSync, "capture", Watched)
+    if kind == "fast":
+        request.getfixturevalue("fake_humming")
+        trainer, rollout = _llama(1), _fast_rollout(2)
+    else:
+        trainer, rollout = build("qwen3_moe", seed=1), build("qwen3_moe", seed=2)
+        quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    quads.fuse_projections_(rollout)
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    sync()
+    assert sync.replays == 1 and not seen, seen[:3]
