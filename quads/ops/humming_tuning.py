@@ -36,7 +36,8 @@ HUMMING_REQUIREMENT = "humming-kernels==0.1.19"  # the humming quads runs (hummi
 TUNED_DIR = Path(__file__).resolve().parent.parent / "assets" / "humming_tuned"
 TUNED_MODES = ("default", "no_stream_k")
 M_MAX = 1 << 30  # humming's last interval ends here
-#: the fields of humming 0.1.19's ``TuningConfig``, plus ``num_sms`` (read by its kernel preparation)
+#: the fields of humming 0.1.19's ``TuningConfig``, plus ``num_sms`` and ``use_f16_accum`` (its heuristic
+#: entries carry them; its kernel preparation reads them)
 TUNING_KEYS = frozenset((
     "mma_type", "block_shape", "warp_shape", "use_stream_k", "use_f16_accum", "wgmma_use_late_as",
     "wgmma_split_issue_wait", "num_stages", "producer_stage_unroll", "consumer_stage_unroll",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 
 import pytest
@@ -214,7 +215,7 @@ def _run(name, us, sk=True, tag=1):
 def test_tuning_results_become_a_valid_table_of_the_winners_intervals():
     from benchmarks.ops.tune_humming import table_from_results
 
-    def row(m, interval, default_us, best, best_nsk, dtype="bfloat16"):
+    def row(m, interval, default_us, best, best_nsk, dtype="bf16"):
         return {"n": 3072, "k": 3072, "dtype": dtype, "m": m, "interval": interval,
                 "default": _run("heuristic", default_us), "default_no_stream_k": _run("sk off", default_us + 1, False),
                 "best": best, "best_no_stream_k": best_nsk}
@@ -222,7 +223,7 @@ def test_tuning_results_become_a_valid_table_of_the_winners_intervals():
     rows = [row(64, [56, 64], 10.0, _run("block_m/2", 8.0, tag=2), _run("k2", 10.5, False, tag=3)),  # nsk: +4.5%
             row(16, [8, 32], 6.0, _run("ctas", 5.9, tag=4), None),  # 1.7% faster: not worth an entry
             row(24, [8, 32], 6.0, _run("ctas", 5.0, tag=5), _run("k2", 6.98, False, tag=6)),  # nsk: 0.3%
-            row(64, [56, 64], 9.0, _run("heuristic", 9.0), None, dtype="float16")]  # the heuristic wins
+            row(64, [56, 64], 9.0, _run("heuristic", 9.0), None, dtype="fp16")]  # the heuristic wins
     table = table_from_results({"device": DEVICE, "rows": rows, "commit": "abc"}, min_gain=0.03)
     ht.validate_table(json.loads(json.dumps(table)), DEVICE)
     got = {(e["dtype"], e["mode"]): e["intervals"] for e in table["entries"]}
@@ -230,3 +231,73 @@ def test_tuning_results_become_a_valid_table_of_the_winners_intervals():
     assert got == {("bfloat16", "default"): [[16, 32, _cfg(5)], [56, 64, _cfg(2)]],
                    ("bfloat16", "no_stream_k"): [[56, 64, _cfg(3, False)]]}
     assert table["humming"] == ht.HUMMING_REQUIREMENT and table["device"] == DEVICE
+
+
+def test_candidates_differ_from_the_heuristic_and_from_each_other():
+    from benchmarks.ops.tune_humming import STORED_HEURISTIC_M64, _plain_cfg, derive_candidates
+
+    cands = derive_candidates(STORED_HEURISTIC_M64)
+    keys = [json.dumps(_plain_cfg(c), sort_keys=True) for _, c in cands]
+    assert json.dumps(_plain_cfg(STORED_HEURISTIC_M64), sort_keys=True) not in keys
+    assert len(set(keys)) == len(keys) and len(cands) > 12  # more than --max-candidates: the order matters
+    assert cands[0] == ("stream_k=False", {**STORED_HEURISTIC_M64, "use_stream_k": False})  # no_stream_k's baseline
+    assert STORED_HEURISTIC_M64["block_shape"] == (64, 128, 64)  # not modified
+
+
+def test_the_gpu_run_s_bookkeeping_with_stand_ins(monkeypatch, tmp_path):
+    """run_group with humming's layer, plan, compile and timing stood in for: the heuristic is the
+    reference, a candidate whose output differs is rejected, one that raises is recorded and
+    skipped, the fastest ok one wins (and the fastest Stream-K-off one for no_stream_k), and the
+    rows make a valid table."""
+    import benchmarks.timing
+    from benchmarks.ops import tune_humming as th
+    from quads.ops import humming_library
+
+    heur = th.STORED_HEURISTIC_M64
+    cands = th.derive_candidates(heur)[:4]  # stream_k off, block_m/2, ctas 1, k_warps*2
+    times = {(64, 128, 64): 10.0, (32, 128, 64): 8.0}  # by block shape; Stream-K off costs 0.5 us more
+
+    class Layer:
+        def __init__(self, qdata, scale, gs, dtype, mode, rows_hint):
+            self.w = torch.randn(qdata.shape[0], qdata.shape[1] * 2, generator=torch.Generator().manual_seed(0))
+            self.dtype, self.tuning_config, self.layer = dtype, None, types.SimpleNamespace(humming_config="cfg")
+
+        def __call__(self, x):
+            cfg = json.loads(self.tuning_config)
+            calls.append(cfg)
+            if cfg.get("num_ctas_per_sm") == 1:
+                raise RuntimeError("nvrtc: compile failed\nmore")
+            y = x.float() @ self.w.T
+            return (y * 1.1 if cfg["block_shape"][2] == 128 else y).to(self.dtype)  # k_warps*2: wrong output
+
+    def graph_time(fns):
+        fns[0]()
+        cfg = calls[-1]
+        return times[tuple(cfg["block_shape"])] + (0.5 if cfg["use_stream_k"] is False else 0.0)
+
+    calls = []
+    monkeypatch.setattr(humming_library, "HummingNVFP4",
+                        lambda q, s, g, dtype, mode, rows_hint: Layer(q, s, g, dtype, mode, rows_hint))
+    monkeypatch.setattr(th, "plan", lambda lc, m, mx, dev=None: ([[0, BIG, heur]], (56, 64, heur), cands, []))
+    monkeypatch.setattr(th, "_precompile", lambda layer, cfgs, dev: None)
+    monkeypatch.setattr(benchmarks.timing, "graph_time", graph_time)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    args = types.SimpleNamespace(budget_s=1e9, max_candidates=12, max_rel=1e-2)
+    rows = []
+    th.run_group(64, 128, "bf16", [64], args, torch.device("cpu"), 1 << 12, {(64, 128, 64): 3.0}, rows, time.time())
+    (r,) = rows
+    status = {c["name"]: c["status"] for c in r["candidates"]}
+    assert list(status) == ["heuristic", "stream_k=False", "block_m/2", "ctas_per_sm=1", "k_warps*2"]
+    assert status["heuristic"] == "ok" and r["candidates"][0]["rel"] == 0.0
+    assert status["ctas_per_sm=1"].startswith("failed: RuntimeError: nvrtc: compile failed")
+    assert status["k_warps*2"].startswith("rejected: rel 0.1")
+    assert (r["default"]["us"], r["default_no_stream_k"]["us"]) == (10.0, 10.5)
+    assert (r["best"]["name"], r["best"]["us"]) == ("block_m/2", 8.0)
+    assert (r["best_no_stream_k"]["name"], r["best_no_stream_k"]["us"]) == ("stream_k=False", 10.5)
+    assert r["cublas_bf16_us"] == 3.0 and r["interval"] == [56, 64] and r["sets"] == 2
+    table = th.table_from_results({"device": DEVICE, "rows": rows}, min_gain=0.03)
+    ht.validate_table(json.loads(json.dumps(table)), DEVICE)
+    assert [(e["dtype"], e["mode"], e["intervals"]) for e in table["entries"]] == [
+        ("bfloat16", "default", [[56, 64, r["best"]["cfg"]]])]  # no_stream_k: the heuristic without Stream-K is best
+    assert r["best"]["cfg"]["block_shape"] == [32, 128, 64]
