@@ -11,7 +11,8 @@ For each (N, K) of ``--shapes``, activation dtype of ``--dtypes`` and M of ``--m
 heuristic configuration (the entry of its M-interval table that serves M: what quads runs), up to
 ``--max-candidates`` configurations derived from it by changing one or two fields (Stream-K, block
 M/N/K, CTAs per SM, stages, warp specialization, humming's small-M MMA kernel), kept only where
-humming's own legality checks pass (``humming.testing.tuning``), compiled in parallel (a candidate
+humming's own legality checks pass (``humming.testing.tuning``; and ``num_ctas_per_sm`` CTAs' shared
+memory fits one SM: Stream-K's persistent grid), compiled in parallel (a candidate
 that fails to compile or run is printed and skipped), checked against the heuristic's output
 (max|d| / max|ref| <= ``--max-rel``, else rejected) and timed as ``benchmarks/timing.py`` does (one
 CUDA graph over weight sets of more than 2x L2), beside cuBLAS BF16 ``x @ w.T`` of the same shape.
@@ -22,7 +23,8 @@ table: per (N, K, dtype, mode) the best configuration at each M that beats the b
 several share one entry). Mode ``default``: any configuration vs the heuristic; ``no_stream_k``:
 Stream-K-off configurations vs the heuristic without Stream-K (what that mode runs).
 The CPU dry run needs humming importable (``pip install --no-deps --target DIR <humming wheel>``,
-``PYTHONPATH=DIR``); it runs humming's heuristics under a stand-in H200 profile (132 SMs, 227 KiB).
+``PYTHONPATH=DIR``); it runs humming's heuristics under a stand-in H200 profile (132 SMs, 227 KiB)
+(without humming: the candidates of a stored M = 64 entry, unchecked).
 """
 
 from __future__ import annotations
@@ -120,7 +122,9 @@ def legality(layer_config, compute_config, cfg: dict) -> str | None:
     """None when humming's own candidate checks (``humming.testing.tuning``: MMA kind, geometry,
     threads, registers, shared memory) accept ``cfg`` for this layer; else why not."""
     from humming.config import MmaType, TuningConfig
+    from humming.device import current_device
     from humming.testing import tuning as ht
+    from humming.utils.smem import estimate_smem_size_config
 
     filled = {"num_stages": 2, "num_ctas_per_sm": 1, "use_warp_spec": False, "use_tma": False,
               "multi_cast_size_a": 1, "multi_cast_size_b": 1, "use_stream_k": True, "use_tma_bzp": False,
@@ -132,10 +136,15 @@ def legality(layer_config, compute_config, cfg: dict) -> str | None:
             return f"mma type {mma.value} not legal here"
         if not ht._is_legal_geometry(layer_config, block, warp, mma):
             return f"geometry block {block} warp {warp} not legal"
-        TuningConfig(**{k: v for k, v in filled.items() if k in ht.TUNING_FIELDS})
         filled["block_shape"], filled["warp_shape"] = block, warp
+        tuning = TuningConfig(**{k: v for k, v in filled.items() if k in ht.TUNING_FIELDS})
         if ht._try_combine_candidate(layer_config, compute_config, ((filled, {}),)) is None:
             return "threads/registers/shared memory/pipeline checks fail"
+        # the persistent grid is num_ctas_per_sm CTAs per SM; Stream-K's fix-ups wait on each other,
+        # so all of them must fit at once (humming's check counts one CTA's shared memory)
+        smem = estimate_smem_size_config(layer_config, compute_config, tuning) * tuning.num_ctas_per_sm
+        if smem > current_device.max_smem_size:
+            return f"{tuning.num_ctas_per_sm} CTAs need {smem // 1024} KiB of shared memory per SM"
     except Exception as e:  # noqa: BLE001  (humming's asserts and ValueErrors: not legal)
         return f"{type(e).__name__}: {str(e)[:120]}"
     return None
@@ -315,7 +324,7 @@ def _diff(base: dict, cfg: dict) -> dict:
 
 # -- the GPU run -----------------------------------------------------------------------------------
 
-def _sets(per_set_bytes: int, l2: int, cap: int = 48) -> int:
+def _sets(per_set_bytes: int, l2: int, cap: int = 96) -> int:
     return max(2, min(cap, math.ceil(HEADROOM * l2 / per_set_bytes)))
 
 
@@ -429,6 +438,7 @@ def gpu_run(args):
     from quads.ops.humming_library import HUMMING_REQUIREMENT, check_humming_device, import_humming
     from quads.tensor.files import write_atomically
 
+    os.environ["QUADS_HUMMING_TUNED"] = "0"  # the baseline is humming's heuristic, whatever table ships
     dev = check_humming_device(torch.device("cuda", torch.cuda.current_device()))
     import_humming()
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
@@ -438,18 +448,19 @@ def gpu_run(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cublas_cache: dict = {}
+    poisoned = False
     for n, k in args.shapes:
         for dname in args.dtypes:
-            if time.time() - t0 > args.budget_s:
-                print(f"CUT N={n} K={k} {dname}: over the {args.budget_s} s budget", flush=True)
+            if poisoned or time.time() - t0 > args.budget_s:
+                print(f"CUT N={n} K={k} {dname}: {'a CUDA error before' if poisoned else 'over the budget'}",
+                      flush=True)
                 continue
             try:
                 run_group(n, k, dname, args.ms, args, dev, l2, cublas_cache, results["rows"], t0)
             except Exception:  # noqa: BLE001
-                traceback.print_exc()
-                print(f"FAILED N={n} K={k} {dname}", flush=True)
-                if "illegal" in traceback.format_exc().lower():
-                    break
+                tb = traceback.format_exc()
+                print(tb + f"FAILED N={n} K={k} {dname}", flush=True)
+                poisoned = "illegal" in tb.lower() or "CUDA error" in tb  # the context cannot be trusted
             results["seconds"] = round(time.time() - t0, 1)
             write_atomically(out / "tune_humming.json", json.dumps(results, indent=1) + "\n")
     summary(results)
