@@ -13,16 +13,16 @@ stays below ``2^15``; the GEMM reads ``2^-c / S_w`` and the epilogue multiplies 
 
 **Configurations** (``mode``, :data:`HUMMING_MODES`): ``"default"`` (humming's M-interval table,
 Stream-K: not deterministic run to run, measured max diff 0.0078 at 4096^2), ``"no_stream_k"``
-(the same table without Stream-K: deterministic) and ``"batch_invariant"``.
+(the same table without Stream-K: deterministic) and ``"batch_invariant"``; the first two take the
+GPU's measured configurations on their M intervals where quads ships them (:mod:`.humming_tuning`).
 
 **JIT**: a layer's first call compiles its table (~1.5 s per shape; :meth:`HummingNVFP4.warmup`
 before CUDA-graph capture), cached under quads' cache directory (``HUMMING_CACHE_DIR``).
 
-**Refresh** (a weight sync): no new layer: one ``humming.ops.repack_weight`` launch per tensor
-writes the repacked weight into the held tensor, the block-scale permutation and
-``weight_scale_2`` are copied in (shapes checked first: all or nothing); captured graphs stay
-valid. Layers are built on the device (a host-side build costs a pageable copy per sync).
-This module needs CUDA sm_90 and humming; nothing here imports humming at quads import time.
+**Refresh** (a weight sync): no new layer: one ``humming.ops.repack_weight`` launch per tensor writes
+the repacked weight into the held tensor, the block-scale permutation and ``weight_scale_2`` are
+copied in (shapes checked first: all or nothing); captured graphs stay valid. Layers are built on the
+device. This module needs CUDA sm_90 and humming; nothing here imports humming at quads import time.
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ from pathlib import Path
 
 import torch
 
+from quads.ops.humming_tuning import HUMMING_REQUIREMENT, merge_tuned, tuned_intervals
+
 __all__ = [
     "HUMMING_REQUIREMENT",
     "HUMMING_MODES",
     "HummingNVFP4",
     "check_humming_device",
+    "device_name",
     "direct_repack",
     "humming_tensors",
     "humming_cache_root",
@@ -49,7 +52,6 @@ __all__ = [
     "transform_into_",
 ]
 
-HUMMING_REQUIREMENT = "humming-kernels==0.1.19"
 HUMMING_MODES = ("default", "no_stream_k", "batch_invariant")
 GROUPED = "grouped_contiguous"  # humming's MoE GEMM over rows sorted by expert (quads' Routing)
 E2M1_BLOCK_L1_MAX = 96.0  # 16 values of |e2m1| <= 6 per block
@@ -178,6 +180,11 @@ def prune_table(table: list, rows) -> list:
         lo = entry[1]
     out[-1][1] = 1 << 30
     return out
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name (the key of :mod:`quads.ops.humming_tuning`'s tables); ``str(device)`` off CUDA."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
 def _cuda_device(device: torch.device):
@@ -418,13 +425,17 @@ class HummingNVFP4:
         if self.mode == "batch_invariant":
             compute["use_batch_invariant"] = True
         compute_str = json.dumps(compute) if compute else None
-        if self.mode != "no_stream_k" and self.rows_hint is None:
+        tuned = tuned_intervals(device_name(self.device), self.shape_n, self.shape_k,
+                                str(self.dtype).removeprefix("torch."), self.mode, self.num_experts)
+        if self.mode != "no_stream_k" and self.rows_hint is None and not tuned:
             return compute_str, None  # humming resolves its own table (the same call as below)
         from humming.tune import get_heuristics_config
 
         table = get_heuristics_config(self.layer.humming_config, shape_m=None, device=self.device,
                                       use_batch_invariant=self.mode == "batch_invariant",
                                       **({"gemm_type": GROUPED} if self.num_experts else {}))
+        if tuned:  # this GPU's measured configurations on their M intervals (quads.ops.humming_tuning)
+            table = merge_tuned(table, tuned)
         if self.mode == "no_stream_k":
             table = _no_stream_k(table)
         if self.rows_hint is not None:
