@@ -52,20 +52,21 @@ class StepTime:
 
 _RL_STEP_MOE = "results/h200_2026-12-03_rl_step/rl_step/moe.json (Qwen3-MoE 2.4B, H200, exact kernels, FP32 masters)"
 _RL_STEP_DENSE = "results/h200_2026-12-03_rl_step/rl_step/dense.json (Qwen3 dense 0.8B, H200, exact kernels, FP32 masters)"
-_RL_STEP_MOE_FINAL = ("results/h200_2026-12-04_rl_step_profile/routing/rl_step.json (Qwen3-MoE 2.4B, H200, "
-                      "kernel='fast', BF16 parameters, the one-launch routing; the mean of its two "
-                      "bf16@bf16 / quads-experts-fast@bf16 pairs)")
+_RL_STEP_DAY2 = ("results/h200_2026-12-04b_stack_sync/NOTES.md (its rl_step.json files; H200, kernel='fast', "
+                 "BF16 parameters, stacked humming siblings, the sorting routing kernel; the mean of the "
+                 "same-run pairs: MoE 2.4B four pairs (w4a16 two), dense 0.8B three)")
 _RL_STEP_MOE_W4A16 = ("results/h200_2026-12-04_rl_step_profile/moe/rl_step.json (Qwen3-MoE 2.4B, H200, kernel='fast', "
                       "BF16 parameters)")
 
 PLAN_SPEEDS: dict[tuple[str, str], dict[str, StepTime]] = {
     ("hopper", "dense"): {
         "quads": StepTime(0.879, 0.646, _RL_STEP_DENSE),
-        "w4a16": StepTime(0.769, 0.646, _RL_STEP_DENSE),
+        "w4a16": StepTime(0.7303, 0.6443, _RL_STEP_DAY2),
     },
     ("hopper", "moe"): {
         "quads": StepTime(0.830, 0.849, _RL_STEP_MOE),
-        "quads-experts": StepTime(0.6691, 0.8287, _RL_STEP_MOE_FINAL),
+        "quads-experts": StepTime(0.6655, 0.8348, _RL_STEP_DAY2),
+        "w4a16": StepTime(0.6795, 0.8245, _RL_STEP_DAY2),
         "w4a16-experts": StepTime(0.768, 0.860, _RL_STEP_MOE_W4A16),
     },
     ("blackwell", "dense"): {},
