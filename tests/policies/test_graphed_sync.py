@@ -194,7 +194,18 @@ class _HostOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("kind", ["exact", "fast"])
+def _fast_moe(seed):
+    """A Qwen3-MoE whose experts humming serves (N % 128, K % 64), its routed experts NVFP4 on the fast path."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=1,
+                         num_key_value_heads=1, head_dim=128, intermediate_size=128, moe_intermediate_size=128,
+                         num_experts=2, num_experts_per_tok=1, max_position_embeddings=64, tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["exact", "fast", "fast-experts"])
 def test_the_captured_phases_take_nothing_from_the_host(kind, monkeypatch, request):
     """What the graphs capture (stage, write: the quantizer, the checks' reductions, the layouts'
     writes, a sibling set's stacked copy) makes no tensor from host data and reads no device value:
@@ -211,10 +222,19 @@ def test_the_captured_phases_take_nothing_from_the_host(kind, monkeypatch, reque
     if kind == "fast":
         request.getfixturevalue("fake_humming")
         trainer, rollout = _llama(1), _fast_rollout(2)
+    elif kind == "fast-experts":
+        request.getfixturevalue("fake_humming")
+        trainer, rollout = _fast_moe(1), _fast_moe(2)
+        with quads.use_backend("humming"):
+            quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", kernel="fast", scope="routed_experts"))
+        quads.quantize_(trainer, quads.QuadsPolicy(side="trainer", scope="routed_experts"))
+        assert any(type(getattr(m, "quads_prepared", (None,))[0]).__name__ == "HummingWeight"
+                   for m in rollout.modules() if hasattr(m, "quads_prepared"))
     else:
         trainer, rollout = build("qwen3_moe", seed=1), build("qwen3_moe", seed=2)
         quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
-    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+    if kind != "fast-experts":
+        quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
     quads.fuse_projections_(rollout)
     sync = GraphedSync(rollout, trainer)
     sync()
