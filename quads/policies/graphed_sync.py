@@ -163,9 +163,11 @@ class GraphedSync:
         stage.replay().check(NOTHING_WRITTEN)
         try:
             write.replay()
-            for w in writes:
+            for w in writes:  # the host's record of the writes (the graph moved no version counter)
                 if w.packed:
                     w.param.mark_written_()
+                else:
+                    torch.autograd.graph.increment_version(w.param)
             for module in modules:
                 module.quads_weights_rewritten()
         except BaseException:

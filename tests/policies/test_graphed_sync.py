@@ -9,6 +9,7 @@ restore, the modules' bookkeeping.
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import quads
 from quads.policies import graphed_sync as gs
@@ -54,6 +55,54 @@ def rerun(monkeypatch):
     monkeypatch.setattr(GraphedSync, "capture", RerunCapture)
 
 
+class _Record(TorchDispatchMode):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        assert all(t in (torch.Tensor, torch.nn.Parameter) for t in types), (func, types)  # no subclass Python
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+_FACTORIES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
+
+
+class RecordedCapture(RerunCapture):
+    """A CPU stand-in for a CUDA graph, closer than :class:`RerunCapture`: ``fn``'s aten ops are
+    recorded when it runs once at capture; a replay runs only them again on the same tensors (each
+    output copied into the tensor made at capture), no Python of ``fn`` and no version counter
+    moved. Host state the sync's code changes is then changed only at capture, as by a real replay.
+    Triton launches are not aten ops: the torch backend's paths only."""
+
+    def __init__(self, fn):
+        self.ops = []
+        with _Record(self.ops):
+            self.out = fn()
+
+    def replay(self):
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            for func, args, kwargs, out in self.ops:
+                if func in _FACTORIES:
+                    continue
+                new = func(*args, **kwargs)
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)}
+                for held, value in zip(tree_leaves(out), tree_leaves(new)):
+                    if isinstance(held, torch.Tensor) and held.untyped_storage().data_ptr() not in inputs:
+                        held.copy_(value)  # not a view or an in-place write: the graph's own output
+        return self.out
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    monkeypatch.setattr(GraphedSync, "capture", RecordedCapture)
+
+
 def test_cpu_default_is_the_eager_sync_and_says_why():
     trainer, rollout, twin = _pair()
     sync = GraphedSync(rollout, trainer)
@@ -65,8 +114,10 @@ def test_cpu_default_is_the_eager_sync_and_says_why():
     assert "CUDA" in sync.blocker
 
 
+@pytest.mark.parametrize("capture", ["rerun", "recorded"])
 @pytest.mark.parametrize("fuse", [False, True])
-def test_replays_equal_the_eager_sync(rerun, fuse):
+def test_replays_equal_the_eager_sync(capture, fuse, request):
+    request.getfixturevalue(capture)
     trainer, rollout, twin = _pair(fuse=fuse)
     sync = GraphedSync(rollout, trainer)
     for step in range(4):
@@ -95,6 +146,29 @@ def test_replay_records_versions_so_nothing_is_rebuilt(rerun, monkeypatch):
     with torch.no_grad():
         rollout(torch.zeros(1, 3, dtype=torch.long))
     assert rebuilt == []
+
+
+def test_a_replay_moves_the_version_counters(recorded):
+    """What a replay wrote is seen by version-keyed caches (``quads.ops.weight_cache``), as an
+    eager sync's write is."""
+    from quads.ops.weight_cache import dequantized_weight, weight_cache_enabled
+    from quads.tensor.nvfp4_math import nvfp4_dequantize
+
+    trainer, rollout, _ = _pair()
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    packed = [p for p in rollout.parameters() if isinstance(p, NVFP4Tensor)]
+    dense = [p for p in rollout.parameters() if not isinstance(p, NVFP4Tensor)]
+    with weight_cache_enabled():
+        for p in packed:
+            dequantized_weight(p.parts, torch.float32)
+        versions = [p._version for p in dense]
+        _step(trainer, 5)
+        sync()
+        assert sync.replays == 1
+        assert all(p._version != v for p, v in zip(dense, versions))
+        for p in packed:
+            assert torch.equal(dequantized_weight(p.parts, torch.float32), nvfp4_dequantize(*p.parts, torch.float32))
 
 
 def test_a_replaced_master_recaptures(rerun):
