@@ -17,10 +17,10 @@ captures it as two CUDA graphs over the same plan and replays them on later call
 
 Same bits as the eager sync (the same kernels run). The plan is made again on every call (names,
 shapes, dtypes, global-scale groups: host metadata only) and compared with the captured one, with
-every address the graphs read or write; any difference (a parameter replaced, a layout rebuilt, a
-sibling set fused) makes that call eager and recaptures. Memory: the staged values and the
-snapshot stay allocated between syncs (about twice the rollout's packed bytes plus its dense
-parameters). Where capture is impossible (CPU, a host sync inside a backend's write) every call
+every object and address the graphs read or write; any difference (a parameter replaced or cast,
+a layout rebuilt, a sibling set fused) makes that call eager and recaptures. Memory: the staged
+values and the snapshot stay allocated between syncs (about twice the rollout's packed bytes plus
+its dense parameters), and so does what the graphs write into until the next call. Where capture is impossible (CPU, a host sync inside a backend's write) every call
 is the eager sync and :attr:`GraphedSync.blocker` says why.
 """
 
@@ -55,19 +55,35 @@ def _written_storage(param: torch.Tensor) -> tuple:
     return (param.data_ptr(),)
 
 
+class _Same:
+    """An object of the plan key: equal only to itself, and held by the key, so no new object can
+    take its id while captured graphs that read or write it are kept."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def _plan_key(writes, modules) -> tuple:
-    """Everything the captured graphs depend on: the plan (which tensors, how quantized, which
-    global-scale groups) and every address they read or write."""
+    """Everything the captured graphs depend on: the plan (which tensors, of which dtypes, how
+    quantized, which global-scale groups) and every object and address they read or write."""
     key = []
     for w in writes:
         s = w.source
-        key.append((id(w.param), s.data_ptr(), s.dtype, tuple(s.shape), s.stride(), id(w.backend),
-                    w.block_scaling, tuple(id(g.param) for g in w.group) if w.group else None,
-                    _written_storage(w.param)))
+        key.append((_Same(w.param), w.param.dtype, w.param.device, s.data_ptr(), s.dtype, tuple(s.shape),
+                    s.stride(), _Same(w.backend), w.block_scaling,
+                    tuple(_Same(g.param) for g in w.group) if w.group else None, _written_storage(w.param)))
     for m in modules:
         group = getattr(m, "quads_group", None)
-        key.append((id(m), id(m.quads_backend), id(group), id(getattr(group, "stacked", None)),
-                    tuple(id(p) for p in m.quads_prepared)))
+        key.append((_Same(m), _Same(m.quads_backend), _Same(group), _Same(getattr(group, "stacked", None)),
+                    tuple(_Same(p) for p in m.quads_prepared)))
     return tuple(key)
 
 

@@ -184,6 +184,48 @@ def test_a_replaced_master_recaptures(rerun):
     assert sync.captures == 2
 
 
+def test_a_rollout_dtype_changed_in_place_recaptures(recorded):
+    """The graphs cast and range-check for the dtypes they were captured with: a parameter that
+    changed dtype at the same address (a packed linear's ``half()``, a dense view as another dtype)
+    is a new plan."""
+    trainer, rollout, twin = _pair()
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    for model in (rollout, twin):
+        model.model.layers[0].self_attn.q_proj.half()
+        norm = model.model.norm.weight
+        norm.data = norm.data.view(torch.float16)
+    _step(trainer, 4)
+    sync()
+    quads.sync_weights_(twin, trainer)
+    assert sync.captures == 2
+    assert _same(rollout, twin)
+
+
+def test_what_the_graphs_write_stays_alive_while_they_are_held(rerun):
+    """The plan key names objects by identity: one replaced between two calls (a sibling set made
+    again) must not be freed while the graphs that write into it are held, or a new object could
+    take its id and the key match."""
+    import gc
+    import weakref
+
+    from quads.policies.fused_projections import unfuse_projections_
+
+    trainer, rollout, _ = _pair(fuse=True)
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    group = rollout.model.layers[0].self_attn.q_proj.quads_group
+    assert group is not None
+    old = weakref.ref(group)
+    del group
+    unfuse_projections_(rollout)
+    gc.collect()
+    assert old() is not None
+    sync()  # a new plan: the old graphs, and what kept the set alive, are dropped
+    gc.collect()
+    assert sync.captures == 2 and old() is None
+
+
 def test_nan_master_is_refused_and_nothing_written(rerun):
     trainer, rollout, _ = _pair()
     sync = GraphedSync(rollout, trainer)
