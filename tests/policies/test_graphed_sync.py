@@ -293,8 +293,17 @@ def test_arguments_are_checked():
 
 
 #: ops a CUDA-graph capture refuses or cannot record: a tensor made from host data (``torch.tensor``,
-#: indexing by a Python list: a copy from pageable host memory) and a read of a device value
-_HOST_OPS = {torch.ops.aten.lift_fresh.default, torch.ops.aten._local_scalar_dense.default}
+#: indexing by a Python list: a copy from pageable host memory), a read of a device value, an output
+#: whose size depends on device values (``nonzero``, ``masked_select``, indexing by a boolean mask)
+_HOST_OPS = {torch.ops.aten.lift_fresh.default, torch.ops.aten._local_scalar_dense.default,
+             torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default}
+_INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
+
+
+def _reads_the_device(func, args) -> bool:
+    if func in _INDEXING:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+    return func in _HOST_OPS
 
 
 class _HostOps(TorchDispatchMode):
@@ -303,24 +312,56 @@ class _HostOps(TorchDispatchMode):
         self.seen = seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _HOST_OPS:
+        if _reads_the_device(func, args):
             import traceback
 
             self.seen.append(f"{func}: {traceback.format_stack(limit=6)[0].strip()}")
         return func(*args, **(kwargs or {}))
 
 
+def test_the_host_op_watch_sees_what_it_must():
+    seen: list[str] = []
+    x = torch.randn(4)
+    for op in (lambda: x[[0, 2]], lambda: x[x > 0], lambda: x.sum().item(), lambda: torch.tensor([1.0]),
+               lambda: x.tolist()):
+        with _HostOps(seen), _tolist_watched(seen):
+            op()
+    assert len(seen) == 5, seen
+    index = torch.tensor([0, 2])
+    with _HostOps(seen), _tolist_watched(seen):
+        x[index] * 2 + x.sum()  # device-only work: not flagged
+    assert len(seen) == 5, seen
+
+
+class _tolist_watched:
+    """``Tensor.tolist`` (a device read no dispatch mode sees) recorded while active."""
+
+    def __init__(self, seen):
+        self.seen, self.real = seen, torch.Tensor.tolist
+
+    def __enter__(self):
+        seen, real = self.seen, self.real
+
+        def tolist(t):
+            seen.append("tolist")
+            return real(t)
+
+        torch.Tensor.tolist = tolist
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.real
+
+
 @pytest.mark.parametrize("kind", ["exact", "fast"])
 def test_the_captured_phases_take_nothing_from_the_host(kind, monkeypatch, request):
     """What the graphs capture (stage, write: the quantizer, the checks' reductions, the layouts'
     writes, a sibling set's stacked copy) makes no tensor from host data and reads no device value:
-    the CPU restatement of what CUDA-graph capture refuses (the H200 refused a humming write that
-    indexed by a host list)."""
+    the CPU restatement of what CUDA-graph capture refuses."""
     seen: list[str] = []
 
     class Watched(RerunCapture):
         def replay(self):
-            with _HostOps(seen):
+            with _HostOps(seen), _tolist_watched(seen):
                 return self.fn()
 
     monkeypatch.setattr(GraphedSync, "capture", Watched)
