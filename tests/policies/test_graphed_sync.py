@@ -377,3 +377,18 @@ def test_the_captured_phases_take_nothing_from_the_host(kind, monkeypatch, reque
     sync()
     sync()
     assert sync.replays == 1 and not seen, seen[:3]
+
+
+def test_the_trl_engine_syncs_through_the_graphs_when_asked(rerun):
+    from quads.integrations.trl.engine import QuadsRolloutEngine
+
+    trainer, rollout, twin = _pair()
+    engines = [QuadsRolloutEngine(model, trainer_model=lambda: trainer, global_step=lambda: 0,
+                                  generation_config=None, pad_token_id=0, eos_token_ids=[1], graphed_sync=graphed)
+               for model, graphed in ((rollout, True), (twin, False))]
+    for step in range(3):
+        _step(trainer, step)
+        assert engines[0].sync_weights() == engines[1].sync_weights()
+        assert _same(rollout, twin)
+    assert engines[0].sync_report() == {"sync": "graphed", "captures": 1, "replays": 2, "sync_blocker": None}
+    assert engines[1].sync_report()["sync"] == "eager"
