@@ -151,6 +151,7 @@ class GraphedSync:
         if mismatch:
             raise ValueError(f"sync_weights_: nothing was written; {mismatch}")
         if has_sharded_parameters(trainer) or not self._capturable():
+            self._captured = None  # graphs of a plan that cannot come back without a new capture
             return _sync(rollout, trainer, True)
         writes = _plan(rollout, trainer, True)
         modules = _written_modules(writes, rollout)

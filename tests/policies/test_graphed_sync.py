@@ -226,6 +226,25 @@ def test_what_the_graphs_write_stays_alive_while_they_are_held(rerun):
     assert sync.captures == 2 and old() is None
 
 
+def test_a_call_that_turns_eager_drops_the_graphs(rerun):
+    import gc
+    import weakref
+
+    trainer, rollout, twin = _pair()
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    _, _, _, _, writes, _, _ = sync._captured
+    staged = weakref.ref(next(w for w in writes if w.packed).staged.qdata)  # a graph-owned value
+    del writes
+    sync.capture = gs.CudaGraphCapture  # (on CPU: every call eager from now on)
+    _step(trainer, 2)
+    sync()
+    gc.collect()
+    assert sync._captured is None and staged() is None and "CUDA" in sync.blocker
+    quads.sync_weights_(twin, trainer)
+    assert _same(rollout, twin)
+
+
 def test_nan_master_is_refused_and_nothing_written(rerun):
     trainer, rollout, _ = _pair()
     sync = GraphedSync(rollout, trainer)
