@@ -12,16 +12,17 @@ captures it as two CUDA graphs over the same plan and replays them on later call
 * **write**: a snapshot of what is overwritten, the staged values written in place, and what the
   modules derive from their packed weights (a sibling set's stacked copy) rewritten; then the
   modules are told (host bookkeeping only: :meth:`~quads.policies.modules.QuadsModule.quads_weights_rewritten`).
-  Any exception after the write's replay (KeyboardInterrupt included) restores every tensor from
-  the snapshot: all or nothing, as the eager sync.
+  Any exception once the write was launched (KeyboardInterrupt included) restores every tensor
+  from the snapshot: all or nothing, as the eager sync.
 
 Same bits as the eager sync (the same kernels run). The plan is made again on every call (names,
 shapes, dtypes, global-scale groups: host metadata only) and compared with the captured one, with
 every object and address the graphs read or write; any difference (a parameter replaced or cast,
 a layout rebuilt, a sibling set fused) makes that call eager and recaptures. Memory: the staged
 values and the snapshot stay allocated between syncs (about twice the rollout's packed bytes plus
-its dense parameters), and so does what the graphs write into until the next call. Where capture is impossible (CPU, a host sync inside a backend's write) every call
-is the eager sync and :attr:`GraphedSync.blocker` says why.
+its dense parameters), and so does what the graphs write into until the next call. Where capture
+is impossible (CPU, a host sync inside a backend's write) every call is the eager sync and
+:attr:`GraphedSync.blocker` says why.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class GraphedSync:
         self.replays = 0  # calls served by the graphs
         self.captures = 0
         self._failed = False  # a capture failed on these models: every call eager (until release())
-        self._captured = None  # (key, count, stage, write, writes, modules, snapshots)
+        self._captured = None  # (key, count, stage, write, writes, modules, snapshots, launches)
 
     @torch.no_grad()
     def __call__(self) -> int:
@@ -176,8 +177,9 @@ class GraphedSync:
         return True
 
     def _replay(self) -> int:
-        _, count, stage, write, writes, modules, snapshots = self._captured
+        _, count, stage, write, writes, modules, snapshots, launches = self._captured
         stage.replay().check(NOTHING_WRITTEN)
+        launched = int(launches)  # (the stream is idle after the check: one small read)
         try:
             write.replay()
             for w in writes:  # the host's record of the writes (the graph moved no version counter)
@@ -188,10 +190,11 @@ class GraphedSync:
             for module in modules:
                 module.quads_weights_rewritten()
         except BaseException:
-            for w, old in reversed(list(zip(writes, snapshots))):
-                _restore(w, old)
-            for module in modules:
-                module.quads_weights_changed()
+            if int(launches) != launched:  # the write ran: undo it (before its launch the snapshot is stale)
+                for w, old in reversed(list(zip(writes, snapshots))):
+                    _restore(w, old)
+                for module in modules:
+                    module.quads_weights_changed()
             raise
         self.replays += 1
         return count
@@ -210,16 +213,18 @@ class GraphedSync:
             return _probe(writes)
 
         snapshots: list = []  # filled at capture (CUDA: the graph rewrites their values) or at each rerun
+        device = writes[0].param.device
+        launches = torch.zeros((), dtype=torch.int64, device=device)  # the write's runs, counted by itself
 
         def write():
             snapshots.clear()
+            launches.add_(1)
             for w in writes:
                 snapshots.append(_snapshot(w))  # before its first byte is overwritten
                 _put(w, w.staged)
             for module in modules:
                 module.quads_weights_changed()
 
-        device = writes[0].param.device
         try:
             if self.capture.needs_cuda:
                 torch.cuda.synchronize(device)
@@ -231,7 +236,7 @@ class GraphedSync:
                 torch.cuda.synchronize(device)
             _sync(rollout, trainer, True)  # whatever the failed capture left: the eager result again
             return
-        self._captured = (_plan_key(writes, modules), len(writes), *captured, writes, modules, snapshots)
+        self._captured = (_plan_key(writes, modules), len(writes), *captured, writes, modules, snapshots, launches)
         self.captures += 1
         self.blocker = None
         self._replay()

@@ -233,7 +233,7 @@ def test_a_call_that_turns_eager_drops_the_graphs(rerun):
     trainer, rollout, twin = _pair()
     sync = GraphedSync(rollout, trainer)
     sync()
-    _, _, _, _, writes, _, _ = sync._captured
+    writes = sync._captured[4]
     staged = weakref.ref(next(w for w in writes if w.packed).staged.qdata)  # a graph-owned value
     del writes
     sync.capture = gs.CudaGraphCapture  # (on CPU: every call eager from now on)
@@ -274,6 +274,27 @@ def test_interrupt_after_the_write_restores_everything(rerun, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         sync()
     monkeypatch.undo()  # the patched method is an attribute of the module: gone before comparing
+    assert_unchanged(before, rollout)
+
+
+def test_interrupt_before_the_write_is_launched_writes_nothing(rerun):
+    """An interrupt that lands before the write graph's launch: nothing was written, and nothing is
+    "restored" from the snapshot, which then holds the values before the previous sync."""
+    trainer, rollout, _ = _pair()
+    sync = GraphedSync(rollout, trainer)
+    sync()
+    _step(trainer, 6)
+    sync()
+    before = snapshot(rollout)
+    _step(trainer, 7)
+    write = sync._captured[3]
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    write.replay = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        sync()
     assert_unchanged(before, rollout)
 
 
