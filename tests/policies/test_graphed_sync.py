@@ -245,7 +245,9 @@ def test_a_call_that_turns_eager_drops_the_graphs(rerun):
     assert _same(rollout, twin)
 
 
-def test_nan_master_is_refused_and_nothing_written(rerun):
+@pytest.mark.parametrize("capture", ["rerun", "recorded"])
+def test_nan_master_is_refused_and_nothing_written(capture, request):
+    request.getfixturevalue(capture)
     trainer, rollout, _ = _pair()
     sync = GraphedSync(rollout, trainer)
     sync()
@@ -258,7 +260,9 @@ def test_nan_master_is_refused_and_nothing_written(rerun):
     assert_unchanged(before, rollout)
 
 
-def test_interrupt_after_the_write_restores_everything(rerun, monkeypatch):
+@pytest.mark.parametrize("capture", ["rerun", "recorded"])
+def test_interrupt_after_the_write_restores_everything(capture, monkeypatch, request):
+    request.getfixturevalue(capture)
     trainer, rollout, _ = _pair()
     sync = GraphedSync(rollout, trainer)
     sync()
@@ -277,9 +281,11 @@ def test_interrupt_after_the_write_restores_everything(rerun, monkeypatch):
     assert_unchanged(before, rollout)
 
 
-def test_interrupt_before_the_write_is_launched_writes_nothing(rerun):
+@pytest.mark.parametrize("capture", ["rerun", "recorded"])
+def test_interrupt_before_the_write_is_launched_writes_nothing(capture, request):
     """An interrupt that lands before the write graph's launch: nothing was written, and nothing is
     "restored" from the snapshot, which then holds the values before the previous sync."""
+    request.getfixturevalue(capture)
     trainer, rollout, _ = _pair()
     sync = GraphedSync(rollout, trainer)
     sync()
