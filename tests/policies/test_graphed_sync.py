@@ -402,7 +402,8 @@ class _tolist_watched:
 def test_the_captured_phases_take_nothing_from_the_host(kind, monkeypatch, request):
     """What the graphs capture (stage, write: the quantizer, the checks' reductions, the layouts'
     writes, a sibling set's stacked copy) makes no tensor from host data and reads no device value:
-    the CPU restatement of what CUDA-graph capture refuses."""
+    the CPU restatement of what CUDA-graph capture refuses. The replay's weights and forward are the
+    eager sync's (the fast path: humming layouts and a stacked copy)."""
     seen: list[str] = []
 
     class Watched(RerunCapture):
@@ -413,16 +414,23 @@ def test_the_captured_phases_take_nothing_from_the_host(kind, monkeypatch, reque
     monkeypatch.setattr(GraphedSync, "capture", Watched)
     if kind == "fast":
         request.getfixturevalue("fake_humming")
-        trainer, rollout = _llama(1), _fast_rollout(2)
+        trainer, rollout, twin = _llama(1), _fast_rollout(2), _fast_rollout(2)
     else:
-        trainer, rollout = build("qwen3_moe", seed=1), build("qwen3_moe", seed=2)
-        quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+        trainer, rollout, twin = build("qwen3_moe", seed=1), build("qwen3_moe", seed=2), build("qwen3_moe", seed=2)
+        for model in (rollout, twin):
+            quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
     quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
-    quads.fuse_projections_(rollout)
+    for model in (rollout, twin):
+        quads.fuse_projections_(model)
     sync = GraphedSync(rollout, trainer)
     sync()
+    _step(trainer, 1)
     sync()
     assert sync.replays == 1 and not seen, seen[:3]
+    quads.sync_weights_(twin, trainer)
+    ids = torch.randint(0, 96, (2, 5))
+    with torch.no_grad():
+        assert _same(rollout, twin) and torch.equal(rollout(ids).logits, twin(ids).logits)
 
 
 def test_the_trl_engine_syncs_through_the_graphs_when_asked(rerun):
