@@ -12,16 +12,17 @@ captures it as two CUDA graphs over the same plan and replays them on later call
 * **write**: a snapshot of what is overwritten, the staged values written in place, and what the
   modules derive from their packed weights (a sibling set's stacked copy) rewritten; then the
   modules are told (host bookkeeping only: :meth:`~quads.policies.modules.QuadsModule.quads_weights_rewritten`).
-  Any exception after the write's replay (KeyboardInterrupt included) restores every tensor from
-  the snapshot: all or nothing, as the eager sync.
+  Any exception once the write was launched (KeyboardInterrupt included) restores every tensor
+  from the snapshot: all or nothing, as the eager sync.
 
 Same bits as the eager sync (the same kernels run). The plan is made again on every call (names,
 shapes, dtypes, global-scale groups: host metadata only) and compared with the captured one, with
-every address the graphs read or write; any difference (a parameter replaced, a layout rebuilt, a
-sibling set fused) makes that call eager and recaptures. Memory: the staged values and the
-snapshot stay allocated between syncs (about twice the rollout's packed bytes plus its dense
-parameters). Where capture is impossible (CPU, a host sync inside a backend's write) every call
-is the eager sync and :attr:`GraphedSync.blocker` says why.
+every object and address the graphs read or write; any difference (a parameter replaced or cast,
+a layout rebuilt, a sibling set fused) makes that call eager and recaptures. Memory: the staged
+values and the snapshot stay allocated between syncs (about twice the rollout's packed bytes plus
+its dense parameters), and so does what the graphs write into until the next call. Where capture
+is impossible (CPU, a host sync inside a backend's write) every call is the eager sync and
+:attr:`GraphedSync.blocker` says why.
 """
 
 from __future__ import annotations
@@ -55,19 +56,35 @@ def _written_storage(param: torch.Tensor) -> tuple:
     return (param.data_ptr(),)
 
 
+class _Same:
+    """An object of the plan key: equal only to itself, and held by the key, so no new object can
+    take its id while captured graphs that read or write it are kept."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def _plan_key(writes, modules) -> tuple:
-    """Everything the captured graphs depend on: the plan (which tensors, how quantized, which
-    global-scale groups) and every address they read or write."""
+    """Everything the captured graphs depend on: the plan (which tensors, of which dtypes, how
+    quantized, which global-scale groups) and every object and address they read or write."""
     key = []
     for w in writes:
         s = w.source
-        key.append((id(w.param), s.data_ptr(), s.dtype, tuple(s.shape), s.stride(), id(w.backend),
-                    w.block_scaling, tuple(id(g.param) for g in w.group) if w.group else None,
-                    _written_storage(w.param)))
+        key.append((_Same(w.param), w.param.dtype, w.param.device, s.data_ptr(), s.dtype, tuple(s.shape),
+                    s.stride(), _Same(w.backend), w.block_scaling,
+                    tuple(_Same(g.param) for g in w.group) if w.group else None, _written_storage(w.param)))
     for m in modules:
         group = getattr(m, "quads_group", None)
-        key.append((id(m), id(m.quads_backend), id(group), id(getattr(group, "stacked", None)),
-                    tuple(id(p) for p in m.quads_prepared)))
+        key.append((_Same(m), _Same(m.quads_backend), _Same(group), _Same(getattr(group, "stacked", None)),
+                    tuple(_Same(p) for p in m.quads_prepared)))
     return tuple(key)
 
 
@@ -117,7 +134,7 @@ class GraphedSync:
         self.replays = 0  # calls served by the graphs
         self.captures = 0
         self._failed = False  # a capture failed on these models: every call eager (until release())
-        self._captured = None  # (key, count, stage, write, writes, modules, snapshots)
+        self._captured = None  # (key, count, stage, write, writes, modules, snapshots, launches)
 
     @torch.no_grad()
     def __call__(self) -> int:
@@ -135,6 +152,7 @@ class GraphedSync:
         if mismatch:
             raise ValueError(f"sync_weights_: nothing was written; {mismatch}")
         if has_sharded_parameters(trainer) or not self._capturable():
+            self._captured = None  # graphs of a plan that cannot come back without a new capture
             return _sync(rollout, trainer, True)
         writes = _plan(rollout, trainer, True)
         modules = _written_modules(writes, rollout)
@@ -159,20 +177,24 @@ class GraphedSync:
         return True
 
     def _replay(self) -> int:
-        _, count, stage, write, writes, modules, snapshots = self._captured
+        _, count, stage, write, writes, modules, snapshots, launches = self._captured
         stage.replay().check(NOTHING_WRITTEN)
+        launched = int(launches)  # (the stream is idle after the check: one small read)
         try:
             write.replay()
-            for w in writes:
+            for w in writes:  # the host's record of the writes (the graph moved no version counter)
                 if w.packed:
                     w.param.mark_written_()
+                else:
+                    torch.autograd.graph.increment_version(w.param)
             for module in modules:
                 module.quads_weights_rewritten()
         except BaseException:
-            for w, old in reversed(list(zip(writes, snapshots))):
-                _restore(w, old)
-            for module in modules:
-                module.quads_weights_changed()
+            if int(launches) != launched:  # the write ran: undo it (before its launch the snapshot is stale)
+                for w, old in reversed(list(zip(writes, snapshots))):
+                    _restore(w, old)
+                for module in modules:
+                    module.quads_weights_changed()
             raise
         self.replays += 1
         return count
@@ -191,16 +213,18 @@ class GraphedSync:
             return _probe(writes)
 
         snapshots: list = []  # filled at capture (CUDA: the graph rewrites their values) or at each rerun
+        device = writes[0].param.device
+        launches = torch.zeros((), dtype=torch.int64, device=device)  # the write's runs, counted by itself
 
         def write():
             snapshots.clear()
+            launches.add_(1)
             for w in writes:
                 snapshots.append(_snapshot(w))  # before its first byte is overwritten
                 _put(w, w.staged)
             for module in modules:
                 module.quads_weights_changed()
 
-        device = writes[0].param.device
         try:
             if self.capture.needs_cuda:
                 torch.cuda.synchronize(device)
@@ -212,7 +236,7 @@ class GraphedSync:
                 torch.cuda.synchronize(device)
             _sync(rollout, trainer, True)  # whatever the failed capture left: the eager result again
             return
-        self._captured = (_plan_key(writes, modules), len(writes), *captured, writes, modules, snapshots)
+        self._captured = (_plan_key(writes, modules), len(writes), *captured, writes, modules, snapshots, launches)
         self.captures += 1
         self.blocker = None
         self._replay()

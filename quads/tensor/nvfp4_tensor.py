@@ -256,9 +256,11 @@ class NVFP4Tensor(torch.Tensor):
         return self.__dict__.get("_layout"), [(t, t.clone()) for t in self.written_storage()]
 
     def mark_written_(self) -> None:
-        """Count a write that bypassed :meth:`write_parts_` (a replayed CUDA graph of one): version-keyed
-        caches of the parts (:meth:`parts_version`) then see it."""
+        """Count a write that bypassed :meth:`write_parts_` (a replayed CUDA graph of one) as it counts
+        its own: :meth:`parts_version` and the written tensors' version counters move, so
+        version-keyed caches of the parts see it."""
         self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
+        torch.autograd.graph.increment_version(tuple(self.written_storage()))
 
     def restore_storage_(self, snapshot: tuple) -> None:
         """Put back, in place, what :meth:`storage_snapshot` copied; its storage is this tensor's again."""

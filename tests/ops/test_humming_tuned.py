@@ -99,7 +99,10 @@ def test_shipped_table_path_is_named_after_the_device(monkeypatch, tmp_path):
 
 
 def test_every_shipped_table_validates():
-    for path in sorted(ht.TUNED_DIR.glob("*.json")):
+    paths = sorted(ht.TUNED_DIR.glob("*.json"))
+    if not paths:
+        pytest.skip(f"no tuned table shipped in {ht.TUNED_DIR}")
+    for path in paths:
         data = json.loads(path.read_text())
         ht.validate_table(data, data.get("device"))
         assert path.stem == ht.device_slug(data["device"]), path

@@ -22,7 +22,10 @@ class QuadsRolloutEngine:
 
     ``sync_weights()`` re-quantizes the trainer's masters into the rollout model
     (``quads.sync_weights_``, exact; a collective when the trainer is sharded with FSDP2: TRL
-    calls it on every rank, each syncing its own replica). ``generate(prompts, images, num_generations, profiler)``
+    calls it on every rank, each syncing its own replica); replayed from CUDA graphs when
+    ``graphed_sync`` is True, or None (default) and the rollout model is on CUDA
+    (:class:`~quads.policies.graphed_sync.GraphedSync`: same bits; its staged values and snapshot
+    stay allocated between syncs; :meth:`sync_report`). ``generate(prompts, images, num_generations, profiler)``
     samples one completion per prompt entry (TRL's prompt list already repeats each prompt
     ``num_generations`` times, like vLLM's colocate mode) and returns
     ``(prompt_ids, completion_ids, logprobs, None)`` with ``logprobs[i][t] == [log p]`` of the
