@@ -843,9 +843,12 @@ def check_graphed_sync():
                 torch.cuda.synchronize()
                 times[name].append((time.perf_counter() - t) * 1e3)
             equal.append(all(bits_equal(a, b) for a, b in zip(_rollout_state(rollout), _rollout_state(twin))))
-        record(f"{label}: == eager sync bits after each of 4 syncs, replays used",
-               all(equal) and graphed.replays == 3 and graphed.blocker is None,
-               f"equal {equal}, replays {graphed.replays}, captures {graphed.captures}, blocker {graphed.blocker}; "
+        ids = torch.randint(0, cfg.vocab_size, (4, 8), device="cuda")
+        with torch.no_grad():
+            same_logits = bits_equal(rollout(ids).logits, twin(ids).logits)
+        record(f"{label}: == eager sync bits after each of 4 syncs (and the logits), replays used",
+               all(equal) and same_logits and graphed.replays == 3 and graphed.blocker is None,
+               f"equal {equal}, logits {same_logits}, replays {graphed.replays}, captures {graphed.captures}, blocker {graphed.blocker}; "
                f"ms per sync (steps 2-4) eager {sorted(times['eager'][1:])[1]:.1f}, "
                f"graphed {sorted(times['graphed'][1:])[1]:.1f} (first call {times['graphed'][0]:.0f})")
         before = [t.clone() for t in _rollout_state(rollout)]
@@ -865,7 +868,10 @@ def check_graphed_sync():
         module = next(m for m in rollout.modules() if hasattr(m, "quads_weights_rewritten"))
         original = module.quads_weights_rewritten
 
+        reached = []
+
         def interrupted():
+            reached.append(True)
             raise KeyboardInterrupt
 
         module.quads_weights_rewritten = interrupted
@@ -879,9 +885,11 @@ def check_graphed_sync():
             restored = all(bits_equal(a, b) for a, b in zip(_rollout_state(rollout), before))
         finally:
             del module.quads_weights_rewritten
+        served = bool(reached)  # the interrupted call ran the graphs (an eager call never reaches the patch)
         record(f"{label}: a NaN master refused, nothing written; an interrupt after the write restored",
-               refused and unchanged and restored and original is not None,
-               f"refused {refused}, unchanged {unchanged}, restored {restored}")
+               refused and unchanged and restored and served and original is not None,
+               f"refused {refused}, unchanged {unchanged}, restored {restored}"
+               + ("" if served else " (the graphs were not used: see the line above)"))
 
 
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
