@@ -132,6 +132,7 @@ class GraphedSync:
         self.rollout_model, self.trainer_model = rollout_model, trainer_model
         self.blocker: str | None = None  # why calls run eagerly (None: captured, or not tried yet)
         self.replays = 0  # calls served by the graphs
+        self.last_replayed = False  # whether the latest call was served by the graphs
         self.captures = 0
         self._failed = False  # a capture failed on these models: every call eager (until release())
         self._captured = None  # (key, count, stage, write, writes, modules, snapshots, launches)
@@ -148,6 +149,7 @@ class GraphedSync:
     # -- one call ----------------------------------------------------------------------------------
     def _sync(self) -> int:
         rollout, trainer = self.rollout_model, self.trainer_model
+        self.last_replayed = False
         mismatch = conversion_mismatch(rollout, trainer)
         if mismatch:
             raise ValueError(f"sync_weights_: nothing was written; {mismatch}")
@@ -197,6 +199,7 @@ class GraphedSync:
                     module.quads_weights_changed()
             raise
         self.replays += 1
+        self.last_replayed = True
         return count
 
     # -- capture -----------------------------------------------------------------------------------
@@ -241,3 +244,4 @@ class GraphedSync:
         self.blocker = None
         self._replay()
         self.replays -= 1  # the capture's own replay is not a served call
+        self.last_replayed = False

@@ -125,7 +125,7 @@ def test_replays_equal_the_eager_sync(capture, fuse, request):
         sync()
         quads.sync_weights_(twin, trainer)
         assert _same(rollout, twin), step
-    assert (sync.captures, sync.replays, sync.blocker) == (1, 3, None)
+    assert (sync.captures, sync.replays, sync.blocker, sync.last_replayed) == (1, 3, None, True)
     ids = torch.randint(0, 96, (2, 5))
     with torch.no_grad():
         assert torch.equal(rollout(ids).logits, twin(ids).logits)

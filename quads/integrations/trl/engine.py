@@ -84,10 +84,10 @@ class QuadsRolloutEngine:
                 "capture_blocker": d.capture_blocker if d else None, "fallback_reason": self.fallback_reason}
 
     def sync_report(self) -> dict:
-        """How the weights were synced: ``sync`` (``"graphed"`` or ``"eager"``), the graphs'
-        ``captures`` and ``replays``, and ``sync_blocker`` (why the graphs are not used)."""
+        """How the weights were synced: ``sync`` (the latest sync: ``"graphed"`` or ``"eager"``), the
+        graphs' ``captures`` and ``replays`` so far, and ``sync_blocker`` (why the graphs are not used)."""
         g = self._graphed_sync
-        return {"sync": "graphed" if g is not None and g.replays else "eager", "captures": g.captures if g else 0,
+        return {"sync": "graphed" if g is not None and g.last_replayed else "eager", "captures": g.captures if g else 0,
                 "replays": g.replays if g else 0, "sync_blocker": g.blocker if g else None}
 
     def take_seconds(self) -> dict[str, float]:
