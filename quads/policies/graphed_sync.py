@@ -1,27 +1,23 @@
 """Repeated weight syncs replayed from CUDA graphs: :func:`quads.sync_weights_` at a fraction of its host cost.
 
-An RL loop syncs the same rollout from the same trainer after every optimizer step. The eager
-sync launches tens of small kernels per weight (the quantizer, the checks' reductions, the kernel
-layout's repack and scales); on the fast path that is 1-2.5 ms of Python per weight against well
-under 1 ms of device time. :class:`GraphedSync` runs the sync's own code once eagerly, then
-captures it as two CUDA graphs over the same plan and replays them on later calls:
+The eager sync launches tens of small kernels per weight (quantizer, checks, the layout's repack
+and scales): 1-2.5 ms of Python per weight on the fast path, well under 1 ms of device time.
+:class:`GraphedSync` runs it once eagerly, then captures two CUDA graphs over the same plan:
 
-* **stage**: every master re-quantized into graph-owned staged tensors, the checks' reductions
-  (:class:`quads.tensor.finite.FiniteProbe`) launched;
-* the checks read back (one host sync); a failure raises the eager sync's ValueError, nothing written;
-* **write**: a snapshot of what is overwritten, the staged values written in place, and what the
-  modules derive from their packed weights (a sibling set's stacked copy) rewritten; then the
-  modules are told (host bookkeeping only: :meth:`~quads.policies.modules.QuadsModule.quads_weights_rewritten`).
-  Any exception once the write was launched (KeyboardInterrupt included) restores every tensor
-  from the snapshot: all or nothing, as the eager sync.
+* **stage**: every master re-quantized into graph-owned tensors, the checks' reductions
+  (:class:`quads.tensor.finite.FiniteProbe`) launched; then the checks are read (one host sync):
+  a failure raises the eager sync's ValueError, nothing written;
+* **write**: a snapshot of what is overwritten, the staged values written in place, the modules'
+  derived copies (a sibling set's stacked layout) rewritten; then host bookkeeping only
+  (:meth:`~quads.policies.modules.QuadsModule.quads_weights_rewritten`). Any exception once the
+  write was launched (KeyboardInterrupt included) restores the snapshot: all or nothing.
 
-Same bits as the eager sync (the same kernels run). The plan is made again on every call (names,
-shapes, dtypes, global-scale groups: host metadata only) and compared with the captured one, with
-every object and address the graphs read or write; any difference (a parameter replaced or cast,
-a layout rebuilt, a sibling set fused) makes that call eager and recaptures. Memory: the staged
-values and the snapshot stay allocated between syncs (about twice the rollout's packed bytes plus
-its dense parameters), and so does what the graphs write into until the next call. Where capture
-is impossible (CPU, a host sync inside a backend's write) every call is the eager sync and
+Same bits as the eager sync (the same kernels), checked once per capture: the written tensors are
+cleared and the first replay must write the eager sync's bytes again (else every call is eager).
+The plan is made again per call and compared with every object and address the graphs use; any
+difference (a parameter replaced or cast, a layout rebuilt, a set fused) runs the eager sync and
+recaptures. Memory: the staged values and the snapshot stay allocated (about twice the packed
+bytes plus the dense parameters). Where capture is impossible every call is the eager sync and
 :attr:`GraphedSync.blocker` says why.
 """
 
@@ -54,6 +50,15 @@ def _written_storage(param: torch.Tensor) -> tuple:
     if hasattr(param, "written_storage"):
         return tuple(t.data_ptr() for t in param.written_storage())
     return (param.data_ptr(),)
+
+
+def _written(writes) -> list[torch.Tensor]:
+    return [t.detach() for w in writes for t in (w.param.written_storage() if w.packed else (w.param,))]
+
+
+def _fingerprint(writes) -> torch.Tensor:
+    """One int64 byte sum per tensor the writes land on: what the first replay is checked against."""
+    return torch.stack([t.reshape(-1).view(torch.uint8).sum(dtype=torch.int64) for t in _written(writes)])
 
 
 class _Same:
@@ -228,20 +233,35 @@ class GraphedSync:
             for module in modules:
                 module.quads_weights_changed()
 
+        expected = _fingerprint(writes)  # the eager sync just wrote these masters' values
         try:
             if self.capture.needs_cuda:
                 torch.cuda.synchronize(device)
             captured = self.capture(stage), self.capture(write)
         except Exception as e:  # noqa: BLE001 - any capture failure: stay eager, say why
-            self.blocker = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            self._captured, self._failed = None, True
-            if self.capture.needs_cuda:
-                torch.cuda.synchronize(device)
-            _sync(rollout, trainer, True)  # whatever the failed capture left: the eager result again
+            self._give_up(f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             return
         self._captured = (_plan_key(writes, modules), len(writes), *captured, writes, modules, snapshots, launches)
         self.captures += 1
         self.blocker = None
-        self._replay()
+        # the first replay is checked: every written tensor cleared, then it must write the eager
+        # sync's bytes again (same masters); a write the capture lost leaves zeros
+        try:
+            for t in _written(writes):
+                t.zero_()
+            self._replay()
+        except BaseException:
+            self._give_up("the first replay raised")
+            raise
         self.replays -= 1  # the capture's own replay is not a served call
         self.last_replayed = False
+        if not torch.equal(_fingerprint(writes), expected):
+            self._give_up("the first replay wrote other bytes than the eager sync (a launch the capture lost)")
+
+    def _give_up(self, why: str) -> None:
+        """Every later call eager, the graphs dropped, the eager sync's result written again."""
+        self.blocker, self._captured, self._failed = why, None, True
+        device = next(self.rollout_model.parameters()).device
+        if self.capture.needs_cuda:
+            torch.cuda.synchronize(device)
+        _sync(self.rollout_model, self.trainer_model, True)

@@ -465,3 +465,28 @@ def test_the_trl_engine_syncs_through_the_graphs_when_asked(rerun):
         assert _same(rollout, twin)
     assert engines[0].sync_report() == {"sync": "graphed", "captures": 1, "replays": 2, "sync_blocker": None}
     assert engines[1].sync_report()["sync"] == "eager"
+
+
+def test_a_capture_that_loses_a_write_is_caught_at_the_first_replay(monkeypatch):
+    """The first replay is checked against the eager sync's bytes: a write phase that ran nothing
+    (a launch the capture did not record) makes every call eager, and says why; the rollout holds
+    the eager sync's values."""
+    made = []
+
+    class LosesTheWrite(RerunCapture):
+        def __init__(self, fn):
+            super().__init__(fn)
+            made.append(self)
+
+        def replay(self):
+            return None if self is made[1] else self.fn()
+
+    monkeypatch.setattr(GraphedSync, "capture", LosesTheWrite)
+    trainer, rollout, twin = _pair()
+    sync = GraphedSync(rollout, trainer)
+    for step in range(3):
+        _step(trainer, step)
+        sync()
+        quads.sync_weights_(twin, trainer)
+        assert _same(rollout, twin), step
+    assert sync.replays == 0 and sync.captures == 1 and "other bytes" in sync.blocker
