@@ -39,6 +39,15 @@ def _step(trainer, seed):
             p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.01)
 
 
+def _sync_like_eager(sync, trainer, twin, steps):
+    """``steps`` optimizer-like steps, each synced by ``sync`` and by the eager sync into ``twin``:
+    the same count and the same bits after every one."""
+    for step in range(steps):
+        _step(trainer, step)
+        assert sync() == quads.sync_weights_(twin, trainer)
+        assert _same(sync.rollout_model, twin), step
+
+
 def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(_state(a), _state(b)))
 
@@ -106,10 +115,7 @@ def recorded(monkeypatch):
 def test_cpu_default_is_the_eager_sync_and_says_why():
     trainer, rollout, twin = _pair()
     sync = GraphedSync(rollout, trainer)
-    for step in range(2):
-        _step(trainer, step)
-        assert sync() == quads.sync_weights_(twin, trainer)
-        assert _same(rollout, twin)
+    _sync_like_eager(sync, trainer, twin, 2)
     assert sync.replays == 0 and sync.captures == 0
     assert "CUDA" in sync.blocker
 
@@ -120,11 +126,7 @@ def test_replays_equal_the_eager_sync(capture, fuse, request):
     request.getfixturevalue(capture)
     trainer, rollout, twin = _pair(fuse=fuse)
     sync = GraphedSync(rollout, trainer)
-    for step in range(4):
-        _step(trainer, step)
-        sync()
-        quads.sync_weights_(twin, trainer)
-        assert _same(rollout, twin), step
+    _sync_like_eager(sync, trainer, twin, 4)
     assert (sync.captures, sync.replays, sync.blocker, sync.last_replayed) == (1, 3, None, True)
     ids = torch.randint(0, 96, (2, 5))
     with torch.no_grad():
@@ -484,9 +486,5 @@ def test_a_capture_that_loses_a_write_is_caught_at_the_first_replay(monkeypatch)
     monkeypatch.setattr(GraphedSync, "capture", LosesTheWrite)
     trainer, rollout, twin = _pair()
     sync = GraphedSync(rollout, trainer)
-    for step in range(3):
-        _step(trainer, step)
-        sync()
-        quads.sync_weights_(twin, trainer)
-        assert _same(rollout, twin), step
+    _sync_like_eager(sync, trainer, twin, 3)
     assert sync.replays == 0 and sync.captures == 1 and "other bytes" in sync.blocker
