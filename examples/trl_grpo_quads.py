@@ -150,6 +150,9 @@ def parse_args(argv=None):
     ap.add_argument("--time-budget-s", type=positive_float, default=None,
                     help="stop after the first step ending past this many seconds of training, save a checkpoint "
                          "and exit 0 (status paused); continue with the same command and --resume")
+    ap.add_argument("--stop-after-s", type=positive_float, default=None,
+                    help="end training after the first step ending past this many seconds of training, without a "
+                         "checkpoint: evaluate and finish (status stopped: a run shorter than --max-steps)")
     ap.add_argument("--resume", action="store_true",
                     help="continue the unfinished run in --output-dir from its last checkpoint (same arguments); "
                          "without one, start")
@@ -270,9 +273,9 @@ def make_step_callback(path_jsonl, total_steps, t0, no_signal_hint: str, rows=()
     return StepPrinter()
 
 
-def make_time_budget(seconds: float | None):
+def make_time_budget(seconds: float | None, save: bool = True):
     """A callback that ends training after the first step ending past ``seconds`` of training
-    (before the last step), with a checkpoint: TRL saves it as its own (``should_save``)."""
+    (before the last step); with ``save``, with a checkpoint: TRL saves it as its own (``should_save``)."""
     from transformers import TrainerCallback
 
     class TimeBudget(TrainerCallback):
@@ -286,7 +289,7 @@ def make_time_budget(seconds: float | None):
         def on_step_end(self, args, state, control, **kw):
             if (seconds is not None and state.global_step < state.max_steps
                     and time.perf_counter() - self.start > seconds):
-                control.should_save = True
+                control.should_save = save
                 control.should_training_stop = True
                 self.paused_at = state.global_step
             return control
@@ -515,7 +518,7 @@ def summarize(rows, args, preset, train_s, t0, before, after, num_syncs, status)
     k = max(1, min(5, len(rows) // 3))
     q = lambda key: [r.get(key) for r in rows]  # noqa: E731
     summary = {
-        "complete": status == "complete",
+        "complete": status in ("complete", "stopped"),  # stopped: finished early by --stop-after-s
         "status": status,
         "policy": preset.name,
         "task": args.task,
@@ -571,6 +574,8 @@ def print_summary(summary, preset, out) -> None:
     elif decode:
         print("rollout decode    transformers generate" + (f" ({decode['fallback_reason']})" if decode.get("fallback_reason") else ""))
     print(f"outputs           {out}/metrics.jsonl, metrics.csv, reward_gap.png, summary.json")
+    if summary["status"] == "stopped":
+        print(f"stopped           after step {summary['steps']} of {summary['args']['max_steps']} (--stop-after-s)")
     if summary["status"] == "paused":
         print(f"paused            after step {summary['steps']} of {summary['args']['max_steps']} (time budget); "
               "run the same command with --resume to continue")
@@ -691,8 +696,10 @@ def main(argv=None) -> dict:
         printer = make_step_callback(out / "metrics.jsonl", args.max_steps, t0, hint, rows)
         rows = printer.rows
         budget = make_time_budget(args.time_budget_s)
+        stop = make_time_budget(args.stop_after_s, save=False)
         trainer.add_callback(printer)
         trainer.add_callback(budget)
+        trainer.add_callback(stop)
         print(f"  setup {time.time() - t0:.1f}s" + (f", resuming from {checkpoint}" if checkpoint else ""))
 
         if args.eval_n > 0 and resume is None:
@@ -712,7 +719,7 @@ def main(argv=None) -> dict:
                 print(f"held-out greedy accuracy after  (n={args.eval_n}): rollout engine {after['rollout']:.3f}, "
                       f"trainer forward {after['trainer']:.3f}  ({after['seconds']:.1f}s)")
             remove_checkpoints(out)
-            status = "complete"
+            status = "complete" if stop.paused_at is None else "stopped"
     except KeyboardInterrupt:
         status = "interrupted"
         raise
@@ -751,7 +758,7 @@ def finish_run(out, rows, args, preset, train_s, t0, before, after, trainer, sta
     summary = summarize(rows, args, preset, train_s, t0, before, after, num_syncs, status)
     if trainer is not None:
         summary["rollout_decode"] = trainer.quads_rollout.decode_report()
-    if status == "complete" and trainer is not None:
+    if status in ("complete", "stopped") and trainer is not None:
         summary["masters_crc32"] = masters_crc32(trainer.accelerator.unwrap_model(trainer.model))
     if error:
         summary["error"] = error

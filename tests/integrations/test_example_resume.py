@@ -158,3 +158,15 @@ def test_a_second_run_in_a_folder_in_use_is_refused(tmp_path):
     finally:
         os.close(fd)
     assert (out / "metrics.jsonl").read_text() == "first run\n"
+
+
+def test_stop_after_s_ends_the_run_early_without_a_checkpoint(tmp_path):
+    """``--stop-after-s`` ends training after the first step past the budget, keeps no
+    checkpoint, and still finishes the run (status ``stopped``, summary written)."""
+    example = _example()
+    out = tmp_path / "stopped"
+    done = _main(example, [*RUN, "--output-dir", str(out), "--stop-after-s", "1e-9"])
+    assert done["status"] == "stopped" and done["complete"] and done["steps"] == 1
+    assert json.loads((out / "summary.json").read_text())["status"] == "stopped"
+    assert not (out / "trainer").exists() or not list((out / "trainer").glob("checkpoint-*"))
+    assert "masters_crc32" in done
