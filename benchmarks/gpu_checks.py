@@ -845,10 +845,20 @@ def check_graphed_sync():
             equal.append(all(bits_equal(a, b) for a, b in zip(_rollout_state(rollout), _rollout_state(twin))))
         ids = torch.randint(0, cfg.vocab_size, (4, 8), device="cuda")
         with torch.no_grad():
-            same_logits = bits_equal(rollout(ids).logits, twin(ids).logits)
-        record(f"{label}: == eager sync bits after each of 4 syncs (and the logits), replays used",
+            if fast:  # humming's Stream-K GEMMs differ run to run: the graphed rollout's logits must differ
+                # from the eager twin's no more than the eager twin's own repeated forwards differ
+                runs = [twin(ids).logits.float() for _ in range(3)]
+                noise = max((a - b).abs().max().item() for i, a in enumerate(runs) for b in runs[i + 1:])
+                gap = max((rollout(ids).logits.float() - r).abs().max().item() for r in runs)
+                same_logits = gap <= 2 * noise + 1e-6
+                logits_note = f"logits |graphed - eager| {gap:.3g} <= 2 x eager run-to-run {noise:.3g}: {same_logits}"
+            else:
+                same_logits = bits_equal(rollout(ids).logits, twin(ids).logits)
+                logits_note = f"logits bit-equal {same_logits}"
+        what = "the logits within the eager run-to-run bound" if fast else "the logits"
+        record(f"{label}: == eager sync bits after each of 4 syncs ({what}), replays used",
                all(equal) and same_logits and graphed.replays == 3 and graphed.blocker is None,
-               f"equal {equal}, logits {same_logits}, replays {graphed.replays}, captures {graphed.captures}, blocker {graphed.blocker}; "
+               f"equal {equal}, {logits_note}, replays {graphed.replays}, captures {graphed.captures}, blocker {graphed.blocker}; "
                f"ms per sync (steps 2-4) eager {sorted(times['eager'][1:])[1]:.1f}, "
                f"graphed {sorted(times['graphed'][1:])[1]:.1f} (first call {times['graphed'][0]:.0f})")
         before = [t.clone() for t in _rollout_state(rollout)]

@@ -39,9 +39,16 @@ ABLATION = ("--task", "chain-sum", "--learning-rate", "3e-6", "--prompts-per-ste
             "--is-mode", "sequence_mask", "--is-clip-max", "3")
 
 
+#: a run name's suffix that adds routing replay (``quads-experts+r3``: ``--policy quads-experts --routing-replay``)
+REPLAY_SUFFIX = "+r3"
+
+
 def run_command(args, preset: str, seed: int, extra: list[str]) -> list[str]:
     """The example's command line of one run (later flags override earlier ones: ``extra`` wins)."""
-    cmd = [sys.executable, str(EXAMPLE), *ABLATION, "--model", str(args.model), "--policy", preset,
+    replay = preset.endswith(REPLAY_SUFFIX)
+    policy = preset.removesuffix(REPLAY_SUFFIX)
+    cmd = [sys.executable, str(EXAMPLE), *ABLATION, "--model", str(args.model), "--policy", policy,
+           *(["--routing-replay"] if replay else []),
            "--seed", str(seed), "--max-steps", str(args.steps), "--output-dir", str(Path(args.out) / f"{preset}-s{seed}"),
            "--device", args.device, "--threads", str(args.threads), "--resume", "--no-plot"]
     if args.budget_s:
@@ -65,7 +72,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/real_grpo")
-    p.add_argument("--presets", default="all", help="comma-separated POLICY_PRESETS names, or all")
+    p.add_argument("--presets", default="all",
+                   help=f"comma-separated POLICY_PRESETS names (a {REPLAY_SUFFIX!r} suffix adds routing replay), or all")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, default=200, help="each run's length (resumed calls continue to it)")
     p.add_argument("--budget-s", type=float, default=0, help="each run pauses after the first step past this (0: none)")
@@ -74,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     presets = list(POLICY_PRESETS) if args.presets == "all" else args.presets.split(",")
-    unknown = [x for x in presets if x not in POLICY_PRESETS]
+    unknown = [x for x in presets if x.removesuffix(REPLAY_SUFFIX) not in POLICY_PRESETS]
     if unknown:
         p.error(f"unknown preset(s) {unknown}; choose from {sorted(POLICY_PRESETS)}")
     if args.model is None:

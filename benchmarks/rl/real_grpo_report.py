@@ -36,7 +36,8 @@ EXAMPLE_KEYS = {"sampling/quads/logp_gap_max": "gap_max", "sampling/quads/logp_g
                 "sampling/quads/logp_gap_p99": "gap_p99", "sampling/quads/k3_kl": "k3",
                 "sampling/quads/is_masked_fraction": "masked", "sampling/quads/is_ratio_raw_max": "is_max",
                 "reward": "reward", "timing/quads/generate_s": "generate", "timing/train_s": "train",
-                "timing/quads/sync_s": "sync"}
+                "timing/quads/sync_s": "sync", "sampling/quads/routing_flip_topk": "flips",
+                "sampling/quads/routing_flip_top1": "flips_top1", "sampling/quads/routing_replayed": "replayed"}
 #: the same for the self-contained loop of sessions 3-4
 LOOP_KEYS = {"logp_gap_max": "gap_max", "logp_gap_mean": "gap_mean", "logp_gap_p99": "gap_p99", "k3_kl": "k3",
              "is_masked_fraction": "masked", "is_ratio_raw_max": "is_max", "reward": "reward",
@@ -125,9 +126,22 @@ def _configs(runs) -> list[str]:
     return order + sorted(set(runs) - set(order))
 
 
+#: steps at each end of a run compared by the drift column (mean gap of the last N over the first N)
+DRIFT_STEPS = 20
+
+
+def drift(run) -> float | None:
+    """The mean gap of a run's last :data:`DRIFT_STEPS` steps over that of its first ones (a floor
+    that holds stays near 1; the FP32-experts trap grows); None for a run shorter than twice that."""
+    gaps = [s["gap_mean"] for s in run["steps"] if s.get("gap_mean") is not None]
+    if len(gaps) < 2 * DRIFT_STEPS:
+        return None
+    return statistics.fmean(gaps[-DRIFT_STEPS:]) / statistics.fmean(gaps[:DRIFT_STEPS])
+
+
 def table(runs: dict[str, list[dict]]) -> str:
     def per_run(run, key):
-        return _mean([s[key] for s in run["steps"]])
+        return _mean([s.get(key) for s in run["steps"]])
 
     rows = {}
     for config, rs in runs.items():
@@ -135,13 +149,16 @@ def table(runs: dict[str, list[dict]]) -> str:
         rows[config] = {
             "seeds": f"{len(done)}/{len(rs)}",
             "steps": "/".join(str(len(r["steps"])) for r in rs),
-            **{k: _mean([per_run(r, k) for r in rs]) for k in ("gap_max", "gap_mean", "gap_p99", "k3", "masked", "is_max")},
+            **{k: _mean([per_run(r, k) for r in rs]) for k in ("gap_max", "gap_mean", "gap_p99", "k3", "masked", "is_max",
+                                                              "flips", "flips_top1")},
+            "drift": _mean([drift(r) for r in rs]),
             "before": _mean([r["before"] for r in rs]),
             "after": _mean([r["after"] for r in done]) if done else None,
             "after_trainer": _mean([r["after_trainer"] for r in done]) if done else None,
         }
     floor = rows.get("bf16", {}).get("gap_max", float("nan"))
     head = ("| config | seeds finished / run | steps per seed | max gap (mean over steps) | / BF16 floor | mean gap | p99 gap | k3 KL | "
+            "gap drift (last/first 20) | routing flips top-k | top-1 | "
             "IS masked | raw IS max | held-out before | after (rollout) | after (trainer) | paper max gap | paper acc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for config in _configs(rows):
@@ -149,9 +166,15 @@ def table(runs: dict[str, list[dict]]) -> str:
         pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
         paper = PAPER.get(config, ("-", "-"))
         lines.append(f"| {config} | {r['seeds']} | {r['steps']} | {r['gap_max']:.3f} | {r['gap_max'] / floor:.2f} | "
-                     f"{r['gap_mean']:.4f} | {r['gap_p99']:.3f} | {r['k3']:.2e} | {r['masked']:.3f} | {r['is_max']:.3g} | "
+                     f"{r['gap_mean']:.4f} | {r['gap_p99']:.3f} | {r['k3']:.2e} | {_num(r['drift'], '.2f')} | "
+                     f"{_num(r['flips'], '.4f')} | {_num(r['flips_top1'], '.4f')} | {r['masked']:.3f} | {r['is_max']:.3g} | "
                      f"{pct(r['before'])} | {pct(r['after'])} | {pct(r['after_trainer'])} | {paper[0]} | {paper[1]} |")
     return "\n".join(lines)
+
+
+def _num(v, fmt: str) -> str:
+    """``v`` formatted, or "-" where no run measured it (NaN: e.g. routing flips of a dense model)."""
+    return "-" if v is None or v != v else format(v, fmt)
 
 
 def timing_table(runs: dict[str, list[dict]]) -> str:
@@ -173,13 +196,17 @@ def plots(runs: dict[str, list[dict]], out: Path, prefix: str) -> list[Path]:
     written = []
     configs = _configs(runs)
     for key, name, ylabel in (("gap_max", f"{prefix}_gap.png", "per-step max |log p_rollout - log p_trainer|"),
-                              ("reward", f"{prefix}_reward.png", "mean reward")):
+                              ("gap_mean", f"{prefix}_gap_mean.png", "per-step mean |log p_rollout - log p_trainer|"),
+                              ("reward", f"{prefix}_reward.png", "mean reward"),
+                              ("flips", f"{prefix}_flips.png", "routing flips (top-k set, share of tokens)")):
+        if not any(s.get(key) is not None for rs in runs.values() for r in rs for s in r["steps"]):
+            continue  # (no run logged it: e.g. routing flips of dense runs)
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for i, config in enumerate(configs):
             k = 10
             curves = []
             for r in runs[config]:
-                ys = [s[key] for s in r["steps"] if s[key] is not None]
+                ys = [s[key] for s in r["steps"] if s.get(key) is not None]
                 curves.append([statistics.fmean(ys[max(0, j - k + 1) : j + 1]) for j in range(len(ys))])
             curves = [c for c in curves if c]
             if not curves:
@@ -193,7 +220,7 @@ def plots(runs: dict[str, list[dict]], out: Path, prefix: str) -> list[Path]:
                 ax.fill_between(xs, [min(v) for v in at], [max(v) for v in at], color=f"C{i}", alpha=0.2, linewidth=0)
         ax.set_xlabel("GRPO step")
         ax.set_ylabel(ylabel + " (10-step mean)")
-        if key == "gap_max":
+        if key in ("gap_max", "gap_mean"):
             ax.set_yscale("log")
         ax.legend()
         ax.grid(alpha=0.3)
