@@ -198,10 +198,35 @@ def test_module_docstrings_are_short():
 
 
 def test_no_work_history_in_docstrings_or_comments():
-    """Docstrings and comments of quads/ and tests/ say what the code does, not when or in which
-    issue it changed (dates, issue / stage / session numbers, commit hashes: CHANGELOG.md)."""
-    notes = _history_notes(ROOT) + _history_notes(ROOT.parent / "tests")
+    """Docstrings and comments of quads/, tests/ and benchmarks/ say what the code does, not when or
+    in which issue it changed (dates, issue / stage / session numbers, commit hashes: CHANGELOG.md)."""
+    notes = _history_notes(ROOT) + _history_notes(ROOT.parent / "tests") + _history_notes(ROOT.parent / "benchmarks")
     assert not notes, "work history in docstrings or comments:\n" + "\n".join(notes)
+
+
+def _imports_of(folder: pathlib.Path, packages: tuple[str, ...]) -> list[str]:
+    """``file:line imports module`` for every import in ``folder`` of one of ``packages``."""
+    repo = folder.parent
+    return [f"{p.relative_to(repo)}:{lineno} imports {module}" for p in _checked_files(folder)
+            for lineno, module in _imports(ast.parse(p.read_text()), p.relative_to(repo).with_suffix("").parts[:-1])
+            if module.split(".")[0] in packages]
+
+
+def test_benchmarks_and_the_package_do_not_import_lab_or_results():
+    """lab/ holds one-off experiments on top of everything: nothing in quads/ or benchmarks/ imports
+    it; results/ holds raw outputs, no code."""
+    repo = ROOT.parent
+    bad = _imports_of(ROOT, ("lab", "benchmarks")) + _imports_of(repo / "benchmarks", ("lab",))
+    assert not bad, "imports of lab/ (or of benchmarks/ from quads/):\n" + "\n".join(bad)
+    code = sorted(str(p.relative_to(repo)) for p in (repo / "results").rglob("*.py"))
+    assert not code, f"code inside results/: {code}"
+
+
+def test_import_check_sees_a_planted_lab_import(tmp_path):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "a.py").write_text("import torch\nfrom lab.x import y\n\ndef f():\n    import lab\n")
+    assert _imports_of(bench, ("lab",)) == ["benchmarks/a.py:2 imports lab.x", "benchmarks/a.py:5 imports lab"]
 
 
 def test_history_and_length_checks_see_planted_cases(tmp_path):

@@ -65,3 +65,14 @@ def test_the_checker_sees_broken_links_and_anchors(tmp_path, monkeypatch):
                     "```\n[in code](nowhere.md)\n```\n")
     assert broken_links(page) == ["a.md: c.md (no such file)", "a.md: b.md#not-a-heading (no such heading)",
                                   "a.md: results/run_b (no such run)"]
+
+
+def test_every_results_run_is_dated_and_listed():
+    """results/ holds one entry per run, named with the date it ran, each a row of results/README.md."""
+    index = (REPO / "results" / "README.md").read_text()
+    runs = [p.name for p in sorted((REPO / "results").iterdir()) if p.name not in ("README.md", "kernels.csv")]
+    undated = [r for r in runs if not re.search(r"20\d\d-[01]\d-[0-3]\d", r)]
+    unlisted = [r for r in runs if f"| `{r}{'/' if (REPO / 'results' / r).is_dir() else ''}`" not in index
+                and not (r.endswith("_seed1") and "`..._seed1/`" in index)]
+    assert not undated, f"results/ entries without a date in the name: {undated}"
+    assert not unlisted, f"results/ entries missing from results/README.md: {unlisted}"
