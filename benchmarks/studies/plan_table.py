@@ -67,6 +67,13 @@ def _source_link(path: str) -> str:
     return f"[{path}](../{path})"
 
 
+def _configuration(source: str) -> str:
+    """The kernel and trainer parameters a ``StepTime`` source names (its result file's description)."""
+    kernel = "`kernel=\"fast\"`" if "kernel='fast'" in source else "exact kernels" if "exact kernels" in source else ""
+    params = "BF16 parameters" if "BF16 parameters" in source else "FP32 masters" if "FP32 masters" in source else ""
+    return ", ".join(x for x in (kernel, params) if x) or "see its source"
+
+
 def preset_list() -> str:
     """Every preset name, in ``POLICY_PRESETS`` order (the default first)."""
     names = [f"`{n}`" + (" (the default)" if n == "quads" else "") for n in POLICY_PRESETS]
@@ -75,14 +82,15 @@ def preset_list() -> str:
 
 def recommendation_table() -> str:
     """Hardware x model kind -> the plan ``recommend`` picks from the diagnose runs, with its speed."""
-    lines = ["| hardware | model | recommended plan | whole RL step vs BF16 |", "|---|---|---|---|"]
+    lines = ["| hardware | model | recommended plan | whole RL step vs BF16 | measured with |", "|---|---|---|---|---|"]
     for hardware in HARDWARE_NAMES:
         for kind in GAP_SOURCES:
             rec = recommend(_gap_rows(kind), hardware, kind)
             entry = PLAN_SPEEDS.get((hardware, kind), {}).get(rec.plan)
             speed = f"{entry.speedup:.2f}x" if entry else ("1 (the reference)" if rec.plan == "bf16" else "unmeasured")
             why = "" if PLAN_SPEEDS.get((hardware, kind)) else " (no plan's step measured here)"
-            lines.append(f"| {HARDWARE_NAMES[hardware]} | {KIND_NAMES[kind]} | `{rec.plan}`{why} | {speed} |")
+            how = _configuration(entry.source) if entry else "-"
+            lines.append(f"| {HARDWARE_NAMES[hardware]} | {KIND_NAMES[kind]} | `{rec.plan}`{why} | {speed} | {how} |")
     return "\n".join(lines)
 
 
