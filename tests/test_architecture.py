@@ -253,7 +253,7 @@ def test_history_and_length_checks_see_planted_cases(tmp_path):
 
 #: work labels in docs prose: "session N", "issue N" / "issue #N", a bare "#N" issue
 #: reference (not an anchor: ``](#5-...)``, ``page.md#5-...``) and "S5"-style work-period tags
-DOC_LABELS = re.compile(r"\bsessions? \d|\bissue #?\d|\bissues #\d|(?<![\w(/&#])#\d+\b|\bS\d+\b")
+DOC_LABELS = re.compile(r"(?i:\bsessions? \d|\bissue #?\d|\bissues #\d)|(?<![\w(/&#])#\d+\b|\bS\d+\b")
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 #: a date inside a results folder or file name (``results/h200_2026-12-03_rl_step``, ``..._cpu_2026-12-01/``)
 DATED_NAME = re.compile(r"[\w./-]*(?:results/|_)20\d\d-[01]\d-[0-3]\d[\w./-]*|[\w./-]*20\d\d-[01]\d-[0-3]\d_[\w./-]*")
@@ -283,7 +283,7 @@ def test_docs_say_what_is_true_today():
 def test_doc_history_check_sees_planted_cases():
     planted = [
         "Measured in session 5 on the H200.",  # 1: label
-        "Fixed in issue 23, see #41.",  # 2
+        "Issue 23 fixed it, see #41.",  # 2
         "The S6 run.",  # 3
         "The default since 2026-12-01.",  # 4: a date in prose
         "| quads | 1.25x | 2026-12-04 |",  # a table's measured-on cell
