@@ -47,9 +47,13 @@ def _gap_rows(kind: str) -> list[dict]:
     return json.loads((REPO / GAP_SOURCES[kind][1]).read_text())["rows"]
 
 
-def _gap_ratios(kind: str) -> dict[str, float]:
-    plans = {r["preset"]: r["gap_mean"] for r in _gap_rows(kind) if r.get("preset")}
-    return {name: gap / plans["bf16"] for name, gap in plans.items()}
+def _gap_cells(kind: str) -> dict[str, str]:
+    """Preset -> its mean gap over the BF16 floor in the run, or "n/a" where the run could not apply it."""
+    report = json.loads((REPO / GAP_SOURCES[kind][1]).read_text())
+    plans = {r["preset"]: r["gap_mean"] for r in report["rows"] if r.get("preset")}
+    cells = {name: f"{gap / plans['bf16']:.2f}x" for name, gap in plans.items()}
+    cells.update({r["config"]: "n/a" for r in report.get("not_run", []) if r["config"] in POLICY_PRESETS})
+    return cells
 
 
 def _accuracy(folder: str) -> dict[str, float]:
@@ -96,7 +100,7 @@ def recommendation_table() -> str:
 
 def plan_table() -> str:
     """Every preset: gap over the floor per model kind, accuracy per run, step speed per hardware and kind."""
-    gaps = {kind: _gap_ratios(kind) for kind in GAP_SOURCES}
+    gaps = {kind: _gap_cells(kind) for kind in GAP_SOURCES}
     accuracy = [(kind, what, _accuracy(folder)) for kind, what, folder in ACCURACY_SOURCES]
     speed_keys = [key for key, entries in PLAN_SPEEDS.items() if entries]
     sources = list(dict.fromkeys(e.source for key in speed_keys for e in PLAN_SPEEDS[key].values()))
@@ -105,16 +109,22 @@ def plan_table() -> str:
             + [f"whole RL step vs BF16, {HARDWARE_NAMES[h].split(' ')[0]} {KIND_NAMES[k]}" for h, k in speed_keys])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, preset in POLICY_PRESETS.items():
+        experts_only = any(p is not None and p.scope == "routed_experts" for p in (preset.trainer, preset.rollout))
+
+        def absent(kind: str, missing: str) -> str:  # a routed-experts plan has nothing to quantize in a dense model
+            return "n/a" if experts_only and kind == "dense" else missing
+
         cells = [f"`{name}`", preset.description.replace("|", "/")]
-        cells += [f"{gaps[k][name]:.2f}x" if name in gaps[k] else "-" for k in GAP_SOURCES]
-        cells += [f"{100 * acc[name]:.1f}%" if name in acc else "-" for _, _, acc in accuracy]
+        cells += [gaps[k].get(name, absent(k, "-")) for k in GAP_SOURCES]
+        cells += [f"{100 * acc[name]:.1f}%" if name in acc else absent(k, "-") for k, _, acc in accuracy]
         for key in speed_keys:
             entry = PLAN_SPEEDS[key].get(name)
             cells.append("1" if name == "bf16" else f"{entry.speedup:.2f}x [{sources.index(entry.source) + 1}]"
-                         if entry else "unmeasured")
+                         if entry else absent(key[1], "unmeasured"))
         lines.append("| " + " | ".join(cells) + " |")
     unmeasured = [f"{HARDWARE_NAMES[h]} {KIND_NAMES[k]}" for (h, k), entries in PLAN_SPEEDS.items() if not entries]
-    notes = ["", "Sources. Gaps: `quads diagnose` (mean over the sampled tokens; \"-\": not in that run), "
+    notes = ["", "Sources. Gaps: `quads diagnose` (mean over the sampled tokens; \"n/a\": the plan does not apply to "
+             "that model; \"-\": not in that run), "
              + "; ".join(f"{KIND_NAMES[k]}: {what}, {_source_link(path)}" for k, (what, path) in GAP_SOURCES.items())
              + ". Accuracy (rollout engine, mean over the finished seeds; \"-\": not run): "
              + "; ".join(f"{KIND_NAMES[k]}: {what}, {_source_link(folder)}" for k, what, folder in ACCURACY_SOURCES)
