@@ -1,9 +1,10 @@
 """The distribution name: every install line a user copies names the package pyproject builds.
 
 The import name is ``quads``; the PyPI name ``quads`` belongs to an unrelated project, so the
-distribution is published under another name (pyproject's ``[project] name``). README's install
-lines, pyproject's self-referencing extras and every ``pip install`` hint in the package's error
-messages and docs must use that name, or a user installs the wrong package.
+distribution has another name (pyproject's ``[project] name``), not on the package index yet:
+README installs from a clone and names it; pyproject's self-referencing extras and every ``pip
+install`` hint in the package's error messages and docs must use that name, or a user installs the
+wrong package.
 """
 
 from __future__ import annotations
