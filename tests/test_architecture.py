@@ -198,10 +198,35 @@ def test_module_docstrings_are_short():
 
 
 def test_no_work_history_in_docstrings_or_comments():
-    """Docstrings and comments of quads/ and tests/ say what the code does, not when or in which
-    issue it changed (dates, issue / stage / session numbers, commit hashes: CHANGELOG.md)."""
-    notes = _history_notes(ROOT) + _history_notes(ROOT.parent / "tests")
+    """Docstrings and comments of quads/, tests/ and benchmarks/ say what the code does, not when or
+    in which issue it changed (dates, issue / stage / session numbers, commit hashes: CHANGELOG.md)."""
+    notes = _history_notes(ROOT) + _history_notes(ROOT.parent / "tests") + _history_notes(ROOT.parent / "benchmarks")
     assert not notes, "work history in docstrings or comments:\n" + "\n".join(notes)
+
+
+def _imports_of(folder: pathlib.Path, packages: tuple[str, ...]) -> list[str]:
+    """``file:line imports module`` for every import in ``folder`` of one of ``packages``."""
+    repo = folder.parent
+    return [f"{p.relative_to(repo)}:{lineno} imports {module}" for p in _checked_files(folder)
+            for lineno, module in _imports(ast.parse(p.read_text()), p.relative_to(repo).with_suffix("").parts[:-1])
+            if module.split(".")[0] in packages]
+
+
+def test_benchmarks_and_the_package_do_not_import_lab_or_results():
+    """lab/ holds one-off experiments on top of everything: nothing in quads/ or benchmarks/ imports
+    it; results/ holds raw outputs, no code."""
+    repo = ROOT.parent
+    bad = _imports_of(ROOT, ("lab", "benchmarks")) + _imports_of(repo / "benchmarks", ("lab",))
+    assert not bad, "imports of lab/ (or of benchmarks/ from quads/):\n" + "\n".join(bad)
+    code = sorted(str(p.relative_to(repo)) for p in (repo / "results").rglob("*.py"))
+    assert not code, f"code inside results/: {code}"
+
+
+def test_import_check_sees_a_planted_lab_import(tmp_path):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "a.py").write_text("import torch\nfrom lab.x import y\n\ndef f():\n    import lab\n")
+    assert _imports_of(bench, ("lab",)) == ["benchmarks/a.py:2 imports lab.x", "benchmarks/a.py:5 imports lab"]
 
 
 def test_history_and_length_checks_see_planted_cases(tmp_path):
@@ -224,6 +249,49 @@ def test_history_and_length_checks_see_planted_cases(tmp_path):
     notes = _history_notes(pkg)
     assert sorted(int(n.split(":")[1]) for n in notes) == [3, 7, 8], notes
     assert _long_module_docstrings(pkg) == ["quads/b.py: 26 lines"]
+
+
+#: work labels in docs prose: "session N", "issue N" / "issue #N", a bare "#N" issue
+#: reference (not an anchor: ``](#5-...)``, ``page.md#5-...``) and "S5"-style work-period tags
+DOC_LABELS = re.compile(r"(?i:\bsessions? \d|\bissue #?\d|\bissues #\d)|(?<![\w(/&#])#\d+\b|\bS\d+\b")
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+#: a date inside a results folder or file name (``results/h200_2026-12-03_rl_step``, ``..._cpu_2026-12-01/``)
+DATED_NAME = re.compile(r"[\w./-]*(?:results/|_)20\d\d-[01]\d-[0-3]\d[\w./-]*|[\w./-]*20\d\d-[01]\d-[0-3]\d_[\w./-]*")
+
+
+def _doc_history(text: str) -> list[tuple[int, str]]:
+    """(line, text) of docs lines holding a work label anywhere, or a date outside a table row and
+    outside a results folder or file name (a table's "measured on" cell may hold one)."""
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if DOC_LABELS.search(line):
+            out.append((lineno, line))
+        elif not line.lstrip().startswith("|") and DATE.search(DATED_NAME.sub("", line)):
+            out.append((lineno, line))
+    return out
+
+
+def test_docs_say_what_is_true_today():
+    """docs/ pages describe what is, not when or in which session or issue it changed (CHANGELOG.md
+    holds that): no work labels, and dates only in tables (a run's "measured on" cell) and in the
+    names of results folders."""
+    docs = ROOT.parent / "docs"
+    bad = [f"docs/{p.name}:{n}: {line.strip()[:120]}" for p in sorted(docs.glob("*.md")) for n, line in _doc_history(p.read_text())]
+    assert not bad, "history in docs prose:\n" + "\n".join(bad)
+
+
+def test_doc_history_check_sees_planted_cases():
+    planted = [
+        "Measured in session 5 on the H200.",  # 1: label
+        "Issue 23 fixed it, see #41.",  # 2
+        "The S6 run.",  # 3
+        "The default since 2026-12-01.",  # 4: a date in prose
+        "| quads | 1.25x | 2026-12-04 |",  # a table's measured-on cell
+        "Raw output: `results/h200_2026-12-03_rl_step/` and results/plans_cpu_2026-12-03.",
+        "See [the table](plans.md#5-the-plan-table) and [above](#3-kernels).",
+        "Pipeline stages 1-4; S-curves; `sha256:ab12`; the host issues 252 calls.",
+    ]
+    assert [n for n, _ in _doc_history("\n".join(planted))] == [1, 2, 3, 4]
 
 
 def test_rollout_modules_store_their_backend_and_forward_never_reselects(monkeypatch):

@@ -1,9 +1,10 @@
 """The distribution name: every install line a user copies names the package pyproject builds.
 
 The import name is ``quads``; the PyPI name ``quads`` belongs to an unrelated project, so the
-distribution is published under another name (pyproject's ``[project] name``). README's install
-lines, pyproject's self-referencing extras and every ``pip install`` hint in the package's error
-messages and docs must use that name, or a user installs the wrong package.
+distribution has another name (pyproject's ``[project] name``), not on the package index yet:
+README installs from a clone and names it; pyproject's self-referencing extras and every ``pip
+install`` hint in the package's error messages and docs must use that name, or a user installs the
+wrong package.
 """
 
 from __future__ import annotations
@@ -40,11 +41,15 @@ def test_extras_refer_to_this_distribution():
     assert self_refs and all(req.startswith(f"{NAME}[") for req in self_refs), self_refs
 
 
-def test_readme_install_lines_use_the_distribution_name():
+def test_readme_installs_from_a_clone_and_names_the_distribution():
+    """The distribution is not on the package index: README's install block installs the clone (no
+    package name for pip to look up) and names the distribution in prose."""
     text = (REPO / "README.md").read_text()
-    block = text.split("## Install", 1)[1].split("```", 2)[1]
-    names = _hints(block)
-    assert names and set(names) == {NAME}, names
+    install = text.split("## Install", 1)[1].split("\n## ", 1)[0]
+    block = install.split("```", 2)[1]
+    assert "git clone" in block and "./scripts/setup.sh" in block and 'pip install -e ".[trl]"' in block
+    assert _hints(block) == [], _hints(block)
+    assert f"`{NAME}`" in install
     bad = [n for n in _hints(text) if n.split("[")[0] == "quads"]
     assert not bad, f"README installs {bad}, not {NAME}"
 

@@ -1,5 +1,5 @@
 """The trainer's weight fake-quantization pass per weight shape: achieved bandwidth, kernels per
-call, host time; a tile sweep; and an ``ncu`` mode (issue 23, the dense 0.62 TB/s gap).
+call, host time; a tile sweep; and an ``ncu`` mode (where the dense weights' bandwidth goes).
 
     python -m benchmarks.ops.bench_fake_quant --out results/fq.json            # bandwidth table
         [--shapes dense,moe] [--reps 20] [--tiles 4x16x4,8x16x4] [--amax-tiles 8x512x4]
@@ -27,10 +27,8 @@ Per shape and configuration, three measurements of ``fake_quantize_weight_triton
 * per kernel (torch.profiler): device time per call of each kernel and the number of kernels
   per call, and the fused/amax kernels' bandwidth on their own bytes.
 
-The fused pass is the kernel's only one (the ALU-lean pass: no E2M1 codes or scale byte built).
-Until 2026-12-02 the kernel kept its code-building branch too, and this script timed both
-(``fwd-lean``/``bwd-lean`` rows, ``--ncu --lean``); both went with that branch in session 6
-(last at commit 096303e1; the measured numbers: docs/kernel_log.md).
+The fused pass is the kernel's only one (the ALU-lean pass: no E2M1 codes or scale byte built;
+the code-building variant's numbers: docs/kernel_log.md).
 ``glue=old`` is the launch pattern before this change (``amax_rows``, a torch reduction and the
 torch ``S_enc`` ops, then the fused pass with the scale given): the same bits, about ten kernels.
 Bytes: fwd = amax read + fused read (4 B each, FP32) + BF16 write (2 B); bwd = 4 + 2.

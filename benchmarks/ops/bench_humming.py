@@ -1,4 +1,4 @@
-"""The humming fast path (issue 24) on one H200: correctness, determinism, speed, sync time, memory.
+"""The humming fast path on one H200: correctness, determinism, speed, sync time, memory.
 
 One script, one process, every number same-run (run from the repository root)::
 
@@ -9,7 +9,7 @@ One script, one process, every number same-run (run from the repository root)::
 
 Sections (``--sections``, default ``linear,moe``):
 
-* **linear**: for each shape (K, N) of issue 24 (4096², 2048x4096, 4096x2048, 4096x14336,
+* **linear**: for each shape (K, N) of the fast path's targets (4096², 2048x4096, 4096x2048, 4096x14336,
   14336x4096) and M = 1, 8, 16, 32, 64, 128, 256, 512, 2048:
 
   1. *Correctness* (weight set 0, M = 1, 64, 512 rows of one input with an outlier channel): each
@@ -29,7 +29,7 @@ Sections (``--sections``, default ``linear,moe``):
      every W4A4 row. Peers: cuBLAS BF16 and the fused FP8 W8A8 peer (``benchmarks/ops/fp8_peer.py``).
      Rows: quads' exact path (k = 100% residual; W4A16); humming (``--modes``, default
      ``default`` = Stream-K heuristics) W4A16, W4A4 + residual ``stacked`` (2M rows), ``summed``
-     (M rows; the operand now written by the quantization kernel itself: 3 launches), the stage-1
+     (M rows; the operand now written by the quantization kernel itself: 3 launches), the unfused
      ``summed`` path (quantize, sum kernel, GEMM, unscale: 4 launches, for the gain), plain W4A4,
      and the GEMMs alone (operands pre-built); from ``--dense-from`` rows (default 128) the prefill
      candidates ``dense``: the weight dequantized exactly to fp16 (one Triton kernel) per call, or
@@ -52,30 +52,11 @@ Sections (``--sections``, default ``linear,moe``):
 
 ``--budget-s`` (default 330) cuts the remaining timing rows (printed CUT) when the run is slower
 than planned; the linear section stops at ``--linear-budget-s`` (default 210) so MoE gets its
-turn. ``--full-jit`` times humming's full M table once (measured 17.2 s at 4096², 2026-12-01);
+turn. ``--full-jit`` times humming's full M table once (17.2 s at 4096² on the H200);
 ``--probe-fp8`` tries humming's own FP8-activation mode (failed to schedule on sm_90 then).
 Writes ``bench_humming.json`` and ``bench_humming.csv`` to ``--out`` after every shape.
 
-**Predictions** (written before the run of 2026-12-02; same-run ratios vs cuBLAS BF16):
-
-* checks: every variant PASS (rel 2-3e-3 vs fp32, as run 5); default mode reruns differ (Stream-K,
-  up to ~1e-2), ``no_stream_k``/``batch_invariant`` 0; the dense variants deterministic (0) and
-  batch invariant at M <= 512 only if cuBLAS picks the same kernel (likely not: differences ~1e-3).
-* fused summed operand vs the stage-1 summed path: 3-8 µs saved per call (one launch and one
-  2MK-byte round trip): +0.10-0.25x BF16 at M <= 64 on the 4096 shapes, +0.03-0.08x on 14336.
-* humming W4A4+res best layout (fused): M <= 16 geomean 0.85x (2048/4096 shapes) and 1.30x (14336
-  shapes); M = 32-128 0.65x / 0.95x; M = 256-512 0.60x / 0.70x; M = 2048 0.60x.
-* dense prefill candidate (summed, weight dequantized per call): M = 256 0.5-0.7x, M = 512
-  0.7-0.85x, M = 2048 0.80-0.90x (the dequant costs ~3-10 µs, the GEMM ~ BF16's); held fp16 weight:
-  0.85-0.95x from M = 256; stacked: about 0.55x at M = 2048 (2x the FLOPs).
-* W4A16 through humming: as run 5/6 (1.0-1.6x at M <= 16, 0.65-1.35x at M = 64).
-* MoE, humming W4A4+res summed vs BF16 grouped_mm: 1.5-3x at T <= 16 (grouped_mm is slow at
-  small T), 1.0-2x at T = 64; W4A16 a little faster; quads exact between.
-* sync: humming refresh (two layouts) 6-12 ms per linear (run 5/6: 6.5 / 11.3 ms), 0.2-0.3 ms for
-  the Hopper layout; MoE 30-150 ms per block.
-* memory: humming fp16 layout ~1.0x packed bytes (its own repacking of the same 4.5 bits), so
-  packed + humming = ~2.0x (target 1.1x: missed until one layout per weight, stage-2 item 4);
-  exact path: packed + Hopper ~2.0x.
+Each run's predictions and outcomes: its ``NOTES`` under ``results/`` (docs/humming.md links them).
 """
 
 from __future__ import annotations
@@ -102,7 +83,7 @@ from quads.ops import humming_library as hg
 from quads.kernels.hopper_weight_layout import to_hopper_layout
 from quads.ops import ActivationQuant, get_backend
 from quads.ops.activation_quant import activation_operands_triton, quantize_activation_reference, summed_operand_triton
-from lab.humming_dense_prefill import dense_w4a4, dense_weight_fp16
+from benchmarks.ops.humming_dense_prefill import dense_w4a4, dense_weight_fp16
 from quads.ops.humming_backend import HummingBackend, HummingWeight
 from quads.ops.linear import unscaled_values, w4a4_linear_reference
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
@@ -224,7 +205,7 @@ def humming_variants(mode_weights: dict, modes, full=True) -> dict:
                 lambda x, i, hw=hw, lay=lay: BACKENDS[lay].linear(x, hw[i].shape_parts, None, QUADS_DEFAULT, None, hw[i]))
         if not full:
             continue
-        # stage 1's summed path: stacked operands, a sum kernel, the GEMM, the unscale (4 launches)
+        # the unfused summed path: stacked operands, a sum kernel, the GEMM, the unscale (4 launches)
         out[f"humming W4A4+res summed 4-kernel (stage 1) [{mode}]"] = (
             "summed", lambda x, i, hw=hw: BACKENDS["summed"].linear(
                 x, hw[i].shape_parts, None, QUADS_DEFAULT, None, hw[i], activation_operands_triton(x, QUADS_DEFAULT)))
@@ -234,7 +215,7 @@ def humming_variants(mode_weights: dict, modes, full=True) -> dict:
 
 
 def dense_variants(parts, w16s) -> dict:
-    """The prefill candidates (lab.humming_dense_prefill.dense_w4a4): weight dequantized per call or held."""
+    """The prefill candidates (benchmarks.ops.humming_dense_prefill.dense_w4a4): weight dequantized per call or held."""
     out = {}
     for lay in ("summed", "stacked"):
         out[f"dense {lay}, W dequantized per call"] = (
@@ -248,7 +229,7 @@ def dense_variants(parts, w16s) -> dict:
 #: slices of a tile add their partial sums into the output with bf16 atomics, so each partial and
 #: each running sum is rounded to bf16 (humming's ``epilogue/gmem_writer.cuh``); how many slices is
 #: humming's choice per shape. The bound that holds there is stated against the call's largest
-#: output, not per element: ``|err| <= 2^-6 max|y|`` (H200, 2026-12-02: measured 4.3e-3 to 8.0e-3).
+#: output, not per element: ``|err| <= 2^-6 max|y|`` (measured on the H200: 4.3e-3 to 8.0e-3).
 STREAM_K_BF16_REL = 2**-6
 
 
@@ -436,7 +417,7 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
             except Exception as e:  # noqa: BLE001
                 print(f"jit {tag} {mode} {dtype} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
     fp8_layers = None
-    if probe_fp8 and not DRY:  # failed on sm_90 (2026-12-01): FP8 MMA K=32 > NVFP4's 16-wide scale groups
+    if probe_fp8 and not DRY:  # fails on sm_90: FP8 MMA K=32 > NVFP4's 16-wide scale groups
         try:
             t = time.time()
             probe = fp8_humming_layer(parts[0])

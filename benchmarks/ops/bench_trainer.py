@@ -1,4 +1,4 @@
-"""Trainer step time and peak memory: BF16 vs the QUADS W4A16 QAT trainer (issue 23).
+"""Trainer step time and peak memory: BF16 vs the QUADS W4A16 QAT trainer.
 
     python -m benchmarks.ops.bench_trainer --out results/trainer.json [--models moe,dense]
         [--layers 6 | --layers moe=8,dense=24] [--batch 8] [--seq 512] [--accum 1,4] [--iters 5]
@@ -27,18 +27,17 @@ Variants, each a fresh model with the same seed (the same weights):
   trainer, and ``vs_bf16_cast`` there is ``vs_bf16``);
 * ``quads``: ``quantize_(model, QuadsPolicy(side="trainer"))`` as shipped: the fused fake-quant
   kernel, grouped-GEMM experts (BF16 under autocast, like F.linear), forward weights recomputed
-  in the backward; one NVFP4 global scale per sibling group (q/k/v, gate/up: the default since
-  2026-12-02; the group's amax is taken once per forward of the members' parent);
-* ``quads-tensor``: ``quads`` with one global scale per weight (``weight_global_scale="tensor"``,
-  the default before 2026-12-02): what the group scale costs the step;
+  in the backward; one NVFP4 global scale per sibling group (q/k/v, gate/up: the default; the group's amax is taken once per forward of the members' parent);
+* ``quads-tensor``: ``quads`` with one global scale per weight (``weight_global_scale="tensor"``):
+  what the group scale costs the step;
 * ``quads-keep``: ``quads`` with the forward weight kept for the backward instead of recomputed
   (linears: F.linear on the straight-through forward weight, which saves it, as autocast's
   linear saves its BF16 cast; experts: ``quads_keep_forward_weight``): one fused pass less per
   micro-step, the BF16 peer's forward-weight memory;
 * ``quads-tgrad``: ``quads`` with the experts' weight gradient handed to AccumulateGrad
-  transposed, as before 2026-12-02 (``(x^T grad)^T``; AccumulateGrad copies it on the first
+  transposed (``(x^T grad)^T``; AccumulateGrad copies it on the first
   micro-step and adds it strided on the others): measures what the layout fix saved; MoE only;
-* ``quads-old``: the trainer before issue 23 (torch-reference fake quantization, the FP32
+* ``quads-old``: the trainer before the fused kernel (torch-reference fake quantization, the FP32
   forward weight cast by autocast, F.linear keeping it for the backward, a Python loop over the
   experts), ``accum`` 1 only and fewer iterations (it is slow): the before/after row;
 * ``<variant>+compile`` (e.g. ``bf16+compile``, ``bf16-cast+compile``, ``quads+compile``): the
@@ -163,7 +162,7 @@ def build_model(kind: str, layers: int, tiny: bool):
     return model.train()
 
 
-# --- the trainer before issue 23 (for the before/after row) -----------------------------------
+# --- the trainer before the fused kernel (for the before/after row) -----------------------------
 
 def _old_forward_weight(w, backend):
     # reference fake quant in the master dtype, then the copy the old STE returned (it cloned the
@@ -215,7 +214,7 @@ def make_keep(model):
             m.__class__ = type("KeepLinear", (_KeepLinear, type(m).__bases__[1]), {})
 
 
-# --- quads-tgrad: the experts' weight gradient in the transposed layout (before 2026-12-02) -------
+# --- quads-tgrad: the experts' weight gradient in the transposed layout ---------------------
 
 def _transposed_grad_function():
     from quads.policies import trainer_experts as te
@@ -314,7 +313,7 @@ def make_variant(kind: str, variant: str):
     if variant == "bf16-cast":
         if not make_cast(model):
             raise ValueError(f"bf16-cast: the {kind} model has no experts")
-    elif variant == "quads-tensor":  # one global scale per weight (session 4's runs), not per sibling group
+    elif variant == "quads-tensor":  # one global scale per weight, not per sibling group
         quads.quantize_(model, quads.QuadsPolicy(side="trainer", weight_global_scale="tensor"))
     elif variant in ("quads", "quads-keep", "quads-tgrad"):
         quads.quantize_(model, quads.QuadsPolicy(side="trainer"))

@@ -1,5 +1,5 @@
 """Host (CPU) time of the trainer's GPU-path glue per call: linear and experts forward/backward,
-and the sibling group's global scale (issue 23: the quads step is host-bound on the H200).
+and the sibling group's global scale (the eager quads step is host-bound on the H200).
 
     python -m benchmarks.ops.bench_trainer_host [--reps 2000] [--profile] [--out FILE]
 

@@ -7,7 +7,7 @@
 # 3. the fake-quant pass per weight shape (GPU / wall / host / glue-host time, per-kernel bandwidth, tile sweep)
 # 4. ncu --set full on the dense gate/up and down passes (amax + fused kernels)
 # 5. the fake-quant kernel's bit-exactness tests, natively on the GPU
-# 2026-12-02's run found MPS enabled on the machine (another job's daemon): ncu then refuses
+# MPS may be enabled on the machine (another job's daemon): ncu then refuses
 # ("Profiling is not supported with MPS enabled"). The script profiles as an MPS client
 # (ncu --mps client) when a daemon runs, and quits the daemon only with STOP_MPS=1 (it may not
 # be this job's: quitting it ends other jobs' GPU contexts).

@@ -4,7 +4,7 @@
 
 Reads every run directory under the folder: the main example's (``<preset>-s<seed>/``:
 ``summary.json`` and TRL's log records in ``metrics.jsonl``, the runs of ``benchmarks/rl/real_grpo.py``)
-and the self-contained loop's of sessions 3-4 (``<config>-s<seed>/``, its ``metrics.jsonl`` rows),
+and the earlier self-contained loop's (``<config>-s<seed>/``, its ``metrics.jsonl`` rows),
 so the old table can be re-made beside the new one. Prints the paper-form table (per-step max
 log-prob gap averaged over steps, its ratio to the BF16 floor, mean / p99 gap, k3 KL,
 importance-sampling masking, held-out accuracy before and after, averaged over the seeds that
@@ -38,7 +38,7 @@ EXAMPLE_KEYS = {"sampling/quads/logp_gap_max": "gap_max", "sampling/quads/logp_g
                 "reward": "reward", "timing/quads/generate_s": "generate", "timing/train_s": "train",
                 "timing/quads/sync_s": "sync", "sampling/quads/routing_flip_topk": "flips",
                 "sampling/quads/routing_flip_top1": "flips_top1", "sampling/quads/routing_replayed": "replayed"}
-#: the same for the self-contained loop of sessions 3-4
+#: the same for the earlier self-contained loop
 LOOP_KEYS = {"logp_gap_max": "gap_max", "logp_gap_mean": "gap_mean", "logp_gap_p99": "gap_p99", "k3_kl": "k3",
              "is_masked_fraction": "masked", "is_ratio_raw_max": "is_max", "reward": "reward",
              "t_generate": "generate", "t_train": "train", "t_sync": "sync"}

@@ -19,9 +19,7 @@ rollout engine (``timing/quads/*``), ``score`` (TRL's no-grad scoring forward, t
 ``train`` = step - generate - sync - score (loss forward, backward, AdamW, TRL's host work:
 rewards, decoding the completions, metrics), ``step`` (the optimizer step's wall clock). Median
 over ``--steps`` steps after ``--warmup`` (the first step holds the graph capture and kernel
-compilation: ``first_step_s``). TRL's own work is inside ``train`` for every variant alike; the
-step of issue 33's self-contained loop had no scoring forward (its trainer log-probs came from the
-loss forward).
+compilation: ``first_step_s``). TRL's own work is inside ``train`` for every variant alike.
 
 Models (random init from a config, no hub; vocabulary 32000, embeddings and ``lm_head`` BF16/FP32
 in every variant, never NVFP4):

@@ -7,7 +7,7 @@
    fused-layer shards re-quantized to one global scale (``fused_scales="shared"``), next to the
    NVFP4 quantization error of the weights themselves.
 
-    python -m benchmarks.studies.ecosystem_numbers --out results/ecosystem
+    python -m benchmarks.studies.ecosystem_numbers --out results/ecosystem_numbers_cpu_2026-12-03
 """
 
 from __future__ import annotations

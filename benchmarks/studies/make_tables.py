@@ -1,6 +1,6 @@
 """Markdown tables for docs/ from the raw benchmark JSON (nothing is re-measured).
 
-    python -m benchmarks.studies.make_tables kernels results/h200_2026-12-01/run3/bench.json
+    python -m benchmarks.studies.make_tables kernels results/h200_2026-12-01_decode_kernels/run3/bench.json
     python -m benchmarks.studies.make_tables rollout results/engine_h200_2026-12-01/run6/rollout_throughput.json
 """
 

@@ -728,7 +728,7 @@ def table(results: list[tuple[SweepResult, float]], full: bool) -> str:
 
     cmd = "python -m benchmarks.studies.reliability_sweeps" + (" --full" if full else "")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
-    lines = [f"`{cmd}` (quads {q.__version__}, {machine}, {time.strftime('%Y-%m-%d')}; "
+    lines = [f"`{cmd}` (quads {q.__version__}, {machine}; "
              f"{sum(t for _, t in results):.0f} s in all):", "",
              "| sweep | tried | promise broken | outcomes |", "|---|---|---|---|"]
     lines += [r.row() for r, _ in results]

@@ -55,7 +55,7 @@ from quads.ops.activation_quant import ActivationQuant, dequantize_activation, q
 from quads.policies import POLICY_PRESETS, QuadsPolicy, quantize_
 from quads.ops.weight_cache import clear_weight_cache, weight_cache_enabled
 from quads.diagnostics.plan_speeds import HARDWARE
-from quads.diagnostics.recommend import Recommendation, recommend
+from quads.diagnostics.recommend import PLAN_TABLE, Recommendation, recommend
 from quads.policies.presets import with_residual_fraction
 from quads.policies.scope import routed_expert_names, scope_problem
 from quads.policies.walk import conversion_targets
@@ -329,6 +329,7 @@ def format_report(report: dict) -> str:
         lines += [Recommendation(**r).line() for r in report["recommendations"]]
         if not report["recommendations"]:
             lines.append("no recommendation: the speed table covers hopper and blackwell GPUs only")
+        lines.append(f"every plan's measured gap, accuracy and whole-RL-step speed: {PLAN_TABLE}")
     return "\n".join(lines)
 
 

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 from quads.diagnostics.plan_speeds import PLAN_SPEEDS, measured_speed
 
-__all__ = ["GAP_FACTOR", "Recommendation", "recommend"]
+__all__ = ["GAP_FACTOR", "PLAN_TABLE", "Recommendation", "recommend"]
 
 #: a plan qualifies when its mean gap is at most this many times the BF16 floor's
 GAP_FACTOR = 1.5
+#: where every plan's measured gap, accuracy and step speed are tabulated (rendered from the same sources)
+PLAN_TABLE = "docs/plans.md#5-the-plan-table"
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from quads.cli import main
 from quads.diagnostics.diagnose import ROWS
+from quads.diagnostics.recommend import PLAN_TABLE
 from quads.policies import POLICY_PRESETS
 from tests.tiny_models import build
 
@@ -48,6 +49,7 @@ def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
     assert "+100% res" in printed and "+50% res" not in printed  # the layer table follows the default policy
     assert "quads-boundary" in printed and "not run" in printed
     assert "recommended plan (hopper, moe model): " in printed
+    assert PLAN_TABLE in printed  # where every plan's measured gap, accuracy and speed are
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])

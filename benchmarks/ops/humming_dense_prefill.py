@@ -3,7 +3,7 @@ dequantized exactly to fp16 (per call, or held per sync at 3.6x the packed bytes
 
 Measured by ``benchmarks/ops/bench_humming.py`` on the H200 (docs/humming.md): it never beat
 humming's summed layout at any M up to 2048 on the five linear shapes (0.37-0.71x BF16 against
-0.39-0.76x), so the backend does not take it. Imports quads; not part of the package.
+0.39-0.76x), so the backend does not take it. Used by that benchmark only; not part of the package.
 """
 
 from __future__ import annotations
