@@ -7,7 +7,9 @@ Reads every run directory under the folder: the main example's (``<preset>-s<see
 and the self-contained loop's of sessions 3-4 (``<config>-s<seed>/``, its ``metrics.jsonl`` rows),
 so the old table can be re-made beside the new one. Prints the paper-form table (per-step max
 log-prob gap averaged over steps, its ratio to the BF16 floor, mean / p99 gap, k3 KL,
-importance-sampling masking, held-out accuracy before and after, averaged over the seeds that
+importance-sampling masking, the MoE routing flips (``flips``: share of recorded tokens whose
+top-k experts the trainer picks otherwise, mean over layers and steps; a column only when some
+run logged it), held-out accuracy before and after, averaged over the seeds that
 finished), the paper's numbers beside it, the step's wall clock split (generate / train / sync,
 the rollout's share), and writes ``<prefix>_gap.png`` and ``<prefix>_reward.png`` (one line per
 configuration: the mean over seeds, the band between the seeds' min and max). Runs that stopped
@@ -36,7 +38,7 @@ EXAMPLE_KEYS = {"sampling/quads/logp_gap_max": "gap_max", "sampling/quads/logp_g
                 "sampling/quads/logp_gap_p99": "gap_p99", "sampling/quads/k3_kl": "k3",
                 "sampling/quads/is_masked_fraction": "masked", "sampling/quads/is_ratio_raw_max": "is_max",
                 "reward": "reward", "timing/quads/generate_s": "generate", "timing/train_s": "train",
-                "timing/quads/sync_s": "sync"}
+                "timing/quads/sync_s": "sync", "sampling/quads/routing_flip_topk": "flips"}
 #: the same for the self-contained loop of sessions 3-4
 LOOP_KEYS = {"logp_gap_max": "gap_max", "logp_gap_mean": "gap_mean", "logp_gap_p99": "gap_p99", "k3_kl": "k3",
              "is_masked_fraction": "masked", "is_ratio_raw_max": "is_max", "reward": "reward",
@@ -86,7 +88,7 @@ def load(runs: Path) -> dict[str, list[dict]]:
 
 
 _STEP = re.compile(r"^step +(\d+)/\d+ +reward (\S+) +gap mean (\S+) p99 (\S+) max (\S+) +k3 (\S+) +IS raw "
-                   r"\[(\S+), (\S+)\] masked (\S+) +\((\S+)s: generate (\S+) train (\S+) sync (\S+)\)")
+                   r"\[(\S+), (\S+)\] masked (\S+) +\((\S+)s: generate (\S+) train (\S+) sync (\S+)\)(?: +flips (\S+))?")
 _BEFORE = re.compile(r"^held-out greedy accuracy before .*: rollout engine (\S+), trainer forward (\S+)")
 _AFTER = re.compile(r"^held-out acc +rollout engine (\S+) -> (\S+) +trainer forward (\S+) -> (\S+)")
 
@@ -100,10 +102,10 @@ def load_logs(runs: Path) -> dict[str, list[dict]]:
         steps, before, after = {}, None, None
         for line in log.read_text(errors="replace").splitlines():
             if m := _STEP.match(line):
-                v = [float(x) for x in m.groups()]
+                v = [None if x is None else float(x) for x in m.groups()]
                 steps.setdefault(int(v[0]), {"reward": v[1], "gap_mean": v[2], "gap_p99": v[3], "gap_max": v[4],
                                              "k3": v[5], "is_max": v[7], "masked": v[8], "generate": v[10],
-                                             "train": v[11], "sync": v[12]})
+                                             "train": v[11], "sync": v[12], "flips": v[13]})
             elif (m := _BEFORE.match(line)) and before is None:
                 before = float(m.group(1))
             elif (m := _AFTER.match(line)) and after is None:
@@ -127,7 +129,7 @@ def _configs(runs) -> list[str]:
 
 def table(runs: dict[str, list[dict]]) -> str:
     def per_run(run, key):
-        return _mean([s[key] for s in run["steps"]])
+        return _mean([s.get(key) for s in run["steps"]])
 
     rows = {}
     for config, rs in runs.items():
@@ -136,13 +138,16 @@ def table(runs: dict[str, list[dict]]) -> str:
             "seeds": f"{len(done)}/{len(rs)}",
             "steps": "/".join(str(len(r["steps"])) for r in rs),
             **{k: _mean([per_run(r, k) for r in rs]) for k in ("gap_max", "gap_mean", "gap_p99", "k3", "masked", "is_max")},
+            "flips": _mean([v for v in (per_run(r, "flips") for r in rs) if v == v]),
             "before": _mean([r["before"] for r in rs]),
             "after": _mean([r["after"] for r in done]) if done else None,
             "after_trainer": _mean([r["after_trainer"] for r in done]) if done else None,
         }
     floor = rows.get("bf16", {}).get("gap_max", float("nan"))
+    flips = any(r["flips"] == r["flips"] for r in rows.values())  # an MoE run logged routing flips
     head = ("| config | seeds finished / run | steps per seed | max gap (mean over steps) | / BF16 floor | mean gap | p99 gap | k3 KL | "
-            "IS masked | raw IS max | held-out before | after (rollout) | after (trainer) | paper max gap | paper acc |")
+            "IS masked | raw IS max | " + ("flips | " if flips else "")
+            + "held-out before | after (rollout) | after (trainer) | paper max gap | paper acc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for config in _configs(rows):
         r = rows[config]
@@ -150,7 +155,8 @@ def table(runs: dict[str, list[dict]]) -> str:
         paper = PAPER.get(config, ("-", "-"))
         lines.append(f"| {config} | {r['seeds']} | {r['steps']} | {r['gap_max']:.3f} | {r['gap_max'] / floor:.2f} | "
                      f"{r['gap_mean']:.4f} | {r['gap_p99']:.3f} | {r['k3']:.2e} | {r['masked']:.3f} | {r['is_max']:.3g} | "
-                     f"{pct(r['before'])} | {pct(r['after'])} | {pct(r['after_trainer'])} | {paper[0]} | {paper[1]} |")
+                     + ((f"{r['flips']:.4f} | " if r["flips"] == r["flips"] else "- | ") if flips else "")
+                     + f"{pct(r['before'])} | {pct(r['after'])} | {pct(r['after_trainer'])} | {paper[0]} | {paper[1]} |")
     return "\n".join(lines)
 
 
