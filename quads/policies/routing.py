@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["NORMALISATIONS", "RoutingCheck", "RoutingRecorder", "moe_routers", "routing_problem", "scores_at"]
+__all__ = ["NORMALISATIONS", "RoutingCheck", "RoutingRecorder", "flip_counts", "flip_shares", "moe_routers",
+           "routing_differences", "routing_problem", "scores_at"]
 
 #: router class -> (top-k weights renormalised: True / False / the attribute that says, scores cast
 #: back to the logits' dtype). What each transformers router's forward does after its float32 softmax.
@@ -92,6 +93,34 @@ def scores_at(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> tor
     if norm:
         values = values / values.sum(dim=-1, keepdim=True)
     return values.to(logits.dtype) if cast else values
+
+
+def routing_differences(own: torch.Tensor, recorded: torch.Tensor):
+    """``(recorded, set_differs, top1_differs)`` masks over tokens of two (..., k) id tensors (the
+    router's own top-k, highest first, and the recorded; -1 rows: nothing recorded, never counted)."""
+    valid = recorded[..., 0] >= 0
+    set_differs = (own.sort(dim=-1).values != recorded.sort(dim=-1).values).any(dim=-1) & valid
+    top1_differs = (own[..., 0] != recorded[..., 0]) & valid
+    return valid, set_differs, top1_differs
+
+
+def flip_counts(own: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+    """(3, L) float64 on the device: per layer, the recorded tokens, those whose top-k set differs,
+    those whose top-1 differs; ``own`` / ``recorded``: (..., L, k) routings of the same tokens."""
+    masks = routing_differences(own.long(), recorded.long())
+    return torch.stack([m.reshape(-1, m.shape[-1]).sum(0) for m in masks]).to(torch.float64)
+
+
+def flip_shares(counts: torch.Tensor) -> dict[str, float]:
+    """The shares of :func:`flip_counts` (summed over batches): ``flip_topk`` (mean over layers
+    of the share of recorded tokens whose top-k set differs), ``flip_topk_max`` and
+    ``flip_topk_max_layer`` (the worst layer), ``flip_top1`` (mean), ``recorded`` (tokens per layer)."""
+    counts = counts.cpu()
+    recorded = counts[0].clamp(min=1)
+    topk, top1 = counts[1] / recorded, counts[2] / recorded
+    worst = int(topk.argmax())
+    return {"flip_topk": float(topk.mean()), "flip_topk_max": float(topk[worst]),
+            "flip_topk_max_layer": float(worst), "flip_top1": float(top1.mean()), "recorded": float(counts[0].max())}
 
 
 class RoutingRecorder:
@@ -232,11 +261,9 @@ class RoutingCheck:
             if recorded.shape != own.shape:
                 raise ValueError(f"RoutingCheck: router {layer} routed {tuple(own.shape)} tokens x experts, "
                                  f"the recorded rows are {tuple(recorded.shape)}")
-            valid = recorded[:, 0] >= 0
+            valid, set_diff, top1_diff = routing_differences(own, recorded)
             if self._count and layer not in self._counted:
                 self._counted.add(layer)
-                set_diff = (own.sort(dim=-1).values != recorded.sort(dim=-1).values).any(dim=-1) & valid
-                top1_diff = (own[:, 0] != recorded[:, 0]) & valid
                 counts = torch.zeros(3, self.layers, dtype=torch.float64, device=own.device)
                 counts[0, layer] = valid.sum()
                 counts[1, layer] = set_diff.sum()
@@ -253,20 +280,11 @@ class RoutingCheck:
 
     def take(self) -> dict[str, float] | None:
         """The counts since the last call as shares (one host sync), then reset; None when nothing
-        was counted. Keys: ``flip_topk`` (mean over layers of the share of recorded tokens whose
-        top-k set differs), ``flip_topk_max`` and ``flip_topk_max_layer`` (the worst layer),
-        ``flip_top1`` (mean), ``recorded`` (recorded tokens per layer), and with replay
-        ``replayed`` (share of the forwards' attended tokens routed by replay)."""
+        was counted. Keys: those of :func:`flip_shares`, and with replay ``replayed`` (share of the forwards' attended tokens routed by replay)."""
         sums, self._sums = self._sums, None
         if not sums or "layers" not in sums:
             return None
-        counts = sums["layers"].cpu()
-        recorded = counts[0].clamp(min=1)
-        topk, top1 = counts[1] / recorded, counts[2] / recorded
-        worst = int(topk.argmax())
-        out = {"flip_topk": float(topk.mean()), "flip_topk_max": float(topk[worst]),
-               "flip_topk_max_layer": float(worst), "flip_top1": float(top1.mean()),
-               "recorded": float(counts[0].max())}
+        out = flip_shares(sums["layers"])
         if "replayed" in sums:
             out["replayed"] = float(sums["replayed"].cpu()[0] / sums["tokens"].cpu()[0].clamp(min=1))
         return out
