@@ -131,12 +131,14 @@ KEYS = ["sampling/quads/routing_flip_topk", "sampling/quads/routing_flip_topk_ma
         "sampling/quads/routing_flip_top1", "sampling/quads/routing_flip_worst_layer"]
 
 
-@pytest.mark.parametrize("policy,replay", [("w4a16", False), ("quads", True), ("quads+r3", False)])
-def test_trainer_logs_routing_flips_and_replays(policy, replay, tmp_path):
-    trainer = _trainer(tmp_path, quads_policy=policy, routing_replay=replay)
+@pytest.mark.parametrize("policy,replay,graphed", [("w4a16", False, False), ("quads", True, True),
+                                                   ("quads+r3", False, False)])
+def test_trainer_logs_routing_flips_and_replays(policy, replay, graphed, tmp_path):
+    trainer = _trainer(tmp_path, quads_policy=policy, routing_replay=replay, graphed_decode=graphed)
     replaying = replay or policy.endswith("+r3")
     assert trainer.quads_routing is not None and trainer.quads_routing.replay == replaying
     trainer.train()
+    assert trainer.quads_rollout.decode_report()["decoder"] == ("graphed" if graphed else "generate")
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 2
     for h in logs:
