@@ -112,3 +112,43 @@ def test_forwards_take_their_rows_in_order_and_mismatch_is_refused():
     assert check.take()["flip_topk"] == 0.0
     with torch.no_grad(), check.armed(recorded[:, :5]), pytest.raises(ValueError, match="do not match"):
         model(input_ids=ids, attention_mask=am)
+
+
+def test_replay_survives_gradient_checkpointing_recompute():
+    """Backward's recompute of a checkpointed layer routes by the same recorded rows: the
+    gradients equal those without checkpointing."""
+    rollout, model = build("mixtral", dtype=torch.float32), build("mixtral", dtype=torch.float32)
+    with torch.no_grad():
+        for r in moe_routers(rollout):
+            r.weight.add_(torch.randn_like(r.weight))
+    ids, am = _batch(model)
+    recorded = _own_routing(rollout, ids, am)
+    check = RoutingCheck(model, replay=True)
+    model.train()
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.zero_grad()
+        with check.armed(recorded):
+            loss = model(input_ids=ids, attention_mask=am).logits.logsumexp(-1).mean()
+        loss.backward()  # outside the armed block, as the Trainer's backward is
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_replay_off_keeps_the_bits_of_a_qat_trainer_under_autocast():
+    import quads
+
+    model = quads.quantize_(build("qwen3_moe", dtype=torch.float32), quads.QuadsPolicy(side="trainer"))
+    ids, am = _batch(model)
+    recorded = _own_routing(model, ids, am)
+    recorded[0, 3:] = (recorded[0, 3:] + 1) % 4  # disagreeing rows: counted, not imposed
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model(input_ids=ids, attention_mask=am).logits
+        check = RoutingCheck(model, replay=False)
+        with check.armed(recorded):
+            hooked = model(input_ids=ids, attention_mask=am).logits
+    assert torch.equal(plain, hooked) and check.take()["flip_topk"] > 0
