@@ -195,3 +195,25 @@ def test_replay_routes_the_loss_forward_by_the_recorded_experts(tmp_path):
         valid = recorded[..., 0] >= 0
         assert valid.any() and torch.equal(routed[valid], recorded[valid].to(routed.device))
         assert all(g.abs().sum() > 0 for g in grads)  # the routers still learn through the gathered scores
+
+
+def test_example_logs_routing_flips_with_replay(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo_quads.py"
+    spec = importlib.util.spec_from_file_location("trl_grpo_quads_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = tmp_path / "run"
+    summary = example.main(["--max-steps", "2", "--prompts-per-step", "2", "--num-generations", "2", "--eval-n", "0",
+                            "--no-plot", "--max-completion-length", "8", "--output-dir", str(out), "--routing-replay"])
+    assert summary["policy"] == "quads+r3"
+    assert 0.0 <= summary["routing_flip_topk_mean"] <= 1.0 and 0.0 <= summary["routing_flip_top1_mean"] <= 1.0
+    assert json.loads((out / "summary.json").read_text())["routing_flip_topk_mean"] == summary["routing_flip_topk_mean"]
+    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"sampling/quads/routing_flip_topk", "sampling/quads/routing_replayed"} <= set(header)
+    steps = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in l]
+    assert len(steps) == 2 and all(0.5 < s["sampling/quads/routing_replayed"] <= 1.0 for s in steps)
+    assert [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")][0].split()[-2] == "flips"
