@@ -952,7 +952,8 @@ CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": chec
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
           "humming": check_humming, "humming_compiled": check_humming_compiled,
           "humming_siblings": check_humming_siblings, "four_over_six": check_four_over_six,
-          "moe_routing": check_moe_routing, "graphed_sync": check_graphed_sync, "graphed_routing": check_graphed_routing}
+          "moe_routing": check_moe_routing, "graphed_sync": check_graphed_sync,
+          "graphed_routing": check_graphed_routing}
 
 
 def main():

@@ -112,7 +112,8 @@ def get_preset(policy: str | PolicyPreset | PolicyPair) -> PolicyPreset:
         return POLICY_PRESETS[policy]
     except (KeyError, TypeError):
         raise ValueError(f"unknown quads policy preset {policy!r}; choose one of {sorted(POLICY_PRESETS)} "
-                         f"(each also as <name>{ROUTING_REPLAY_SUFFIX}: routing replay), or pass a (trainer, rollout) pair of QuadsPolicy") from None
+                         f"(each also as <name>{ROUTING_REPLAY_SUFFIX}: routing replay), "
+                         "or pass a (trainer, rollout) pair of QuadsPolicy") from None
 
 
 def _describe(policy: QuadsPolicy | None) -> str:

@@ -231,6 +231,9 @@ class RoutingCheck:
             self._current = None
             return None
         ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError("RoutingCheck: an armed forward must take input_ids (batch, tokens) to align the "
+                             "recorded routing with")
         b, t = ids.shape
         rows = self._routing[self._row:self._row + b]
         if rows.shape[:2] != (b, t):
@@ -261,9 +264,10 @@ class RoutingCheck:
             if recorded.shape != own.shape:
                 raise ValueError(f"RoutingCheck: router {layer} routed {tuple(own.shape)} tokens x experts, "
                                  f"the recorded rows are {tuple(recorded.shape)}")
-            valid, set_diff, top1_diff = routing_differences(own, recorded)
+            valid = recorded[:, 0] >= 0
             if self._count and layer not in self._counted:
                 self._counted.add(layer)
+                valid, set_diff, top1_diff = routing_differences(own, recorded)
                 counts = torch.zeros(3, self.layers, dtype=torch.float64, device=own.device)
                 counts[0, layer] = valid.sum()
                 counts[1, layer] = set_diff.sum()
@@ -280,7 +284,8 @@ class RoutingCheck:
 
     def take(self) -> dict[str, float] | None:
         """The counts since the last call as shares (one host sync), then reset; None when nothing
-        was counted. Keys: those of :func:`flip_shares`, and with replay ``replayed`` (share of the forwards' attended tokens routed by replay)."""
+        was counted. Keys: those of :func:`flip_shares`, and with replay ``replayed`` (share of
+        the forwards' attended tokens routed by replay)."""
         sums, self._sums = self._sums, None
         if not sums or "layers" not in sums:
             return None

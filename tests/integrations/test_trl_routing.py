@@ -55,7 +55,8 @@ def test_graphed_decoder_records_every_fed_token_at_its_slot():
     seen = RoutingRecorder(model)  # an independent record of each forward's routing
     decoder = GraphedDecoder(model, use_cuda_graph=False, record_routing=True)
     with seen.appending(2) as forwards:
-        tokens, _ = decoder.generate(ids, am, SamplingSpec(max_new_tokens=5, eos_token_ids=(), pad_token_id=0, do_sample=False))
+        spec = SamplingSpec(max_new_tokens=5, eos_token_ids=(), pad_token_id=0, do_sample=False)
+        tokens, _ = decoder.generate(ids, am, spec)
     fed = forwards[0]  # prompt (4 slots) then each decode step's fed token
     assert decoder.last_routing.shape == (2, 4 + tokens.shape[1] - 1, 2, 2)
     assert torch.equal(decoder.last_routing, fed)
