@@ -29,6 +29,10 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
   rows, a group's amax bits), the standard pass unchanged;
 * MoE routing: the one-launch kernel == the torch ops (T=64 top-6 E=64, T=1,
   T=256 top-8 E=128, sentinels, the size limit's fallback), CUDA-graph replay; all timed (µs);
+* routing recorded inside the captured decode step (``GraphedDecoder(record_routing=True)``): the
+  step still captures (no host sync), the graph's tokens and recorded expert ids == the eager
+  step's, a second call on the same graph overwrites them, every fed token recorded (a quads
+  rollout MoE and a transformers-experts MoE); ms per decode step with and without recording;
 * the graphed weight sync (``GraphedSync``) == the eager sync's bits over repeated syncs (dense
   exact / W4A16 fast / W4A4 fast, MoE experts fast), a NaN master refused with nothing written,
   an interrupt after the write restored; ms per sync of both.
@@ -902,12 +906,64 @@ def check_graphed_sync():
                + ("" if served else " (the graphs were not used: see the line above)"))
 
 
+@check("graphed_routing")
+def check_graphed_routing():
+    """Routing recorded inside the captured decode step: it captures, and the graph's tokens and
+    recorded ids equal the eager step's (two calls on one graph), every fed token recorded."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from quads.engine import GraphedDecoder, SamplingSpec
+    from quads.policies import POLICY_PRESETS, build_rollout_model
+
+    cfg = Qwen3MoeConfig(vocab_size=4096, hidden_size=1024, moe_intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16,
+                         num_experts_per_tok=4, tie_word_embeddings=False)
+    cfg._experts_implementation = "grouped_mm"  # what the decoder's capture plan runs: the eager reference runs it too
+    torch.manual_seed(0)
+    trainer = Qwen3MoeForCausalLM(cfg).bfloat16().cuda()
+    preset = POLICY_PRESETS["quads"]
+    cases = [("quads rollout", lambda: build_rollout_model(trainer, preset.rollout)),
+             ("transformers experts", lambda: build_rollout_model(trainer, None))]
+    spec = SamplingSpec(max_new_tokens=24, eos_token_ids=(), pad_token_id=0, do_sample=False)
+    for label, make in cases:
+        model = make().eval()
+        ids = torch.randint(1, cfg.vocab_size, (8, 12), device="cuda")
+        am = torch.ones_like(ids)
+        am[:3, :4] = 0
+        ids = ids.masked_fill(am == 0, 0)
+        graphed = GraphedDecoder(model, use_cuda_graph=True, record_routing=True)
+        eager = GraphedDecoder(model, use_cuda_graph=False, record_routing=True)
+        plain = GraphedDecoder(model, use_cuda_graph=True)
+        same, times = [], {}
+        for call in range(2):
+            g_tokens, _ = graphed.generate(ids, am, spec)
+            e_tokens, _ = eager.generate(ids, am, spec)
+            fed = graphed.last_routing[:, ids.shape[1]:]
+            same.append(bits_equal(g_tokens, e_tokens) and bits_equal(graphed.last_routing, eager.last_routing)
+                        and bool((fed >= 0).all()) and bool((graphed.last_routing[am.bool()] >= 0).all()))
+            ids = torch.roll(ids, 1, dims=0)  # another batch on the same graph
+            am = torch.roll(am, 1, dims=0)
+        for name, dec in (("recording", graphed), ("plain", plain)):
+            dec.generate(ids, am, spec)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(5):
+                dec.generate(ids, am, spec)
+            torch.cuda.synchronize()
+            times[name] = (time.perf_counter() - t) / 5 / spec.max_new_tokens * 1e3
+        record(f"graphed_routing {label}: captured, tokens and recorded experts == eager (2 calls on one graph)",
+               all(same) and graphed.capture_blocker is None and graphed.num_captures == 1,
+               f"equal {same}, captures {graphed.num_captures}, blocker {graphed.capture_blocker}; ms per token "
+               f"(prefill included) recording {times['recording']:.3f}, plain {times['plain']:.3f}")
+
+
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
           "humming": check_humming, "humming_compiled": check_humming_compiled,
           "humming_siblings": check_humming_siblings, "four_over_six": check_four_over_six,
-          "moe_routing": check_moe_routing, "graphed_sync": check_graphed_sync}
+          "moe_routing": check_moe_routing, "graphed_sync": check_graphed_sync,
+          "graphed_routing": check_graphed_routing}
 
 
 def main():

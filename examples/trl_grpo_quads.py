@@ -31,6 +31,7 @@ same N steps cut by resumes), and the finished run deletes its checkpoint.
 
     PYTHONPATH=. python examples/trl_grpo_quads.py                    # QUADS, ~25 steps
     PYTHONPATH=. python examples/trl_grpo_quads.py --policy naive     # the baseline
+    PYTHONPATH=. python examples/trl_grpo_quads.py --routing-replay   # MoE: the trainer routes by the rollout's experts (R3)
     PYTHONPATH=. python examples/trl_grpo_quads.py --model ~/.cache/quads/smollm2-135m-instruct --device cuda
     PYTHONPATH=. python examples/trl_grpo_quads.py ... --max-steps 200 --time-budget-s 480 [--resume]
 
@@ -82,6 +83,11 @@ STEP_KEYS = [  # columns of metrics.csv (TRL's names, then quads')
     "sampling/quads/delta_num_abs_mean",
     "sampling/quads/delta_weight_abs_mean",
     "sampling/quads/delta_act_abs_mean",
+    "sampling/quads/routing_flip_topk",
+    "sampling/quads/routing_flip_topk_max",
+    "sampling/quads/routing_flip_worst_layer",
+    "sampling/quads/routing_flip_top1",
+    "sampling/quads/routing_replayed",
     "loss",
     "grad_norm",
     "entropy",
@@ -141,6 +147,8 @@ def parse_args(argv=None):
     ap.add_argument("--is-mode", choices=IS_MODES, default="sequence_mask", help="TRL vllm_importance_sampling_mode")
     ap.add_argument("--is-clip-max", type=positive_float, default=3.0, help="TRL vllm_importance_sampling_clip_max")
     ap.add_argument("--decompose", action="store_true", help="also log delta_num / delta_weight / delta_act")
+    ap.add_argument("--routing-replay", action="store_true",
+                    help="MoE: the trainer routes each token by the rollout's recorded experts (R3; preset <policy>+r3)")
     ap.add_argument("--eval-n", type=nonnegative_int, default=None,
                     help="held-out problems for accuracy before/after (0: skip; task default 512 / 64)")
     ap.add_argument("--train-prompts", type=positive_int, default=2048)
@@ -263,6 +271,8 @@ def make_step_callback(path_jsonl, total_steps, t0, no_signal_hint: str, rows=()
                 f"{logs.get('timing/quads/generate_s', float('nan')):.2f} train {rec['timing/train_s']:.2f} "
                 f"sync {logs.get('timing/quads/sync_s', float('nan')):.3f})"
             )
+            if "sampling/quads/routing_flip_topk" in logs:  # MoE: the share of tokens the trainer routes otherwise
+                line += f"  flips {g('routing_flip_topk'):.3f}"
             self.bar.write(line, file=sys.stdout)
             self.bar.update(state.global_step - self.bar.n)
 
@@ -540,6 +550,9 @@ def summarize(rows, args, preset, train_s, t0, before, after, num_syncs, status)
             ("step", "timing/step_s"))},
         "args": vars(args),
     }
+    if any(r.get("sampling/quads/routing_flip_topk") is not None for r in rows):
+        summary["routing_flip_topk_mean"] = _mean(q("sampling/quads/routing_flip_topk"))
+        summary["routing_flip_top1_mean"] = _mean(q("sampling/quads/routing_flip_top1"))
     if args.decompose:
         for part in ("num", "weight", "act"):
             summary[f"delta_{part}_abs_mean"] = _mean(q(f"sampling/quads/delta_{part}_abs_mean"))
@@ -560,6 +573,9 @@ def print_summary(summary, preset, out) -> None:
     print(f"k3 KL             {summary['k3_kl_mean']:.3e}   IS masked fraction {summary['is_masked_fraction_mean']:.3f}")
     print(f"step time         {summary['step_s_mean']:.2f}s  (generate {summary['generate_s_mean']:.2f}  train "
           f"{summary['train_s_mean']:.2f}  sync {summary['sync_s_mean']:.3f})")
+    if "routing_flip_topk_mean" in summary:
+        print(f"routing flips     top-k set {summary['routing_flip_topk_mean']:.4f}  top-1 "
+              f"{summary['routing_flip_top1_mean']:.4f}  (share of recorded tokens, mean over MoE layers and steps)")
     if "delta_num_abs_mean" in summary:
         print(f"decomposition     |d_num| {summary['delta_num_abs_mean']:.4f}  |d_weight| {summary['delta_weight_abs_mean']:.4f}  "
               f"|d_act| {summary['delta_act_abs_mean']:.4f}")
@@ -604,12 +620,14 @@ def main(argv=None) -> dict:
     if args.compare:
         compare(args.compare, check_output_dir(args.output_dir or "runs/compare"))
         return {}
-    from quads.policies.presets import with_kernel
+    from quads.policies.presets import with_kernel, with_routing_replay
 
     try:
         preset = with_kernel(POLICY_PRESETS[args.policy], args.kernel)
     except ValueError as err:
         raise UsageError(f"--kernel {args.kernel}: {err}") from None
+    if args.routing_replay:
+        preset = with_routing_replay(preset)
     print(f"quads GRPO | policy {preset.name}: {preset.description}")
     print(f"  trainer side: {_describe(preset.trainer)}\n  rollout side: {_describe(preset.rollout)}")
 
@@ -620,6 +638,11 @@ def main(argv=None) -> dict:
     problem = preset_problem(preset, model)
     if problem:
         raise UsageError(f"--policy {args.policy}: {problem}")
+    if args.routing_replay:
+        from quads.policies.routing import routing_problem
+
+        if routing_problem(model):
+            raise UsageError(f"--routing-replay: {routing_problem(model)}")
     where = args.model or "the embedded model"
     check_model_convertible(model, [preset.trainer, preset.rollout], where)  # K % 16 & co., one line
     try:
@@ -627,7 +650,7 @@ def main(argv=None) -> dict:
     except ValueError as err:  # more distinct problems asked for than the task has
         raise UsageError(f"--train-prompts: {err}") from None
     check_tokenizer(tok, model, where, [r["prompt"] for r in train_rows])  # the prompts it will train on
-    out_name = args.output_dir or f"runs/trl_grpo_{args.policy}"
+    out_name = args.output_dir or f"runs/trl_grpo_{args.policy}" + ("+r3" if args.routing_replay else "")
     if Path(out_name).is_file():
         raise UsageError(f"output directory {out_name!r} is a file")
     out = Path(out_name)

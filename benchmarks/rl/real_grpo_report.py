@@ -7,7 +7,9 @@ Reads every run directory under the folder: the main example's (``<preset>-s<see
 and the earlier self-contained loop's (``<config>-s<seed>/``, its ``metrics.jsonl`` rows),
 so the old table can be re-made beside the new one. Prints the paper-form table (per-step max
 log-prob gap averaged over steps, its ratio to the BF16 floor, mean / p99 gap, k3 KL,
-importance-sampling masking, held-out accuracy before and after, averaged over the seeds that
+importance-sampling masking, the drift of the mean gap (its last 20 steps over its first 20), the
+MoE routing flips (share of recorded tokens whose top-k expert set, and whose top-1 expert, the
+trainer picks otherwise, mean over layers and steps; "-" for runs that logged none), held-out accuracy before and after, averaged over the seeds that
 finished), the paper's numbers beside it, the step's wall clock split (generate / train / sync,
 the rollout's share), and writes ``<prefix>_gap.png`` and ``<prefix>_reward.png`` (one line per
 configuration: the mean over seeds, the band between the seeds' min and max). Runs that stopped
@@ -87,7 +89,7 @@ def load(runs: Path) -> dict[str, list[dict]]:
 
 
 _STEP = re.compile(r"^step +(\d+)/\d+ +reward (\S+) +gap mean (\S+) p99 (\S+) max (\S+) +k3 (\S+) +IS raw "
-                   r"\[(\S+), (\S+)\] masked (\S+) +\((\S+)s: generate (\S+) train (\S+) sync (\S+)\)")
+                   r"\[(\S+), (\S+)\] masked (\S+) +\((\S+)s: generate (\S+) train (\S+) sync (\S+)\)(?: +flips (\S+))?")
 _BEFORE = re.compile(r"^held-out greedy accuracy before .*: rollout engine (\S+), trainer forward (\S+)")
 _AFTER = re.compile(r"^held-out acc +rollout engine (\S+) -> (\S+) +trainer forward (\S+) -> (\S+)")
 
@@ -101,10 +103,10 @@ def load_logs(runs: Path) -> dict[str, list[dict]]:
         steps, before, after = {}, None, None
         for line in log.read_text(errors="replace").splitlines():
             if m := _STEP.match(line):
-                v = [float(x) for x in m.groups()]
+                v = [None if x is None else float(x) for x in m.groups()]
                 steps.setdefault(int(v[0]), {"reward": v[1], "gap_mean": v[2], "gap_p99": v[3], "gap_max": v[4],
                                              "k3": v[5], "is_max": v[7], "masked": v[8], "generate": v[10],
-                                             "train": v[11], "sync": v[12]})
+                                             "train": v[11], "sync": v[12], "flips": v[13]})
             elif (m := _BEFORE.match(line)) and before is None:
                 before = float(m.group(1))
             elif (m := _AFTER.match(line)) and after is None:

@@ -17,11 +17,18 @@ A plan that cannot apply to the model (the routed-experts plans on a dense model
 layers on a model with 6 or fewer) is listed as not run, with the reason. The report ends with
 the plan it recommends for this model on each GPU kind (:mod:`quads.diagnostics.recommend`:
 the fastest plan measured on that hardware whose mean gap is within 1.5x the BF16 floor).
+
+On an MoE model with supported routers (:mod:`quads.policies.routing`) each row also reports
+its routing flips (``routing_flip_topk``: the share of tokens whose top-k experts the trainer
+path picks otherwise than the rollout engine path did, mean over MoE layers;
+``routing_flip_top1``): the engine path's forwards record their experts (int16, layers x k per
+token), the trainer path's forward records its own, compared on every attended token but the last.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
@@ -57,6 +64,7 @@ from quads.ops.weight_cache import clear_weight_cache, weight_cache_enabled
 from quads.diagnostics.plan_speeds import HARDWARE
 from quads.diagnostics.recommend import PLAN_TABLE, Recommendation, recommend
 from quads.policies.presets import with_residual_fraction
+from quads.policies.routing import RoutingRecorder, flip_counts, flip_shares, routing_problem
 from quads.policies.scope import routed_expert_names, scope_problem
 from quads.policies.walk import conversion_targets
 
@@ -270,16 +278,22 @@ def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, 
     rollout_keys = list(dict.fromkeys(r.rollout for r in config_rows))
     trainer_keys = list(dict.fromkeys(r.trainer for r in config_rows))
     bar = progress(total=len(rollout_keys) + len(trainer_keys) + 1) if progress else None
-    rollout_lp, trainer_lp = {}, {}
+    rollout_lp, trainer_lp, rollout_routing, trainer_routing = {}, {}, {}, {}
     for key in rollout_keys:
         engine = _variant(model, key)
         _use_engine_attention(engine)
-        rollout_lp[key] = score_incremental(engine, ids, attn, n, temperature, tokens_per_step)
+        with _recording(engine, ids.shape[0]) as routing:
+            rollout_lp[key] = score_incremental(engine, ids, attn, n, temperature, tokens_per_step)
+        rollout_routing[key] = _aligned(routing, attn, fed_only=True)
         del engine
         _drop_variant_weights()
         bar and bar.update(1)
     for key in trainer_keys:
-        trainer_lp[key] = score_teacher_forced(_variant(model, key), ids, attn, n, temperature, mask_positions=True)
+        trainer = _variant(model, key)
+        with _recording(trainer, ids.shape[0]) as routing:
+            trainer_lp[key] = score_teacher_forced(trainer, ids, attn, n, temperature, mask_positions=True)
+        trainer_routing[key] = _aligned(routing, attn, fed_only=False)
+        del trainer
         _drop_variant_weights()
         bar and bar.update(1)
     rows = []
@@ -288,6 +302,10 @@ def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, 
         rows.append({"config": row.name, "preset": row.preset, "description": row.description,
                      "gap_mean": gap["mean"], "gap_p99": gap["p99"], "gap_max": gap["max"],
                      "k3_kl": k3_kl(rollout_lp[row.rollout], trainer_lp[row.trainer], comp_mask)})
+        recorded, own = rollout_routing[row.rollout], trainer_routing[row.trainer]
+        if recorded is not None and own is not None:
+            shares = flip_shares(flip_counts(own, recorded))
+            rows[-1].update(routing_flip_topk=shares["flip_topk"], routing_flip_top1=shares["flip_top1"])
     layers = layer_activation_errors(model, ids, attn, fractions=(0.0, LAYER_RESIDUAL_FRACTION))
     bar and bar.update(1)
     bar and bar.close()
@@ -295,6 +313,25 @@ def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, 
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
             "tokens_per_step": tokens_per_step,
             "rows": rows, "layer_residual_fraction": LAYER_RESIDUAL_FRACTION, "layers": layers}
+
+
+def _recording(model: nn.Module, batch: int):
+    """Record ``model``'s MoE routing in the block (a list: the (B, S, L, k) recording on exit),
+    or nothing (an empty list) for a model without supported routers."""
+    if routing_problem(model) is not None:
+        return contextlib.nullcontext([])
+    return RoutingRecorder(model).appending(batch)
+
+
+def _aligned(recorded: list, attention_mask: torch.Tensor, fed_only: bool) -> torch.Tensor | None:
+    """The recording (B, T, L, k) over the scored sequence, -1 where a token is not attended
+    (padding, after EOS) and, with ``fed_only``, at the last token (the engine path never feeds it)."""
+    if not recorded:
+        return None
+    routing = recorded[0]
+    if fed_only:
+        routing = torch.cat([routing, routing.new_full((routing.shape[0], 1, *routing.shape[2:]), -1)], dim=1)
+    return routing.masked_fill(~attention_mask.bool()[:, :, None, None], -1)
 
 
 def format_report(report: dict) -> str:
@@ -313,10 +350,14 @@ def format_report(report: dict) -> str:
     def over_floor(value: float, key: str) -> float:
         return value / floor[key] if floor[key] > 0 else float("nan")
 
+    flips = any("routing_flip_topk" in r for r in report["rows"])  # an MoE model: the routing flip column
+    if flips:
+        lines[-1] = lines[-1].replace("  description", f" {'flips':>7}  description")
     for r in report["rows"]:
+        flip = f" {r.get('routing_flip_topk', float('nan')):>7.4f}" if flips else ""
         lines.append(f"{r['config']:<14} {r['gap_mean']:>9.4f} {over_floor(r['gap_mean'], 'gap_mean'):>10.2f} "
                      f"{r['gap_p99']:>9.4f} {r['gap_max']:>9.4f} {over_floor(r['gap_max'], 'gap_max'):>9.2f} "
-                     f"{r['k3_kl']:>10.2e}  {r['description']}")
+                     f"{r['k3_kl']:>10.2e}{flip}  {r['description']}")
     for r in report.get("not_run", []):
         lines.append(f"{r['config']:<14} not run: {r['reason']}")
     k = report["layer_residual_fraction"]

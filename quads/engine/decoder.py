@@ -40,6 +40,7 @@ from quads.engine.sampling import SamplingSpec, sample_tokens, unsupported_reaso
 from quads.engine.slot_cache import SlotCache, Slots
 from quads.ops.sibling_linear import enabled_groups
 from quads.policies.fused_projections import sibling_groups_
+from quads.policies.routing import RoutingRecorder
 from quads.policies.trainer_experts import grouped_mm_available
 from quads.policies.warmup import warm_up_kernels
 
@@ -71,6 +72,7 @@ class _DecodeState:
         self.eos = torch.zeros(0, **long)  # the spec's EOS ids (set per session: no host copy in the graph)
         self.where = Slots(cache_len, self.slot)
         self.cache = SlotCache(self.where, num_layers)
+        self.routing: torch.Tensor | None = None  # (L, B, cache_len, k) int16 when recording routing
         self.graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -118,10 +120,17 @@ class GraphedDecoder:
     either runs the model's own glue there: its attention implementation (e.g. for an attention
     module the grouped view does not cover), one activation quantization per linear (same bits,
     one launch per linear); the benchmarks' ``--glue old`` passes both False.
+
+    ``record_routing`` (default False; an MoE model with routers
+    :mod:`quads.policies.routing` supports): every forward writes each router's top-k ids into
+    a static (layers, batch, cache length, k) int16 buffer at the tokens' cache slots
+    (``index_copy_`` inside the captured step, no host sync); :attr:`last_routing` is then
+    (B, P + T - 1, layers, k) for the prompt slots and the fed completion tokens (-1 where
+    nothing was fed).
     """
 
     def __init__(self, model: nn.Module, *, use_cuda_graph: bool | None = None, check_every: int = 16,
-                 gqa_attention: bool = True, share_quantization: bool = True):
+                 gqa_attention: bool = True, share_quantization: bool = True, record_routing: bool = False):
         if check_every < 1:
             raise ValueError(f"GraphedDecoder: check_every must be >= 1, got {check_every}")
         impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -147,6 +156,8 @@ class GraphedDecoder:
         self.capture_blocker: str | None = None
         self._plan: CapturePlan | None = None  # decided on the first CUDA call
         self._experts_switch: CapturePlan | None = None  # the plan applied in this call's forwards
+        self._recorder = RoutingRecorder(model) if record_routing else None
+        self.last_routing: torch.Tensor | None = None
 
     def _glue(self):
         """The forward's context: the GQA attention switched in, sibling linears sharing one
@@ -172,7 +183,8 @@ class GraphedDecoder:
             kwargs["cache_position"] = slots
         if self._pass_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        with self._glue():
+        with self._glue(), (self._recorder.into(state.routing, lambda: state.where.slots)
+                            if state.routing is not None else contextlib.nullcontext()):
             out = self.model(**kwargs)
         return out.logits[:, -1, :].float()
 
@@ -230,6 +242,8 @@ class GraphedDecoder:
             self._state = s = None  # free the old cache and graph now (no cycles: refcounting frees them)
             s = self._state = _DecodeState(batch, cache_len, device, _num_layers(self.model))
             s.eos = torch.tensor(spec.eos_token_ids, dtype=torch.long, device=device)
+            if self._recorder is not None:
+                s.routing = self._recorder.buffer(batch, cache_len, device)
             self._spec = spec
         return s
 
@@ -305,6 +319,8 @@ class GraphedDecoder:
         state.key_valid[:, :width] = valid
         state.finished.zero_()
         state.where.seen = 0
+        if state.routing is not None:
+            state.routing.fill_(-1)
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill_(~valid, 1)
         slots = torch.arange(width, device=device)
         causal = slots[:, None] >= torch.arange(cache_len, device=device)[None, :]  # (P, L)
@@ -329,6 +345,8 @@ class GraphedDecoder:
             except _CaptureRefused as why:
                 self._refuse(str(why))
                 graphs = False
+            if state.routing is not None:
+                state.routing[:, :, width:].fill_(-1)  # the warm-up steps' writes
         for t in range(steps):
             if t % self.check_every == 0 and bool(state.finished.all()):
                 break
@@ -339,4 +357,6 @@ class GraphedDecoder:
             state.where.seen += 1
             tokens.append(state.out_token.clone())
             logps.append(state.out_logp.clone())
+        if state.routing is not None:  # prompt slots and the fed completion tokens (all but the last)
+            self.last_routing = state.routing[:, :, : width + len(tokens) - 1].permute(1, 2, 0, 3).clone()
         return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)

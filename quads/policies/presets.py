@@ -30,17 +30,25 @@ from quads.policies.policy import QuadsPolicy
 from quads.policies.scope import scope_problem
 
 __all__ = ["PolicyPreset", "POLICY_PRESETS", "get_preset", "preset_from_pair", "preset_problem",
-           "weight_only_rollout", "with_kernel", "with_residual_fraction", "BOUNDARY_LAYERS"]
+           "weight_only_rollout", "with_kernel", "with_residual_fraction", "with_routing_replay", "BOUNDARY_LAYERS",
+           "ROUTING_REPLAY_SUFFIX"]
+
+#: the name suffix of a preset whose trainer routes by the rollout's recorded experts (R3)
+ROUTING_REPLAY_SUFFIX = "+r3"
 
 
 @dataclass(frozen=True)
 class PolicyPreset:
-    """A named pair of precision policies: ``trainer`` / ``rollout`` (None = left in BF16)."""
+    """A named pair of precision policies: ``trainer`` / ``rollout`` (None = left in BF16).
+
+    ``routing_replay``: the trainer's forwards route an MoE model's tokens by the experts the
+    rollout recorded (rollout routing replay, R3; :mod:`quads.policies.routing`)."""
 
     name: str
     trainer: QuadsPolicy | None
     rollout: QuadsPolicy | None
     description: str
+    routing_replay: bool = False
 
 
 _W4A16_QAT = QuadsPolicy(side="trainer", activations="bf16")
@@ -98,10 +106,13 @@ def get_preset(policy: str | PolicyPreset | PolicyPair) -> PolicyPreset:
         )
     if isinstance(policy, (tuple, list)):
         return preset_from_pair(policy)
+    if isinstance(policy, str) and policy.endswith(ROUTING_REPLAY_SUFFIX):
+        return with_routing_replay(get_preset(policy.removesuffix(ROUTING_REPLAY_SUFFIX)))
     try:
         return POLICY_PRESETS[policy]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown quads policy preset {policy!r}; choose one of {sorted(POLICY_PRESETS)}, "
+        raise ValueError(f"unknown quads policy preset {policy!r}; choose one of {sorted(POLICY_PRESETS)} "
+                         f"(each also as <name>{ROUTING_REPLAY_SUFFIX}: routing replay), "
                          "or pass a (trainer, rollout) pair of QuadsPolicy") from None
 
 
@@ -162,7 +173,7 @@ def with_kernel(preset: PolicyPreset, kernel: str) -> PolicyPreset:
     rollout = dataclasses.replace(preset.rollout, kernel=kernel)
     name = f"{preset.name}-fast" if kernel == "fast" else preset.name.removesuffix("-fast")
     how = ", humming fast path" if kernel == "fast" else ", exact kernels"
-    return PolicyPreset(name, preset.trainer, rollout, preset.description + how)
+    return PolicyPreset(name, preset.trainer, rollout, preset.description + how, preset.routing_replay)
 
 
 def preset_kernel(preset: PolicyPreset) -> str:
@@ -176,4 +187,15 @@ def with_residual_fraction(preset: PolicyPreset, fraction: float, name: str | No
         raise ValueError(f"preset {preset.name!r} has no rollout policy")
     rollout = dataclasses.replace(preset.rollout, residual_fraction=fraction)
     label = name or f"{preset.name}-{round(fraction * 100)}"
-    return PolicyPreset(label, preset.trainer, rollout, f"{preset.description} (k = {fraction:.0%})")
+    return PolicyPreset(label, preset.trainer, rollout, f"{preset.description} (k = {fraction:.0%})",
+                        preset.routing_replay)
+
+
+def with_routing_replay(preset: str | PolicyPreset) -> PolicyPreset:
+    """``preset`` with rollout routing replay (R3) on, named ``<preset>+r3`` (``get_preset`` reads
+    that name too): the trainer's scoring and loss forwards route by the rollout's recorded experts."""
+    preset = get_preset(preset)
+    if preset.routing_replay:
+        return preset
+    return dataclasses.replace(preset, name=preset.name + ROUTING_REPLAY_SUFFIX, routing_replay=True,
+                               description=preset.description + "; trainer routes by the rollout's experts (R3)")

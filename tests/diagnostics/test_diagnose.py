@@ -44,7 +44,11 @@ def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
     assert rows["bf16-floor"]["gap_mean"] < rows["quads-50"]["gap_mean"]
     assert report["layer_residual_fraction"] == quads.POLICY_PRESETS["quads"].rollout.residual_fraction == 1.0
     assert all(l["rel_err_k100"] < l["rel_err_k0"] for l in report["layers"])
+    # routing flips per row (an MoE model): shares, and the naive W4A4 rollout flips more than the floor
+    assert all(0.0 <= r["routing_flip_top1"] <= 1.0 and 0.0 <= r["routing_flip_topk"] <= 1.0 for r in rows.values())
+    assert rows["naive"]["routing_flip_topk"] > rows["bf16-floor"]["routing_flip_topk"]
     printed = capsys.readouterr().out
+    assert "flips" in printed.splitlines()[2]
     assert "quads-50" in printed and "layer input" in printed
     assert "+100% res" in printed and "+50% res" not in printed  # the layer table follows the default policy
     assert "quads-boundary" in printed and "not run" in printed

@@ -273,6 +273,7 @@ def _untouched_state(model):
     (dict(decompose_mismatch="yes"), TypeError, r"decompose_mismatch=.*True or False"),
     (dict(rollout_corr_metrics=1), TypeError, r"rollout_corr_metrics=.*True or False"),
     (dict(graphed_decode="auto"), TypeError, r"graphed_decode=.*None, True or False"),
+    (dict(routing_replay="on"), TypeError, r"routing_replay=.*True or False"),
     (dict(quads_policy=quads.QuadsPolicy(side="rollout", residual_fraction=0.5)), TypeError,
      r"single QuadsPolicy\(side='rollout'\).*\(trainer, rollout\) pair"),
     (dict(quads_policy=(quads.QuadsPolicy(side="rollout"), None)), ValueError, r"trainer entry.*side='rollout'"),

@@ -119,6 +119,7 @@ def test_grpo_steps_with_vllm_colocate(checkpoint, tmp_path, monkeypatch):
     (dict(use_vllm=False), r"use_vllm=True.*QuadsGRPOTrainer"),
     (dict(trainer_policy=quads.QuadsPolicy(side="rollout")), r"trainer_policy=.*side='trainer'"),
     (dict(rollout_corr_metrics="yes"), r"rollout_corr_metrics=.*True or False"),
+    (dict(routing_replay=True), r"routing_replay=True\) is not supported.*QuadsGRPOTrainer\(routing_replay=True\)"),
 ])
 def test_vllm_trainer_refuses_bad_arguments_before_touching_the_model(bad, match, checkpoint, tmp_path):
     """Refused in one line before TRL's __init__ (no engine started, the caller's model untouched)."""

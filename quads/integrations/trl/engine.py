@@ -13,6 +13,7 @@ import torch.nn as nn
 from quads.engine import GraphedDecoder, SamplingSpec, unsupported_reason
 from quads.policies import sync_weights_
 from quads.policies.graphed_sync import GraphedSync
+from quads.policies.routing import RoutingRecorder
 
 __all__ = ["QuadsRolloutEngine"]
 
@@ -44,6 +45,14 @@ class QuadsRolloutEngine:
     read at each sync: the trainer's unwrapped model and optimizer step), TRL's
     ``generation_config``, the pad token id and the ids that end a completion.
 
+    ``record_routing`` (an MoE rollout model with supported routers,
+    :mod:`quads.policies.routing`): each ``generate`` also records every router's top-k ids of
+    the prompt tokens and of every fed completion token (both samplers); :attr:`last_routing` is
+    then ``(prompt_routing, completion_routing)``, per row int16 tensors (len, layers, k) on the
+    device, the completion's last token -1 (it is never fed): TRL's padding of ``prompt_ids``
+    (left) and ``completion_ids`` (right) applied to them with -1 gives the routing of the
+    trainer's input.
+
     ``seconds``: wall-clock seconds spent in ``generate`` and ``sync_weights`` since the last
     :meth:`take_seconds` (each measured after the device finished its work).
     """
@@ -59,7 +68,11 @@ class QuadsRolloutEngine:
         eos_token_ids: Sequence[int],
         graphed: bool | None = None,
         graphed_sync: bool | None = None,
+        record_routing: bool = False,
     ):
+        self._recorder = RoutingRecorder(rollout_model) if record_routing else None  # refuses unsupported routers
+        self.record_routing = record_routing
+        self.last_routing: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.model = rollout_model
         self.graphed_sync = graphed_sync
         self._graphed_sync: GraphedSync | None = None
@@ -129,14 +142,17 @@ class QuadsRolloutEngine:
             return False
         if self._decoder is None:
             try:
-                self._decoder = GraphedDecoder(self.model)
+                self._decoder = GraphedDecoder(self.model, record_routing=self.record_routing)
             except ValueError as error:  # e.g. an attention implementation that needs its own mask
                 self.fallback_reason = str(error)
                 return False
         return True
 
     def _hf_generate(self, input_ids, attention_mask, gc, width):
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gc)
+        recording = self._recorder.appending(input_ids.shape[0]) if self._recorder else nullcontext()
+        with recording as recorded:
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gc)
+        self._routing = recorded[0] if recorded else None
         completion = out.sequences[:, width:]
         if out.scores:
             scores = torch.stack([s.float() for s in out.scores], dim=1)  # (B, T, V) processed logits
@@ -166,6 +182,7 @@ class QuadsRolloutEngine:
             if self._use_decoder(gc, device):
                 spec = SamplingSpec.from_generation_config(gc, pad_token_id=pad_id)
                 completion, logps = self._decoder.generate(input_ids, attention_mask, spec)
+                self._routing = self._decoder.last_routing
             else:
                 completion, logps = self._hf_generate(input_ids, attention_mask, gc, width)
         eos_ids = self.eos_token_ids
@@ -180,4 +197,17 @@ class QuadsRolloutEngine:
                     break
             completion_ids.append(row[:n])
             logprobs.append([[v] for v in lp[:n]])
+        if self.record_routing:
+            self.last_routing = _routing_rows(self._routing, width, prompts, completion_ids)
         return [list(p) for p in prompts], completion_ids, logprobs, None
+
+
+def _routing_rows(recorded: torch.Tensor, width: int, prompts, completions):
+    """Per row: the prompt's routing (its slots of the left-padded batch) and the completion's
+    (its fed tokens, then -1 for the last token, which is never fed)."""
+    prompt_rows, completion_rows = [], []
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        prompt_rows.append(recorded[i, width - len(p):width])
+        fed = recorded[i, width:width + max(len(c) - 1, 0)]
+        completion_rows.append(torch.cat([fed, fed.new_full((min(len(c), 1), *fed.shape[1:]), -1)]))
+    return prompt_rows, completion_rows

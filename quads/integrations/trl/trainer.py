@@ -13,6 +13,7 @@ from quads.integrations.trl.metrics import MismatchLogging
 from quads.policies import PolicyPreset, build_rollout_model, get_preset, quantize_, sync_weights_
 from quads.policies.presets import PolicyPair, weight_only_rollout
 from quads.policies.quantize import quantized_modules
+from quads.policies.routing import RoutingCheck, routing_problem
 
 __all__ = ["TESTED_TRL_VERSION", "QuadsGRPOTrainer"]
 
@@ -100,6 +101,17 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
             forwards over the completions).
         rollout_corr_metrics: also log verl's ``rollout_corr/*`` diagnostics under verl's names
             (:func:`quads.diagnostics.rollout_corr_metrics`); TRL's and quads' names are kept.
+        routing_replay: rollout routing replay (R3): the trainer's scoring and loss forwards route
+            each token by the experts the rollout recorded (also on with a preset whose
+            ``routing_replay`` is set, e.g. ``"quads+r3"``). MoE models with supported routers only.
+
+    On an MoE model with supported routers (:mod:`quads.policies.routing`) the rollout records
+    each token's experts, the generation output carries them (``quads_routing``, sliced and
+    shuffled with the batch) and the scoring forward that computes the old log-probs compares the
+    trainer's own routing with them: ``sampling/quads/routing_flip_topk`` (share of recorded tokens
+    whose top-k set differs, mean over MoE layers), ``routing_flip_topk_max`` and
+    ``routing_flip_worst_layer``, ``routing_flip_top1``; with replay ``routing_replayed``.
+    Dense models: no routing keys, no cost.
 
     ``args.use_vllm`` must be False (this class *is* the rollout engine; with vLLM use
     ``QuadsVLLMGRPOTrainer``). Every argument is checked before the model is touched. TRL's
@@ -113,6 +125,9 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
     :class:`QuadsRolloutEngine`); False keeps ``generate``.
     """
 
+    quads_routing: RoutingCheck | None = None
+    _quads_routing_of_batch: torch.Tensor | None = None
+
     def __init__(
         self,
         model,
@@ -124,6 +139,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         decompose_mismatch: bool = False,
         graphed_decode: bool | None = None,
         rollout_corr_metrics: bool = False,
+        routing_replay: bool = False,
         **kwargs,
     ):
         if _trl is None:
@@ -134,7 +150,8 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
                 "it hooks GRPOTrainer internals (vllm_generation, _generate_single_turn).",
                 stacklevel=2,
             )
-        flags = {"decompose_mismatch": decompose_mismatch, "rollout_corr_metrics": rollout_corr_metrics}
+        flags = {"decompose_mismatch": decompose_mismatch, "rollout_corr_metrics": rollout_corr_metrics,
+                 "routing_replay": routing_replay}
         _check_options(args, rollout_dtype, flags, graphed_decode, kwargs.get("peft_config"))
         self.quads_preset = get_preset(quads_policy)
         self.quads_rollout_dtype = rollout_dtype
@@ -147,6 +164,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
             init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
         _refuse_peft_model(model)
+        self._quads_check_routing(model, routing_replay)
         undo = _model_snapshot(model)
         self._quads_apply_trainer_policy(model)
         try:
@@ -166,6 +184,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
                 eos_token_ids=self.eos_token_ids,
                 graphed=graphed_decode,
+                record_routing=self.quads_routing_replay is not None,
             )
         except BaseException:
             undo()  # TRL (or the rollout build) failed: the caller's model is as it was, a retry works
@@ -177,6 +196,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         self.use_vllm = True
 
         self._quads_probe_models: dict[str, nn.Module] | None = None
+        self._quads_setup_routing(unwrapped)
 
     # -- set-up helpers ------------------------------------------------------------------------
 
@@ -220,14 +240,82 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
     # -- metrics (MismatchLogging logs sampling/quads/* and rollout_corr/*) ----------------------
 
     def _generate_and_score_completions(self, inputs):
+        self._quads_routing_of_batch = None
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
+        if self.quads_routing is not None:
+            self._quads_attach_routing(output, mode)
         seconds = self.quads_rollout.take_seconds()  # this generation's rollout phases
         self._quads_log(mode, {f"timing/quads/{phase}_s": s for phase, s in seconds.items()})
         return output
 
     def _quads_extra_metrics(self, output, rollout_lp, trainer_lp, mask) -> dict[str, float]:
         return self._decompose(output, rollout_lp, trainer_lp, mask) if self.quads_decompose else {}
+
+    # -- routing agreement and replay (quads.policies.routing) ---------------------------------
+
+    def _quads_check_routing(self, model: nn.Module, routing_replay: bool) -> None:
+        """Decide ``quads_routing_replay`` (None: not an MoE model with supported routers, no
+        recording; else whether the trainer replays); refuse replay on such a model, in one line."""
+        replay = routing_replay or self.quads_preset.routing_replay
+        problem = routing_problem(model)
+        if problem is not None and replay:
+            raise ValueError(f"QuadsGRPOTrainer(routing_replay=True): {problem}")
+        self.quads_routing_replay = None if problem is not None else replay
+        self.quads_routing: RoutingCheck | None = None
+
+    def _quads_setup_routing(self, trainer_model: nn.Module) -> None:
+        if self.quads_routing_replay is not None:
+            self.quads_routing = RoutingCheck(trainer_model, replay=self.quads_routing_replay)
+
+    def _quads_batch_routing(self, shape) -> torch.Tensor | None:
+        """The rollout's routing of the latest generation, laid out as TRL lays out the trainer's
+        input (prompts left-padded, completions right-padded, -1 at padding); taken once."""
+        from trl.trainer.utils import pad
+
+        rows, self.quads_rollout.last_routing = self.quads_rollout.last_routing, None
+        if rows is None:
+            return None
+        prompt = pad(rows[0], padding_value=-1, padding_side="left", pad_to_multiple_of=self.pad_to_multiple_of)
+        completion = pad(rows[1], padding_value=-1, padding_side="right", pad_to_multiple_of=self.pad_to_multiple_of)
+        routing = torch.cat([prompt, completion], dim=1).to(self.accelerator.device)
+        if tuple(routing.shape[:2]) != tuple(shape):
+            raise RuntimeError(f"QuadsGRPOTrainer: the recorded routing {tuple(routing.shape)} does not match the "
+                               f"trainer's input {tuple(shape)}")
+        self._quads_routing_of_batch = routing
+        return routing
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+        check = self.quads_routing
+        if (check is None or self.quads_rollout.last_routing is None
+                or self.accelerator.unwrap_model(model) is not check.model):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+        with check.armed(self._quads_batch_routing(input_ids.shape), count=True):  # the scoring forward
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+
+    def _compute_loss(self, model, inputs):
+        routing = inputs.get("quads_routing")
+        if self.quads_routing is None or not self.quads_routing.replay or routing is None:
+            return super()._compute_loss(model, inputs)
+        with self.quads_routing.armed(routing, count=False):  # stays current for the backward's recompute
+            return super()._compute_loss(model, inputs)
+
+    def _quads_attach_routing(self, output, mode: str) -> None:
+        """Put the batch's routing into the generation output and log the scoring forward's flips."""
+        routing = self._quads_routing_of_batch
+        if routing is None and self.quads_rollout.last_routing is not None:  # no scoring forward ran
+            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            routing = self._quads_batch_routing(ids.shape)
+        self._quads_routing_of_batch = None
+        if routing is not None:
+            output["quads_routing"] = routing
+        stats = self.quads_routing.take()
+        if stats is None:
+            return
+        names = {"flip_topk": "routing_flip_topk", "flip_topk_max": "routing_flip_topk_max",
+                 "flip_topk_max_layer": "routing_flip_worst_layer", "flip_top1": "routing_flip_top1",
+                 "replayed": "routing_replayed"}
+        self._quads_log(mode, {f"sampling/quads/{names[k]}": v for k, v in stats.items() if k in names})
 
     # -- δ decomposition -----------------------------------------------------------------------
 

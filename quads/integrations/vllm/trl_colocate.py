@@ -114,7 +114,14 @@ SERVER_MODE_REFUSAL = (
 )
 
 
-def _check_options(train_args, trainer_policy, rollout_corr_metrics) -> None:
+#: why QuadsVLLMGRPOTrainer refuses rollout routing replay
+ROUTING_REPLAY_REFUSAL = (
+    "QuadsVLLMGRPOTrainer(routing_replay=True) is not supported: replay needs each token's experts as the rollout "
+    "engine routed them, and this trainer does not take them from vLLM; use QuadsGRPOTrainer(routing_replay=True)"
+)
+
+
+def _check_options(train_args, trainer_policy, rollout_corr_metrics, routing_replay=False) -> None:
     """Refuse bad arguments in one line, before TRL's ``__init__`` touches the caller's model."""
     if train_args is None or not train_args.use_vllm:
         raise ValueError("QuadsVLLMGRPOTrainer needs GRPOConfig(use_vllm=True, vllm_mode='colocate'); "
@@ -129,6 +136,8 @@ def _check_options(train_args, trainer_policy, rollout_corr_metrics) -> None:
                          f"got {trainer_policy!r}")
     if not isinstance(rollout_corr_metrics, bool):
         raise TypeError(f"QuadsVLLMGRPOTrainer(rollout_corr_metrics=...) must be True or False, got {rollout_corr_metrics!r}")
+    if routing_replay is not False:
+        raise ValueError(ROUTING_REPLAY_REFUSAL)
 
 
 class QuadsVLLMGRPOTrainer(MismatchLogging, GRPOTrainer):
@@ -142,6 +151,7 @@ class QuadsVLLMGRPOTrainer(MismatchLogging, GRPOTrainer):
             :func:`quads.integrations.vllm.quant_method.quads_quantization_config`.
         llm_kwargs: extra ``vllm.LLM`` kwargs (default: ``enforce_eager=True`` on CPU).
         rollout_corr_metrics: also log verl's ``rollout_corr/*`` names.
+        routing_replay: must stay False (:data:`ROUTING_REPLAY_REFUSAL`).
 
     Every step logs the mismatch metrics of ``QuadsGRPOTrainer`` (``sampling/quads/*``, from the
     engine's processed log-probs and TRL's trainer log-probs). ``vllm_mode="server"`` is refused
@@ -149,9 +159,9 @@ class QuadsVLLMGRPOTrainer(MismatchLogging, GRPOTrainer):
     """
 
     def __init__(self, *args, trainer_policy=_DEFAULT, rollout_config=None, llm_kwargs=None,
-                 rollout_corr_metrics: bool = False, **kwargs):
+                 rollout_corr_metrics: bool = False, routing_replay: bool = False, **kwargs):
         train_args = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
-        _check_options(train_args, trainer_policy, rollout_corr_metrics)
+        _check_options(train_args, trainer_policy, rollout_corr_metrics, routing_replay)
         generation_cls = quads_vllm_generation_class(rollout_config, llm_kwargs)
         self.quads_rollout_corr = rollout_corr_metrics
         with _patched(_grpo_module, "VLLMGeneration", generation_cls):
