@@ -54,6 +54,7 @@ on CPU. Writes ``<out>/colocated_memory.json`` (every row, the arithmetic) and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -66,6 +67,7 @@ import torch
 from benchmarks.rl.rollout_throughput import build_model, fast_unavailable, sync_time
 from quads.engine import GraphedDecoder, SamplingSpec
 from quads.engine.decoder import CACHE_LEN_QUANTUM
+from quads.ops.weight_cache import weight_cache_enabled
 from quads.policies import POLICY_PRESETS, build_rollout_model
 from quads.policies.presets import with_kernel
 from quads.tensor.files import write_atomically
@@ -145,8 +147,9 @@ def model_bytes(model) -> int:
 # -- memory: the GPU's, or a byte counter standing in for it ---------------------------------------
 
 def release() -> None:
-    gc.collect()
+    """Free what a dropped session or an out-of-memory try left (CUDA; nothing to hand back on CPU)."""
     if DEVICE == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -308,9 +311,11 @@ def decode_rate(decoder, batch: int, prompt: int, time_tokens: int, vocab: int) 
         ids = am = None
         _end_session(decoder)
         release()
-    decode_s = max(full_s - prefill_s, 1e-9)
-    return {"batch": batch, "prefill_s": round(prefill_s, 4), "timed_s": round(full_s, 4),
-            "decode_tok_s": round(batch * (time_tokens - 1) / decode_s, 1)}
+    decode_s = full_s - prefill_s
+    row = {"batch": batch, "prefill_s": round(prefill_s, 4), "timed_s": round(full_s, 4)}
+    if decode_s <= 0:  # the decode steps took less than the prefill's run-to-run noise
+        return {**row, "error": "decode time not measurable (timed call <= prefill)"}
+    return {**row, "decode_tok_s": round(batch * (time_tokens - 1) / decode_s, 1)}
 
 
 # -- one variant -----------------------------------------------------------------------------------
@@ -474,7 +479,8 @@ def main(argv=None) -> int:
             out["rows"] += [{"variant": name, "setting": s, "skipped": why or "time budget"} for s in args.settings]
             print(f"[colocated_memory] {name}: skipped ({why or 'time budget'})", flush=True)
             continue
-        run_variant(name, args, out, bf16_max, start)
+        with contextlib.nullcontext() if DEVICE == "cuda" else weight_cache_enabled():
+            run_variant(name, args, out, bf16_max, start)  # CPU: the reference path dequantizes each weight once
         write_atomically(out_dir / "colocated_memory.json", json.dumps(out, indent=1))
     rows = [r for r in out["rows"] if "rollout_gib" in r]
     skipped = [f"{r['variant']}/{r['setting']}: {r['skipped']}" for r in out["rows"] if "rollout_gib" not in r]
