@@ -34,6 +34,20 @@ def test_search_resolution_and_limit():
         cm.largest_batch(lambda b: True, start=0)
 
 
+def test_out_of_memory_is_seen_through_a_chained_error():
+    import torch
+
+    assert cm.is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except RuntimeError:
+            raise RuntimeError("operation failed due to a previous error during capture")
+    except RuntimeError as error:
+        assert cm.is_oom(error)
+    assert not cm.is_oom(RuntimeError("shape mismatch")) and not cm.is_oom(None)
+
+
 def test_arithmetic_at_qwen3_30b_a3b_shapes():
     from transformers import Qwen3MoeConfig
 

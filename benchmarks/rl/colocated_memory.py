@@ -60,6 +60,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -243,9 +244,16 @@ def largest_batch(fits, start: int, resolution: int = 1, limit: int = 1 << 20) -
     return lo, tries
 
 
-def is_oom(error: BaseException) -> bool:
-    text = str(error)
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in text
+def is_oom(error: BaseException | None) -> bool:
+    """An out-of-memory error, or one raised while handling one (a capture ended by it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if isinstance(error, torch.OutOfMemoryError) or "out of memory" in text.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in text:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _end_session(decoder: GraphedDecoder) -> None:
@@ -281,6 +289,8 @@ def rollout_fits(decoder, memory, batch: int, prompt: int, new_tokens: int, voca
 def probe(decoder, batches, prompt: int, new_tokens: int, vocab: int) -> dict | None:
     """Working bytes per sequence and fixed, from the peak memory of two small rollouts (CUDA)."""
     if DEVICE != "cuda":
+        return None
+    if not rollout_fits(decoder, DeviceMemory(), batches[0], prompt, new_tokens, vocab):  # compile, workspaces
         return None
     peaks = []
     for b in batches:
@@ -341,6 +351,7 @@ def run_variant(name: str, args, out: dict, bf16_max: dict, start: float) -> Non
     rollout_bytes = torch.cuda.memory_allocated() - before if DEVICE == "cuda" else model_bytes(rollout)
     del base
     release()
+    resident = torch.cuda.memory_allocated() if DEVICE == "cuda" else rollout_bytes
     out["arithmetic"].setdefault("params", params)
     out["arithmetic"].setdefault("layer_params", layer_params)
     out["arithmetic"].setdefault("cache_len", cache_len)
@@ -353,7 +364,7 @@ def run_variant(name: str, args, out: dict, bf16_max: dict, start: float) -> Non
         state = trainer_state_bytes(params, layer_params, shards, acts)
         row = {"variant": name, "setting": setting, "shards": shards, "layers": args.layers,
                "rollout_gib": rollout_bytes / GIB, "state_gib": sum(state.values()) / GIB,
-               "state_bytes": state, "kv_per_sequence_mib": kv_seq / 2**20}
+               "state_bytes": state, "kv_per_sequence_mib": kv_seq / 2**20, "resident_before_state_gib": resident / GIB}
         out["rows"].append(row)
         if time.time() - start > args.budget_s:
             row["skipped"] = "time budget"
@@ -479,18 +490,25 @@ def main(argv=None) -> int:
             out["rows"] += [{"variant": name, "setting": s, "skipped": why or "time budget"} for s in args.settings]
             print(f"[colocated_memory] {name}: skipped ({why or 'time budget'})", flush=True)
             continue
-        with contextlib.nullcontext() if DEVICE == "cuda" else weight_cache_enabled():
-            run_variant(name, args, out, bf16_max, start)  # CPU: the reference path dequantizes each weight once
+        try:
+            with contextlib.nullcontext() if DEVICE == "cuda" else weight_cache_enabled():
+                run_variant(name, args, out, bf16_max, start)  # CPU: the reference path dequantizes each weight once
+        except Exception as error:  # noqa: BLE001 - one failing variant must not lose the others' rows
+            first = str(error).splitlines()[0] if str(error) else ""
+            out.setdefault("failed", []).append(f"{name}: {type(error).__name__}: {first}")
+            traceback.print_exc()
+        release()  # after the handler: its traceback no longer holds the variant's tensors
         write_atomically(out_dir / "colocated_memory.json", json.dumps(out, indent=1))
     rows = [r for r in out["rows"] if "rollout_gib" in r]
     skipped = [f"{r['variant']}/{r['setting']}: {r['skipped']}" for r in out["rows"] if "rollout_gib" not in r]
     text = table(rows) + ("\n\nnot run: " + "; ".join(skipped) if skipped else "")
+    text += "".join(f"\n\nFAILED {f}" for f in out.get("failed", []))
     out["elapsed_s"] = round(time.time() - start, 1)
     write_atomically(out_dir / "colocated_memory.json", json.dumps(out, indent=1))
     write_atomically(out_dir / "colocated_memory.md", text + "\n")
     print(text)
     print(f"[colocated_memory] {out['elapsed_s']} s", flush=True)
-    return 0
+    return 1 if out.get("failed") else 0
 
 
 if __name__ == "__main__":
