@@ -69,7 +69,7 @@ def test_tiny_run_finds_the_batch_the_simulated_budget_allows(tmp_path):
     budget_gib = 0.00614  # the tiny 1-layer trainer's state and BF16 rollout, plus 13 sequences' KV cache
     code = cm.main(["--tiny", "--budget-gib", str(budget_gib), "--layers", "1", "--search-tokens", "2",
                     "--time-tokens", "2", "--start-b", "8", "--variants", "bf16,w4a16-experts",
-                    "--settings", "whole", "--out", str(tmp_path)])
+                    "--settings", "whole", "--out", str(tmp_path), "--csv", str(tmp_path / "kernels.csv")])
     assert code == 0
     out = json.loads((tmp_path / "colocated_memory.json").read_text())
     rows = {r["variant"]: r for r in out["rows"]}
@@ -86,6 +86,9 @@ def test_tiny_run_finds_the_batch_the_simulated_budget_allows(tmp_path):
     assert nvfp4["rollout_gib"] < bf16["rollout_gib"] and nvfp4["state_gib"] == bf16["state_gib"]
     assert bf16["measured"] == 13 and nvfp4["measured"] > bf16["measured"]
     assert nvfp4["decode_at_bf16"]["batch"] == bf16["measured"]
+    csv_rows = (tmp_path / "kernels.csv").read_text().splitlines()
+    timed = sum("step_us" in (r.get(k) or {}) for r in rows.values() for k in ("decode_own", "decode_at_bf16"))
+    assert len(csv_rows) == 1 + timed and all(line.startswith("colocated_memory/decode_step,") for line in csv_rows[1:])
     md = (tmp_path / "colocated_memory.md").read_text().splitlines()
     assert md[0].startswith("| variant | setting | rollout GiB | trainer state GiB | KV GiB free")
     assert len(md) == 4 and md[3].startswith("| w4a16-experts | whole (N=1) |")

@@ -48,7 +48,8 @@ what was skipped); exact variants run before fast ones.
 of what is held (rollout tensors, state tensors) and of each batch's KV bytes raises
 ``torch.OutOfMemoryError`` past it, before the (real, tiny) rollout runs, so the search logic runs
 on CPU. Writes ``<out>/colocated_memory.json`` (every row, the arithmetic) and
-``<out>/colocated_memory.md`` (the table).
+``<out>/colocated_memory.md`` (the table), and appends each timed decode step (µs) to the results
+CSV (``benchmarks/timing.py``, kernel ``colocated_memory/decode_step``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.rl.rollout_throughput import build_model, fast_unavailable, sync_time
+from benchmarks.timing import add_csv_argument, append_results
 from quads.engine import GraphedDecoder, SamplingSpec
 from quads.engine.decoder import CACHE_LEN_QUANTUM
 from quads.ops.weight_cache import weight_cache_enabled
@@ -325,7 +327,8 @@ def decode_rate(decoder, batch: int, prompt: int, time_tokens: int, vocab: int) 
     row = {"batch": batch, "prefill_s": round(prefill_s, 4), "timed_s": round(full_s, 4)}
     if decode_s <= 0:  # the decode steps took less than the prefill's run-to-run noise
         return {**row, "error": "decode time not measurable (timed call <= prefill)"}
-    return {**row, "decode_tok_s": round(batch * (time_tokens - 1) / decode_s, 1)}
+    return {**row, "decode_tok_s": round(batch * (time_tokens - 1) / decode_s, 1),
+            "step_us": round(decode_s / (time_tokens - 1) * 1e6, 1)}
 
 
 # -- one variant -----------------------------------------------------------------------------------
@@ -371,7 +374,12 @@ def run_variant(name: str, args, out: dict, bf16_max: dict, start: float) -> Non
             continue
         memory = (SimulatedMemory(int(args.budget_gib * GIB), kv_seq) if args.budget_gib else DeviceMemory())
         memory.hold(rollout_bytes)
-        held = allocate(state, DEVICE)
+        try:
+            held = allocate(state, DEVICE)
+        except torch.OutOfMemoryError:
+            row["skipped"] = "the trainer state does not fit beside the rollout (fewer --layers)"
+            release()
+            continue
         memory.hold(sum(t.numel() for t in held))
         free = memory.free_bytes()
         row["free_gib"] = free / GIB
@@ -452,6 +460,7 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=230.0, help="start no search or timing after this")
     p.add_argument("--budget-gib", type=float, default=0.0, help="a simulated capacity (byte counter) instead of the GPU's")
     p.add_argument("--tiny", action="store_true", help="toy widths (CPU)")
+    add_csv_argument(p)
     args = p.parse_args(argv)
     tiny = args.tiny
     for key, full, small in (("layers", 10, 2), ("prompt", 256, 16), ("new_tokens", 512, 16), ("time_tokens", 128, 4),
@@ -508,6 +517,15 @@ def main(argv=None) -> int:
     write_atomically(out_dir / "colocated_memory.md", text + "\n")
     print(text)
     print(f"[colocated_memory] {out['elapsed_s']} s", flush=True)
+    timing_rows = []
+    for r in rows:
+        for key in ("decode_own", "decode_at_bf16"):
+            d = r.get(key) or {}
+            if "step_us" in d:
+                timing_rows.append({"kernel": "colocated_memory/decode_step", "variant": r["variant"], "us": d["step_us"],
+                                    "shape": f"moe L={r['layers']} B={d['batch']} cache={out['arithmetic']['cache_len']} "
+                                             f"{r['setting']}"})
+    append_results(timing_rows, raw=os.path.abspath(out_dir / "colocated_memory.json"), csv_path=args.csv)
     return 1 if out.get("failed") else 0
 
 
