@@ -48,6 +48,31 @@ def test_out_of_memory_is_seen_through_a_chained_error():
     assert not cm.is_oom(RuntimeError("shape mismatch")) and not cm.is_oom(None)
 
 
+class _Failing:
+    """A decoder whose rollout fails with ``error``."""
+
+    def __init__(self, error):
+        self.error, self._state = error, None
+
+    def generate(self, *args):
+        raise self.error
+
+
+def test_a_try_fails_on_memory_or_records_another_error():
+    import torch
+
+    memory = cm.SimulatedMemory(capacity=10**9, per_sequence=1)
+    assert not cm.rollout_fits(_Failing(torch.OutOfMemoryError("CUDA out of memory")), memory, 4, 8, 2, 50)
+    errors = []
+    assert not cm.rollout_fits(_Failing(RuntimeError("grid too large\nmore")), memory, 4, 8, 2, 50, errors)
+    assert errors == [(4, "RuntimeError: grid too large")]
+    with pytest.raises(RuntimeError, match="grid"):
+        cm.rollout_fits(_Failing(RuntimeError("grid too large")), memory, 4, 8, 2, 50)
+    assert not cm.rollout_fits(_Failing(AssertionError()), cm.SimulatedMemory(10, 8), 2, 8, 2, 50)  # counter first
+    got = cm.decode_rate(_Failing(RuntimeError("grid too large")), 4, 8, 2, 50)
+    assert got == {"batch": 4, "error": "RuntimeError: grid too large"}
+
+
 def test_arithmetic_at_qwen3_30b_a3b_shapes():
     from transformers import Qwen3MoeConfig
 

@@ -269,8 +269,11 @@ def prompts(batch: int, prompt: int, vocab: int, seed: int = 1):
     return ids, torch.ones_like(ids)
 
 
-def rollout_fits(decoder, memory, batch: int, prompt: int, new_tokens: int, vocab: int) -> bool:
-    """One rollout of ``batch`` sequences runs without running out of memory; freed after."""
+def rollout_fits(decoder, memory, batch: int, prompt: int, new_tokens: int, vocab: int,
+                 errors: list | None = None) -> bool:
+    """One rollout of ``batch`` sequences runs without running out of memory; freed after. With
+    ``errors``, another runtime error (e.g. a kernel's size limit at a large batch) also counts as
+    not fitting and is appended there as ``(batch, message)``; without, it is raised."""
     ok = True
     try:
         memory.admit(batch)
@@ -280,7 +283,9 @@ def rollout_fits(decoder, memory, batch: int, prompt: int, new_tokens: int, voca
             torch.cuda.synchronize()
     except RuntimeError as error:
         if not is_oom(error):
-            raise
+            if errors is None:
+                raise
+            errors.append((batch, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]))
         ok = False
     ids = am = None
     _end_session(decoder)
@@ -307,7 +312,7 @@ def probe(decoder, batches, prompt: int, new_tokens: int, vocab: int) -> dict | 
 
 
 def decode_rate(decoder, batch: int, prompt: int, time_tokens: int, vocab: int) -> dict:
-    """Decode tokens/s at ``batch`` (module doc); an out-of-memory is reported, not raised."""
+    """Decode tokens/s at ``batch`` (module doc); a runtime error (out of memory, ...) is reported, not raised."""
     ids, am = prompts(batch, prompt, vocab, seed=2)
     first = SamplingSpec(max_new_tokens=1, eos_token_ids=(), pad_token_id=0)
     timed = SamplingSpec(max_new_tokens=time_tokens, eos_token_ids=(), pad_token_id=0)
@@ -315,10 +320,9 @@ def decode_rate(decoder, batch: int, prompt: int, time_tokens: int, vocab: int) 
         decoder.generate(ids, am, timed)  # warm-up: the capture, kernels at this batch's shapes
         full_s = sync_time(lambda: decoder.generate(ids, am, timed))
         prefill_s = sync_time(lambda: decoder.generate(ids, am, first))  # after: a new spec drops the graph
-    except RuntimeError as error:
-        if not is_oom(error):
-            raise
-        return {"batch": batch, "error": "out of memory"}
+    except RuntimeError as error:  # reported in the row: the other rows still run
+        text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return {"batch": batch, "error": "out of memory" if is_oom(error) else f"{type(error).__name__}: {text}"[:300]}
     finally:
         ids = am = None
         _end_session(decoder)
@@ -388,11 +392,13 @@ def run_variant(name: str, args, out: dict, bf16_max: dict, start: float) -> Non
             row["probe"] = probed
             row["predicted_probe"] = max(int((free - probed["fixed"]) // probed["per_sequence"]), 0)
         begin = args.start_b or row.get("predicted_probe") or 1
-        t0 = time.time()
+        t0, errors = time.time(), []
         best, tries = largest_batch(
-            lambda b: rollout_fits(decoder, memory, b, args.prompt, args.search_tokens, config.vocab_size),
+            lambda b: rollout_fits(decoder, memory, b, args.prompt, args.search_tokens, config.vocab_size, errors),
             start=max(begin, 1), resolution=args.resolution, limit=args.max_batch)
         row.update(measured=best, tries=tries, search_s=round(time.time() - t0, 1))
+        if errors:  # tries that failed for another reason than memory: the table marks the row
+            row["errors"] = errors
         if name == "bf16":
             bf16_max[setting] = best
         for key, batch in (("own", best), ("at_bf16", bf16_max.get(setting))):
@@ -435,7 +441,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['variant']} | {r['setting']} (N={r['shards']}) | {r['rollout_gib']:.2f} | {r['state_gib']:.2f} | "
             f"{fmt(r.get('free_gib'), '.2f')} | {fmt(r.get('predicted_kv'))} / {fmt(r.get('predicted_probe'))} | "
-            f"{fmt(r.get('measured'))}{' (' + r['skipped'] + ')' if r.get('skipped') else ''} | {fmt(own)} | {fmt(at)} | "
+            f"{fmt(r.get('measured'))}{' (' + r['skipped'] + ')' if r.get('skipped') else ''}"
+            f"{' (errors above it: json)' if r.get('errors') else ''} | {fmt(own)} | {fmt(at)} | "
             f"{ratio(r.get('measured'), peer.get('measured'))} | {ratio(own, _rate(peer, 'decode_own'))} | "
             f"{ratio(at, _rate(peer, 'decode_own'))} |")
     return "\n".join(lines)
