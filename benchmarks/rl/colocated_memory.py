@@ -159,11 +159,6 @@ def release() -> None:
 class DeviceMemory:
     """The GPU's memory as CUDA reports it; a batch fits when its rollout runs."""
 
-    simulated = False
-
-    def held(self) -> int:
-        return torch.cuda.memory_allocated()
-
     def free_bytes(self) -> int:
         release()
         free, _ = torch.cuda.mem_get_info()
@@ -181,13 +176,8 @@ class SimulatedMemory:
     held is counted (:meth:`hold`), and a rollout of ``batch`` sequences raises
     ``torch.OutOfMemoryError`` when the held bytes plus ``batch`` x ``per_sequence`` pass the capacity."""
 
-    simulated = True
-
     def __init__(self, capacity: int, per_sequence: int):
         self.capacity, self.per_sequence, self._held = capacity, per_sequence, 0
-
-    def held(self) -> int:
-        return self._held
 
     def free_bytes(self) -> int:
         return self.capacity - self._held
