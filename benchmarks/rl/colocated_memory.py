@@ -3,7 +3,7 @@
     python -m benchmarks.rl.colocated_memory --out DIR [--layers 10] [--settings whole,fsdp] [--shards 8]
         [--variants bf16,quads-experts,w4a16-experts,quads,w4a16,...-fast] [--prompt 256] [--new-tokens 512]
         [--micro-batch 4] [--budget-s 230]
-    python -m benchmarks.rl.colocated_memory --tiny --budget-gib 0.02 --out DIR   # CPU: a simulated capacity
+    python -m benchmarks.rl.colocated_memory --tiny --layers 1 --budget-gib 0.0062 --variants bf16,w4a16-experts --out DIR
 
 In a colocated RL job (TRL's colocate mode) the trainer's state and the rollout engine share one
 GPU, so the rollout's KV cache gets what the trainer and the rollout weights leave. NVFP4 rollout
