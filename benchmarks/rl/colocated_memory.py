@@ -298,6 +298,8 @@ def probe(decoder, batches, prompt: int, new_tokens: int, vocab: int) -> dict | 
         peaks.append(torch.cuda.max_memory_allocated() - base)
     (b1, b2), (p1, p2) = batches, peaks
     per_seq = (p2 - p1) / (b2 - b1)
+    if per_seq <= 0:  # the allocator's rounding hid the growth: no prediction
+        return None
     return {"per_sequence": int(per_seq), "fixed": int(p1 - b1 * per_seq), "batches": list(batches)}
 
 
