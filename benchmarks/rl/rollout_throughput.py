@@ -92,12 +92,13 @@ START = time.time()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_model(kind: str, layers: int, tiny: bool = False):
-    """The benchmark model; ``tiny``: same architecture at toy width (a CPU smoke test of this script)."""
+def build_model(kind: str, layers: int, tiny: bool = False, vocab: int = VOCAB):
+    """The benchmark model (BF16, seed 0, on ``DEVICE``), ``vocab`` tokens; ``tiny``: same architecture at
+    toy width (a CPU smoke test of this script)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     w = 32 if tiny else 1  # width divisor
-    common = dict(vocab_size=VOCAB // (100 if tiny else 1), num_hidden_layers=layers, num_attention_heads=32 // (8 if tiny else 1),
+    common = dict(vocab_size=vocab // (100 if tiny else 1), num_hidden_layers=layers, num_attention_heads=32 // (8 if tiny else 1),
                   head_dim=128 // (8 if tiny else 1), max_position_embeddings=4096, tie_word_embeddings=False,
                   attn_implementation="sdpa")
     if kind == "moe":

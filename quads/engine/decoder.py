@@ -107,6 +107,10 @@ class GraphedDecoder:
     ``use_cuda_graph``: None (default) captures on CUDA and runs eagerly elsewhere; False always
     runs eagerly (same results up to kernel choice). ``check_every``: decode steps between the
     host checks for "every row finished" (the only host syncs of the loop).
+    ``min_cache_len``: the cache holds at least this many positions (default 0: the prompt width
+    plus ``max_new_tokens``); a cache sized for the longest rollout keeps one length (one
+    capture) for every call, and a short call then costs the memory and the per-step attention
+    reads of the long one.
     One captured session (batch size, cache length) is kept; a call with another shape
     recaptures (a prefill-sized cost).
 
@@ -130,9 +134,12 @@ class GraphedDecoder:
     """
 
     def __init__(self, model: nn.Module, *, use_cuda_graph: bool | None = None, check_every: int = 16,
-                 gqa_attention: bool = True, share_quantization: bool = True, record_routing: bool = False):
+                 gqa_attention: bool = True, share_quantization: bool = True, record_routing: bool = False,
+                 min_cache_len: int = 0):
         if check_every < 1:
             raise ValueError(f"GraphedDecoder: check_every must be >= 1, got {check_every}")
+        if min_cache_len < 0:
+            raise ValueError(f"GraphedDecoder: min_cache_len must be >= 0, got {min_cache_len}")
         impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
         if impl not in ("sdpa", "eager"):
             raise ValueError(
@@ -142,6 +149,7 @@ class GraphedDecoder:
         self.model = model
         self.use_cuda_graph = use_cuda_graph
         self.check_every = check_every
+        self.min_cache_len = int(min_cache_len)
         self._state: _DecodeState | None = None
         self._spec: SamplingSpec | None = None
         self.num_captures = 0
@@ -307,7 +315,7 @@ class GraphedDecoder:
             warm_up_kernels(self.model)
             self._kernels_warm = True
         batch, width = input_ids.shape
-        need = width + spec.max_new_tokens
+        need = max(width + spec.max_new_tokens, self.min_cache_len)
         cache_len = -(-need // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
         state = self._session(batch, cache_len, device, spec)
         graphs = self._graphs_on(device)

@@ -137,3 +137,23 @@ def test_sync_updates_the_kernel_layout_in_place():
     now = [p.values for m in modules for p in m.quads_prepared]
     changed = sum(not torch.equal(a, b) for a, b in zip(old_bytes, now))
     assert changed == len(now)  # every weight moved, so every layout was rewritten
+
+
+def test_min_cache_len_sizes_the_cache_and_keeps_the_tokens():
+    """A cache longer than the call needs (``min_cache_len``) holds that many positions, rounded
+    up to the quantum, and the extra masked keys change no greedy token."""
+    from quads.engine.decoder import CACHE_LEN_QUANTUM
+
+    model = build("llama").float().eval()
+    _, ids, am = _prompts()
+    spec = SamplingSpec(max_new_tokens=6, eos_token_ids=(), pad_token_id=0, do_sample=False)
+    short = GraphedDecoder(model, use_cuda_graph=False)
+    want, _ = short.generate(ids, am, spec)
+    assert short._state.cache_len == CACHE_LEN_QUANTUM
+    long = GraphedDecoder(model, use_cuda_graph=False, min_cache_len=CACHE_LEN_QUANTUM + 1)
+    got, _ = long.generate(ids, am, spec)
+    assert long._state.cache_len == 2 * CACHE_LEN_QUANTUM
+    assert long._state.cache.layers[0].keys.shape[2] == 2 * CACHE_LEN_QUANTUM
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="min_cache_len"):
+        GraphedDecoder(model, min_cache_len=-1)
