@@ -14,7 +14,6 @@ written through), and weight files of an earlier save that this one does not wri
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 import tempfile
@@ -26,7 +25,7 @@ from quads.integrations.transformers.config import QuadsConfig
 from quads.integrations.transformers.quantizer import QuadsHfQuantizer
 from quads.policies.modules import QuadsModule
 from quads.policies.policy import QuadsPolicy
-from quads.tensor.files import existing_parent, publish_modes
+from quads.tensor.files import existing_parent, move_files_into, publish_modes
 from quads.tensor.serialization import save_safetensors
 
 __all__ = ["save_pretrained", "model_policy"]
@@ -66,20 +65,8 @@ def _as_quads_checkpoint(model: nn.Module, policy: QuadsPolicy):
                 setattr(owner, name, value)
 
 
-def _publish(staging: Path, target: Path) -> None:
-    """Every file of ``staging`` renamed into ``target`` (each synced first), then weight files of
-    an earlier save that this one did not write removed."""
-    written = set()
-    for path in sorted(staging.iterdir()):
-        if not path.is_file() or path.is_symlink():
-            raise RuntimeError(f"save_pretrained: unexpected entry {path.name!r} in the staged checkpoint")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(path, target / path.name)
-        written.add(path.name)
+def _remove_stale_weights(target: Path, written: list[str]) -> None:
+    """Weight files (shards, indexes) of an earlier save into ``target`` that this one did not write."""
     for old in target.iterdir():
         if old.name not in written and _WEIGHT_FILE.fullmatch(old.name) and (old.is_file() or old.is_symlink()):
             old.unlink()
@@ -118,6 +105,6 @@ def save_pretrained(model: nn.Module, save, save_directory, *args, is_main_proce
             save_safetensors(model.state_dict(), staging / _WEIGHTS)
         publish_modes(staging)
         target.mkdir(exist_ok=True)
-        _publish(staging, target)
+        _remove_stale_weights(target, move_files_into(staging, target))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
