@@ -366,7 +366,7 @@ class QuadsSavePretrained:
             from quads.tensor.nvfp4_tensor import SAVE_HINT
 
             raise TypeError(f"save_pretrained cannot write this quads {type(self.model).__name__} without quads' "
-                            f"transformers integration (import quads.integrations.transformers); or {SAVE_HINT}")
+                            f"transformers integration (import quads.integrations.transformers, then save again): {SAVE_HINT}")
         return _SAVE_PRETRAINED_HANDLER[0](self.model, save, *args, **kwargs)
 
 
