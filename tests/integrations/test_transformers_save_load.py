@@ -245,3 +245,15 @@ def test_import_quads_stays_light_and_registers_with_transformers_in_either_orde
         run = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True,
                              cwd=os.path.dirname(os.path.dirname(quads.__file__)))
         assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_loaded_rollout_is_refreshed_before_it_is_returned(tmp_path):
+    """load_state_dict writes the packed parts in place (their versions move); the load then runs
+    every rollout module's quads_weights_changed, so what the kernels read is current before any
+    forward (nothing is left for a forward to notice)."""
+    _quantized(tmp_path, "qwen3_moe", "rollout").save_pretrained(tmp_path / "r")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "r")
+    rollouts = [m for m in back.modules() if isinstance(m, RolloutModule)]
+    assert rollouts
+    for m in rollouts:
+        assert m._quads_prepared_versions == (m.quads_backend, m._quads_versions()), m
