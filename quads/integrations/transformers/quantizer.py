@@ -131,7 +131,8 @@ def load_rollout_checkpoint(model: nn.Module, policy: QuadsPolicy, files: list[s
         raise ValueError(f"{_where(model)}: a quads rollout checkpoint is one model.safetensors written by "
                          f"save_pretrained, found {[Path(f).name for f in files]}")
     path = str(files[0])
-    state = load_safetensors(path)  # header and per-tensor CRC32, NVFP4 invariants: before any work
+    device = next(model.parameters()).device
+    state = load_safetensors(path, device)  # header and per-tensor CRC32, NVFP4 invariants (on the CPU), before any work
     quantize_(model, policy)
     _check_state(path, state, model)
     model.load_state_dict(state, strict=True)  # RolloutLoadCheck: every value checked before any is written
