@@ -257,3 +257,14 @@ def test_a_loaded_rollout_is_refreshed_before_it_is_returned(tmp_path):
     assert rollouts
     for m in rollouts:
         assert m._quads_prepared_versions == (m.quads_backend, m._quads_versions()), m
+
+
+def test_trainer_save_pretrained_writes_the_state_dict_it_is_given(tmp_path):
+    """A trainer's save passes ``state_dict=`` to transformers (Trainer and FSDP saves hand one over)."""
+    trainer = _quantized(tmp_path, "llama", "trainer")
+    state = {k: v.clone() for k, v in trainer.state_dict().items()}
+    state["model.norm.weight"] += 1
+    trainer.save_pretrained(tmp_path / "t", state_dict=state)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "t")
+    assert torch.equal(back.model.norm.weight, state["model.norm.weight"])
+    assert not torch.equal(back.model.norm.weight, trainer.model.norm.weight)

@@ -191,8 +191,8 @@ class QuadsHfQuantizer(HfQuantizer):
         return model
 
     def get_state_dict_and_metadata(self, model):
-        """transformers' writer gets no tensors of a rollout (quads writes its file); a trainer's
-        masters are plain parameters, written by transformers as usual."""
+        """transformers' writer gets no tensors of a rollout (quads' ``save_pretrained`` writes its
+        file); a trainer's masters are plain parameters, written by transformers as usual."""
         if self.policy.side == "rollout":
             return {}, {}
         return None, {}

@@ -2,7 +2,7 @@
 :class:`~quads.policies.quantize.QuadsSavePretrained`).
 
 transformers' own ``save_pretrained`` runs with the model's policy as its
-``quantization_config`` (:class:`QuadsConfig`) and a :class:`QuadsHfQuantizer`, into a fresh
+``quantization_config`` (:class:`QuadsConfig`), into a fresh
 temporary directory beside ``save_directory``; it writes ``config.json`` (with the policy),
 the generation config and, for a trainer, the BF16 masters as usual. A rollout's packed weights
 are written by :func:`quads.tensor.save_safetensors` (one ``model.safetensors``: the parts under
@@ -22,7 +22,6 @@ from pathlib import Path
 import torch.nn as nn
 
 from quads.integrations.transformers.config import QuadsConfig
-from quads.integrations.transformers.quantizer import QuadsHfQuantizer
 from quads.policies.modules import QuadsModule
 from quads.policies.policy import QuadsPolicy
 from quads.tensor.files import existing_parent, move_files_into, publish_modes
@@ -48,13 +47,14 @@ def model_policy(model: nn.Module) -> QuadsPolicy:
 
 @contextlib.contextmanager
 def _as_quads_checkpoint(model: nn.Module, policy: QuadsPolicy):
-    """``model.config.quantization_config`` and ``model.hf_quantizer`` set to quads' for the save,
-    then put back (a ``TorchAoConfig`` model keeps its own)."""
+    """For the save: ``model.config.quantization_config`` is the policy's :class:`QuadsConfig`
+    (written into ``config.json``) and ``model.hf_quantizer`` None (a quantizer's
+    ``get_state_dict_and_metadata`` would replace a ``state_dict`` the caller passes); both put
+    back afterwards (a ``TorchAoConfig`` model keeps its own)."""
     config = model.config
     held = config.__dict__.get("quantization_config", _MISSING), model.__dict__.get("hf_quantizer", _MISSING)
-    quads_config = QuadsConfig(policy)
-    config.quantization_config = quads_config
-    model.hf_quantizer = QuadsHfQuantizer(quads_config, pre_quantized=True)
+    config.quantization_config = QuadsConfig(policy)
+    model.hf_quantizer = None
     try:
         yield
     finally:
@@ -99,8 +99,8 @@ def save_pretrained(model: nn.Module, save, save_directory, *args, is_main_proce
     parent = existing_parent(target, "save_pretrained")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent))
     try:
-        with _as_quads_checkpoint(model, policy):
-            save(staging, state_dict=state_dict, **kwargs)
+        with _as_quads_checkpoint(model, policy):  # a rollout's tensors: none from transformers, quads' file below
+            save(staging, state_dict={} if policy.side == "rollout" else state_dict, **kwargs)
         if policy.side == "rollout":
             save_safetensors(model.state_dict(), staging / _WEIGHTS)
         publish_modes(staging)
