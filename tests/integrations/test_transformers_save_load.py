@@ -268,3 +268,22 @@ def test_trainer_save_pretrained_writes_the_state_dict_it_is_given(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "t")
     assert torch.equal(back.model.norm.weight, state["model.norm.weight"])
     assert not torch.equal(back.model.norm.weight, trainer.model.norm.weight)
+
+
+def test_quads_export_takes_a_quads_trainer_checkpoint_and_refuses_a_rollout(tmp_path, capsys):
+    """The commands that take BF16 masters (``quads export``, ``quads diagnose``) read a quads
+    trainer checkpoint's masters as a plain checkpoint's; a rollout's packed weights are refused."""
+    from safetensors.torch import load_file
+
+    from quads.cli import main
+
+    _quantized(tmp_path, "llama", "trainer").save_pretrained(tmp_path / "t")
+    _quantized(tmp_path, "llama", "rollout").save_pretrained(tmp_path / "r")
+    assert main(["export", "--model", str(_plain(tmp_path, "llama")), "--out", str(tmp_path / "o1")]) == 0
+    assert main(["export", "--model", str(tmp_path / "t"), "--out", str(tmp_path / "o2")]) == 0
+    a, b = load_file(tmp_path / "o1" / "model.safetensors"), load_file(tmp_path / "o2" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    assert main(["export", "--model", str(tmp_path / "r"), "--out", str(tmp_path / "o3")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "holds a quads rollout checkpoint" in err[0], err
