@@ -187,6 +187,19 @@ def test_a_policy_field_unknown_to_this_version_is_refused_by_name(tmp_path):
     (tmp_path / "r" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"QuadsPolicy\.residual_selection"):  # the policy's own error
         AutoModelForCausalLM.from_pretrained(tmp_path / "r")
+    config["quantization_config"]["policy"]["residual_selection"] = "per_token"
+    config["quantization_config"]["format_version"] = 2
+    (tmp_path / "r" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"format_version 2 is newer than this quads reads \(1\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "r")
+
+
+def test_a_static_residual_rollout_is_refused_before_anything_is_written(tmp_path):
+    rollout = _load(_plain(tmp_path, "llama"))
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", residual_selection="static"))
+    with pytest.raises(ValueError, match=r"residual_selection='static'"):
+        rollout.save_pretrained(tmp_path / "r")
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_checkpoint_of_another_side_than_asked_is_refused(tmp_path):
