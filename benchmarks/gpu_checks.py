@@ -35,7 +35,10 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
   rollout MoE and a transformers-experts MoE); ms per decode step with and without recording;
 * the graphed weight sync (``GraphedSync``) == the eager sync's bits over repeated syncs (dense
   exact / W4A16 fast / W4A4 fast, MoE experts fast), a NaN master refused with nothing written,
-  an interrupt after the write restored; ms per sync of both.
+  an interrupt after the write restored; ms per sync of both;
+* ``save_pretrained`` / ``from_pretrained`` (``quant_method: "quads"``, ``device_map="cuda"``): a
+  dense Qwen3 and a Qwen3-MoE rollout (exact and fast kernels) and trainer, every stored tensor and
+  the logits bit-equal to the saved model's.
 """
 
 from __future__ import annotations
@@ -957,13 +960,61 @@ def check_graphed_routing():
                f"(prefill included) recording {times['recording']:.3f}, plain {times['plain']:.3f}")
 
 
+@check("save_load")
+def check_save_load():
+    """``save_pretrained`` / ``from_pretrained`` of quads rollouts on the GPU (``quant_method:
+    "quads"``): a dense Qwen3 and a Qwen3-MoE, exact and fast kernels, loaded with
+    ``device_map="cuda"``: every packed storage (Hopper / humming layouts included), dense
+    parameter and the logits bit-equal to the saved model's; a trainer's masters and logits too."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from quads.policies.presets import with_kernel
+
+    fast_ok = humming_unavailable() is None
+    dense = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False)
+    moe = Qwen3MoeConfig(vocab_size=4096, hidden_size=1024, moe_intermediate_size=768, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16,
+                         num_experts_per_tok=4, tie_word_embeddings=False)
+    cases = [(n, cfg, cls, side, fast) for n, cfg, cls in (("dense", dense, Qwen3ForCausalLM), ("moe", moe, Qwen3MoeForCausalLM))
+             for side, fast in (("rollout", False), ("rollout", True), ("trainer", False))]
+    for model_name, cfg, cls, side, fast in cases:
+        label = f"save_load {model_name} {side}{'-fast' if fast else ''}"
+        if fast and not fast_ok:
+            print(f"[SKIP] {label}: {humming_unavailable()}", flush=True)
+            continue
+        policy = quads.QuadsPolicy(side=side, kernel="fast" if fast else "exact")
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.manual_seed(0)
+            cls(cfg).bfloat16().save_pretrained(f"{tmp}/plain")
+            model = AutoModelForCausalLM.from_pretrained(f"{tmp}/plain", dtype=torch.bfloat16, device_map="cuda")
+            quads.quantize_(model, policy)
+            t = time.perf_counter()
+            model.save_pretrained(f"{tmp}/q")
+            save_s = time.perf_counter() - t
+            t = time.perf_counter()
+            back = AutoModelForCausalLM.from_pretrained(f"{tmp}/q", device_map="cuda")
+            load_s = time.perf_counter() - t
+            same = [bits_equal(a, b) for a, b in zip(_rollout_state(model), _rollout_state(back))]
+            ids = torch.randint(0, cfg.vocab_size, (4, 8), device="cuda")
+            with torch.no_grad():
+                logits = bits_equal(model(ids).logits, back(ids).logits)
+            backends = {m.quads_backend.name for m in back.modules() if hasattr(m, "quads_packed_names")}
+        record(f"{label}: from_pretrained == the saved model (every stored tensor, logits)",
+               all(same) and len(same) == len(_rollout_state(model)) and logits,
+               f"{sum(same)}/{len(same)} tensors equal, logits {logits}, backends {sorted(backends)}, "
+               f"save {save_s:.1f} s, load {load_s:.1f} s")
+
+
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
           "humming": check_humming, "humming_compiled": check_humming_compiled,
           "humming_siblings": check_humming_siblings, "four_over_six": check_four_over_six,
           "moe_routing": check_moe_routing, "graphed_sync": check_graphed_sync,
-          "graphed_routing": check_graphed_routing}
+          "graphed_routing": check_graphed_routing, "save_load": check_save_load}
 
 
 def main():

@@ -24,7 +24,8 @@ import warnings
 __all__ = ["AFTER_IMPORT", "install"]
 
 # library module -> the quads integration imported right after it
-AFTER_IMPORT = {"torchao.quantization.quant_api": "quads.integrations.torchao"}
+AFTER_IMPORT = {"torchao.quantization.quant_api": "quads.integrations.torchao",
+                "transformers.quantizers.auto": "quads.integrations.transformers"}
 
 
 def _load_integration(name: str) -> None:

@@ -158,6 +158,24 @@ def _check_model_dir(path: Path) -> None:
         raise UsageError(f"{str(path)!r} has no weights (none of {', '.join(_WEIGHT_FILES)})")
 
 
+def _masters_config(where: Path) -> dict:
+    """``{"config": ...}`` without the quantization config for a quads *trainer* checkpoint (its
+    weights are the BF16 masters the commands take: loaded plain, as from ``save_pretrained`` of
+    a plain model); ``{}`` for any other; a quads *rollout* checkpoint (packed weights) is refused."""
+    raw = json.loads((where / "config.json").read_text()).get("quantization_config")
+    if not isinstance(raw, dict) or raw.get("quant_method") != "quads":
+        return {}
+    side = (raw.get("policy") or {}).get("side")
+    if side != "trainer":
+        raise UsageError(f"{str(where)!r} holds a quads {side} checkpoint (packed NVFP4 weights); this command takes "
+                         "BF16 masters: a plain checkpoint or a quads trainer's save_pretrained")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(where), local_files_only=True)
+    del config.quantization_config
+    return {"config": config}
+
+
 def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, set_pad: bool = True, prompts=None,
                          prompts_source: str | None = None):
     """``(model, tokenizer)`` from a local Hugging Face causal-LM directory, never the hub.
@@ -180,7 +198,7 @@ def load_local_causal_lm(path: str, dtype, *, require_tokenizer: bool = True, se
     hf_logging.set_verbosity_error()  # its load report would repeat, at length, what is checked below
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            str(where), dtype=dtype, local_files_only=True, output_loading_info=True
+            str(where), dtype=dtype, local_files_only=True, output_loading_info=True, **_masters_config(where)
         )
     except Exception as err:  # noqa: BLE001 - any failure to load the user's directory is reported as such
         raise UsageError(f"could not load a causal LM from {str(where)!r}: {_one_line(err)}") from err

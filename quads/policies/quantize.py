@@ -6,7 +6,7 @@ weights, finiteness of every weight in one fused pass), then quantizes every rol
 into new NVFP4Tensors, and only then swaps classes and parameters. An error at any point
 names the module and leaves the model exactly as it was (the same parameter objects, bit for
 bit); a failure during the final swap is rolled back, and so is any exception after it, Ctrl-C
-included, up to the last step (hooks, attributes, the refused ``save_pretrained``):
+included, up to the last step (hooks, attributes, the model's ``save_pretrained``):
 :class:`~quads.policies.transaction.ModuleTreeSnapshot`.
 
 Tied weights: on the trainer side a tied weight stays one parameter (the class swap does not
@@ -21,6 +21,7 @@ The default skip patterns keep ``lm_head`` in high precision, which avoids the c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import warnings
 
@@ -45,7 +46,7 @@ from quads.tensor.nvfp4_math import BLOCK_SIZE
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
 __all__ = ["quantize_", "quantized_modules", "pack_weight", "check_target", "check_convertible", "convert_targets",
-           "refuse_save_pretrained", "SavePretrainedRefused"]
+           "install_save_pretrained", "QuadsSavePretrained", "set_save_pretrained_handler"]
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
 _QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -298,7 +299,7 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
         convert_targets(targets, policy, model)
         if policy.side == "rollout":
             model.register_load_state_dict_pre_hook(RolloutLoadCheck())  # every value checked before any loads
-            refuse_save_pretrained(model)
+        install_save_pretrained(model)
     except BaseException:  # Ctrl-C included: every class, attribute and hook back as it was
         snapshot.restore()
         raise
@@ -332,26 +333,41 @@ def warn_exact_kernel_layers(targets: list[ConversionTarget]) -> None:
                       f"{', '.join(shapes[:4])}{', ...' if len(shapes) > 4 else ''}; e.g. {kept[0][0]})", stacklevel=3)
 
 
-def refuse_save_pretrained(model: nn.Module) -> None:
-    """Make ``model.save_pretrained`` (a quads rollout's) raise at once, before writing anything,
-    naming the ways that save such a model (:class:`SavePretrainedRefused`); no-op without one."""
-    if callable(getattr(model, "save_pretrained", None)) and not isinstance(model.save_pretrained, SavePretrainedRefused):
-        model.save_pretrained = SavePretrainedRefused(type(model).__name__)
+#: ``handler(model, save, *args, **kwargs)``: how a quads model's ``save_pretrained`` writes it
+#: (``save``: the model's own, transformers', bound method); set by the transformers integration
+_SAVE_PRETRAINED_HANDLER: list[Callable] = []
 
 
-class SavePretrainedRefused:
-    """``save_pretrained`` of a quads rollout model: transformers' writer cannot store
-    ``NVFP4Tensor`` parameters (it fails deep inside with "invalid python storage"), so the
-    call says at once how such a model is saved (:data:`quads.tensor.nvfp4_tensor.SAVE_HINT`)."""
+def set_save_pretrained_handler(handler: Callable) -> None:
+    """Install the writer behind every quads model's ``save_pretrained`` (one, the latest wins):
+    :mod:`quads.integrations.transformers` sets it when imported (policies cannot import it)."""
+    _SAVE_PRETRAINED_HANDLER[:] = [handler]
 
-    def __init__(self, model_class: str):
-        self.model_class = model_class
+
+def install_save_pretrained(model: nn.Module) -> None:
+    """Route ``model.save_pretrained`` (a transformers model quads converted) through the quads
+    writer (:class:`QuadsSavePretrained`); no-op for a model without one."""
+    if callable(getattr(model, "save_pretrained", None)) and not isinstance(model.save_pretrained, QuadsSavePretrained):
+        model.save_pretrained = QuadsSavePretrained(model)
+
+
+class QuadsSavePretrained:
+    """``save_pretrained`` of a quads model: the registered handler (the transformers
+    integration: packed parts or masters, with the policy in ``config.json``) around the
+    model's own ``save_pretrained``. Without one, it raises before writing anything, naming the
+    ways that save such a model (:data:`quads.tensor.nvfp4_tensor.SAVE_HINT`)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
 
     def __call__(self, *args, **kwargs):
-        from quads.tensor.nvfp4_tensor import SAVE_HINT
+        save = type(self.model).save_pretrained.__get__(self.model)  # the class's (transformers') method
+        if not _SAVE_PRETRAINED_HANDLER:
+            from quads.tensor.nvfp4_tensor import SAVE_HINT
 
-        raise TypeError(f"save_pretrained cannot write this quads rollout {self.model_class} (packed NVFP4 "
-                        f"weights): {SAVE_HINT}")
+            raise TypeError(f"save_pretrained cannot write this quads {type(self.model).__name__} without quads' "
+                            f"transformers integration (import quads.integrations.transformers, then save again): {SAVE_HINT}")
+        return _SAVE_PRETRAINED_HANDLER[0](self.model, save, *args, **kwargs)
 
 
 def check_target(target: ConversionTarget, policy: QuadsPolicy) -> None:

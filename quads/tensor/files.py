@@ -15,6 +15,9 @@ Every file quads, its benchmarks and its examples write goes through this module
 * :func:`publish_modes`: the modes ``save_pretrained`` gives (files ``0666``, directories
   ``0777``, less the umask) for a directory tree built in a ``mkdtemp`` directory (``0700``)
   before it is renamed into place.
+* :func:`move_files_into`: the files of a staging directory renamed one by one into an existing
+  directory (each synced first; a symlink at a name is replaced, never written through): a
+  writer that fills a folder it does not own (``save_pretrained``'s directory).
 * :func:`lock_folder`: one writing process per output folder (an exclusive ``flock``).
 """
 
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 __all__ = ["umask", "file_mode", "write_atomically", "atomic_path", "open_for_append", "publish_modes",
-           "existing_parent", "FolderInUse", "lock_folder", "LOCK_NAME"]
+           "move_files_into", "existing_parent", "FolderInUse", "lock_folder", "LOCK_NAME"]
 
 
 def umask() -> int:
@@ -153,6 +156,27 @@ def publish_modes(root: str | os.PathLike) -> None:
         if not path.is_symlink():
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
     root.chmod(0o777 & ~mask)
+
+
+def move_files_into(staging: str | os.PathLike, target: str | os.PathLike) -> list[str]:
+    """Rename every file of ``staging`` (plain files only; made on this file system, e.g. a
+    ``mkdtemp`` beside ``target``) into the existing directory ``target``, each ``fsync``-ed
+    first: every file is the old one or the whole new one, and a symlink planted at a name is
+    replaced, its destination never written. Returns the names moved."""
+    staging, target = Path(staging), Path(target)
+    entries = sorted(staging.iterdir())
+    odd = [p.name for p in entries if p.is_symlink() or not p.is_file()]
+    if odd:
+        raise ValueError(f"move_files_into: {str(staging)!r} holds {odd[0]!r}, not a plain file")
+    for path in entries:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(path, target / path.name)
+    _fsync_dir(target)
+    return [p.name for p in entries]
 
 
 #: the lock file :func:`lock_folder` keeps in the folder it locks

@@ -47,13 +47,14 @@ aten = torch.ops.aten
 
 __all__ = ["NVFP4Tensor", "LOGICAL_DTYPES", "SAVE_HINT", "check_nvfp4_layout", "check_nvfp4_values", "check_finite"]
 
-#: How models holding NVFP4Tensors are saved and loaded (``save_pretrained`` and torchao's
-#: safetensors writer cannot: the parts are no storage of the tensor itself).
+#: How models holding NVFP4Tensors are saved and loaded (transformers' and torchao's own tensor
+#: writers cannot store them: the parts are no storage of the tensor itself).
 SAVE_HINT = (
-    "save the state dict with quads.tensor.save_safetensors(model.state_dict(), path) and load it into a model "
-    "quantized the same way with model.load_state_dict(quads.tensor.load_safetensors(path)); or save the trainer's "
-    "BF16 masters with save_pretrained and rebuild the rollout from them (quads.policies.build_rollout_model); or "
-    "export a serving checkpoint (quads export / quads.integrations.modelopt.export_modelopt) and read it back with "
+    "save a quads model with model.save_pretrained(path) (quads.integrations.transformers: the packed parts and "
+    "the policy) and load it with from_pretrained(path); or save the state dict with "
+    "quads.tensor.save_safetensors(model.state_dict(), path) and load it into a model quantized the same way with "
+    "model.load_state_dict(quads.tensor.load_safetensors(path)); or export a serving checkpoint (quads export / "
+    "quads.integrations.modelopt.export_modelopt) and read it back with "
     "quads.integrations.modelopt.load_exported(path, side='rollout')"
 )
 
@@ -389,9 +390,9 @@ class NVFP4Tensor(torch.Tensor):
 
     @property
     def tensor_data_names(self):
-        """Not a torchao tensor: torchao's safetensors writer (``save_pretrained`` of a model
-        quantized through ``TorchAoConfig(QuadsPolicy(...))``) asks for this and gets the way
-        that works (an ``AttributeError``, so ``hasattr`` probes still answer False)."""
+        """Not a torchao tensor: torchao's safetensors writer (reached only by bypassing quads'
+        ``save_pretrained``) asks for this and gets the ways that work (an ``AttributeError``, so
+        ``hasattr`` probes still answer False)."""
         raise AttributeError(f"quads.NVFP4Tensor is not a torchao tensor; torchao/transformers cannot save it: {SAVE_HINT}")
 
     def __tensor_flatten__(self):

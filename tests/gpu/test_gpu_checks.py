@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
 
 NAMES = ("act_quant", "weights", "layout", "gemm", "w4a16", "moe", "fused", "humming", "humming_compiled",
          "humming_siblings", "four_over_six", "moe_routing", "graphed_sync",
-         "graphed_routing")
+         "graphed_routing", "save_load")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -175,15 +175,17 @@ def test_torchao_config_load_converts_fused_experts_and_round_trips(kind, side, 
     assert "_process_model_after_weight_loading" not in vars(loaded.hf_quantizer)  # restored after the load
     _assert_same_model(ours, loaded)
 
-    if side == "trainer":  # a trainer's state is its masters: a plain checkpoint, loaded the same way
-        loaded.save_pretrained(tmp_path / "saved")
-        back = _load(tmp_path / "saved", policy)
-    else:  # a rollout's packed state: save_safetensors, then load_state_dict into a rollout built the same way
+    loaded.save_pretrained(tmp_path / "saved")  # quads' writer: masters or packed parts, and the policy
+    from transformers import AutoModelForCausalLM
+
+    _assert_same_model(loaded, AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16))
+    # the low-level way for a rollout's packed state: save_safetensors, then load_state_dict
+    if side == "rollout":
         save_safetensors(loaded.state_dict(), tmp_path / "r.safetensors")
         build(kind, seed=5).save_pretrained(tmp_path / "other")
         back = _load(tmp_path / "other", policy)
         back.load_state_dict(load_safetensors(tmp_path / "r.safetensors"))
-    _assert_same_model(loaded, back)
+        _assert_same_model(loaded, back)
 
 
 def test_torchao_config_experts_honor_skip_patterns_and_modules_to_not_convert(tmp_path):

@@ -157,7 +157,7 @@ def test_interrupt_after_the_swap_rolls_back_hooks_and_attributes(side, monkeypa
     """An interrupt in the model-level finishing (group hooks, load checks, save_pretrained)."""
     import quads.policies.quantize as quantize
 
-    target = "_attach_trainer_groups" if side == "trainer" else "refuse_save_pretrained"
+    target = "_attach_trainer_groups" if side == "trainer" else "install_save_pretrained"
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

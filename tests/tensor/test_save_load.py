@@ -1,5 +1,6 @@
-"""Saving quantized models: what round-trips, and a clear error naming the way that works where
-transformers' or torchao's writer cannot store packed NVFP4 weights."""
+"""Saving quantized models: what round-trips (save_pretrained through quads' writer, and the
+low-level save_safetensors / load_state_dict), and a clear error naming the ways that work where
+no writer can store packed NVFP4 weights."""
 
 import json
 
@@ -19,25 +20,33 @@ def _packed(model):
 
 
 def test_trainer_save_pretrained_round_trips(tmp_path):
-    """A trainer keeps its masters as plain parameters under their names: save_pretrained works."""
+    """A trainer keeps its masters as plain parameters under their names; save_pretrained records
+    its policy, so from_pretrained gives the quads trainer back."""
     trainer = build("qwen3_moe")
     quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
     trainer.save_pretrained(tmp_path / "t")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.bfloat16)
-    quads.quantize_(back, quads.QuadsPolicy(side="trainer"))
+    assert quads.quantized_modules(back).keys() == quads.quantized_modules(trainer).keys()
     for (n, a), (m, b) in zip(trainer.state_dict().items(), back.state_dict().items()):
         assert n == m and torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_rollout_save_pretrained_names_the_way_that_works_and_that_way_round_trips(kind, tmp_path):
-    rollout = build(kind)
+def test_rollout_save_pretrained_without_the_transformers_integration_names_the_ways(tmp_path, monkeypatch):
+    import quads.policies.quantize as quantize
+
+    rollout = build("llama")
     quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
-    with pytest.raises(TypeError, match=r"quads\.tensor\.save_safetensors.*load_safetensors"):
+    monkeypatch.setattr(quantize, "_SAVE_PRETRAINED_HANDLER", [])
+    with pytest.raises(TypeError, match=r"import quads\.integrations\.transformers.*quads\.tensor\.save_safetensors"):
         rollout.save_pretrained(tmp_path / "r")
     assert not (tmp_path / "r").exists()
 
-    save_safetensors(rollout.state_dict(), tmp_path / "r.safetensors")  # the way the error names
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_rollout_save_safetensors_load_state_dict_round_trips(kind, tmp_path):
+    rollout = build(kind)
+    quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    save_safetensors(rollout.state_dict(), tmp_path / "r.safetensors")  # the low-level way
     fresh = build(kind, seed=7)
     quads.quantize_(fresh, quads.QuadsPolicy(side="rollout"))
     fresh.load_state_dict(load_safetensors(tmp_path / "r.safetensors"))
@@ -50,10 +59,10 @@ def test_rollout_save_pretrained_names_the_way_that_works_and_that_way_round_tri
         assert torch.equal(fresh(IDS).logits, rollout(IDS).logits)
 
 
-def test_torchao_rollout_save_pretrained_names_the_way_that_works(tmp_path):
-    """A rollout loaded through TorchAoConfig: save_pretrained refuses before writing anything
-    (transformers' torchao writer cannot store quads' packed tensors, and a checkpoint read back
-    as torchao-pre-quantized would never become a quads rollout again), naming the ways that work."""
+def test_torchao_rollout_config_serializes_and_save_pretrained_writes_a_quads_checkpoint(tmp_path):
+    """A rollout loaded through TorchAoConfig: its config serializes; save_pretrained goes through
+    quads' writer (transformers' torchao writer cannot store quads' packed tensors), so a plain
+    from_pretrained gives it back; torchao's own writer gets a hint naming the ways that work."""
     pytest.importorskip("torchao")
     from transformers import TorchAoConfig
 
@@ -69,9 +78,11 @@ def test_torchao_rollout_save_pretrained_names_the_way_that_works(tmp_path):
     assert written["_type"] == "QuadsPolicy" and written["_data"]["side"] == "rollout"
     assert written["_data"]["skip_patterns"]["_data"]["patterns"] == list(policy.skip_patterns)
     assert "QuadsPolicy" in repr(model.config)
-    with pytest.raises(TypeError, match=r"save_pretrained cannot write .*quads\.tensor\.save_safetensors"):
-        model.save_pretrained(tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    model.save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["quant_method"] == "quads"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for n, p in _packed(model).items():
+        assert torch.equal(_packed(back)[n].qdata, p.qdata), n
     with pytest.raises(AttributeError, match=r"not a torchao tensor.*quads\.tensor\.save_safetensors"):
         next(iter(_packed(model).values())).tensor_data_names  # torchao's own writer gets the same hint
     save_safetensors(model.state_dict(), tmp_path / "m.safetensors")  # the named way works here too
@@ -82,10 +93,10 @@ def test_torchao_rollout_save_pretrained_names_the_way_that_works(tmp_path):
 
 
 def test_torchao_trainer_save_pretrained_round_trips(tmp_path):
-    """A trainer loaded through TorchAoConfig saves its BF16 masters (a plain checkpoint: no
-    torchao quantization_config, which a later load would take as pre-quantized and never turn
-    back into a trainer); loading it with the same TorchAoConfig gives the same trainer: the
-    same masters, group scales and logits, bit for bit."""
+    """A trainer loaded through TorchAoConfig saves its BF16 masters with the policy as a quads
+    quantization_config (a torchao one would be taken as pre-quantized by a later load and never
+    turn back into a trainer); a plain from_pretrained gives the same trainer: the same masters,
+    group scales and logits, bit for bit."""
     pytest.importorskip("torchao")
     from transformers import TorchAoConfig
 
@@ -100,10 +111,9 @@ def test_torchao_trainer_save_pretrained_round_trips(tmp_path):
     q = model.model.layers[0].self_attn.q_proj
     assert q.quads_scale_group is not None and len(q.quads_scale_group.members) == 3
     model.save_pretrained(tmp_path / "t")
-    assert "quantization_config" not in json.loads((tmp_path / "t" / "config.json").read_text())
-    assert model.config.quantization_config is not None and model.hf_quantizer is not None  # restored
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.bfloat16,
-                                                quantization_config=TorchAoConfig(policy))
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["quantization_config"]["quant_method"] == "quads"
+    assert isinstance(model.config.quantization_config, TorchAoConfig) and model.hf_quantizer is not None  # restored
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.bfloat16)
     for (n, a), (m, b) in zip(model.state_dict().items(), back.state_dict().items()):
         assert n == m and torch.equal(a, b), n
     with torch.no_grad():

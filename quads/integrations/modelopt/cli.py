@@ -4,7 +4,7 @@
     quads export --model runs/trainer --out runs/trainer-w4a4 --format nvfp4 --calib prompts.txt
 
 ``--model`` holds the BF16 masters (``save_pretrained`` of the trainer model; quads' trainer
-layers keep the parameter names). The model is converted with ``QuadsPolicy(side="trainer",
+layers keep the parameter names; read as a plain checkpoint's, its quads config set aside). The model is converted with ``QuadsPolicy(side="trainer",
 weight_global_scale=--weight-global-scale, weight_block_scaling=--weight-block-scaling,
 scope=--scope, skip_first_layers=--skip-first-layers, skip_last_layers=--skip-last-layers)`` (the
 values the model was trained with; the layers a scoped plan keeps in BF16 are written as stored

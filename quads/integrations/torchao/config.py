@@ -34,7 +34,7 @@ import torch.nn as nn
 from quads.policies.fused_projections import SIBLING_PROJECTIONS
 from quads.policies.modules import QuadsModule
 from quads.policies.policy import QuadsPolicy
-from quads.policies.quantize import check_target, convert_targets, refuse_save_pretrained
+from quads.policies.quantize import check_target, convert_targets, install_save_pretrained
 from quads.policies.walk import ConversionTarget, policy_targets, target_kind
 
 __all__ = ["linear_or_experts", "register"]
@@ -158,7 +158,7 @@ def _apply_during_load(module: nn.Module, load: tuple[nn.Module, str, object], p
     whose weight was just loaded, ``load`` names it in the whole model, so the policy's skip
     patterns apply by full name as in :func:`quads.quantize_`."""
     model, name, quantizer = load
-    _guard_save_pretrained(model, policy)
+    install_save_pretrained(model)  # quads' writer: a plain from_pretrained gives this model back
     _convert_experts_after_load(quantizer)
     together = _load_siblings_together(module, load, policy)
     if together is None:
@@ -215,7 +215,7 @@ def apply_policy(module: nn.Module, policy: QuadsPolicy) -> nn.Module:
     call = _current_quantize_call()
     root = module if call is None else call.model
     if call is not None:
-        _guard_save_pretrained(call.model, policy)
+        install_save_pretrained(call.model)
     name, converted = None, False
     for n, m in root.named_modules():
         if m is module and name is None:
@@ -263,46 +263,6 @@ def _unconverted_siblings(root: nn.Module, pending: list[ConversionTarget], poli
                 have.add(qualified)
                 extra.append(ConversionTarget(qualified, m, "linear"))
     return extra
-
-
-class SaveMastersPretrained:
-    """``save_pretrained`` of a quads *trainer* loaded with ``TorchAoConfig(QuadsPolicy(...))``.
-
-    transformers would write the masters with the torchao ``quantization_config``, and a later
-    ``from_pretrained`` of such a directory treats it as pre-quantized: it never applies the
-    policy again and returns a plain BF16 model whose forward is not the trainer's. A trainer's state is
-    its BF16 masters, so this writes them as a plain checkpoint (no ``quantization_config``, the
-    model's own files otherwise), which ``from_pretrained(path, quantization_config=
-    TorchAoConfig(policy))`` turns back into the same trainer, bit for bit (tested)."""
-
-    def __init__(self, model: nn.Module):
-        self.save = model.save_pretrained  # the bound method of transformers
-        self.model = model
-
-    def __call__(self, *args, **kwargs):
-        model, config = self.model, self.model.config
-        quantization_config = config.__dict__.pop("quantization_config", None)
-        quantizer = model.__dict__.get("hf_quantizer")
-        model.hf_quantizer = None
-        try:
-            return self.save(*args, **kwargs)
-        finally:
-            model.hf_quantizer = quantizer
-            if quantization_config is not None:
-                config.quantization_config = quantization_config
-
-
-def _guard_save_pretrained(model: nn.Module, policy: QuadsPolicy) -> None:
-    """The ``save_pretrained`` of a model torchao converts with ``policy``: refused at once for a
-    rollout (packed weights; the error names the ways that work), masters only for a trainer
-    loaded through ``TorchAoConfig`` (:class:`SaveMastersPretrained`)."""
-    if not callable(getattr(model, "save_pretrained", None)):
-        return
-    if policy.side == "rollout":
-        refuse_save_pretrained(model)
-    elif (getattr(getattr(model, "config", None), "quantization_config", None) is not None
-          and not isinstance(model.save_pretrained, SaveMastersPretrained)):
-        model.save_pretrained = SaveMastersPretrained(model)
 
 
 def register() -> None:
