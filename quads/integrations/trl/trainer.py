@@ -10,9 +10,9 @@ import torch.nn as nn
 from quads.diagnostics.scoring import score_teacher_forced
 from quads.integrations.trl.engine import QuadsRolloutEngine
 from quads.integrations.trl.metrics import MismatchLogging
-from quads.policies import PolicyPreset, build_rollout_model, get_preset, quantize_, sync_weights_
+from quads.policies import PolicyPreset, build_rollout_model, get_preset, prepare_trainer_, sync_weights_
 from quads.policies.presets import PolicyPair, weight_only_rollout
-from quads.policies.quantize import quantized_modules
+from quads.policies.autocast_experts import experts_configs
 
 __all__ = ["TESTED_TRL_VERSION", "QuadsGRPOTrainer"]
 
@@ -39,10 +39,12 @@ def _model_snapshot(model: nn.Module):
     The trainer policy converts by swapping classes and adding attributes (no parameter is
     replaced) and hooks the parents of sibling groups (``ScaleGroup.attach``); TRL's ``__init__``
     adds attributes to the root (``model_tags``, accelerate's autocast ``forward``) and sets
-    ``config.use_cache = False``. So this undoes a ``quantize_(model, trainer_policy)`` followed by
-    a failed ``GRPOTrainer.__init__`` exactly.
+    ``config.use_cache = False``; ``prepare_trainer_`` switches the experts implementation. So
+    this undoes a ``prepare_trainer_(model, preset)`` followed by a failed ``GRPOTrainer.__init__``
+    exactly.
     """
     saved = [(m, type(m), set(vars(m))) for m in model.modules()]
+    experts = [(cfg, cfg._experts_implementation_internal) for _, cfg in experts_configs(model).values()]
     config = getattr(model, "config", None)
     use_cache = vars(config).get("use_cache", _MISSING) if config is not None else _MISSING
 
@@ -57,6 +59,8 @@ def _model_snapshot(model: nn.Module):
                     delattr(module, attr)
         if use_cache is not _MISSING:
             config.use_cache = use_cache
+        for cfg, impl in experts:
+            cfg._experts_implementation_internal = impl
 
     return undo
 
@@ -153,7 +157,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
 
             unwrapped = self.accelerator.unwrap_model(self.model)
-            if self.ref_model is not None and self.quads_preset.trainer is not None:
+            if self.ref_model is not None:
                 self._quads_apply_trainer_policy(self.accelerator.unwrap_model(self.ref_model))
 
             rollout = build_rollout_model(unwrapped, self.quads_preset.rollout, dtype=rollout_dtype)
@@ -181,17 +185,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
     # -- set-up helpers ------------------------------------------------------------------------
 
     def _quads_apply_trainer_policy(self, model: nn.Module) -> None:
-        policy = self.quads_preset.trainer
-        existing = quantized_modules(model)
-        if existing:
-            sides = {m.quads_policy.side for m in existing.values()}
-            if sides != {"trainer"}:
-                raise ValueError(f"the trainer model carries quads layers of side(s) {sorted(sides)}")
-            if policy is None:
-                raise ValueError(f"preset {self.quads_preset.name!r} wants a BF16 trainer but the model is quads-quantized")
-            return
-        if policy is not None:
-            quantize_(model, policy)
+        prepare_trainer_(model, self.quads_preset)  # quantized per the preset, experts in the autocast dtype
 
     @property
     def rollout_model(self) -> nn.Module:
