@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ QUADS_KEYS = [
 ]
 
 
-def tiny_model(tok, seed=0):
+def tiny_model(tok, seed=0, experts="eager"):
     """A tiny Qwen3-MoE (all linear input dims multiples of 16), float32 masters, peaked outputs."""
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(
@@ -58,7 +59,7 @@ def tiny_model(tok, seed=0):
         norm_topk_prob=True, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )
-    cfg._experts_implementation = "eager"
+    cfg._experts_implementation = experts
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # default init is near-uniform; sharpen it so precision shows
         for p in model.parameters():
@@ -72,9 +73,9 @@ def reward_digit_ones(completions, **kwargs):
     return [c.count("1") / max(1, len(c)) for c in completions]
 
 
-def make_trainer(policy, tmp_path, steps=2, lr=1e-2, decompose=False, rollout_corr=False, **cfg):
+def make_trainer(policy, tmp_path, steps=2, lr=1e-2, decompose=False, rollout_corr=False, experts="eager", **cfg):
     tok = make_tokenizer()
-    model = tiny_model(tok)
+    model = tiny_model(tok, experts=experts)
     ds = datasets.Dataset.from_list(make_prompts(16, seed=0))
     args = GRPOConfig(
         output_dir=str(tmp_path / (policy if isinstance(policy, str) else "custom")), use_cpu=True, bf16=True,
@@ -95,6 +96,18 @@ def test_verl_rollout_corr_names_are_logged_beside_trls(tmp_path):
     for key in QUADS_KEYS + ["rollout_corr/kl", "rollout_corr/chi2_seq", "rollout_corr/log_ppl_abs_diff"]:
         assert key in h and math.isfinite(h[key]), key
     assert h["rollout_corr/k3_kl"] == pytest.approx(h["sampling/quads/k3_kl"], rel=1e-9)  # the documented alias
+
+
+@pytest.mark.parametrize("policy", ["bf16", "bf16-fp32-experts"])
+def test_precision_probe_warns_once_for_fp32_experts_only(policy, tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(policy, tmp_path, steps=1, experts="grouped_mm")
+    lines = [str(w.message) for w in caught if "quads precision probe" in str(w.message)]
+    if policy == "bf16":
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "model.layers.0.mlp.experts: trainer float32, rollout bfloat16" in lines[0]
 
 
 def _sides(model):

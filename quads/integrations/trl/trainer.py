@@ -7,6 +7,7 @@ import warnings
 import torch
 import torch.nn as nn
 
+from quads.diagnostics.precision_probe import precision_probe, probe_warning
 from quads.diagnostics.scoring import score_teacher_forced
 from quads.integrations.trl.engine import QuadsRolloutEngine
 from quads.integrations.trl.metrics import MismatchLogging
@@ -181,6 +182,18 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         self.use_vllm = True
 
         self._quads_probe_models: dict[str, nn.Module] | None = None
+        self._quads_precision_probe(args)
+
+    def _quads_precision_probe(self, args) -> None:
+        """Warn in one line when a module of the trainer computes in another dtype than its
+        rollout twin under the trainer's autocast (:func:`quads.diagnostics.precision_probe`);
+        one forward of a few tokens on each side, when autocast is the rollout's dtype."""
+        autocast = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        if autocast is None or autocast != self.quads_rollout_dtype:
+            return
+        line = probe_warning(precision_probe(self.accelerator.unwrap_model(self.model), self.rollout_model, autocast))
+        if line:
+            warnings.warn(line, stacklevel=3)
 
     # -- set-up helpers ------------------------------------------------------------------------
 
