@@ -18,7 +18,7 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 import quads  # noqa: E402
@@ -370,3 +370,43 @@ def test_trl_failure_leaves_the_callers_model_unconverted(tmp_path, monkeypatch)
     trainer = QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=ds, processing_class=tok,
                                quads_policy="w4a16-qat")
     assert _sides(trainer.model) == {TrainerLinear, TrainerExperts}
+
+
+class _CorruptLayerAfter(TrainerCallback):
+    """A synthetic rollout fault: from step ``step`` on, rollout layer 1's output is scaled and shifted."""
+
+    def __init__(self, trainer, step):
+        self.trainer, self.step = trainer, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            def corrupt(module, inputs, out):
+                h = out[0] if isinstance(out, tuple) else out
+                h = h * 1.5 + 0.5 * h.std()
+                return (h, *out[1:]) if isinstance(out, tuple) else h
+            self.trainer.rollout_model.model.layers[1].register_forward_hook(corrupt)
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_mismatch_alarm_fires_on_a_fault_and_names_the_layer(fault, tmp_path):
+    trainer = make_trainer("bf16", tmp_path, steps=8, lr=1e-5)
+    if fault:
+        trainer.add_callback(_CorruptLayerAfter(trainer, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    alarms = [h["sampling/quads/alarm"] for h in trainer.state.log_history if "reward" in h]
+    lines = [str(w.message) for w in caught if "quads mismatch alarm" in str(w.message)]
+    assert len(alarms) == 8
+    if fault:
+        assert alarms[:6] == [0.0] * 6 and alarms[6:] == [1.0, 1.0]
+        assert len(lines) == 2 and "at step 6" in lines[0] and "worst layer model.layers.1 " in lines[0]
+        assert "3x baseline" in lines[0]
+    else:
+        assert alarms == [0.0] * 8 and lines == []
+
+
+def test_mismatch_alarm_factor_is_checked_before_the_model_is_touched(tmp_path):
+    with pytest.raises(ValueError, match="mismatch alarm factor"):
+        QuadsGRPOTrainer(None, reward_digit_ones, GRPOConfig(output_dir=str(tmp_path), use_cpu=True),
+                         mismatch_alarm=0.5)

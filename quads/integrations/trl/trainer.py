@@ -7,6 +7,7 @@ import warnings
 import torch
 import torch.nn as nn
 
+from quads.diagnostics.mismatch_alarm import DEFAULT_ALARM_FACTOR, MismatchAlarm
 from quads.diagnostics.precision_probe import precision_probe, probe_warning
 from quads.diagnostics.scoring import score_teacher_forced
 from quads.integrations.trl.engine import QuadsRolloutEngine
@@ -105,6 +106,9 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
             forwards over the completions).
         rollout_corr_metrics: also log verl's ``rollout_corr/*`` diagnostics under verl's names
             (:func:`quads.diagnostics.rollout_corr_metrics`); TRL's and quads' names are kept.
+        mismatch_alarm: warn (one line, naming the worst decoder layer) when a step's mean or max
+            gap exceeds this multiple of the median of the first 5 steps'; logs
+            ``sampling/quads/alarm`` every step (:mod:`quads.diagnostics.mismatch_alarm`). None: off.
 
     ``args.use_vllm`` must be False (this class *is* the rollout engine; with vLLM use
     ``QuadsVLLMGRPOTrainer``). Every argument is checked before the model is touched. TRL's
@@ -129,6 +133,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         decompose_mismatch: bool = False,
         graphed_decode: bool | None = None,
         rollout_corr_metrics: bool = False,
+        mismatch_alarm: float | None = DEFAULT_ALARM_FACTOR,
         **kwargs,
     ):
         if _trl is None:
@@ -142,6 +147,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         flags = {"decompose_mismatch": decompose_mismatch, "rollout_corr_metrics": rollout_corr_metrics}
         _check_options(args, rollout_dtype, flags, graphed_decode, kwargs.get("peft_config"))
         self.quads_preset = get_preset(quads_policy)
+        self.quads_alarm = MismatchAlarm(mismatch_alarm) if mismatch_alarm is not None else None
         self.quads_rollout_dtype = rollout_dtype
         self.quads_decompose = decompose_mismatch
         self.quads_rollout_corr = rollout_corr_metrics
