@@ -48,6 +48,12 @@ def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
     assert "+100% res" in printed and "+50% res" not in printed  # the layer table follows the default policy
     assert "quads-boundary" in printed and "not run" in printed
     assert "recommended plan (hopper, moe model): " in printed
+    # transformers' default grouped_mm experts: FP32 GEMMs under autocast, caught; quads' bf16 plan: none
+    probe = report["precision_probe"]
+    assert "model.layers.0.mlp.experts: trainer float32, rollout bfloat16" in probe["transformers"]
+    assert probe["quads"] is None
+    assert "FP32 masters under BF16 autocast, transformers: quads precision probe: 2 module(s)" in printed
+    assert "FP32 masters under BF16 autocast, quads: every unconverted module multiplies in bfloat16" in printed
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
