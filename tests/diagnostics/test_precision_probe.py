@@ -38,3 +38,20 @@ def test_ops_are_attributed_to_the_innermost_module():
     assert seen["model.layers.0.self_attn.q_proj"] == {torch.bfloat16}  # F.linear under autocast
     assert seen["model.layers.0.mlp.experts"] == {torch.float32}  # transformers' grouped_mm: not cast
     assert "model.layers.0" not in seen  # its ops belong to its children
+
+
+def test_boundary_layers_experts_compute_in_bf16_too():
+    """``quads-boundary`` keeps whole decoder layers in BF16: their transformers experts get the
+    autocast implementation, the quantized ones keep quads' forward."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.tiny_models import COMMON
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(**{**COMMON, "num_hidden_layers": 7}, intermediate_size=48, num_local_experts=4,
+                        num_experts_per_tok=2)
+    cfg._experts_implementation = "grouped_mm"
+    trainer = quads.prepare_trainer_(MixtralForCausalLM(cfg).float(), "quads-boundary")
+    seen = compute_dtypes(trainer, torch.arange(1, 9)[None], torch.bfloat16)
+    assert seen["model.layers.0.mlp.experts"] == seen["model.layers.6.mlp.experts"] == {torch.bfloat16}
+    assert precision_probe(trainer, build_rollout_model(trainer, POLICY_PRESETS["quads-boundary"].rollout)) == []

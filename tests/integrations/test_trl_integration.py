@@ -410,3 +410,23 @@ def test_mismatch_alarm_factor_is_checked_before_the_model_is_touched(tmp_path):
     with pytest.raises(ValueError, match="mismatch alarm factor"):
         QuadsGRPOTrainer(None, reward_digit_ones, GRPOConfig(output_dir=str(tmp_path), use_cpu=True),
                          mismatch_alarm=0.5)
+
+
+def test_trl_failure_restores_the_experts_implementation(tmp_path, monkeypatch):
+    tok = make_tokenizer()
+    model = tiny_model(tok, experts="grouped_mm")
+    args = GRPOConfig(output_dir=str(tmp_path / "x"), use_cpu=True, bf16=True, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, max_steps=1, report_to=[], save_strategy="no",
+                      disable_tqdm=True)
+    real_init = trl.GRPOTrainer.__init__
+
+    def failing_init(self, *a, **k):
+        real_init(self, *a, **k)
+        assert self.model.config._experts_implementation == "quads_autocast_grouped_mm"
+        raise ValueError("TRL refused")
+
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", failing_init)
+    with pytest.raises(ValueError, match="TRL refused"):
+        QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=datasets.Dataset.from_list(make_prompts(16)),
+                         processing_class=tok, quads_policy="bf16")
+    assert model.config._experts_implementation == "grouped_mm"
