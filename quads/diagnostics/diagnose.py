@@ -10,8 +10,9 @@ completions once; every configuration then scores *the same* completions twice:
 
 Per configuration it reports the per-token |log p_rollout - log p_trainer| (mean, p99, max)
 and the k3 KL estimate, plus a per-layer table of activation quantization error. Rows: one per
-plan of ``POLICY_PRESETS`` (a new preset is a new row), plus the FP8 reference and the residual
-fraction sweep (the rows and what each compares: docs/validation.md).
+plan of ``POLICY_PRESETS`` (a new preset is a new row; the ``bf16-fp32-experts`` ablation is
+the precision probe's lines instead), plus the FP8 reference and the residual fraction sweep
+(the rows and what each compares: docs/validation.md).
 
 A plan that cannot apply to the model (the routed-experts plans on a dense model, boundary
 layers on a model with 6 or fewer) is listed as not run, with the reason. The report ends with
@@ -107,7 +108,7 @@ def _rows() -> list[DiagnoseRow]:
         DiagnoseRow("fp8-w8a8", FP8, None, "FP8 W8A8 rollout vs BF16 trainer"),
     ]
     for name, preset in POLICY_PRESETS.items():
-        if name == "bf16":
+        if name == "bf16" or not preset.trainer_experts_autocast:  # the ablation: see autocast_precision_probe
             continue
         if name == "quads":
             rows += [_preset_row(f"quads-{k}", with_residual_fraction(preset, k / 100),
