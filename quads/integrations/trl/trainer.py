@@ -106,8 +106,8 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
             forwards over the completions).
         rollout_corr_metrics: also log verl's ``rollout_corr/*`` diagnostics under verl's names
             (:func:`quads.diagnostics.rollout_corr_metrics`); TRL's and quads' names are kept.
-        mismatch_alarm: warn (one line, naming the worst decoder layer) when a step's mean or max
-            gap exceeds this multiple of the median of the first 5 steps'; logs
+        mismatch_alarm: warn (one line, naming the worst decoder layer) when a step's mean gap
+            exceeds this multiple of the median of the first 5 steps'; logs
             ``sampling/quads/alarm`` every step (:mod:`quads.diagnostics.mismatch_alarm`). None: off.
 
     ``args.use_vllm`` must be False (this class *is* the rollout engine; with vLLM use
