@@ -7,7 +7,7 @@ adds ``sampling/quads/*`` (and, with ``quads_rollout_corr``, verl's ``rollout_co
 metrics, gathered across processes, so every logger TRL feeds gets them.
 
 With ``quads_alarm`` set (a :class:`~quads.diagnostics.mismatch_alarm.MismatchAlarm`), each
-training step also logs ``sampling/quads/alarm`` (1 when this step's mean or max gap left the
+training step also logs ``sampling/quads/alarm`` (1 when this step's gap left the
 run's band, else 0) and warns in one line naming the step, the value, the band and the worst
 decoder layer. Locating the layer costs one teacher-forced forward of the trainer and one of the
 rollout model over the batch's first sequence, only on a step that fires (a trainer without a
