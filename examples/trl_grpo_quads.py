@@ -35,7 +35,7 @@ same N steps cut by resumes), and the finished run deletes its checkpoint.
     PYTHONPATH=. python examples/trl_grpo_quads.py --model ~/.cache/quads/smollm2-135m-instruct --device cuda
     PYTHONPATH=. python examples/trl_grpo_quads.py ... --max-steps 200 --time-budget-s 480 [--resume]
 
-Policies: every preset of ``quads.integrations.trl.POLICY_PRESETS`` (bf16, naive, w4a16-qat,
+Policies: every preset of ``quads.integrations.trl.POLICY_PRESETS`` (bf16, bf16-fp32-experts, naive, w4a16-qat,
 sym-qat, quads, w4a16, quads-experts, w4a16-experts, quads-boundary, ...); a plan that cannot
 apply to the model (``quads-boundary`` on a model of 6 or fewer decoder layers, such as the
 embedded one) exits with status 2 and the reason, before any file is touched.

@@ -10,8 +10,9 @@ completions once; every configuration then scores *the same* completions twice:
 
 Per configuration it reports the per-token |log p_rollout - log p_trainer| (mean, p99, max)
 and the k3 KL estimate, plus a per-layer table of activation quantization error. Rows: one per
-plan of ``POLICY_PRESETS`` (a new preset is a new row), plus the FP8 reference and the residual
-fraction sweep (the rows and what each compares: docs/validation.md).
+plan of ``POLICY_PRESETS`` (a new preset is a new row; the ``bf16-fp32-experts`` ablation is
+the precision probe's lines instead), plus the FP8 reference and the residual fraction sweep
+(the rows and what each compares: docs/validation.md).
 
 A plan that cannot apply to the model (the routed-experts plans on a dense model, boundary
 layers on a model with 6 or fewer) is listed as not run, with the reason. The report ends with
@@ -57,9 +58,10 @@ from quads.diagnostics.cli_inputs import (
 )
 from quads.diagnostics.fp8_reference import fp8_w8a8_
 from quads.diagnostics.mismatch import k3_kl, logp_gap_stats
+from quads.diagnostics.precision_probe import precision_probe, probe_warning
 from quads.diagnostics.scoring import positions_from_mask, score_incremental, score_teacher_forced
 from quads.ops.activation_quant import ActivationQuant, dequantize_activation, quantize_activation_reference
-from quads.policies import POLICY_PRESETS, QuadsPolicy, quantize_
+from quads.policies import POLICY_PRESETS, QuadsPolicy, copy_model, prepare_trainer_, quantize_
 from quads.ops.weight_cache import clear_weight_cache, weight_cache_enabled
 from quads.diagnostics.plan_speeds import HARDWARE
 from quads.diagnostics.recommend import PLAN_TABLE, Recommendation, recommend
@@ -114,7 +116,7 @@ def _rows() -> list[DiagnoseRow]:
         DiagnoseRow("fp8-w8a8", FP8, None, "FP8 W8A8 rollout vs BF16 trainer"),
     ]
     for name, preset in POLICY_PRESETS.items():
-        if name == "bf16":
+        if name == "bf16" or not preset.trainer_experts_autocast:  # the ablation: see autocast_precision_probe
             continue
         if name == "quads":
             rows += [_preset_row(f"quads-{k}", with_residual_fraction(preset, k / 100),
@@ -267,7 +269,23 @@ def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, 
     report["model_kind"] = kind = model_kind(model)
     hardware = target_hardware(next(model.parameters()).device)
     report["recommendations"] = [dataclasses.asdict(recommend(report["rows"], h, kind)) for h in hardware]
+    report["precision_probe"] = autocast_precision_probe(model)
     return report
+
+
+def autocast_precision_probe(model: nn.Module) -> dict[str, str | None]:
+    """The precision probe's line (None: no mismatch) for ``model`` trained as
+    ``GRPOConfig(bf16=True)`` trains it (FP32 masters under BF16 autocast) against a BF16
+    rollout copy: ``"transformers"`` as transformers runs it, ``"quads"`` as
+    :func:`quads.prepare_trainer_` prepares it for the ``bf16`` plan. (The gap rows score a
+    BF16 trainer without autocast, where ``bf16-fp32-experts`` is ``bf16``: this line is
+    where that plan's trap shows.)"""
+    trainer = copy_model(model, torch.float32)
+    rollout = copy_model(model, torch.bfloat16)
+    lines = {"transformers": probe_warning(precision_probe(trainer, rollout))}
+    prepare_trainer_(trainer, "bf16")
+    lines["quads"] = probe_warning(precision_probe(trainer, rollout))
+    return lines
 
 
 def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress, tokens_per_step,
@@ -365,6 +383,11 @@ def format_report(report: dict) -> str:
     lines += ["", f"{'layer input':<45} {'K':>5} {'W4A4 err':>9} {f'+{k:.0%} res':>10}"]
     for l in report["layers"]:
         lines.append(f"{l['layer']:<45} {l['K']:>5} {l['rel_err_k0']:>9.4f} {l[residual]:>10.4f}")
+    if "precision_probe" in report:
+        lines.append("")
+        for how, line in report["precision_probe"].items():
+            lines.append(f"FP32 masters under BF16 autocast, {how}: "
+                         + (line or "every unconverted module multiplies in bfloat16 on both sides"))
     if "recommendations" in report:
         lines.append("")
         lines += [Recommendation(**r).line() for r in report["recommendations"]]

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from quads.diagnostics.mismatch import mismatch_metrics
 from quads.diagnostics.scoring import score_teacher_forced
-from quads.policies import PolicyPreset, build_rollout_model, copy_model, get_preset, quantize_
+from quads.policies import PolicyPreset, build_rollout_model, copy_model, get_preset, prepare_trainer_
 
 __all__ = ["measure_policy_gap"]
 
@@ -38,8 +38,7 @@ def measure_policy_gap(
     """
     preset = get_preset(policy)
     trainer = copy_model(model, torch.float32)
-    if preset.trainer is not None:
-        quantize_(trainer, preset.trainer)
+    prepare_trainer_(trainer, preset)
     rollout = build_rollout_model(trainer, preset.rollout, dtype=rollout_dtype)
     keep = completion_mask.size(1)
     device_type = input_ids.device.type

@@ -17,6 +17,11 @@ The plans besides QUADS's W4A4 + residual on every linear (``quads``):
   :func:`preset_problem`).
 * ``quads-boundary``: QUADS with the first 2 and last 4 decoder layers wholly in BF16 (the
   counts of verl's Qwen3 example); models with more than 6 decoder layers.
+* ``bf16``: BF16 on both sides, the engine-drift floor: the trainer's unquantized experts
+  multiply in the autocast dtype as its linears do (:mod:`quads.policies.autocast_experts`).
+* ``bf16-fp32-experts`` (ablation): ``bf16`` with the trainer's experts left to transformers'
+  ``grouped_mm``, which autocast does not cast: FP32 expert GEMMs in the trainer against BF16
+  ones in the rollout; the gap grows as the masters move (``trainer_experts_autocast=False``).
 """
 
 from __future__ import annotations
@@ -42,13 +47,17 @@ class PolicyPreset:
     """A named pair of precision policies: ``trainer`` / ``rollout`` (None = left in BF16).
 
     ``routing_replay``: the trainer's forwards route an MoE model's tokens by the experts the
-    rollout recorded (rollout routing replay, R3; :mod:`quads.policies.routing`)."""
+    rollout recorded (rollout routing replay, R3; :mod:`quads.policies.routing`).
+    ``trainer_experts_autocast``: the trainer's experts that quads does not quantize multiply
+    in the autocast dtype (:func:`quads.policies.autocast_experts.autocast_experts_`); False
+    only for the ``bf16-fp32-experts`` ablation."""
 
     name: str
     trainer: QuadsPolicy | None
     rollout: QuadsPolicy | None
     description: str
     routing_replay: bool = False
+    trainer_experts_autocast: bool = True
 
 
 _W4A16_QAT = QuadsPolicy(side="trainer", activations="bf16")
@@ -67,7 +76,11 @@ def _scoped(policy: QuadsPolicy, scope: dict) -> QuadsPolicy:
 POLICY_PRESETS: dict[str, PolicyPreset] = {
     p.name: p
     for p in (
-        PolicyPreset("bf16", None, None, "no quantization: BF16 trainer, BF16 rollout (engine-drift floor)"),
+        PolicyPreset("bf16", None, None,
+                     "no quantization: BF16 on both sides, experts included (engine-drift floor)"),
+        PolicyPreset("bf16-fp32-experts", None, None,
+                     "ablation: BF16 rollout, trainer experts in FP32 under autocast (transformers' grouped_mm)",
+                     trainer_experts_autocast=False),
         PolicyPreset("naive", None, _W4A4_NAIVE, "BF16 trainer, NVFP4 W4A4 rollout without compensation"),
         PolicyPreset("w4a16-qat", _W4A16_QAT, _W4A4_NAIVE,
                      "asymmetric QAT (W4A16 trainer), NVFP4 W4A4 rollout without compensation"),
@@ -173,7 +186,7 @@ def with_kernel(preset: PolicyPreset, kernel: str) -> PolicyPreset:
     rollout = dataclasses.replace(preset.rollout, kernel=kernel)
     name = f"{preset.name}-fast" if kernel == "fast" else preset.name.removesuffix("-fast")
     how = ", humming fast path" if kernel == "fast" else ", exact kernels"
-    return PolicyPreset(name, preset.trainer, rollout, preset.description + how, preset.routing_replay)
+    return dataclasses.replace(preset, name=name, rollout=rollout, description=preset.description + how)
 
 
 def preset_kernel(preset: PolicyPreset) -> str:
@@ -187,8 +200,8 @@ def with_residual_fraction(preset: PolicyPreset, fraction: float, name: str | No
         raise ValueError(f"preset {preset.name!r} has no rollout policy")
     rollout = dataclasses.replace(preset.rollout, residual_fraction=fraction)
     label = name or f"{preset.name}-{round(fraction * 100)}"
-    return PolicyPreset(label, preset.trainer, rollout, f"{preset.description} (k = {fraction:.0%})",
-                        preset.routing_replay)
+    return dataclasses.replace(preset, name=label, rollout=rollout,
+                               description=f"{preset.description} (k = {fraction:.0%})")
 
 
 def with_routing_replay(preset: str | PolicyPreset) -> PolicyPreset:

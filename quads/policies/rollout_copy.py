@@ -7,6 +7,7 @@ import copy
 import torch
 import torch.nn as nn
 
+from quads.policies.autocast_experts import base_experts_implementation
 from quads.policies.policy import QuadsPolicy
 from quads.policies.fused_projections import fuse_projections_
 from quads.policies.quantize import quantize_
@@ -46,8 +47,8 @@ def copy_model(model: nn.Module, dtype: torch.dtype | None = None, device: torch
     # CPU takes tens of seconds); the random init must not shift the caller's RNG streams
     with torch.random.fork_rng(devices=rng_devices), torch.device(target):
         clone = from_config(config, dtype=dtype)
-    impl = getattr(model.config, "_experts_implementation", None)
-    if impl is not None:
+    impl = base_experts_implementation(getattr(model.config, "_experts_implementation", None))
+    if impl is not None:  # the trainer's autocast experts are grouped_mm without autocast
         clone.config._experts_implementation = impl
     masters = {n: p.detach() for n, p in model.named_parameters()}
     with torch.no_grad():

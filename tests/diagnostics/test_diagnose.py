@@ -34,7 +34,8 @@ def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
     not_run = {r["config"]: r["reason"] for r in report["not_run"]}
     assert list(rows) == [r.name for r in ROWS if r.name not in not_run]
     assert list(not_run) == ["quads-boundary"] and "keeps all 2 decoder layers" in not_run["quads-boundary"]
-    assert {r.preset for r in ROWS} - {None} == set(POLICY_PRESETS)  # every plan is a row
+    # every plan is a row; the FP32-experts ablation is the probe lines (a BF16 trainer has no autocast)
+    assert {r.preset for r in ROWS} - {None} == set(POLICY_PRESETS) - {"bf16-fp32-experts"}
     assert rows["quads-100"]["preset"] == "quads" and rows["quads-50"]["preset"] is None
     assert report["model_kind"] == "moe"
     assert [r["hardware"] for r in report["recommendations"]] == ["hopper", "blackwell"]  # a CPU run: every GPU kind
@@ -54,6 +55,12 @@ def test_diagnose_cli_reports_every_config(saved_model, tmp_path, capsys):
     assert "quads-boundary" in printed and "not run" in printed
     assert "recommended plan (hopper, moe model): " in printed
     assert PLAN_TABLE in printed  # where every plan's measured gap, accuracy and speed are
+    # transformers' default grouped_mm experts: FP32 GEMMs under autocast, caught; quads' bf16 plan: none
+    probe = report["precision_probe"]
+    assert "model.layers.0.mlp.experts: trainer float32, rollout bfloat16" in probe["transformers"]
+    assert probe["quads"] is None
+    assert "FP32 masters under BF16 autocast, transformers: quads precision probe: 2 module(s)" in printed
+    assert "FP32 masters under BF16 autocast, quads: every unconverted module multiplies in bfloat16" in printed
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])

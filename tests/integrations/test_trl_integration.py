@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 import quads  # noqa: E402
@@ -48,7 +49,7 @@ QUADS_KEYS = [
 ]
 
 
-def tiny_model(tok, seed=0):
+def tiny_model(tok, seed=0, experts="eager"):
     """A tiny Qwen3-MoE (all linear input dims multiples of 16), float32 masters, peaked outputs."""
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(
@@ -58,7 +59,7 @@ def tiny_model(tok, seed=0):
         norm_topk_prob=True, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )
-    cfg._experts_implementation = "eager"
+    cfg._experts_implementation = experts
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # default init is near-uniform; sharpen it so precision shows
         for p in model.parameters():
@@ -72,9 +73,9 @@ def reward_digit_ones(completions, **kwargs):
     return [c.count("1") / max(1, len(c)) for c in completions]
 
 
-def make_trainer(policy, tmp_path, steps=2, lr=1e-2, decompose=False, rollout_corr=False, **cfg):
+def make_trainer(policy, tmp_path, steps=2, lr=1e-2, decompose=False, rollout_corr=False, experts="eager", **cfg):
     tok = make_tokenizer()
-    model = tiny_model(tok)
+    model = tiny_model(tok, experts=experts)
     ds = datasets.Dataset.from_list(make_prompts(16, seed=0))
     args = GRPOConfig(
         output_dir=str(tmp_path / (policy if isinstance(policy, str) else "custom")), use_cpu=True, bf16=True,
@@ -95,6 +96,18 @@ def test_verl_rollout_corr_names_are_logged_beside_trls(tmp_path):
     for key in QUADS_KEYS + ["rollout_corr/kl", "rollout_corr/chi2_seq", "rollout_corr/log_ppl_abs_diff"]:
         assert key in h and math.isfinite(h[key]), key
     assert h["rollout_corr/k3_kl"] == pytest.approx(h["sampling/quads/k3_kl"], rel=1e-9)  # the documented alias
+
+
+@pytest.mark.parametrize("policy", ["bf16", "bf16-fp32-experts"])
+def test_precision_probe_warns_once_for_fp32_experts_only(policy, tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(policy, tmp_path, steps=1, experts="grouped_mm")
+    lines = [str(w.message) for w in caught if "quads precision probe" in str(w.message)]
+    if policy == "bf16":
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "model.layers.0.mlp.experts: trainer float32, rollout bfloat16" in lines[0]
 
 
 def _sides(model):
@@ -358,3 +371,63 @@ def test_trl_failure_leaves_the_callers_model_unconverted(tmp_path, monkeypatch)
     trainer = QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=ds, processing_class=tok,
                                quads_policy="w4a16-qat")
     assert _sides(trainer.model) == {TrainerLinear, TrainerExperts}
+
+
+class _CorruptLayerAfter(TrainerCallback):
+    """A synthetic rollout fault: from step ``step`` on, rollout layer 1's output is scaled and shifted."""
+
+    def __init__(self, trainer, step):
+        self.trainer, self.step = trainer, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            def corrupt(module, inputs, out):
+                h = out[0] if isinstance(out, tuple) else out
+                h = h * 1.5 + 0.5 * h.std()
+                return (h, *out[1:]) if isinstance(out, tuple) else h
+            self.trainer.rollout_model.model.layers[1].register_forward_hook(corrupt)
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_mismatch_alarm_fires_on_a_fault_and_names_the_layer(fault, tmp_path):
+    trainer = make_trainer("bf16", tmp_path, steps=8, lr=1e-5)
+    if fault:
+        trainer.add_callback(_CorruptLayerAfter(trainer, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    alarms = [h["sampling/quads/alarm"] for h in trainer.state.log_history if "reward" in h]
+    lines = [str(w.message) for w in caught if "quads mismatch alarm" in str(w.message)]
+    assert len(alarms) == 8
+    if fault:
+        assert alarms[:6] == [0.0] * 6 and alarms[6:] == [1.0, 1.0]
+        assert len(lines) == 2 and "at step 6" in lines[0] and "worst layer model.layers.1 " in lines[0]
+        assert "3x baseline" in lines[0]
+    else:
+        assert alarms == [0.0] * 8 and lines == []
+
+
+def test_mismatch_alarm_factor_is_checked_before_the_model_is_touched(tmp_path):
+    with pytest.raises(ValueError, match="mismatch alarm factor"):
+        QuadsGRPOTrainer(None, reward_digit_ones, GRPOConfig(output_dir=str(tmp_path), use_cpu=True),
+                         mismatch_alarm=0.5)
+
+
+def test_trl_failure_restores_the_experts_implementation(tmp_path, monkeypatch):
+    tok = make_tokenizer()
+    model = tiny_model(tok, experts="grouped_mm")
+    args = GRPOConfig(output_dir=str(tmp_path / "x"), use_cpu=True, bf16=True, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, max_steps=1, report_to=[], save_strategy="no",
+                      disable_tqdm=True)
+    real_init = trl.GRPOTrainer.__init__
+
+    def failing_init(self, *a, **k):
+        real_init(self, *a, **k)
+        assert self.model.config._experts_implementation == "quads_autocast_grouped_mm"
+        raise ValueError("TRL refused")
+
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", failing_init)
+    with pytest.raises(ValueError, match="TRL refused"):
+        QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=datasets.Dataset.from_list(make_prompts(16)),
+                         processing_class=tok, quads_policy="bf16")
+    assert model.config._experts_implementation == "grouped_mm"

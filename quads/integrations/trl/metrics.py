@@ -5,18 +5,28 @@ reach TRL's vLLM code path (``sampling_per_token_logps``): ``QuadsGRPOTrainer`` 
 engine) and ``QuadsVLLMGRPOTrainer`` (a colocated vLLM engine). After TRL has scored a batch it
 adds ``sampling/quads/*`` (and, with ``quads_rollout_corr``, verl's ``rollout_corr/*``) to TRL's
 metrics, gathered across processes, so every logger TRL feeds gets them.
+
+With ``quads_alarm`` set (a :class:`~quads.diagnostics.mismatch_alarm.MismatchAlarm`), each
+training step also logs ``sampling/quads/alarm`` (1 when this step's gap left the
+run's band, else 0) and warns in one line naming the step, the value, the band and the worst
+decoder layer. Locating the layer costs one teacher-forced forward of the trainer and one of the
+rollout model over the batch's first sequence, only on a step that fires (a trainer without a
+torch rollout model, e.g. vLLM, names none).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from quads.diagnostics.mismatch import mismatch_metrics
+from quads.diagnostics.mismatch_alarm import MismatchAlarm, worst_layer
 
 __all__ = ["MismatchLogging"]
 
 # How the quads metrics combine across processes.
-_REDUCE = {"min": "min", "max": "max", "p99": "max"}
+_REDUCE = {"min": "min", "max": "max", "p99": "max", "alarm": "max"}
 
 
 def _reducer(name: str) -> str:
@@ -30,6 +40,7 @@ class MismatchLogging:
     """Logs :func:`quads.diagnostics.mismatch_metrics` of every generated batch (see the module doc)."""
 
     quads_rollout_corr: bool = False  # also verl's rollout_corr/* names
+    quads_alarm: MismatchAlarm | None = None  # the mismatch alarm (module doc); None: off
 
     def _quads_log(self, mode: str, metrics: dict[str, float]) -> None:
         device = self.accelerator.device
@@ -69,5 +80,22 @@ class MismatchLogging:
             rollout_corr=self.quads_rollout_corr,
         )
         metrics.update(self._quads_extra_metrics(output, rollout_lp, trainer_lp, mask))
+        if mode == "train" and self.quads_alarm is not None:
+            metrics["sampling/quads/alarm"] = self._quads_check_alarm(metrics, output)
         self._quads_log(mode, metrics)
         return output
+
+    def _quads_check_alarm(self, metrics: dict[str, float], output) -> float:
+        """1.0 (and one warning line) when this step's gap leaves the band, else 0.0."""
+        reason = self.quads_alarm.check(metrics["sampling/quads/logp_gap_mean"], metrics["sampling/quads/logp_gap_max"])
+        if reason is None:
+            return 0.0
+        where = "worst layer unknown (no torch rollout model)"
+        rollout = getattr(self, "rollout_model", None)
+        if rollout is not None:
+            ids = torch.cat([output["prompt_ids"][:1], output["completion_ids"][:1]], dim=1)
+            am = torch.cat([output["prompt_mask"][:1], output["completion_mask"][:1]], dim=1)
+            name, added = worst_layer(self.accelerator.unwrap_model(self.model), rollout, ids, am)
+            where = f"worst layer {name} (+{added:.3g} relative hidden-state error)"
+        warnings.warn(f"quads mismatch alarm at step {self.state.global_step}: {reason}; {where}", stacklevel=2)
+        return 1.0

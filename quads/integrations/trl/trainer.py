@@ -7,13 +7,16 @@ import warnings
 import torch
 import torch.nn as nn
 
+from quads.diagnostics.mismatch_alarm import DEFAULT_ALARM_FACTOR, MismatchAlarm
+from quads.diagnostics.precision_probe import precision_probe, probe_warning
 from quads.diagnostics.scoring import score_teacher_forced
 from quads.integrations.trl.engine import QuadsRolloutEngine
 from quads.integrations.trl.metrics import MismatchLogging
-from quads.policies import PolicyPreset, build_rollout_model, get_preset, quantize_, sync_weights_
+from quads.policies import PolicyPreset, build_rollout_model, get_preset, prepare_trainer_, sync_weights_
 from quads.policies.presets import PolicyPair, weight_only_rollout
 from quads.policies.quantize import quantized_modules
 from quads.policies.routing import RoutingCheck, routing_problem
+from quads.policies.autocast_experts import experts_configs
 
 __all__ = ["TESTED_TRL_VERSION", "QuadsGRPOTrainer"]
 
@@ -40,10 +43,12 @@ def _model_snapshot(model: nn.Module):
     The trainer policy converts by swapping classes and adding attributes (no parameter is
     replaced) and hooks the parents of sibling groups (``ScaleGroup.attach``); TRL's ``__init__``
     adds attributes to the root (``model_tags``, accelerate's autocast ``forward``) and sets
-    ``config.use_cache = False``. So this undoes a ``quantize_(model, trainer_policy)`` followed by
-    a failed ``GRPOTrainer.__init__`` exactly.
+    ``config.use_cache = False``; ``prepare_trainer_`` switches the experts implementation. So
+    this undoes a ``prepare_trainer_(model, preset)`` followed by a failed ``GRPOTrainer.__init__``
+    exactly.
     """
     saved = [(m, type(m), set(vars(m))) for m in model.modules()]
+    experts = [(cfg, cfg._experts_implementation_internal) for _, cfg in experts_configs(model).values()]
     config = getattr(model, "config", None)
     use_cache = vars(config).get("use_cache", _MISSING) if config is not None else _MISSING
 
@@ -58,6 +63,8 @@ def _model_snapshot(model: nn.Module):
                     delattr(module, attr)
         if use_cache is not _MISSING:
             config.use_cache = use_cache
+        for cfg, impl in experts:
+            cfg._experts_implementation_internal = impl
 
     return undo
 
@@ -112,6 +119,9 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
     whose top-k set differs, mean over MoE layers), ``routing_flip_topk_max`` and
     ``routing_flip_worst_layer``, ``routing_flip_top1``; with replay ``routing_replayed``.
     Dense models: no routing keys, no cost.
+        mismatch_alarm: warn (one line, naming the worst decoder layer) when a step's mean gap
+            exceeds this multiple of the median of the first 5 steps'; logs
+            ``sampling/quads/alarm`` every step (:mod:`quads.diagnostics.mismatch_alarm`). None: off.
 
     ``args.use_vllm`` must be False (this class *is* the rollout engine; with vLLM use
     ``QuadsVLLMGRPOTrainer``). Every argument is checked before the model is touched. TRL's
@@ -140,6 +150,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         graphed_decode: bool | None = None,
         rollout_corr_metrics: bool = False,
         routing_replay: bool = False,
+        mismatch_alarm: float | None = DEFAULT_ALARM_FACTOR,
         **kwargs,
     ):
         if _trl is None:
@@ -154,6 +165,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
                  "routing_replay": routing_replay}
         _check_options(args, rollout_dtype, flags, graphed_decode, kwargs.get("peft_config"))
         self.quads_preset = get_preset(quads_policy)
+        self.quads_alarm = MismatchAlarm(mismatch_alarm) if mismatch_alarm is not None else None
         self.quads_rollout_dtype = rollout_dtype
         self.quads_decompose = decompose_mismatch
         self.quads_rollout_corr = rollout_corr_metrics
@@ -171,7 +183,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
 
             unwrapped = self.accelerator.unwrap_model(self.model)
-            if self.ref_model is not None and self.quads_preset.trainer is not None:
+            if self.ref_model is not None:
                 self._quads_apply_trainer_policy(self.accelerator.unwrap_model(self.ref_model))
 
             rollout = build_rollout_model(unwrapped, self.quads_preset.rollout, dtype=rollout_dtype)
@@ -197,21 +209,23 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
 
         self._quads_probe_models: dict[str, nn.Module] | None = None
         self._quads_setup_routing(unwrapped)
+        self._quads_precision_probe(args)
+
+    def _quads_precision_probe(self, args) -> None:
+        """Warn in one line when a module of the trainer computes in another dtype than its
+        rollout twin under the trainer's autocast (:func:`quads.diagnostics.precision_probe`);
+        one forward of a few tokens on each side, when autocast is the rollout's dtype."""
+        autocast = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        if autocast is None or autocast != self.quads_rollout_dtype:
+            return
+        line = probe_warning(precision_probe(self.accelerator.unwrap_model(self.model), self.rollout_model, autocast))
+        if line:
+            warnings.warn(line, stacklevel=3)
 
     # -- set-up helpers ------------------------------------------------------------------------
 
     def _quads_apply_trainer_policy(self, model: nn.Module) -> None:
-        policy = self.quads_preset.trainer
-        existing = quantized_modules(model)
-        if existing:
-            sides = {m.quads_policy.side for m in existing.values()}
-            if sides != {"trainer"}:
-                raise ValueError(f"the trainer model carries quads layers of side(s) {sorted(sides)}")
-            if policy is None:
-                raise ValueError(f"preset {self.quads_preset.name!r} wants a BF16 trainer but the model is quads-quantized")
-            return
-        if policy is not None:
-            quantize_(model, policy)
+        prepare_trainer_(model, self.quads_preset)  # quantized per the preset, experts in the autocast dtype
 
     @property
     def rollout_model(self) -> nn.Module:

@@ -39,6 +39,7 @@ from trl.generation import vllm_generation as vg
 from quads.integrations.trl.metrics import MismatchLogging
 from quads.integrations.vllm.weight_push import push_weights
 from quads.policies.policy import QuadsPolicy
+from quads.policies.autocast_experts import autocast_experts_
 from quads.policies.quantize import quantize_, quantized_modules
 
 __all__ = ["TESTED_TRL_VERSION", "QuadsVLLMGRPOTrainer", "quads_vllm_generation_class", "default_llm_kwargs"]
@@ -170,6 +171,7 @@ class QuadsVLLMGRPOTrainer(MismatchLogging, GRPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         if policy is not None and not quantized_modules(model):
             quantize_(model, policy)
+        autocast_experts_(model)  # the unquantized experts multiply in the autocast dtype, as vLLM's in BF16
         self.quads_trainer_policy = policy
 
 
