@@ -8,11 +8,10 @@ completions once; every configuration then scores *the same* completions twice:
   tokens per cached forward (default 16; 1 = token by token, bit-identical on CPU, tested);
 * the **trainer path**: one teacher-forced forward over prompt + completion (SDPA attention).
 
-Per configuration it reports the per-token |log p_rollout - log p_trainer| (mean, p99, max)
-and the k3 KL estimate, plus a per-layer table of activation quantization error. Rows: one per
-plan of ``POLICY_PRESETS`` (a new preset is a new row; the ``bf16-fp32-experts`` ablation is
-the precision probe's lines instead), plus the FP8 reference and the residual fraction sweep
-(the rows and what each compares: docs/validation.md).
+Per configuration it reports the per-token |log p_rollout - log p_trainer| (mean, p99, max),
+the k3 KL estimate and a per-layer table of activation quantization error. Rows: one per plan of
+``POLICY_PRESETS`` (the ``bf16-fp32-experts`` ablation is the precision probe's lines instead),
+the FP8 reference and the residual fraction sweep (docs/validation.md says what each compares).
 
 A plan that cannot apply to the model (the routed-experts plans on a dense model, boundary
 layers on a model with 6 or fewer) is listed as not run, with the reason. The report ends with
