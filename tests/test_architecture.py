@@ -150,6 +150,22 @@ def test_import_quads_does_not_import_integrations():
     assert not bad, "the package root imports integrations:\n" + "\n".join(bad)
 
 
+
+def test_import_quads_is_light():
+    """``import quads`` loads no integration, no third-party extra and no ``torch.distributed.tensor``
+    (~0.4 s on its own): the sharded sync asks ``sys.modules`` for DTensor/FSDP2 instead."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; before = set(sys.modules); import quads; "
+            "print('\\n'.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=pathlib.Path(__file__).resolve().parent.parent, check=True).stdout.split()
+    heavy = ("torch.distributed.tensor", "torch.distributed.fsdp", "quads.integrations", "transformers", "trl",
+             "torchao", "triton", "vllm", "tqdm")
+    bad = [m for m in out if any(m == h or m.startswith(h + ".") for h in heavy)]
+    assert not bad, f"import quads loads: {bad[:10]}"
+
 MAX_MODULE_DOCSTRING_LINES = 25
 #: work history, which belongs in CHANGELOG.md: ISO dates, "issue N", "stage N", "session N", and
 #: commit hashes (7-40 hex characters with a digit and a letter, not part of a word or a 0x literal)
