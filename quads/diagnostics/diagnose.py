@@ -412,9 +412,14 @@ def _load(path: str | None, prompts: list[str] | None = None):
 
 def _cmd(args: argparse.Namespace) -> int:
     """Every input is checked (prompts, output path, model) before the first configuration runs."""
-    from tqdm.auto import tqdm
-
+    from quads.extras import require
     from quads.tensor.finite import nonfinite_names
+
+    require("quads diagnose", "transformers")
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # a progress bar is a nicety: the announced rows and estimate remain
+        tqdm = None
 
     prompts = read_prompts(args.prompts) if args.prompts else None
     if args.json:
@@ -437,7 +442,8 @@ def _cmd(args: argparse.Namespace) -> int:
     prompts = (prompts or default_prompts) * args.repeat
     started = time.perf_counter()
     report = run_diagnose(model, tok, prompts, args.max_new_tokens, args.temperature, args.seed,
-                          progress=lambda total: tqdm(total=total, desc="scoring configs", file=sys.stderr),
+                          progress=(lambda total: tqdm(total=total, desc="scoring configs", file=sys.stderr))
+                          if tqdm is not None else None,
                           tokens_per_step=args.tokens_per_step, weight_global_scale=args.weight_global_scale,
                           weight_block_scaling=args.weight_block_scaling,
                           activation_block_scaling=args.activation_block_scaling, plans=args.plans,

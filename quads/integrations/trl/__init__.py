@@ -25,6 +25,10 @@ On top of TRL's metrics, every step logs the rollout/trainer gap as ``sampling/q
 (the list: docs/trl.md).
 """
 
+from quads.extras import require
+
+require("quads.integrations.trl", "transformers", "trl")
+
 from quads.diagnostics.policy_gap import measure_policy_gap
 from quads.diagnostics.scoring import build_scoring_batch, score_teacher_forced
 from quads.integrations.trl.engine import QuadsRolloutEngine
