@@ -31,6 +31,7 @@ require("quads.integrations.trl", "transformers", "trl")
 
 from quads.diagnostics.policy_gap import measure_policy_gap
 from quads.diagnostics.scoring import build_scoring_batch, score_teacher_forced
+from quads.integrations.trl.config import QuadsGRPOConfig
 from quads.integrations.trl.engine import QuadsRolloutEngine
 from quads.integrations.trl.trainer import TESTED_TRL_VERSION, QuadsGRPOTrainer
 from quads.policies import POLICY_PRESETS, PolicyPreset, build_rollout_model, copy_model, get_preset
@@ -47,4 +48,5 @@ __all__ = [
     "measure_policy_gap",
     "QuadsRolloutEngine",
     "QuadsGRPOTrainer",
+    "QuadsGRPOConfig",
 ]

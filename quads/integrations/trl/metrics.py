@@ -13,7 +13,14 @@ import torch
 
 from quads.diagnostics.mismatch import mismatch_metrics
 
-__all__ = ["MismatchLogging"]
+__all__ = ["MismatchLogging", "TRL_ALIASES"]
+
+#: quads names that are the same quantity as one of TRL's own metrics of the batch: logged as
+#: TRL's value (one number under two names; docs/trl.md has the table of how the rest relate)
+TRL_ALIASES = {
+    "sampling/quads/logp_gap_mean": "sampling/sampling_logp_difference/mean",
+    "sampling/quads/logp_gap_max": "sampling/sampling_logp_difference/max",
+}
 
 # How the quads metrics combine across processes.
 _REDUCE = {"min": "min", "max": "max", "p99": "max"}
@@ -68,6 +75,10 @@ class MismatchLogging:
             clip_max=self.vllm_importance_sampling_clip_max,
             rollout_corr=self.quads_rollout_corr,
         )
+        for name, trl_name in TRL_ALIASES.items():  # TRL logged them for this batch just now
+            logged = self._metrics[mode].get(trl_name)
+            if logged:
+                metrics[name] = logged[-1]
         metrics.update(self._quads_extra_metrics(output, rollout_lp, trainer_lp, mask))
         self._quads_log(mode, metrics)
         return output

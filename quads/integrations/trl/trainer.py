@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 import torch.nn as nn
 
 from quads.diagnostics.scoring import score_teacher_forced
+from quads.integrations.trl.config import resolve_trainer_options
 from quads.integrations.trl.engine import QuadsRolloutEngine
 from quads.integrations.trl.metrics import MismatchLogging
 from quads.policies import PolicyPreset, build_rollout_model, get_preset, quantize_, sync_weights_
@@ -31,6 +33,9 @@ else:
 
 ROLLOUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MISSING = object()
+#: the trainer's options without a QuadsGRPOConfig (QuadsGRPOConfig's field defaults are the same)
+OPTION_DEFAULTS = {"quads_policy": "quads", "rollout_dtype": torch.bfloat16, "decompose_mismatch": False,
+                   "graphed_decode": None, "rollout_corr_metrics": False}
 
 
 def _model_snapshot(model: nn.Module):
@@ -119,11 +124,11 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         reward_funcs,
         args=None,
         *pos,
-        quads_policy: str | PolicyPreset | PolicyPair = "quads",
-        rollout_dtype: torch.dtype = torch.bfloat16,
-        decompose_mismatch: bool = False,
-        graphed_decode: bool | None = None,
-        rollout_corr_metrics: bool = False,
+        quads_policy: str | PolicyPreset | PolicyPair = _MISSING,
+        rollout_dtype: torch.dtype = _MISSING,
+        decompose_mismatch: bool = _MISSING,
+        graphed_decode: bool | None = _MISSING,
+        rollout_corr_metrics: bool = _MISSING,
         **kwargs,
     ):
         if _trl is None:
@@ -134,6 +139,12 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
                 "it hooks GRPOTrainer internals (vllm_generation, _generate_single_turn).",
                 stacklevel=2,
             )
+        options = resolve_trainer_options(args, {
+            "quads_policy": quads_policy, "rollout_dtype": rollout_dtype, "decompose_mismatch": decompose_mismatch,
+            "graphed_decode": graphed_decode, "rollout_corr_metrics": rollout_corr_metrics, "__missing__": _MISSING,
+        }, OPTION_DEFAULTS)
+        quads_policy, rollout_dtype, decompose_mismatch, graphed_decode, rollout_corr_metrics = (
+            options[k] for k in OPTION_DEFAULTS)
         flags = {"decompose_mismatch": decompose_mismatch, "rollout_corr_metrics": rollout_corr_metrics}
         _check_options(args, rollout_dtype, flags, graphed_decode, kwargs.get("peft_config"))
         self.quads_preset = get_preset(quads_policy)
@@ -170,13 +181,53 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         except BaseException:
             undo()  # TRL (or the rollout build) failed: the caller's model is as it was, a retry works
             raise
-        # Hand the engine to TRL's vLLM code path (see module doc).
+        # Hand the engine to TRL's external-engine code path (see use_vllm and the module doc).
+        self.quads_engine = self.quads_rollout
         self.vllm_generation = self.quads_rollout
         self.vllm_mode = "quads"
         self._last_loaded_step = -1
-        self.use_vllm = True
 
         self._quads_probe_models: dict[str, nn.Module] | None = None
+
+    # -- the engine TRL's vLLM code path runs ---------------------------------------------------
+
+    #: what generates the completions: this trainer's engine (transformers on the quads rollout
+    #: model, ``quads_engine``); no vLLM runs
+    generation_engine = "quads"
+    _quads_engine_calls = 0
+
+    @property
+    def use_vllm(self) -> bool:
+        """False, as ``args.use_vllm``: no vLLM runs (``generation_engine`` is ``"quads"``).
+
+        TRL reads this flag as "completions come from ``vllm_generation``, with their log-probs
+        for the importance-sampling correction"; the quads engine is installed there, so while
+        TRL's own generation and loss code runs (inside ``_prepare_inputs`` and ``compute_loss``)
+        it reads True.
+        """
+        return self._quads_engine_calls > 0 or vars(self).get("_trl_use_vllm", False)
+
+    @use_vllm.setter
+    def use_vllm(self, value: bool) -> None:  # GRPOTrainer.__init__ copies args.use_vllm (False, checked)
+        self._trl_use_vllm = bool(value)
+
+    @contextlib.contextmanager
+    def _quads_engine_path(self):
+        ready = "quads_engine" in vars(self)
+        self._quads_engine_calls += ready
+        try:
+            yield
+        finally:
+            self._quads_engine_calls -= ready
+
+    def _prepare_inputs(self, generation_batch):
+        with self._quads_engine_path():
+            return super()._prepare_inputs(generation_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self._quads_engine_path():
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
 
     # -- set-up helpers ------------------------------------------------------------------------
 
