@@ -106,6 +106,8 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         rollout_corr_metrics: also log verl's ``rollout_corr/*`` diagnostics under verl's names
             (:func:`quads.diagnostics.rollout_corr_metrics`); TRL's and quads' names are kept.
 
+    ``args`` may be a :class:`~quads.integrations.trl.config.QuadsGRPOConfig`: its ``quads_*``
+    fields give these options (a constructor argument that differs from one it sets: one-line error).
     ``args.use_vllm`` must be False (this class *is* the rollout engine; with vLLM use
     ``QuadsVLLMGRPOTrainer``). Every argument is checked before the model is touched. TRL's
     ``vllm_importance_sampling_*`` options keep their meaning and defaults
