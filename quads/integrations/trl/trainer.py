@@ -302,7 +302,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         synced = set()
         for m in self._quads_probe_models.values():
             if id(m) not in synced:
-                sync_weights_(m, trainer)
+                sync_weights_(m, trainer, plain_trainer=True)
                 synced.add(id(m))
         return self._quads_probe_models
 
