@@ -242,6 +242,11 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
                 raise ValueError(f"the trainer model carries quads layers of side(s) {sorted(sides)}")
             if policy is None:
                 raise ValueError(f"preset {self.quads_preset.name!r} wants a BF16 trainer but the model is quads-quantized")
+            rollout = self.quads_preset.rollout  # a plan mismatch now, not at the first sync
+            mismatch = rollout.weight_mismatch(next(iter(existing.values())).quads_policy) if rollout else None
+            if mismatch:
+                raise ValueError(f"QuadsGRPOTrainer: the model is already quantized by quads, and preset "
+                                 f"{self.quads_preset.name!r} does not fit it: {mismatch}")
             return
         if policy is not None:
             quantize_(model, policy)
