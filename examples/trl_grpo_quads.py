@@ -610,10 +610,9 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
-    from trl import GRPOConfig
 
     from quads.diagnostics.cli_inputs import check_model_convertible, check_output_dir, check_tokenizer
-    from quads.integrations.trl import POLICY_PRESETS, QuadsGRPOTrainer
+    from quads.integrations.trl import POLICY_PRESETS, QuadsGRPOConfig, QuadsGRPOTrainer
     from quads.tasks.grpo_tasks import no_signal_hint
     from quads.tensor.files import FolderInUse, lock_folder
 
@@ -660,7 +659,10 @@ def main(argv=None) -> dict:
     train = Dataset.from_list(train_rows)
     batch = args.prompts_per_step * args.num_generations
     try:
-        config = GRPOConfig(
+        config = QuadsGRPOConfig(
+            quads_policy=args.policy,  # the trainer reads its plan and options from its config
+            quads_kernel=args.kernel,
+            quads_decompose_mismatch=args.decompose,
             output_dir=str(out / "trainer"),
             use_cpu=args.device == "cpu",
             bf16=True,  # float32 masters, bf16 autocast compute
@@ -705,8 +707,6 @@ def main(argv=None) -> dict:
             config,
             train_dataset=train,
             processing_class=tok,
-            quads_policy=preset,
-            decompose_mismatch=args.decompose,
         )
         if resume is None:
             start_run(out, args)  # every input was checked and the trainer built: now replace the old outputs

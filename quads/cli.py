@@ -31,6 +31,9 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     import quads
+    from quads.extras import require
+
+    require("quads demo", "transformers")
     from quads.policies.scale_groups import trainer_forward_weight
     from quads.tensor import NVFP4Tensor
 
@@ -143,10 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _refuse_flags_before_the_command(parser, argv, sub.choices)
     args = parser.parse_args(argv)
+    from quads.extras import MissingExtra, missing_extra
+
     try:
         return args.func(args)
-    except UsageError as err:  # bad input: one line, no traceback (argparse's own errors exit 2 too)
+    except (UsageError, MissingExtra) as err:  # bad input: one line, no traceback (argparse's own errors exit 2 too)
         print(f"quads {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # an optional package a command reached without a require() of its own
+        missing = missing_extra(f"quads {args.command}", err)
+        if missing is None:
+            raise
+        print(f"quads {args.command}: error: {missing}", file=sys.stderr)
         return 2
 
 

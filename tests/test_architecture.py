@@ -150,6 +150,22 @@ def test_import_quads_does_not_import_integrations():
     assert not bad, "the package root imports integrations:\n" + "\n".join(bad)
 
 
+
+def test_import_quads_is_light():
+    """``import quads`` loads no integration, no third-party extra and no ``torch.distributed.tensor``
+    (~0.4 s on its own): the sharded sync asks ``sys.modules`` for DTensor/FSDP2 instead."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; before = set(sys.modules); import quads; "
+            "print('\\n'.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=pathlib.Path(__file__).resolve().parent.parent, check=True).stdout.split()
+    heavy = ("torch.distributed.tensor", "torch.distributed.fsdp", "quads.integrations", "transformers", "trl",
+             "torchao", "triton", "vllm", "tqdm")
+    bad = [m for m in out if any(m == h or m.startswith(h + ".") for h in heavy)]
+    assert not bad, f"import quads loads: {bad[:10]}"
+
 MAX_MODULE_DOCSTRING_LINES = 25
 #: work history, which belongs in CHANGELOG.md: ISO dates, "issue N", "stage N", "session N", and
 #: commit hashes (7-40 hex characters with a digit and a letter, not part of a word or a 0x literal)
@@ -345,3 +361,21 @@ def test_auto_never_picks_blackwell_and_bad_names_raise(monkeypatch):
     monkeypatch.setattr(backend_mod.torch.cuda, "get_device_capability", lambda d=None: (10, 0))
     monkeypatch.setattr(backend_mod, "_triton_available", lambda: True)
     assert quads.select_backend(torch.device("cuda", 0)).name == "torch"  # sm_100: not auto-picked
+
+
+def test_no_merge_conflict_markers():
+    """No file the repository tracks holds a merge's conflict markers (a merge resolved by hand
+    can leave them in a page no test reads)."""
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
+    marked = []
+    for name in files:
+        path = root / name
+        if path.suffix not in (".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".yaml", ".yml") or not path.is_file():
+            continue
+        lines = path.read_text(errors="replace").splitlines()
+        if any(line.startswith(("<<<<<<< ", ">>>>>>> ")) for line in lines):
+            marked.append(name)
+    assert not marked, "conflict markers in: " + ", ".join(marked)

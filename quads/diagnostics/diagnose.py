@@ -69,7 +69,7 @@ from quads.policies.routing import RoutingRecorder, flip_counts, flip_shares, ro
 from quads.policies.scope import routed_expert_names, scope_problem
 from quads.policies.walk import conversion_targets
 
-__all__ = ["ROWS", "DiagnoseRow", "run_diagnose", "add_parser", "JSON_SCHEMA"]
+__all__ = ["ROWS", "DiagnoseRow", "run_diagnose", "add_parser", "JSON_SCHEMA", "plan_names", "select_rows"]
 
 #: the ``schema`` field of ``quads diagnose --json`` (docs/validation.md lists its fields); the
 #: number goes up whenever a field is renamed or removed or changes meaning
@@ -128,6 +128,33 @@ def _rows() -> list[DiagnoseRow]:
 
 
 ROWS = _rows()
+
+
+#: the row every report keeps: the BF16 floor every other row is read against
+FLOOR = "bf16-floor"
+
+
+def plan_names() -> list[str]:
+    """The names ``--plans`` takes: every row's (``quads-50``, ``fp8-w8a8``) and every preset's
+    (``quads`` is the ``quads-100`` row, ``bf16`` the floor)."""
+    return list(dict.fromkeys([r.name for r in ROWS] + [r.preset for r in ROWS if r.preset]))
+
+
+def select_rows(rows: list[DiagnoseRow], plans) -> list[DiagnoseRow]:
+    """The rows of ``rows`` that ``plans`` names (row or preset names; None: every row), in report
+    order, the BF16 floor always among them. An unknown name is a one-line ValueError naming it."""
+    if plans is None:
+        return list(rows)
+    if isinstance(plans, str):
+        plans = [p for p in plans.split(",") if p.strip()]
+    wanted = [str(p).strip() for p in plans]
+    unknown = [p for p in wanted if p not in plan_names()]
+    if unknown:
+        raise ValueError(f"diagnose plans: unknown plan {unknown[0]!r}; choose from {', '.join(plan_names())}")
+    if not wanted:
+        raise ValueError("diagnose plans: no plan named; choose from " + ", ".join(plan_names()))
+    keep = set(wanted) | {FLOOR}
+    return [r for r in rows if r.name in keep or (r.preset is not None and r.preset in keep)]
 
 
 def _variant(base: nn.Module, policy: QuadsPolicy | str | None) -> nn.Module:
@@ -245,14 +272,20 @@ def target_hardware(device: torch.device) -> tuple[str, ...]:
 def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, seed=0,
                  progress: Callable | None = None, tokens_per_step: int = 16,
                  weight_global_scale: str = "group", weight_block_scaling: str | None = None,
-                 activation_block_scaling: str | None = None) -> dict:
-    """The whole report as a dict (see module doc). Derived weights are cached for the run
+                 activation_block_scaling: str | None = None, plans=None,
+                 announce: Callable[[str], None] | None = None) -> dict:
+    """The whole report as a dict (see module doc). ``plans``: the rows to score (row or preset
+    names, a list or a comma-separated string; None: all; the BF16 floor always), checked
+    before any work; ``announce``: called with one line up front (rows, scoring passes) and one
+    with the time estimate once the first passes are timed. Derived weights are cached for the run
     (``weight_cache_enabled``: the models' weights only change by quads' own in-place writes).
     ``weight_global_scale``: the policies' (``"group"``, the default, or ``"tensor"``);
     ``weight_block_scaling`` / ``activation_block_scaling``: ``"6"`` or ``"4over6"`` for every
     quads row, or None (default) to keep each plan's own (the ``quads-4over6`` row's is ``4over6``)."""
     rows, skipped = [], []
-    for row in rows_with_weight_global_scale(weight_global_scale, weight_block_scaling, activation_block_scaling):
+    chosen = select_rows(rows_with_weight_global_scale(weight_global_scale, weight_block_scaling,
+                                                       activation_block_scaling), plans)
+    for row in chosen:
         problem = row_problem(row, model)
         if problem:
             skipped.append({"config": row.name, "reason": problem})
@@ -260,7 +293,7 @@ def run_diagnose(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, 
             rows.append(row)
     with weight_cache_enabled():
         report = _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress,
-                               tokens_per_step, rows)
+                               tokens_per_step, rows, announce)
     report["weight_global_scale"] = weight_global_scale
     report["weight_block_scaling"] = weight_block_scaling
     report["activation_block_scaling"] = activation_block_scaling
@@ -287,16 +320,45 @@ def autocast_precision_probe(model: nn.Module) -> dict[str, str | None]:
     return lines
 
 
+class _Estimate:
+    """Announces the time left once the first quantized rollout pass (the slowest kind) is timed:
+    that pass's seconds for every rollout pass left, the mean of the trainer-side passes so far
+    (or that same figure, before any) for every trainer pass left."""
+
+    def __init__(self, rollout_passes: int, trainer_passes: int, announce):
+        self.left = {"rollout": rollout_passes, "trainer": trainer_passes}
+        self.seconds = {"rollout": [], "trainer": []}
+        self.announce, self.done = announce, announce is None
+
+    def passed(self, side: str, key, seconds: float) -> None:
+        self.left[side] -= 1
+        self.seconds[side].append(seconds)
+        if self.done or not (side == "rollout" and isinstance(key, QuadsPolicy) or self.left["rollout"] == 0):
+            return
+        self.done = True
+        per_rollout = seconds
+        per_trainer = sum(self.seconds["trainer"]) / len(self.seconds["trainer"]) if self.seconds["trainer"] else seconds
+        rest = self.left["rollout"] * per_rollout + self.left["trainer"] * per_trainer
+        self.announce(f"estimate: about {rest:.0f} s for the {self.left['rollout'] + self.left['trainer']} scoring "
+                      f"passes left ({per_rollout:.1f} s for one quantized rollout pass)")
+
+
 def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, progress, tokens_per_step,
-                  config_rows) -> dict:
+                  config_rows, announce=None) -> dict:
     model.eval()
-    ids, attn, comp_mask = sample_completions(model, tokenizer, prompts, max_new_tokens, temperature, seed)
-    n = comp_mask.shape[1]
     rollout_keys = list(dict.fromkeys(r.rollout for r in config_rows))
     trainer_keys = list(dict.fromkeys(r.trainer for r in config_rows))
+    if announce is not None:
+        announce(f"{len(config_rows)} row(s) ({', '.join(r.name for r in config_rows)}): "
+                 f"{len(rollout_keys)} rollout + {len(trainer_keys)} trainer scoring passes; "
+                 "--plans NAME,... scores fewer")
+    estimate = _Estimate(len(rollout_keys), len(trainer_keys), announce)
+    ids, attn, comp_mask = sample_completions(model, tokenizer, prompts, max_new_tokens, temperature, seed)
+    n = comp_mask.shape[1]
     bar = progress(total=len(rollout_keys) + len(trainer_keys) + 1) if progress else None
     rollout_lp, trainer_lp, rollout_routing, trainer_routing = {}, {}, {}, {}
     for key in rollout_keys:
+        started = time.perf_counter()
         engine = _variant(model, key)
         _use_engine_attention(engine)
         with _recording(engine, ids.shape[0]) as routing:
@@ -304,14 +366,17 @@ def _run_diagnose(model, tokenizer, prompts, max_new_tokens, temperature, seed, 
         rollout_routing[key] = _aligned(routing, attn, fed_only=True)
         del engine
         _drop_variant_weights()
+        estimate.passed("rollout", key, time.perf_counter() - started)
         bar and bar.update(1)
     for key in trainer_keys:
+        started = time.perf_counter()
         trainer = _variant(model, key)
         with _recording(trainer, ids.shape[0]) as routing:
             trainer_lp[key] = score_teacher_forced(trainer, ids, attn, n, temperature, mask_positions=True)
         trainer_routing[key] = _aligned(routing, attn, fed_only=False)
         del trainer
         _drop_variant_weights()
+        estimate.passed("trainer", key, time.perf_counter() - started)
         bar and bar.update(1)
     rows = []
     for row in config_rows:
@@ -411,9 +476,14 @@ def _load(path: str | None, prompts: list[str] | None = None):
 
 def _cmd(args: argparse.Namespace) -> int:
     """Every input is checked (prompts, output path, model) before the first configuration runs."""
-    from tqdm.auto import tqdm
-
+    from quads.extras import require
     from quads.tensor.finite import nonfinite_names
+
+    require("quads diagnose", "transformers")
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # a progress bar is a nicety: the announced rows and estimate remain
+        tqdm = None
 
     prompts = read_prompts(args.prompts) if args.prompts else None
     if args.json:
@@ -428,17 +498,20 @@ def _cmd(args: argparse.Namespace) -> int:
     if bad:
         raise UsageError(f"{where}: non-finite weights (NaN/Inf) in {len(bad)} tensor(s), e.g. {bad[0]}")
     # K % 16 & co. of every row that applies to this model (run_diagnose reports the others), before sampling
-    rows = [r for r in rows_with_weight_global_scale(args.weight_global_scale) if not row_problem(r, model)]
+    rows = [r for r in select_rows(rows_with_weight_global_scale(args.weight_global_scale), args.plans)
+            if not row_problem(r, model)]
     check_model_convertible(model, [p for r in rows for p in (r.rollout, r.trainer) if isinstance(p, QuadsPolicy)],
                             where)
     model.to(device)
     prompts = (prompts or default_prompts) * args.repeat
     started = time.perf_counter()
     report = run_diagnose(model, tok, prompts, args.max_new_tokens, args.temperature, args.seed,
-                          progress=lambda total: tqdm(total=total, desc="scoring configs", file=sys.stderr),
+                          progress=(lambda total: tqdm(total=total, desc="scoring configs", file=sys.stderr))
+                          if tqdm is not None else None,
                           tokens_per_step=args.tokens_per_step, weight_global_scale=args.weight_global_scale,
                           weight_block_scaling=args.weight_block_scaling,
-                          activation_block_scaling=args.activation_block_scaling)
+                          activation_block_scaling=args.activation_block_scaling, plans=args.plans,
+                          announce=lambda line: print(f"quads diagnose: {line}", file=sys.stderr, flush=True))
     report["seconds"] = round(time.perf_counter() - started, 2)
     report["model"] = args.model or "embedded tiny-moe-arith"
     print(format_report(report))
@@ -447,6 +520,16 @@ def _cmd(args: argparse.Namespace) -> int:
         atomic_write_text(args.json, json.dumps({"schema": JSON_SCHEMA, **report}, indent=1))
         print(f"\nJSON written to {args.json}")
     return 0
+
+
+def plan_list(text: str) -> list[str]:
+    """argparse type of ``--plans``: comma-separated known plan names (an unknown one exits 2)."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        select_rows(ROWS, names)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("diagnose plans: ")) from None
+    return names
 
 
 def add_parser(sub) -> None:
@@ -475,5 +558,8 @@ def add_parser(sub) -> None:
     p.add_argument("--activation-block-scaling", choices=("6", "4over6"), default=None,
                    help="QuadsPolicy.activation_block_scaling of every quads row (activations and residual); "
                         "default: each plan's own")
+    p.add_argument("--plans", type=plan_list, default=None, metavar="NAME,...",
+                   help="score only these rows (row or preset names: " + ", ".join(plan_names())
+                        + "); the BF16 floor is always scored; default: every row")
     p.add_argument("--json", default=None, help="also write the report as JSON here (checked before the run)")
     p.set_defaults(func=_cmd)

@@ -25,6 +25,11 @@ WEIGHT_BLOCK_SCALINGS = BLOCK_SCALINGS
 # The activation defaults live in one place: ActivationQuant's fields.
 _ACT_DEFAULTS = {f.name: f.default for f in fields(ActivationQuant)}
 
+# fields only the rollout reads (the trainer's activations carry no residual; kernels serve rollouts),
+# with their defaults: a trainer policy must leave them there
+_ROLLOUT_ONLY = {"residual_fraction": float(_ACT_DEFAULTS["residual_fraction"]),
+                 "residual_selection": _ACT_DEFAULTS["selection"], "kernel": "exact"}
+
 # QuadsPolicy field -> the ActivationQuant field that validates it
 _ACT_FIELDS = {"residual_fraction": "residual_fraction", "residual_selection": "selection",
                "activation_granularity": "granularity", "activation_block_scaling": "block_scaling"}
@@ -166,6 +171,16 @@ class QuadsPolicy:
             except ValueError as err:
                 raise ValueError(f"QuadsPolicy.{policy_field} (side={self.side!r}): {err}") from None
         object.__setattr__(self, "residual_fraction", float(self.residual_fraction))  # e.g. numpy.float32
+        if self.side == "trainer":
+            self._refuse_rollout_fields()
+
+    def _refuse_rollout_fields(self) -> None:
+        """A rollout-only field set on a trainer policy would be ignored silently: refuse it."""
+        for name, default in _ROLLOUT_ONLY.items():
+            value = getattr(self, name)
+            if value != default:
+                raise ValueError(f"QuadsPolicy.{name}={value!r} is a rollout-side field; side='trainer' ignores it "
+                                 f"(set it on the QuadsPolicy(side='rollout', ...) of the pair)")
 
     @property
     def all_skip_patterns(self) -> tuple[str, ...]:

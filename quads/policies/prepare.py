@@ -32,6 +32,11 @@ def prepare_trainer_(model: nn.Module, preset: str | PolicyPreset | PolicyPair) 
             raise ValueError(f"the trainer model carries quads layers of side(s) {sorted(sides)}")
         if preset.trainer is None:
             raise ValueError(f"preset {preset.name!r} wants a BF16 trainer but the model is quads-quantized")
+        rollout = preset.rollout  # a plan mismatch now, not at the first sync
+        mismatch = rollout.weight_mismatch(next(iter(existing.values())).quads_policy) if rollout else None
+        if mismatch:
+            raise ValueError(f"the model is already quantized by quads, and preset {preset.name!r} does not fit it: "
+                             f"{mismatch}")
     elif preset.trainer is not None:
         quantize_(model, preset.trainer)
     if preset.trainer_experts_autocast:

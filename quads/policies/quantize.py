@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from quads.ops.backend_registry import Backend, gemm_shape, select_backend
-from quads.policies.load_check import RolloutLoadCheck
+from quads.policies.load_check import RolloutLoadCheck, TrainerLoadCheck
 from quads.policies.modules import (
     QuadsModule,
     RolloutExperts,
@@ -299,6 +299,8 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
         convert_targets(targets, policy, model)
         if policy.side == "rollout":
             model.register_load_state_dict_pre_hook(RolloutLoadCheck())  # every value checked before any loads
+        else:
+            model.register_load_state_dict_pre_hook(TrainerLoadCheck())  # a rollout checkpoint is refused
         install_save_pretrained(model)
     except BaseException:  # Ctrl-C included: every class, attribute and hook back as it was
         snapshot.restore()
@@ -322,10 +324,17 @@ def exact_kernel_layers(targets: list[ConversionTarget]) -> list[tuple[str, tupl
 
 
 def warn_exact_kernel_layers(targets: list[ConversionTarget]) -> None:
-    """One warning line for the whole model: how many layers keep the exact kernels, and why."""
+    """One warning line for the whole model: how many layers keep the exact kernels, and why; or,
+    where no layer runs humming (a CPU, a GPU without it), that the preference has no effect."""
     from quads.ops.humming_backend import HUMMING_K_MULTIPLE, HUMMING_N_MULTIPLE
 
     kept = exact_kernel_layers(targets)
+    backends = sorted({getattr(getattr(t.module, "quads_backend", None), "name", "?") for t in targets})
+    if targets and "humming" not in backends:  # this device runs no humming at all: say so, not what a GPU would do
+        would = f"; on a Hopper GPU {len(kept)} of them would keep the exact kernels" if kept else ""
+        warnings.warn(f"quads: kernel='fast' has no effect here: all {len(targets)} layers run the "
+                      f"{'/'.join(backends)} backend (humming runs on Hopper GPUs){would}", stacklevel=3)
+        return
     if kept:
         shapes = [f"{n}x{k}" for n, k in dict.fromkeys(shape for _, shape in kept)]
         warnings.warn(f"quads: kernel='fast': {len(kept)} of {len(targets)} layers keep the exact kernels: humming "

@@ -91,7 +91,7 @@ def build_rollout_model(
     rollout = copy_model(trainer_model, dtype, device)
     if policy is not None:
         quantize_(rollout, policy)
-        sync_weights_(rollout, trainer_model)
+        sync_weights_(rollout, trainer_model, plain_trainer=True)  # a plain trainer is a BF16-trainer plan's
         if fuse_projections:
             fuse_projections_(rollout)
     return rollout

@@ -19,6 +19,7 @@ where they are missing it raises instead of guessing.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -26,25 +27,27 @@ import torch.nn as nn
 
 __all__ = ["Master", "has_sharded_parameters", "is_dtensor", "shard_rows", "trainer_masters"]
 
-try:  # torch.distributed is optional in some torch builds
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover - builds without torch.distributed
-    DTensor = Replicate = Shard = None
+def _loaded(module: str, name: str):
+    """``module.name`` if ``module`` is already imported, else None.
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover
-    FSDPModule = None
+    A DTensor or an FSDP2 module can only exist once its module has been imported, so the sync
+    asks ``sys.modules`` instead of importing ``torch.distributed.tensor`` (~0.4 s) itself:
+    ``import quads`` stays light for the single-process user.
+    """
+    mod = sys.modules.get(module)
+    return getattr(mod, name, None) if mod is not None else None
 
 
 def is_dtensor(t) -> bool:
     """A ``torch.distributed.tensor.DTensor`` (a sharded or replicated distributed tensor)."""
-    return DTensor is not None and isinstance(t, DTensor)
+    dtensor = _loaded("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def has_sharded_parameters(model: nn.Module) -> bool:
     """True when ``model`` holds FSDP2 modules or DTensor parameters (its sync must be collective)."""
-    if FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
+    fsdp_module = _loaded("torch.distributed.fsdp", "FSDPModule")
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
         return True
     return any(is_dtensor(p) for p in model.parameters())
 
@@ -91,13 +94,14 @@ def _fsdp_param_groups(state) -> list:
 
 def _fsdp_records(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
     """Qualified name -> (sharded master DTensor, forward dtype) for every FSDP2-managed parameter."""
-    if FSDPModule is None:
+    fsdp_module = _loaded("torch.distributed.fsdp", "FSDPModule")
+    if fsdp_module is None:
         return {}
     module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     out: dict[str, tuple[torch.Tensor, torch.dtype]] = {}
     seen_states = set()
     for module in model.modules():
-        if not isinstance(module, FSDPModule):
+        if not isinstance(module, fsdp_module):
             continue
         state = module._get_fsdp_state()
         if id(state) in seen_states:
@@ -129,6 +133,8 @@ def _master(name: str, tensor: torch.Tensor, forward_dtype: torch.dtype) -> Mast
     tensor = tensor.detach()
     if not is_dtensor(tensor):
         return Master(name, tensor, tuple(tensor.shape), forward_dtype)
+    from torch.distributed.tensor import Replicate, Shard  # loaded: tensor is a DTensor
+
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
     if mesh.ndim != 1:
         raise NotImplementedError(

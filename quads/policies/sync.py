@@ -38,11 +38,64 @@ from quads.tensor.finite import FiniteProbe
 from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
-__all__ = ["sync_weights_"]
+__all__ = ["SyncMismatch", "sync_weights_"]
 
 _SHOWN = 5  # names listed per problem in an error message
 _QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 NOTHING_WRITTEN = "sync_weights_ (nothing was written)"
+
+
+class SyncMismatch(ValueError):
+    """The two models of a sync do not match; nothing was written. The message is one line (how
+    many problems, the first one); ``problems`` lists every one."""
+
+    def __init__(self, what: str, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(f"sync_weights_: nothing was written; {what}: {_summary(self.problems)}")
+
+
+def _summary(problems: list[str]) -> str:
+    """One line for a list of problems: the only one, or how many share the first one's reason
+    (the text after the first name), that one, and how many others; the list is on the error."""
+    if len(problems) == 1:
+        return problems[0]
+    first = problems[0]
+    reason = first.partition(" ")[2] if " " in first else first
+    same = sum(1 for p in problems if p.partition(" ")[2] == reason)
+    line = f"{len(problems)} problems, first: {first}"
+    if same == len(problems):
+        line = f"{same} differ the same way, first: {first}"
+    elif same > 1:
+        line += f" ({same} alike)"
+    return line + " (every one: the exception's .problems)"
+
+
+def _side_of(model: nn.Module) -> set[str]:
+    return {m.quads_policy.side for m in model.modules() if isinstance(m, QuadsModule)}
+
+
+def _has_packed(model: nn.Module) -> bool:
+    return any(isinstance(p, NVFP4Tensor) for p in model.parameters())
+
+
+def _check_roles(rollout_model: nn.Module, trainer_model: nn.Module, plain_trainer: bool) -> None:
+    """One line before any planning: the arguments swapped, a rollout given as the trainer, two
+    architectures, or a never-quantized trainer syncing into a quads rollout (unless asked for)."""
+    rollout_sides, trainer_sides = _side_of(rollout_model), _side_of(trainer_model)
+    if "rollout" in trainer_sides or _has_packed(trainer_model):
+        if "trainer" in rollout_sides or (not rollout_sides and not _has_packed(rollout_model)):
+            raise ValueError("sync_weights_: nothing was written; the arguments look swapped: it is "
+                             "sync_weights_(rollout, trainer), and the first model is a trainer, the second a rollout")
+        raise ValueError("sync_weights_: nothing was written; trainer_model holds packed NVFP4 weights (a rollout); "
+                         "sync from the trainer's high-precision masters")
+    kinds = [getattr(getattr(m, "config", None), "model_type", None) for m in (rollout_model, trainer_model)]
+    if None not in kinds and kinds[0] != kinds[1]:
+        raise ValueError(f"sync_weights_: nothing was written; the rollout is a {kinds[0]!r} model, the trainer a "
+                         f"{kinds[1]!r} one: build the rollout from its trainer (quads.policies.build_rollout_model)")
+    if rollout_sides and not trainer_sides and not plain_trainer:
+        raise ValueError("sync_weights_: nothing was written; trainer_model has no quads layers (never quantized): "
+                         "quantize_(trainer, QuadsPolicy(side='trainer')) first, or pass plain_trainer=True to sync "
+                         "BF16 masters (the BF16-trainer plans such as naive)")
 
 
 @dataclass
@@ -129,15 +182,12 @@ def _plan(rollout_model: nn.Module, trainer_model: nn.Module, strict: bool) -> l
         problems.append(f"{len(unexpected)} trainer parameter(s) have no rollout counterpart: {_listing(unexpected)}")
     if problems:
         hint = " (pass strict=False to sync only the parameters both models have)" if missing or unexpected else ""
-        raise ValueError(
-            "sync_weights_: nothing was written; the models do not match" + hint + ":\n  " + "\n  ".join(problems)
-        )
+        raise SyncMismatch("the models do not match" + hint, problems)
     if not writes:
         raise ValueError("sync_weights_: the two models have no parameter name in common; nothing to sync")
     problems = _plan_scale_groups(writes, rollout_model, trainer_model)
     if problems:
-        raise ValueError("sync_weights_: nothing was written; the global-scale groups do not match:\n  "
-                         + "\n  ".join(problems))
+        raise SyncMismatch("the global-scale groups do not match", problems)
     return writes
 
 
@@ -284,7 +334,8 @@ def _put(w: _Write, value) -> None:
 
 
 @torch.no_grad()
-def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict: bool = True) -> int:
+def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict: bool = True,
+                  plain_trainer: bool = False) -> int:
     """Copy every parameter of ``trainer_model`` into ``rollout_model`` (same architecture), all or nothing.
 
     Packed NVFP4 rollout parameters are re-quantized from the trainer's masters with the
@@ -298,7 +349,11 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict:
     (one plan's scope and boundary layers on both sides; a plain trainer agrees with any
     rollout); a mismatch, a shape or dtype error, a tie the trainer does not
     share or a NaN/Inf in any tensor to be written raises ValueError naming the parameters, with
-    nothing written (see the module doc). Returns the number of rollout parameters written
+    nothing written (see the module doc); several problems are one line, every one in the
+    :class:`SyncMismatch`'s ``problems``. Refused in one line first: the arguments swapped, a
+    rollout as ``trainer_model``, two architectures (``config.model_type``), and a trainer
+    without quads layers syncing into a quads rollout unless ``plain_trainer=True`` (the
+    BF16-trainer plans, ``naive``: its masters are then the forward weights). Returns the number of rollout parameters written
     (tied names count once).
 
     A sharded trainer (FSDP2 / DTensor parameters) makes this a collective: every rank calls it
@@ -312,6 +367,10 @@ def sync_weights_(rollout_model: nn.Module, trainer_model: nn.Module, *, strict:
             raise TypeError(f"sync_weights_: {what} must be an nn.Module, got {type(model).__name__}"
                             + (" (to sync from a state dict, load it into a trainer model first)"
                                if isinstance(model, dict) else ""))
+    for what, flag in (("strict", strict), ("plain_trainer", plain_trainer)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"sync_weights_: {what} must be True or False, got {flag!r}")
+    _check_roles(rollout_model, trainer_model, plain_trainer)
     with rollout_write_lock(rollout_model):
         return _sync(rollout_model, trainer_model, strict)
 

@@ -404,6 +404,21 @@ class NVFP4Tensor(torch.Tensor):
                                              (tuple(shapes.qdata.shape), tuple(shapes.scale.shape)))
         return ["qdata", "scale", "global_encode_scale"], (self.orig_dtype, self.transposed, None)
 
+    def _stable_hash_for_caching(self) -> str:
+        """The key torch.compile's AOT autograd cache gives this weight: its subclass metadata and
+        its parts' metadata (shapes, dtypes, strides, device), never their values, as the graph
+        depends on them (torch's default for wrapper subclasses, stated here so that it does not
+        warn; a kernel-held weight flattens to other parts and so hashes differently)."""
+        import hashlib
+        import pickle
+
+        from torch._inductor.codecache import extract_tensor_metadata_for_cache_key
+
+        names, meta = self.__tensor_flatten__()
+        parts = {name: extract_tensor_metadata_for_cache_key(getattr(self, name)) for name in names}
+        payload = (type(self).__qualname__, tuple(self.shape), self.requires_grad, meta, parts)
+        return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
+
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
         orig_dtype, transposed, shapes = meta

@@ -82,3 +82,34 @@ def test_engine_steps_of_several_tokens_give_token_by_token_log_probs(kind):
         assert torch.equal(score_incremental(model, ids, attn, 8, tokens_per_step=step), one)
     with pytest.raises(ValueError, match="tokens_per_step"):
         score_incremental(model, ids, attn, 8, tokens_per_step=0)
+
+
+def test_diagnose_plans_scores_only_the_named_rows_and_announces_them(saved_model, tmp_path, capsys):
+    """``--plans``: the named rows (a preset name selects its row) plus the BF16 floor, and up front
+    how many rows and passes, then a time estimate."""
+    out = tmp_path / "report.json"
+    assert main(["diagnose", "--model", saved_model, "--max-new-tokens", "4", "--plans", "w4a16,quads",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["config"] for r in report["rows"]] == ["bf16-floor", "quads-100", "w4a16"]
+    err = capsys.readouterr().err
+    assert "3 row(s) (bf16-floor, quads-100, w4a16): 3 rollout + 2 trainer scoring passes" in err
+    assert "estimate: about" in err
+
+
+def test_diagnose_unknown_plan_is_one_line_before_any_work(saved_model, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["diagnose", "--model", saved_model, "--plans", "w4a16,quadz", "--json", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--plans" in err and "unknown plan 'quadz'" in err and "w4a16-experts" in err
+    assert not out.exists()
+
+
+def test_run_diagnose_refuses_an_unknown_plan_before_sampling():
+    """The Python API checks ``plans`` first: the model is never run (a None model would fail later)."""
+    from quads.diagnostics.diagnose import run_diagnose
+
+    with pytest.raises(ValueError, match=r"^diagnose plans: unknown plan 'nope'; choose from bf16-floor, "):
+        run_diagnose(None, None, ["x"], plans=["nope"])

@@ -128,7 +128,7 @@ def test_sync_updates_the_kernel_layout_in_place():
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    quads.sync_weights_(rollout, trainer)
+    quads.sync_weights_(rollout, trainer, plain_trainer=True)
     for m in modules:
         assert [p.values.data_ptr() for p in m.quads_prepared] == before[id(m)]
         fresh = [m.quads_backend.prepare_weight(getattr(m, n).parts) for n in m.quads_packed_names]

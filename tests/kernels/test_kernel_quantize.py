@@ -228,7 +228,7 @@ def test_weight_sync_through_kernel_backend():
     ref = NVFP4Tensor.from_float(w.cpu() * 2)
     with torch.no_grad():
         trainer.weight.mul_(2)
-    quads.sync_weights_(rollout, trainer.to(torch.bfloat16).to(DEV))
+    quads.sync_weights_(rollout, trainer.to(torch.bfloat16).to(DEV), plain_trainer=True)
     assert_parts_equal(rollout.weight.parts, ref.parts)
 
 

@@ -94,3 +94,34 @@ def test_opt_out_drift_is_bounded(kind, monkeypatch):
     rel = ((compiled - eager).norm() / eager.norm()).item()
     assert rel < 5e-2, rel
     assert (compiled - eager).norm() <= 20 * drift_bf16 + 1e-3
+
+
+def test_compiling_a_rollout_does_not_warn_about_the_cache_hash():
+    """torch's AOT autograd cache asks every wrapper subclass for ``_stable_hash_for_caching``
+    and warns for one without it: compiling a rollout warns nothing of the kind."""
+    import warnings
+
+    torch._dynamo.utils.warn_once_cache.clear()
+    m = _rollout("llama")
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.compile(m, fullgraph=True)(ids)
+    assert not [w for w in caught if "_stable_hash_for_caching" in str(w.message)]
+
+
+def test_cache_hash_is_metadata_only_and_stable_across_processes():
+    """Equal for two weights of one layout (values differ), different for another shape or
+    transposition, and the same in a fresh interpreter (no ``hash()`` of Python objects)."""
+    import subprocess
+    import sys
+
+    w = lambda seed, shape=(32, 64): quads.NVFP4Tensor.from_float(  # noqa: E731
+        torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16())
+    h = w(0)._stable_hash_for_caching()
+    assert h == w(1)._stable_hash_for_caching()
+    assert h != w(0, (48, 64))._stable_hash_for_caching() and h != w(0).t()._stable_hash_for_caching()
+    code = ("import torch, quads; print(quads.NVFP4Tensor.from_float(torch.randn(32, 64).bfloat16())"
+            "._stable_hash_for_caching())")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          timeout=300).stdout.split()[-1] == h

@@ -526,8 +526,10 @@ def test_fast_policy_keeps_the_exact_kernels_where_humming_cannot_serve(fake_hum
 def test_fast_policy_warns_on_any_device_and_exact_policy_never():
     import warnings
 
-    with pytest.warns(UserWarning, match="1 of 2 layers keep the exact kernels"):
-        quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout", kernel="fast"))  # CPU: says what a GPU does
+    with pytest.warns(UserWarning, match=r"^quads: kernel='fast' has no effect here: all 2 layers run the torch "
+                                         r"backend \(humming runs on Hopper GPUs\); on a Hopper GPU 1 of them would "
+                                         r"keep the exact kernels$"):
+        quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout", kernel="fast"))  # CPU: says what runs
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout"))

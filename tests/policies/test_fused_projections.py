@@ -83,7 +83,7 @@ def test_sync_writes_the_stacked_layout_in_place():
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    quads.sync_weights_(rollout, trainer)
+    quads.sync_weights_(rollout, trainer, plain_trainer=True)
     assert group.stacked.values.data_ptr() == ptr and group.row_scales.data_ptr() == scales_ptr
     with quads.use_backend("hopper"):
         reference = build_rollout_model(trainer, quads.QuadsPolicy(side="rollout"), device=DEV,

@@ -79,7 +79,7 @@ def test_weight_shared_by_two_converted_linears_is_packed_once():
     trainer = nn.Sequential(nn.Linear(32, 16, bias=False), nn.ReLU(), nn.Linear(16, 32, bias=False))
     trainer.append(nn.Linear(32, 16, bias=False))
     trainer[3].weight = trainer[0].weight
-    assert quads.sync_weights_(model, trainer) == 2
+    assert quads.sync_weights_(model, trainer, plain_trainer=True) == 2
 
 
 def test_meta_model_rollout_is_refused_trainer_is_accepted():

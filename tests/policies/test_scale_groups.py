@@ -120,7 +120,7 @@ def test_sync_refuses_a_partial_group_and_writes_nothing():
     del trainer.model.layers[0].self_attn.v_proj  # a plain trainer lacking one member of a group
     before = snapshot(rollout)
     with pytest.raises(ValueError, match=r"v_proj: not synced, but its sibling group .* sync the whole group"):
-        quads.sync_weights_(rollout, trainer, strict=False)
+        quads.sync_weights_(rollout, trainer, strict=False, plain_trainer=True)
     assert_unchanged(before, rollout)
 
 
@@ -252,7 +252,7 @@ def test_dense_state_dict_loads_with_group_scales_and_a_partial_group_is_refused
     synced, loaded = build("llama", seed=2), build("llama", seed=3)
     for m in (synced, loaded):
         quads.quantize_(m, quads.QuadsPolicy(side="rollout"))
-    quads.sync_weights_(synced, trainer)
+    quads.sync_weights_(synced, trainer, plain_trainer=True)
     state = trainer.state_dict()
     loaded.load_state_dict(state)
     assert not isinstance(state["model.layers.0.self_attn.q_proj.weight"], NVFP4Tensor)  # the caller's dict untouched

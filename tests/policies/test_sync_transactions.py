@@ -72,9 +72,9 @@ def test_deeper_trainer_is_an_error_unless_strict_false():
     quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
     before = snapshot(rollout)
     with pytest.raises(ValueError, match=r"18 trainer parameter\(s\) have no rollout counterpart: model\.layers\.2\."):
-        quads.sync_weights_(rollout, trainer)
+        quads.sync_weights_(rollout, trainer, plain_trainer=True)
     assert_unchanged(before, rollout)
-    n = quads.sync_weights_(rollout, trainer, strict=False)
+    n = quads.sync_weights_(rollout, trainer, strict=False, plain_trainer=True)
     assert n == len(list(rollout.parameters()))
     masters = dict(trainer.named_parameters())
     name = "model.layers.1.self_attn.q_proj.weight"
@@ -83,7 +83,7 @@ def test_deeper_trainer_is_an_error_unless_strict_false():
     deep_rollout = _llama(layers=4, seed=2)
     quads.quantize_(deep_rollout, quads.QuadsPolicy(side="rollout"))
     with pytest.raises(ValueError, match=r"rollout parameter\(s\) have no trainer counterpart"):
-        quads.sync_weights_(deep_rollout, _llama(layers=2))
+        quads.sync_weights_(deep_rollout, _llama(layers=2), plain_trainer=True)
 
 
 def test_shape_mismatch_lists_every_parameter_and_writes_nothing():
@@ -93,12 +93,13 @@ def test_shape_mismatch_lists_every_parameter_and_writes_nothing():
     quads.quantize_(wide, quads.QuadsPolicy(side="rollout"))
     before = snapshot(wide)
     with pytest.raises(ValueError) as err:
-        quads.sync_weights_(wide, trainer)
+        quads.sync_weights_(wide, trainer, plain_trainer=True)
     msg = str(err.value)
-    assert "nothing was written" in msg
+    assert "nothing was written" in msg and "\n" not in msg and "6 problems" in msg  # one line; the list on the error
+    listed = "\n".join(err.value.problems)
     for layer in (0, 1):
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            assert f"model.layers.{layer}.mlp.{proj}.weight has shape" in msg
+            assert f"model.layers.{layer}.mlp.{proj}.weight has shape" in listed
     assert_unchanged(before, wide)
 
 
@@ -106,10 +107,10 @@ def test_packed_or_unquantizable_trainer_is_refused():
     _, rollout = _pair("llama")
     _, other = _pair("llama")
     before = snapshot(rollout)
-    with pytest.raises(ValueError, match=r"packed \(NVFP4Tensor\) in the trainer"):
+    with pytest.raises(ValueError, match=r"trainer_model holds packed NVFP4 weights \(a rollout\)"):
         quads.sync_weights_(rollout, other)
     with pytest.raises(ValueError, match=r"q_proj\.weight is torch\.float64 in the trainer"):
-        quads.sync_weights_(rollout, build("llama").double())
+        quads.sync_weights_(rollout, build("llama").double(), plain_trainer=True)
     assert_unchanged(before, rollout)
 
 
@@ -130,7 +131,7 @@ def test_ties_are_kept_and_checked():
     # untied trainer -> tied rollout: one of the two masters would be lost
     before = snapshot(rollout)
     with pytest.raises(ValueError, match="tied in the rollout, separate parameters in the trainer"):
-        quads.sync_weights_(rollout, _llama(seed=3))
+        quads.sync_weights_(rollout, _llama(seed=3), plain_trainer=True)
     assert_unchanged(before, rollout)
 
 

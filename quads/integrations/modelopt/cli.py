@@ -47,6 +47,9 @@ def _cmd(args: argparse.Namespace) -> int:
         read_prompts,
     )
 
+    from quads.extras import require
+
+    require("quads export", "transformers")
     out = check_new_output_dir(args.out)  # before loading a large model
     if args.format == "nvfp4" and not args.calib:
         raise UsageError("--format nvfp4 (W4A4) needs --calib FILE (one prompt per line) for its input_scale")

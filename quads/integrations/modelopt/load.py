@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from quads.extras import require
 from quads.integrations.modelopt.export import _row_sources
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import quantize_
@@ -147,6 +148,7 @@ def load_exported(
     """
     if side not in SIDES:
         raise ValueError(f"load_exported: side must be one of {SIDES}, got {side!r}")
+    require("quads.integrations.modelopt.load_exported", "transformers")
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():

@@ -18,6 +18,10 @@ and registers its module handler; see :mod:`.config` for what the handler does a
 
 from __future__ import annotations
 
+from quads.extras import require
+
+require("quads.integrations.torchao", "torchao")
+
 from quads.integrations.torchao.config import linear_or_experts, register
 from quads.integrations.torchao.tensor import from_torchao_nvfp4, to_torchao_nvfp4
 

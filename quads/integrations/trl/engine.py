@@ -118,7 +118,7 @@ class QuadsRolloutEngine:
                 self._graphed_sync = GraphedSync(self.model, trainer)
             n = self._graphed_sync()
         else:
-            n = sync_weights_(self.model, trainer)
+            n = sync_weights_(self.model, trainer, plain_trainer=True)  # plain: the preset's BF16 trainer
         self.num_syncs += 1
         self.last_sync_step = self.global_step()
         if device.type == "cuda":

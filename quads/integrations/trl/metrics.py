@@ -9,9 +9,10 @@ metrics, gathered across processes, so every logger TRL feeds gets them.
 With ``quads_alarm`` set (a :class:`~quads.diagnostics.mismatch_alarm.MismatchAlarm`), each
 training step also logs ``sampling/quads/alarm`` (1 when this step's gap left the
 run's band, else 0) and warns in one line naming the step, the value, the band and the worst
-decoder layer. Locating the layer costs one teacher-forced forward of the trainer and one of the
-rollout model over the batch's first sequence, only on a step that fires (a trainer without a
-torch rollout model, e.g. vLLM, names none).
+decoder layer when the gap leaves the band (again every 50 steps while it stays out). Locating the
+layer costs one teacher-forced forward of the trainer and one of the rollout model over the
+batch's first sequence, only on a step that warns (a trainer without a torch rollout model, e.g.
+vLLM, names none).
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ import torch
 from quads.diagnostics.mismatch import mismatch_metrics
 from quads.diagnostics.mismatch_alarm import MismatchAlarm, worst_layer
 
-__all__ = ["MismatchLogging"]
+__all__ = ["MismatchLogging", "TRL_ALIASES"]
+
+#: quads names that are the same quantity as one of TRL's own metrics of the batch: logged as
+#: TRL's value (one number under two names; docs/trl.md has the table of how the rest relate)
+TRL_ALIASES = {
+    "sampling/quads/logp_gap_mean": "sampling/sampling_logp_difference/mean",
+    "sampling/quads/logp_gap_max": "sampling/sampling_logp_difference/max",
+}
 
 # How the quads metrics combine across processes.
 _REDUCE = {"min": "min", "max": "max", "p99": "max", "alarm": "max"}
@@ -79,17 +87,29 @@ class MismatchLogging:
             clip_max=self.vllm_importance_sampling_clip_max,
             rollout_corr=self.quads_rollout_corr,
         )
+        for name, trl_name in TRL_ALIASES.items():  # TRL logged them for this batch just now
+            logged = self._metrics[mode].get(trl_name)
+            if logged:
+                metrics[name] = logged[-1]
         metrics.update(self._quads_extra_metrics(output, rollout_lp, trainer_lp, mask))
         if mode == "train" and self.quads_alarm is not None:
             metrics["sampling/quads/alarm"] = self._quads_check_alarm(metrics, output)
         self._quads_log(mode, metrics)
         return output
 
+    #: while a run stays out of its band, the alarm warns again only every this many steps
+    ALARM_REPEAT_STEPS = 50
+
     def _quads_check_alarm(self, metrics: dict[str, float], output) -> float:
-        """1.0 (and one warning line) when this step's gap leaves the band, else 0.0."""
+        """1.0 when this step's gap leaves the band, else 0.0; one warning line when the gap
+        leaves the band, then one every :attr:`ALARM_REPEAT_STEPS` steps while it stays out."""
         reason = self.quads_alarm.check(metrics["sampling/quads/logp_gap_mean"], metrics["sampling/quads/logp_gap_max"])
+        streak = self.__dict__.get("_quads_alarm_streak", 0)
+        self._quads_alarm_streak = 0 if reason is None else streak + 1
         if reason is None:
             return 0.0
+        if streak % self.ALARM_REPEAT_STEPS:
+            return 1.0
         where = "worst layer unknown (no torch rollout model)"
         rollout = getattr(self, "rollout_model", None)
         if rollout is not None:
@@ -97,5 +117,6 @@ class MismatchLogging:
             am = torch.cat([output["prompt_mask"][:1], output["completion_mask"][:1]], dim=1)
             name, added = worst_layer(self.accelerator.unwrap_model(self.model), rollout, ids, am)
             where = f"worst layer {name} (+{added:.3g} relative hidden-state error)"
-        warnings.warn(f"quads mismatch alarm at step {self.state.global_step}: {reason}; {where}", stacklevel=2)
+        still = f" (out of the band for {streak + 1} steps)" if streak else ""
+        warnings.warn(f"quads mismatch alarm at step {self.state.global_step}{still}: {reason}; {where}", stacklevel=2)
         return 1.0

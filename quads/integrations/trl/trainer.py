@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn as nn
 from quads.diagnostics.mismatch_alarm import DEFAULT_ALARM_FACTOR, MismatchAlarm
 from quads.diagnostics.precision_probe import precision_probe, probe_warning
 from quads.diagnostics.scoring import score_teacher_forced
+from quads.integrations.trl.config import resolve_trainer_options
 from quads.integrations.trl.engine import QuadsRolloutEngine
 from quads.integrations.trl.metrics import MismatchLogging
 from quads.policies import PolicyPreset, build_rollout_model, get_preset, prepare_trainer_, sync_weights_
@@ -35,6 +37,10 @@ else:
 
 ROLLOUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MISSING = object()
+#: the trainer's options without a QuadsGRPOConfig (QuadsGRPOConfig's field defaults are the same)
+OPTION_DEFAULTS = {"quads_policy": "quads", "rollout_dtype": torch.bfloat16, "decompose_mismatch": False,
+                   "graphed_decode": None, "rollout_corr_metrics": False, "routing_replay": False,
+                   "mismatch_alarm": DEFAULT_ALARM_FACTOR}
 
 
 def _model_snapshot(model: nn.Module):
@@ -123,6 +129,8 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
             exceeds this multiple of the median of the first 5 steps'; logs
             ``sampling/quads/alarm`` every step (:mod:`quads.diagnostics.mismatch_alarm`). None: off.
 
+    ``args`` may be a :class:`~quads.integrations.trl.config.QuadsGRPOConfig`: its ``quads_*``
+    fields give these options (a constructor argument that differs from one it sets: one-line error).
     ``args.use_vllm`` must be False (this class *is* the rollout engine; with vLLM use
     ``QuadsVLLMGRPOTrainer``). Every argument is checked before the model is touched. TRL's
     ``vllm_importance_sampling_*`` options keep their meaning and defaults
@@ -144,13 +152,13 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         reward_funcs,
         args=None,
         *pos,
-        quads_policy: str | PolicyPreset | PolicyPair = "quads",
-        rollout_dtype: torch.dtype = torch.bfloat16,
-        decompose_mismatch: bool = False,
-        graphed_decode: bool | None = None,
-        rollout_corr_metrics: bool = False,
-        routing_replay: bool = False,
-        mismatch_alarm: float | None = DEFAULT_ALARM_FACTOR,
+        quads_policy: str | PolicyPreset | PolicyPair = _MISSING,
+        rollout_dtype: torch.dtype = _MISSING,
+        decompose_mismatch: bool = _MISSING,
+        graphed_decode: bool | None = _MISSING,
+        rollout_corr_metrics: bool = _MISSING,
+        routing_replay: bool = _MISSING,
+        mismatch_alarm: float | None = _MISSING,
         **kwargs,
     ):
         if _trl is None:
@@ -161,6 +169,13 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
                 "it hooks GRPOTrainer internals (vllm_generation, _generate_single_turn).",
                 stacklevel=2,
             )
+        options = resolve_trainer_options(args, {
+            "quads_policy": quads_policy, "rollout_dtype": rollout_dtype, "decompose_mismatch": decompose_mismatch,
+            "graphed_decode": graphed_decode, "rollout_corr_metrics": rollout_corr_metrics,
+            "routing_replay": routing_replay, "mismatch_alarm": mismatch_alarm, "__missing__": _MISSING,
+        }, OPTION_DEFAULTS)
+        (quads_policy, rollout_dtype, decompose_mismatch, graphed_decode, rollout_corr_metrics, routing_replay,
+         mismatch_alarm) = (options[k] for k in OPTION_DEFAULTS)
         flags = {"decompose_mismatch": decompose_mismatch, "rollout_corr_metrics": rollout_corr_metrics,
                  "routing_replay": routing_replay}
         _check_options(args, rollout_dtype, flags, graphed_decode, kwargs.get("peft_config"))
@@ -201,11 +216,11 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         except BaseException:
             undo()  # TRL (or the rollout build) failed: the caller's model is as it was, a retry works
             raise
-        # Hand the engine to TRL's vLLM code path (see module doc).
+        # Hand the engine to TRL's external-engine code path (see use_vllm and the module doc).
+        self.quads_engine = self.quads_rollout
         self.vllm_generation = self.quads_rollout
         self.vllm_mode = "quads"
         self._last_loaded_step = -1
-        self.use_vllm = True
 
         self._quads_probe_models: dict[str, nn.Module] | None = None
         self._quads_setup_routing(unwrapped)
@@ -221,6 +236,46 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         line = probe_warning(precision_probe(self.accelerator.unwrap_model(self.model), self.rollout_model, autocast))
         if line:
             warnings.warn(line, stacklevel=3)
+
+    # -- the engine TRL's vLLM code path runs ---------------------------------------------------
+
+    #: what generates the completions: this trainer's engine (transformers on the quads rollout
+    #: model, ``quads_engine``); no vLLM runs
+    generation_engine = "quads"
+    _quads_engine_calls = 0
+
+    @property
+    def use_vllm(self) -> bool:
+        """False, as ``args.use_vllm``: no vLLM runs (``generation_engine`` is ``"quads"``).
+
+        TRL reads this flag as "completions come from ``vllm_generation``, with their log-probs
+        for the importance-sampling correction"; the quads engine is installed there, so while
+        TRL's own generation and loss code runs (inside ``_prepare_inputs`` and ``compute_loss``)
+        it reads True.
+        """
+        return self._quads_engine_calls > 0 or vars(self).get("_trl_use_vllm", False)
+
+    @use_vllm.setter
+    def use_vllm(self, value: bool) -> None:  # GRPOTrainer.__init__ copies args.use_vllm (False, checked)
+        self._trl_use_vllm = bool(value)
+
+    @contextlib.contextmanager
+    def _quads_engine_path(self):
+        ready = "quads_engine" in vars(self)
+        self._quads_engine_calls += ready
+        try:
+            yield
+        finally:
+            self._quads_engine_calls -= ready
+
+    def _prepare_inputs(self, generation_batch):
+        with self._quads_engine_path():
+            return super()._prepare_inputs(generation_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self._quads_engine_path():
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
 
     # -- set-up helpers ------------------------------------------------------------------------
 
@@ -351,7 +406,7 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         synced = set()
         for m in self._quads_probe_models.values():
             if id(m) not in synced:
-                sync_weights_(m, trainer)
+                sync_weights_(m, trainer, plain_trainer=True)
                 synced.add(id(m))
         return self._quads_probe_models
 

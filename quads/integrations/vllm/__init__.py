@@ -30,4 +30,7 @@ def register() -> None:
 
     The ``vllm.general_plugins`` entry point; vLLM calls it in every process it starts.
     """
+    from quads.extras import require
+
+    require("quads.integrations.vllm.register", "vllm")
     from quads.integrations.vllm import quant_method  # noqa: F401  (registration happens on import)

@@ -31,6 +31,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from quads.extras import require
+
+require("quads.integrations.vllm.quant_method", "vllm")
+
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, GateLinear, RoutedExperts
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
