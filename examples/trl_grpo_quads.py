@@ -663,6 +663,7 @@ def main(argv=None) -> dict:
             quads_policy=args.policy,  # the trainer reads its plan and options from its config
             quads_kernel=args.kernel,
             quads_decompose_mismatch=args.decompose,
+            quads_routing_replay=args.routing_replay,
             output_dir=str(out / "trainer"),
             use_cpu=args.device == "cpu",
             bf16=True,  # float32 masters, bf16 autocast compute
