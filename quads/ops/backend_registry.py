@@ -35,8 +35,27 @@ import torch
 
 from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
 
-__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "LinearArgs", "LinearKernel", "backend_names",
-           "gemm_shape", "get_backend", "register_backend", "select_backend", "use_backend"]
+__all__ = ["BACKEND_NAMES", "KERNEL_OPS", "KERNEL_PREFERENCES", "Backend", "KernelBase", "LinearArgs", "LinearKernel",
+           "backend_names", "gemm_shape", "get_backend", "register_backend", "register_kernel_type", "select_backend",
+           "use_backend"]
+
+try:  # torch's opaque objects: a custom op may take a kernel object itself (torch.compile)
+    from torch._library.opaque_object import MemberType, register_opaque_type
+    from torch._opaque_base import OpaqueBase as KernelBase
+except ImportError:  # an older torch: compiled code passes a kernel's plain fields instead
+    KernelBase, register_opaque_type = object, None
+#: whether compiled code hands kernel objects to the quads custom ops (``quads::linear_kernel``,
+#: ``quads::experts_gemm``) rather than their fields (``quads::linear``, ``quads::grouped_linear``)
+KERNEL_OPS = register_opaque_type is not None
+
+
+def register_kernel_type(cls: type, *constants: str) -> None:
+    """Make the kernels of class ``cls`` (and its subclasses) arguments of custom ops: opaque to
+    ``torch.compile`` (reference objects: a graph input, never copied), ``apply`` traced inline,
+    ``constants`` (plain Python values fixed at the kernel's creation) read at trace time."""
+    if KERNEL_OPS:
+        register_opaque_type(cls, typ="reference",
+                             members={"apply": MemberType.INLINED, **{n: MemberType.USE_REAL for n in constants}})
 
 
 @dataclasses.dataclass
@@ -72,17 +91,25 @@ def _weight_k(weight) -> int | None:
     return weight.shape[-1]
 
 
-class LinearKernel:
+class LinearKernel(KernelBase):
     """One quantized linear's kernel: a backend's GEMMs over one weight (:class:`LinearArgs`).
 
-    Made once when the weight is set (:meth:`Backend.linear_kernel`), applied per forward:
+    Made once when the weight is set (:meth:`Backend.linear_kernel`; a rollout module remakes it
+    only in ``quads_weights_changed``, never in a forward), applied per forward:
     ``apply(x (..., K), bias, operands) -> (..., N)`` calls the launchers itself (inside
     ``torch.compile``: the ``quads::linear`` custom op). ``operands``: the input's GEMM operands
-    computed once for sibling linears (:meth:`Backend.activation_operands`)."""
+    computed once for sibling linears (:meth:`Backend.activation_operands`).
+
+    What ``apply`` reads is resolved here, once: ``parts`` (the packed parts' tensors, which
+    every write through the product API rewrites in place; meta placeholders where the prepared
+    layout holds them), ``act``, ``static_mask``, ``prepared``, ``k``."""
 
     def __init__(self, backend: "Backend", args: LinearArgs):
         self.backend, self.args = backend, args
         self.k = _weight_k(args.weight)
+        self.parts = None if args.weight is None else args.parts()
+        self.n = None if self.parts is None else self.parts.qdata.shape[0]
+        self.act, self.static_mask, self.prepared = args.act, args.static_mask, args.prepared
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise unless ``x``'s last dim is the weight's K (some GEMMs read only the first K columns)."""
@@ -92,6 +119,8 @@ class LinearKernel:
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None, operands=None) -> torch.Tensor:
         raise NotImplementedError
 
+
+register_kernel_type(LinearKernel, "n")
 #: ``QuadsPolicy.kernel``: the exact Triton kernels (bit-exact, deterministic, batch invariant) or
 #: the fast path (humming: within a stated bound of the exact path, see docs/humming.md)
 KERNEL_PREFERENCES = ("exact", "fast")
