@@ -35,27 +35,47 @@ import torch
 
 from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
 
-__all__ = ["BACKEND_NAMES", "KERNEL_OPS", "KERNEL_PREFERENCES", "Backend", "KernelBase", "LinearArgs", "LinearKernel",
-           "backend_names", "gemm_shape", "get_backend", "register_backend", "register_kernel_type", "select_backend",
+__all__ = ["BACKEND_NAMES", "KERNEL_OPS", "KERNEL_PREFERENCES", "Backend", "KernelHandle", "KernelObject", "LinearArgs",
+           "LinearKernel", "backend_names", "gemm_shape", "get_backend", "register_backend", "select_backend",
            "use_backend"]
 
-try:  # torch's opaque objects: a custom op may take a kernel object itself (torch.compile)
-    from torch._library.opaque_object import MemberType, register_opaque_type
-    from torch._opaque_base import OpaqueBase as KernelBase
+try:  # torch's opaque objects: a custom op may take a Python object (torch.compile)
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase
 except ImportError:  # an older torch: compiled code passes a kernel's plain fields instead
-    KernelBase, register_opaque_type = object, None
+    OpaqueBase, register_opaque_type = object, None
+
+
+class KernelHandle(OpaqueBase):
+    """A kernel object as a custom op's argument (``quads::linear_kernel``, ``quads::experts_gemm``):
+    opaque to ``torch.compile`` (a reference: a graph input, never copied or guarded on), so the
+    compiled call runs the module's own kernel. Pickles as its kernel's class name (what
+    inductor's cache key hashes of it: never the weights)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __reduce__(self):
+        return str, (f"quads kernel {type(self.kernel).__qualname__}",)
+
+
 #: whether compiled code hands kernel objects to the quads custom ops (``quads::linear_kernel``,
 #: ``quads::experts_gemm``) rather than their fields (``quads::linear``, ``quads::grouped_linear``)
 KERNEL_OPS = register_opaque_type is not None
+if KERNEL_OPS:
+    register_opaque_type(KernelHandle, typ="reference")
 
 
-def register_kernel_type(cls: type, *constants: str) -> None:
-    """Make the kernels of class ``cls`` (and its subclasses) arguments of custom ops: opaque to
-    ``torch.compile`` (reference objects: a graph input, never copied), ``apply`` traced inline,
-    ``constants`` (plain Python values fixed at the kernel's creation) read at trace time."""
-    if KERNEL_OPS:
-        register_opaque_type(cls, typ="reference",
-                             members={"apply": MemberType.INLINED, **{n: MemberType.USE_REAL for n in constants}})
+class KernelObject:
+    """What every kernel (linear, experts) shares: its :class:`KernelHandle` (``op_handle``), made
+    with it and again when it is unpickled or deep-copied."""
+
+    def _init_handle(self) -> None:
+        self.op_handle = KernelHandle(self) if KERNEL_OPS else None
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_handle()
 
 
 @dataclasses.dataclass
@@ -91,7 +111,7 @@ def _weight_k(weight) -> int | None:
     return weight.shape[-1]
 
 
-class LinearKernel(KernelBase):
+class LinearKernel(KernelObject):
     """One quantized linear's kernel: a backend's GEMMs over one weight (:class:`LinearArgs`).
 
     Made once when the weight is set (:meth:`Backend.linear_kernel`; a rollout module remakes it
@@ -110,6 +130,7 @@ class LinearKernel(KernelBase):
         self.parts = None if args.weight is None else args.parts()
         self.n = None if self.parts is None else self.parts.qdata.shape[0]
         self.act, self.static_mask, self.prepared = args.act, args.static_mask, args.prepared
+        self._init_handle()
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise unless ``x``'s last dim is the weight's K (some GEMMs read only the first K columns)."""
@@ -119,8 +140,6 @@ class LinearKernel(KernelBase):
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None, operands=None) -> torch.Tensor:
         raise NotImplementedError
 
-
-register_kernel_type(LinearKernel, "n")
 #: ``QuadsPolicy.kernel``: the exact Triton kernels (bit-exact, deterministic, batch invariant) or
 #: the fast path (humming: within a stated bound of the exact path, see docs/humming.md)
 KERNEL_PREFERENCES = ("exact", "fast")

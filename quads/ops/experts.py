@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import quads.ops.grouped_linear  # noqa: F401  (registers the quads::grouped_linear custom op)
 from quads.ops.activation_quant import ActivationQuant, as_operands, operand_row_args
-from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelBase, LinearArgs, register_kernel_type, select_backend
+from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelHandle, KernelObject, LinearArgs, select_backend
 from quads.ops.compile_alignment import align_this_compile
 from quads.ops.linear import _matmul_operands, act_fields, prepare_weight_hopper, prepared_fields, reference_operands
 from quads.ops.weight_cache import dequantized_weight
@@ -128,7 +128,7 @@ def experts_loop(
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
-class ExpertsKernel(KernelBase):
+class ExpertsKernel(KernelObject):
     """One experts module's kernel over two 3-D weights (:class:`~quads.ops.backend_registry.LinearArgs`),
     made once when the weights are set (``Backend.experts_kernel``); ``down=None`` makes a kernel
     of one projection (:func:`grouped_linear`: rows routed already, no combine).
@@ -149,6 +149,7 @@ class ExpertsKernel(KernelBase):
         self.h = None if w is None else w.qdata.shape[-1] * 2
         self.num_experts = None if w is None else w.qdata.shape[0]
         self.out_features = tuple(None if p is None else p.qdata.shape[-2] for p in self.parts)
+        self._init_handle()
 
     def check_input(self, hidden: torch.Tensor) -> None:
         """Raise unless ``hidden``'s last dim is the experts' H (grouped GEMMs may read only the first H columns)."""
@@ -192,15 +193,13 @@ class ExpertsKernel(KernelBase):
                 *act_fields(a.act), a.static_mask, route.num_rows, self.backend.name)
 
 
-register_kernel_type(ExpertsKernel, "h", "num_experts", "out_features")
-
 
 def compiled_gemm(kernel: ExpertsKernel, i: int, x, rows, route: Routing, bias) -> torch.Tensor:
     """Projection ``i`` of ``kernel`` as ``torch.compile`` traces it: one opaque custom op over the
     kernel object (``quads::experts_gemm``: :meth:`ExpertsKernel.gemm` eagerly in its body), or
     where this torch has no opaque objects ``quads::grouped_linear`` over its plain arguments."""
     if KERNEL_OPS:
-        return torch.ops.quads.experts_gemm(x, rows, route.offsets, bias, kernel, i, route.num_rows,
+        return torch.ops.quads.experts_gemm(x, rows, route.offsets, bias, kernel.op_handle, i, route.num_rows,
                                             kernel.out_features[i])
     return torch.ops.quads.grouped_linear(*kernel.op_args(i, x, rows, route, bias))
 
@@ -208,10 +207,10 @@ def compiled_gemm(kernel: ExpertsKernel, i: int, x, rows, route: Routing, bias) 
 if KERNEL_OPS:
     @torch.library.custom_op("quads::experts_gemm", mutates_args=())
     def experts_gemm_op(x: torch.Tensor, rows: torch.Tensor | None, offsets: torch.Tensor, bias: torch.Tensor | None,
-                        kernel: ExpertsKernel, projection: int, num_rows: int, out_features: int) -> torch.Tensor:
+                        kernel: KernelHandle, projection: int, num_rows: int, out_features: int) -> torch.Tensor:
         """(num_rows, N): an experts kernel's projection (:meth:`ExpertsKernel.gemm`) as an op opaque to
         ``torch.compile``, run eagerly on the module's own kernel (the reference's host loop inside it)."""
-        return kernel.gemm(projection, x, rows, Routing.of_rows(rows, offsets, num_rows), bias)
+        return kernel.kernel.gemm(projection, x, rows, Routing.of_rows(rows, offsets, num_rows), bias)
 
     @experts_gemm_op.register_fake
     def _(x, rows, offsets, bias, kernel, projection, num_rows, out_features):

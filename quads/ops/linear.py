@@ -33,7 +33,7 @@ from quads.ops.activation_quant import (
     quantize_activation_reference,
     quantize_activation_triton,
 )
-from quads.ops.backend_registry import KERNEL_OPS, Backend, LinearArgs, LinearKernel, get_backend, select_backend
+from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelHandle, LinearArgs, LinearKernel, get_backend, select_backend
 from quads.ops.compile_alignment import align_this_compile
 from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
@@ -145,7 +145,7 @@ def compiled_linear(kernel: LinearKernel, x: torch.Tensor, bias) -> torch.Tensor
     has no opaque objects ``quads::linear`` over its plain arguments."""
     x2 = x.reshape(-1, x.shape[-1])
     if KERNEL_OPS:
-        y = torch.ops.quads.linear_kernel(x2, bias, kernel, kernel.n)
+        y = torch.ops.quads.linear_kernel(x2, bias, kernel.op_handle, kernel.n)
     else:
         y = torch.ops.quads.linear(*_op_args(kernel, x2, bias))
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -361,11 +361,11 @@ def linear_op(
 
 if KERNEL_OPS:
     @torch.library.custom_op("quads::linear_kernel", mutates_args=())
-    def linear_kernel_op(x: torch.Tensor, bias: torch.Tensor | None, kernel: LinearKernel, out_features: int
+    def linear_kernel_op(x: torch.Tensor, bias: torch.Tensor | None, kernel: KernelHandle, out_features: int
                          ) -> torch.Tensor:
         """(M, K) -> (M, N): a linear kernel object's ``apply``, run eagerly, as an op opaque to
         ``torch.compile`` (the compiled path's kernel is the module's own: nothing is rebuilt per call)."""
-        return kernel.apply(x, bias)
+        return kernel.kernel.apply(x, bias)
 
     @linear_kernel_op.register_fake
     def _(x, bias, kernel, out_features):
