@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import quads.ops.grouped_linear  # noqa: F401  (registers the quads::grouped_linear custom op)
-from quads.ops.activation_quant import ActivationQuant, as_operands, operand_row_args
+from quads.ops.activation_quant import ActivationQuant, as_operands, fixed_operand_row_args, operand_row_args
 from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelHandle, KernelObject, LinearArgs, select_backend
 from quads.ops.compile_alignment import align_this_compile
 from quads.ops.linear import _matmul_operands, act_fields, prepare_weight_hopper, prepared_fields, reference_operands
@@ -52,7 +52,7 @@ class Routing:
         flat = top_k_index.reshape(-1)
         self.top_k = top_k_index.shape[-1]
         self.num_rows = flat.numel()
-        if _routing_kernel_applies(flat, num_experts):
+        if flat.is_cuda and _routing_kernel_applies(flat, num_experts):
             from quads.kernels.moe_routing import moe_routing
 
             self.order, counts, self.offsets, self.token_of_row = moe_routing(flat, num_experts, self.top_k)
@@ -218,10 +218,6 @@ if KERNEL_OPS:
         return x.new_empty(num_rows, out_features)
 
 
-def _expert(parts: NVFP4Parts, e: int) -> NVFP4Parts:
-    return NVFP4Parts(parts.qdata[e], parts.scale[e], parts.global_encode_scale[e])
-
-
 class ReferenceExpertsKernel(ExpertsKernel):
     """The torch backend's experts: each projection a host loop over the experts (``.tolist()``
     synchronizes with the device), each expert's rows through the reference linear's product
@@ -237,7 +233,8 @@ class ReferenceExpertsKernel(ExpertsKernel):
             lo, hi = bounds[e], bounds[e + 1]
             if hi == lo:
                 continue
-            src, we = x[rows[lo:hi].long()] if rows is not None else x[lo:hi], _expert(w, e)
+            src = x[rows[lo:hi].long()] if rows is not None else x[lo:hi]
+            we = NVFP4Parts(w.qdata[e], w.scale[e], w.global_encode_scale[e])
             b = None if bias is None else bias[e]
             if a.act is None:
                 y = F.linear(src, dequantized_weight(we, src.dtype), b)
@@ -257,6 +254,13 @@ class HopperExpertsKernel(ExpertsKernel):
     quantize each expert's rows as one tensor (a host loop over experts, as the reference). W4A16
     with biases runs the reference's per-expert ``F.linear`` (:class:`ReferenceExpertsKernel`)."""
 
+    def __init__(self, backend, gate_up: LinearArgs, down: LinearArgs | None = None):
+        super().__init__(backend, gate_up, down)
+        self.row_args_device = None if self.parts[0] is None else self.parts[0].qdata.device
+        self.row_args = tuple(None if p is None else fixed_operand_row_args(p.qdata.shape[-1] * 2, self.row_args_device,
+                                                                            a.act, a.static_mask)
+                              for a, p in zip(self.projections, self.parts))
+
     def gemm(self, i, x, rows, route, bias, w=None):
         a = self.projections[i]
         if a.act is None and bias is not None:
@@ -265,13 +269,15 @@ class HopperExpertsKernel(ExpertsKernel):
         from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm
         from quads.kernels.quantize_activations import quantize_rows
 
-        prepared, w = (a.prepared, self.parts[i]) if w is None else (None, w)
+        own = w is None  # the kernel's own weight (else parts derived for the exact path)
+        prepared, w = (a.prepared, self.parts[i]) if own else (None, w)
         x = x if x.stride(-1) == 1 else x.contiguous()
         src_rows, rows_x, has_residual = rows, x.shape[0], False
         if a.act is None:
             stacked, row_scale = scaled_fp16_rows(x)
         elif a.act.granularity == "row":
-            ops = as_operands(quantize_rows(x, **operand_row_args(x, a.act, a.static_mask)), x.shape[0])
+            row_args = self.row_args[i] if own and x.device == self.row_args_device else None
+            ops = as_operands(quantize_rows(x, **(row_args or operand_row_args(x, a.act, a.static_mask))), x.shape[0])
             stacked, row_scale, has_residual = ops.stacked, ops.main_scale, ops.residual is not None
         else:  # each expert's rows one tensor, the operand rows in expert order
             bounds = route.offsets.tolist()

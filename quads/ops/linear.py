@@ -29,6 +29,7 @@ from quads.ops.activation_quant import (
     ActivationQuant,
     QuantizedActivation,
     as_operands,
+    fixed_operand_row_args,
     operand_row_args,
     quantize_activation_reference,
     quantize_activation_triton,
@@ -186,6 +187,12 @@ class HopperLinearKernel(LinearKernel):
     ``DQ(W)``, a cuBLAS product) the weight is not rounded to bf16 and the fp32 sums run in
     another order: differences of that size."""
 
+    def __init__(self, backend, args: LinearArgs):
+        super().__init__(backend, args)
+        self.row_args_device = None if self.parts is None else self.parts.qdata.device
+        self.row_args = None if self.k is None else fixed_operand_row_args(self.k, self.row_args_device, self.act,
+                                                                           self.static_mask)
+
     def apply(self, x, bias=None, operands=None, parts=None, prepared=None):
         """``parts``/``prepared``: read instead of the kernel's own (the humming kernel's exact path
         for fp32 inputs: parts derived from its layout, the Hopper layout built per call)."""
@@ -205,7 +212,9 @@ class HopperLinearKernel(LinearKernel):
             if act is None:
                 operands = scaled_fp16_rows(x2c)
             else:
-                operands = as_operands(quantize_rows(x2c, **operand_row_args(x2c, act, self.static_mask)), m)
+                row_args = self.row_args if x2c.device == self.row_args_device else None
+                operands = as_operands(quantize_rows(x2c, **(row_args or operand_row_args(x2c, act, self.static_mask))),
+                                       m)
         if act is None:
             main = stacked = operands[0]
             row_scale, residual = operands[1], None
