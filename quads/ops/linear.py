@@ -212,7 +212,7 @@ class HopperLinearKernel(LinearKernel):
             if act is None:
                 operands = scaled_fp16_rows(x2c)
             else:
-                row_args = self.row_args if x2c.device == self.row_args_device else None
+                row_args = self.row_args if parts is None and x2c.device == self.row_args_device else None
                 operands = as_operands(quantize_rows(x2c, **(row_args or operand_row_args(x2c, act, self.static_mask))),
                                        m)
         if act is None:
