@@ -63,7 +63,10 @@ class KernelHandle(OpaqueBase):
 #: ``quads::experts_gemm``) rather than their fields (``quads::linear``, ``quads::grouped_linear``)
 KERNEL_OPS = register_opaque_type is not None
 if KERNEL_OPS:
-    register_opaque_type(KernelHandle, typ="reference")
+    try:
+        register_opaque_type(KernelHandle, typ="reference")
+    except (TypeError, ValueError, RuntimeError):  # a torch whose opaque-object API differs: the plain fields
+        KERNEL_OPS = False
 
 
 class KernelObject:
