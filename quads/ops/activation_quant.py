@@ -27,6 +27,7 @@ from quads.ops.backend_registry import Backend, select_backend
 from quads.tensor.nvfp4_math import BLOCK_SCALINGS, NVFP4Parts, check_quantizable, nvfp4_dequantize, nvfp4_quantize
 
 __all__ = [
+    "fixed_operand_row_args",
     "ActivationQuant",
     "ActivationOperands",
     "QuantizedActivation",
@@ -156,7 +157,9 @@ def quantize_activation_reference(
     static_mask: torch.Tensor | None = None,
 ) -> QuantizedActivation:
     """Quantize a 2-D activation ``x`` (M, K) per ``config`` (torch reference: the spec)."""
-    _check_2d(x)
+    if x.dim() != 2:
+        _check_2d(x)
+    check_quantizable(x, "activation")
     main = nvfp4_quantize(x, config.granularity, None, config.block_scaling)
     if not config.has_residual:
         return QuantizedActivation(main, None)
@@ -219,6 +222,17 @@ def operand_row_args(x2d: torch.Tensor, config: ActivationQuant, static_mask: to
     residual, k_top, mask = _kernel_residual_args(x2d, config, static_mask)
     return dict(residual=residual, k_top=k_top, static_mask=mask, granularity=config.granularity,
                 write_packed=False, write_operand=True, stacked=True, block_scaling=config.block_scaling)
+
+
+def fixed_operand_row_args(k: int, device: torch.device, config: ActivationQuant | None,
+                           static_mask: torch.Tensor | None = None) -> dict | None:
+    """:func:`operand_row_args` for every input of ``k`` channels on ``device``, made once with a
+    kernel; None where there is nothing to fix (no ``config``, a weight on the meta device) or it
+    cannot be fixed ahead (``"static"`` selection before calibration: the call raises then)."""
+    if config is None or device.type == "meta" or (
+            config.has_residual and config.selection == "static" and static_mask is None):
+        return None
+    return operand_row_args(torch.empty((0, k), device=device), config, static_mask)
 
 
 def as_operands(q, m: int) -> ActivationOperands:

@@ -35,8 +35,50 @@ import torch
 
 from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
 
-__all__ = ["BACKEND_NAMES", "KERNEL_PREFERENCES", "Backend", "LinearArgs", "LinearKernel", "backend_names",
-           "gemm_shape", "get_backend", "register_backend", "select_backend", "use_backend"]
+__all__ = ["BACKEND_NAMES", "KERNEL_OPS", "KERNEL_PREFERENCES", "Backend", "KernelHandle", "KernelObject", "LinearArgs",
+           "LinearKernel", "backend_names", "gemm_shape", "get_backend", "register_backend", "select_backend",
+           "use_backend"]
+
+try:  # torch's opaque objects: a custom op may take a Python object (torch.compile)
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase
+except ImportError:  # an older torch: compiled code passes a kernel's plain fields instead
+    OpaqueBase, register_opaque_type = object, None
+
+
+class KernelHandle(OpaqueBase):
+    """A kernel object as a custom op's argument (``quads::linear_kernel``, ``quads::experts_gemm``):
+    opaque to ``torch.compile`` (a reference: a graph input, never copied or guarded on), so the
+    compiled call runs the module's own kernel. Pickles as its kernel's class name (what
+    inductor's cache key hashes of it: never the weights)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __reduce__(self):
+        return str, (f"quads kernel {type(self.kernel).__qualname__}",)
+
+
+#: whether compiled code hands kernel objects to the quads custom ops (``quads::linear_kernel``,
+#: ``quads::experts_gemm``) rather than their fields (``quads::linear``, ``quads::grouped_linear``)
+KERNEL_OPS = register_opaque_type is not None
+if KERNEL_OPS:
+    try:
+        register_opaque_type(KernelHandle, typ="reference")
+    except (TypeError, ValueError, RuntimeError):  # a torch whose opaque-object API differs: the plain fields
+        KERNEL_OPS = False
+
+
+class KernelObject:
+    """What every kernel (linear, experts) shares: its :class:`KernelHandle` (``op_handle``), made
+    with it and again when it is unpickled or deep-copied."""
+
+    def _init_handle(self) -> None:
+        self.op_handle = KernelHandle(self) if KERNEL_OPS else None
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_handle()
 
 
 @dataclasses.dataclass
@@ -72,17 +114,26 @@ def _weight_k(weight) -> int | None:
     return weight.shape[-1]
 
 
-class LinearKernel:
+class LinearKernel(KernelObject):
     """One quantized linear's kernel: a backend's GEMMs over one weight (:class:`LinearArgs`).
 
-    Made once when the weight is set (:meth:`Backend.linear_kernel`), applied per forward:
+    Made once when the weight is set (:meth:`Backend.linear_kernel`; a rollout module remakes it
+    only in ``quads_weights_changed``, never in a forward), applied per forward:
     ``apply(x (..., K), bias, operands) -> (..., N)`` calls the launchers itself (inside
     ``torch.compile``: the ``quads::linear`` custom op). ``operands``: the input's GEMM operands
-    computed once for sibling linears (:meth:`Backend.activation_operands`)."""
+    computed once for sibling linears (:meth:`Backend.activation_operands`).
+
+    What ``apply`` reads is resolved here, once: ``parts`` (the packed parts' tensors, which
+    every write through the product API rewrites in place; meta placeholders where the prepared
+    layout holds them), ``act``, ``static_mask``, ``prepared``, ``k``."""
 
     def __init__(self, backend: "Backend", args: LinearArgs):
         self.backend, self.args = backend, args
         self.k = _weight_k(args.weight)
+        self.parts = None if args.weight is None else args.parts()
+        self.n = None if self.parts is None else self.parts.qdata.shape[0]
+        self.act, self.static_mask, self.prepared = args.act, args.static_mask, args.prepared
+        self._init_handle()
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise unless ``x``'s last dim is the weight's K (some GEMMs read only the first K columns)."""

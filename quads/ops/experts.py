@@ -25,14 +25,15 @@ import torch
 import torch.nn.functional as F
 
 import quads.ops.grouped_linear  # noqa: F401  (registers the quads::grouped_linear custom op)
-from quads.ops.activation_quant import ActivationQuant, as_operands, operand_row_args
-from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
+from quads.ops.activation_quant import ActivationQuant, as_operands, fixed_operand_row_args, operand_row_args
+from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelHandle, KernelObject, LinearArgs, select_backend
+from quads.ops.compile_alignment import align_this_compile
 from quads.ops.linear import _matmul_operands, act_fields, prepare_weight_hopper, prepared_fields, reference_operands
 from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
-__all__ = ["ExpertsKernel", "HopperExpertsKernel", "ReferenceExpertsKernel", "Routing", "combine_top_k", "grouped_linear",
+__all__ = ["act_and_mul", "compiled_gemm", "ExpertsKernel", "HopperExpertsKernel", "ReferenceExpertsKernel", "Routing", "combine_top_k", "grouped_linear",
            "route_by_expert", "experts_loop", "rollout_experts"]
 
 ExpertMLP = Callable[[torch.Tensor, int], torch.Tensor]
@@ -51,7 +52,7 @@ class Routing:
         flat = top_k_index.reshape(-1)
         self.top_k = top_k_index.shape[-1]
         self.num_rows = flat.numel()
-        if _routing_kernel_applies(flat, num_experts):
+        if flat.is_cuda and _routing_kernel_applies(flat, num_experts):
             from quads.kernels.moe_routing import moe_routing
 
             self.order, counts, self.offsets, self.token_of_row = moe_routing(flat, num_experts, self.top_k)
@@ -94,6 +95,12 @@ def route_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.
     return r.order, r.counts
 
 
+def act_and_mul(act_fn: Callable[[torch.Tensor], torch.Tensor], gate_up_out: torch.Tensor) -> torch.Tensor:
+    """The common gate of fused experts: ``act(gate) * up`` over the two halves of the gate_up output."""
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return act_fn(gate) * up
+
+
 def experts_loop(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -121,22 +128,28 @@ def experts_loop(
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
-class ExpertsKernel:
-    """One experts module's kernel: routing, the grouped ``gate_up`` GEMM, the gate, the grouped
-    ``down`` GEMM, the top-k combine, over two weights (:class:`~quads.ops.backend_registry.LinearArgs`,
-    3-D). Made once when the weights are set (``Backend.experts_kernel``); ``down=None`` makes a
-    kernel of one projection (:func:`grouped_linear`: rows routed already, no combine).
+class ExpertsKernel(KernelObject):
+    """One experts module's kernel over two 3-D weights (:class:`~quads.ops.backend_registry.LinearArgs`),
+    made once when the weights are set (``Backend.experts_kernel``); ``down=None`` makes a kernel
+    of one projection (:func:`grouped_linear`: rows routed already, no combine).
 
-    ``apply`` calls the launchers itself (inside ``torch.compile``: the ``quads::grouped_linear``
-    custom op per projection, whose body runs the same kernel eagerly). This generic base runs
-    each projection through the backend's ``grouped_linear`` (a backend that has only that entry);
-    the built-in backends' kernels override :meth:`apply`."""
+    :meth:`apply` is the one experts loop of every backend: the route, the ``gate_up`` projection,
+    the gate, the ``down`` projection, the top-k combine. The backend's grouped GEMM is its only
+    varying part: :meth:`gemm` (one projection over rows grouped by expert). This generic base
+    runs it through the backend's ``grouped_linear`` (a backend that has only that entry); the
+    built-in backends' kernels override :meth:`gemm`. Inside ``torch.compile`` each projection is
+    one custom op (:func:`compiled_gemm`) whose body runs :meth:`gemm` eagerly."""
 
     def __init__(self, backend: Backend, gate_up: LinearArgs, down: LinearArgs | None = None):
         self.backend, self.gate_up, self.down = backend, gate_up, down
         self.projections = (gate_up,) if down is None else (gate_up, down)
-        w = gate_up.weight
-        self.h = None if w is None else (w.qdata.shape[-1] * 2 if isinstance(w, NVFP4Parts) else gemm_shape(w)[1])
+        # resolved once: the packed parts' tensors (every write through the product API rewrites them in place)
+        self.parts = tuple(None if a.weight is None else a.parts() for a in self.projections)
+        w = self.parts[0]
+        self.h = None if w is None else w.qdata.shape[-1] * 2
+        self.num_experts = None if w is None else w.qdata.shape[0]
+        self.out_features = tuple(None if p is None else p.qdata.shape[-2] for p in self.parts)
+        self._init_handle()
 
     def check_input(self, hidden: torch.Tensor) -> None:
         """Raise unless ``hidden``'s last dim is the experts' H (grouped GEMMs may read only the first H columns)."""
@@ -144,43 +157,65 @@ class ExpertsKernel:
             raise ValueError(f"quads experts: hidden of shape {tuple(hidden.shape)} has H={hidden.shape[-1]}, "
                              f"the experts' weights have H={self.h}")
 
-    def route(self, hidden: torch.Tensor, top_k_index) -> Routing:
-        """The input checked (eagerly) and its rows grouped by expert (``top_k_index`` may be a
-        :class:`Routing` already)."""
-        if not torch.compiler.is_compiling():
+    def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
+        """``hidden (T, H)`` routed by ``top_k_index``/``top_k_weights`` (T, k) -> (T, H);
+        ``apply_gate`` maps the gate_up output (rows, 2I) to (rows, I). ``top_k_index`` may be a
+        :class:`Routing` already; ``top_k_weights`` None: the projections' output rows in expert
+        order (no combine)."""
+        compiling = torch.compiler.is_compiling()
+        if not compiling and hidden.shape[-1] != self.h:
             self.check_input(hidden)
-        if isinstance(top_k_index, Routing):
-            return top_k_index
-        return Routing(top_k_index, self.gate_up.parts().qdata.shape[0])
+        route = top_k_index if isinstance(top_k_index, Routing) else Routing(top_k_index, self.num_experts)
+        x, rows = hidden, route.token_of_row
+        for i in range(len(self.out_features)):
+            if i:
+                x, rows = apply_gate(x), None
+            x = compiled_gemm(self, i, x, rows, route, biases[i]) if compiling else self.gemm(i, x, rows, route,
+                                                                                              biases[i])
+        return combine_top_k(x, route, top_k_weights, hidden)
 
-    def op_args(self, a: LinearArgs, x, rows, route: Routing, bias) -> tuple:
-        """One projection as the ``quads::grouped_linear`` custom op's plain arguments."""
+    def gemm(self, i: int, x, rows, route: Routing, bias, w: NVFP4Parts | None = None) -> torch.Tensor:
+        """Projection ``i`` over the rows grouped by expert: ``(route.num_rows, N)``, row ``p`` =
+        ``linear(x[rows[p]], W[e(p)])`` (``rows`` None = identity), rows of no expert zero. ``w``:
+        read instead of the kernel's parts (the fast kernels' exact path)."""
+        a = self.projections[i]
+        return self.backend.grouped_linear(x, rows, route.offsets, self.parts[i] if w is None else w, bias, a.act,
+                                           a.static_mask, route.num_rows, prepared=a.prepared if w is None else None)
+
+    def op_args(self, i: int, x, rows, route: Routing, bias) -> tuple:
+        """Projection ``i`` as the ``quads::grouped_linear`` custom op's plain arguments (a torch
+        without opaque objects)."""
+        a, w = self.projections[i], self.parts[i]
         if getattr(a.prepared, "backend_name", None) == "humming":  # quads::grouped_linear reads Hopper layouts
-            raise NotImplementedError("torch.compile of humming-prepared experts (kernel='fast' MoE) is not wired yet: "
-                                      "run the experts eagerly, or kernel='exact' (docs/humming.md, Not done yet)")
-        w = a.parts()
+            raise NotImplementedError("torch.compile of humming-prepared experts (kernel='fast' MoE) needs a torch "
+                                      "with opaque custom-op objects: run the experts eagerly, or kernel='exact'")
         return (x, rows, route.offsets, w.qdata, w.scale, w.global_encode_scale, bias, *prepared_fields(a.prepared),
                 *act_fields(a.act), a.static_mask, route.num_rows, self.backend.name)
 
-    def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
-        """``hidden (T, H)`` routed by ``top_k_index``/``top_k_weights`` (T, k) -> (T, H);
-        ``apply_gate`` maps the gate_up output (rows, 2I) to (rows, I). ``top_k_weights`` None:
-        the projections' output rows in expert order (no combine)."""
-        route = self.route(hidden, top_k_index)
-        x, rows = hidden, route.token_of_row
-        for i, a in enumerate(self.projections):
-            if i:
-                x, rows = apply_gate(x), None
-            if torch.compiler.is_compiling():
-                x = torch.ops.quads.grouped_linear(*self.op_args(a, x, rows, route, biases[i]))
-            else:
-                x = self.backend.grouped_linear(x, rows, route.offsets, a.parts(), biases[i], a.act, a.static_mask,
-                                                route.num_rows, prepared=a.prepared)
-        return combine_top_k(x, route, top_k_weights, hidden)
 
 
-def _expert(parts: NVFP4Parts, e: int) -> NVFP4Parts:
-    return NVFP4Parts(parts.qdata[e], parts.scale[e], parts.global_encode_scale[e])
+def compiled_gemm(kernel: ExpertsKernel, i: int, x, rows, route: Routing, bias) -> torch.Tensor:
+    """Projection ``i`` of ``kernel`` as ``torch.compile`` traces it: one opaque custom op over the
+    kernel object (``quads::experts_gemm``: :meth:`ExpertsKernel.gemm` eagerly in its body), or
+    where this torch has no opaque objects ``quads::grouped_linear`` over its plain arguments."""
+    if KERNEL_OPS:
+        return torch.ops.quads.experts_gemm(x, rows, route.offsets, bias, kernel.op_handle, i, route.num_rows,
+                                            kernel.out_features[i])
+    return torch.ops.quads.grouped_linear(*kernel.op_args(i, x, rows, route, bias))
+
+
+if KERNEL_OPS:
+    @torch.library.custom_op("quads::experts_gemm", mutates_args=())
+    def experts_gemm_op(x: torch.Tensor, rows: torch.Tensor | None, offsets: torch.Tensor, bias: torch.Tensor | None,
+                        kernel: KernelHandle, projection: int, num_rows: int, out_features: int) -> torch.Tensor:
+        """(num_rows, N): an experts kernel's projection (:meth:`ExpertsKernel.gemm`) as an op opaque to
+        ``torch.compile``, run eagerly on the module's own kernel (the reference's host loop inside it)."""
+        return kernel.kernel.gemm(projection, x, rows, Routing.of_rows(rows, offsets, num_rows), bias)
+
+    @experts_gemm_op.register_fake
+    def _(x, rows, offsets, bias, kernel, projection, num_rows, out_features):
+        align_this_compile()
+        return x.new_empty(num_rows, out_features)
 
 
 class ReferenceExpertsKernel(ExpertsKernel):
@@ -189,92 +224,83 @@ class ReferenceExpertsKernel(ExpertsKernel):
     (W4A4 + residual: the exact-emulation product of :mod:`quads.ops.linear`; W4A16: ``F.linear``
     with ``DQ(W)`` in the input's dtype)."""
 
-    def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
-        route = self.route(hidden, top_k_index)
-        x, rows = hidden, route.token_of_row
-        for i, a in enumerate(self.projections):
-            if i:
-                x, rows = apply_gate(x), None
-            if torch.compiler.is_compiling():
-                x = torch.ops.quads.grouped_linear(*self.op_args(a, x, rows, route, biases[i]))
+    def gemm(self, i, x, rows, route, bias, w=None):
+        a = self.projections[i]
+        w = self.parts[i] if w is None else w
+        out = x.new_zeros(route.num_rows, w.qdata.shape[1])
+        bounds = route.offsets.tolist()
+        for e in range(len(bounds) - 1):
+            lo, hi = bounds[e], bounds[e + 1]
+            if hi == lo:
                 continue
-            w, bias = a.parts(), biases[i]
-            out = x.new_zeros(route.num_rows, w.qdata.shape[1])
-            bounds = route.offsets.tolist()
-            for e in range(len(bounds) - 1):
-                lo, hi = bounds[e], bounds[e + 1]
-                if hi == lo:
-                    continue
-                src, we = x[rows[lo:hi].long()] if rows is not None else x[lo:hi], _expert(w, e)
-                b = None if bias is None else bias[e]
-                if a.act is None:
-                    y = F.linear(src, dequantized_weight(we, src.dtype), b)
-                else:
-                    y = _matmul_operands(reference_operands(src, a.act, a.static_mask), we)
-                    y = (y if b is None else y + b.to(torch.float32)).to(src.dtype)
-                out[lo:hi] = y.to(out.dtype)
-            x = out
-        return combine_top_k(x, route, top_k_weights, hidden)
+            src = x[rows[lo:hi].long()] if rows is not None else x[lo:hi]
+            we = NVFP4Parts(w.qdata[e], w.scale[e], w.global_encode_scale[e])
+            b = None if bias is None else bias[e]
+            if a.act is None:
+                y = F.linear(src, dequantized_weight(we, src.dtype), b)
+            else:
+                y = _matmul_operands(reference_operands(src, a.act, a.static_mask), we)
+                y = (y if b is None else y + b.to(torch.float32)).to(src.dtype)
+            out[lo:hi] = y.to(out.dtype)
+        return out
 
 
 class HopperExpertsKernel(ExpertsKernel):
     """The Hopper backend's experts: each projection one grouped W4A4 launch over all experts
-    (weights in the layout ``args.prepared``, built per call if absent), each row with the bits of
+    (weights in the layout ``prepared``, built per call if absent), each row with the bits of
     the dense Hopper linear on its expert; no host synchronisation. ``act=None`` (W4A16) feeds the
     same kernel fp16 rows times a per-row power of two. Expert biases are added to the fp32 rows
     before the one rounding (as the dense kernels' epilogue does); ``"tensor"`` activation scales
     quantize each expert's rows as one tensor (a host loop over experts, as the reference). W4A16
     with biases runs the reference's per-expert ``F.linear`` (:class:`ReferenceExpertsKernel`)."""
 
-    def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
+    def __init__(self, backend, gate_up: LinearArgs, down: LinearArgs | None = None):
+        super().__init__(backend, gate_up, down)
+        self.row_args_device = None if self.parts[0] is None else self.parts[0].qdata.device
+        self.row_args = tuple(None if p is None else fixed_operand_row_args(p.qdata.shape[-1] * 2, self.row_args_device,
+                                                                            a.act, a.static_mask)
+                              for a, p in zip(self.projections, self.parts))
+
+    def gemm(self, i, x, rows, route, bias, w=None):
+        a = self.projections[i]
+        if a.act is None and bias is not None:
+            return ReferenceExpertsKernel.gemm(self, i, x, rows, route, bias, w)
         from quads.kernels.fp16_operand import scaled_fp16_rows
         from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm
         from quads.kernels.quantize_activations import quantize_rows
 
-        route = self.route(hidden, top_k_index)
-        x, rows = hidden, route.token_of_row
-        for i, a in enumerate(self.projections):
-            if i:
-                x, rows = apply_gate(x), None
-            if torch.compiler.is_compiling():
-                x = torch.ops.quads.grouped_linear(*self.op_args(a, x, rows, route, biases[i]))
-                continue
-            w, bias = a.parts(), biases[i]
-            if a.act is None and bias is not None:
-                x = ReferenceExpertsKernel(self.backend, a).apply(x, Routing.of_rows(rows, route.offsets, route.num_rows),
-                                                                  None, None, (bias,))
-                continue
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            src_rows, rows_x, has_residual = rows, x.shape[0], False
-            if a.act is None:
-                stacked, row_scale = scaled_fp16_rows(x)
-            elif a.act.granularity == "row":
-                ops = as_operands(quantize_rows(x, **operand_row_args(x, a.act, a.static_mask)), x.shape[0])
-                stacked, row_scale, has_residual = ops.stacked, ops.main_scale, ops.residual is not None
-            else:  # each expert's rows one tensor, the operand rows in expert order
-                bounds = route.offsets.tolist()
-                parts = [x[rows[lo:hi]] if rows is not None else x[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])
-                         if hi > lo]
-                ops = [as_operands(quantize_rows(p, **operand_row_args(p, a.act, a.static_mask)), p.shape[0])
-                       for p in parts]
-                if not ops:  # no row routed to an expert
-                    x = x.new_zeros(route.num_rows, w.qdata.shape[1])
-                    continue
-                has_residual = ops[0].residual is not None
-                stacked = torch.cat([o.main for o in ops] + ([o.residual for o in ops] if has_residual else []))
-                row_scale, src_rows, rows_x = torch.cat([o.main_scale for o in ops]), None, bounds[-1]
-            prepared = a.prepared if a.prepared is not None else prepare_weight_hopper(w)
-            y = moe_w4a4_gemm(stacked, row_scale, None if src_rows is None else src_rows.to(torch.int32),
-                              route.offsets.to(torch.int32), prepared, w.global_encode_scale.float(), route.num_rows,
-                              rows_x, has_residual, out_dtype=x.dtype if bias is None else torch.float32)
-            if bias is not None:  # fp32 rows + their expert's bias, one rounding; rows of no expert stay zero
-                expert = torch.searchsorted(route.offsets[1:].contiguous(), torch.arange(
-                    route.num_rows, device=y.device, dtype=route.offsets.dtype), right=True)
-                valid = (expert < bias.shape[0])[:, None]
-                y = torch.where(valid, y + bias.index_select(0, expert.clamp(max=bias.shape[0] - 1)).float(),
-                                y).to(x.dtype)
-            x = y
-        return combine_top_k(x, route, top_k_weights, hidden)
+        own = w is None  # the kernel's own weight (else parts derived for the exact path)
+        prepared, w = (a.prepared, self.parts[i]) if own else (None, w)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        src_rows, rows_x, has_residual = rows, x.shape[0], False
+        if a.act is None:
+            stacked, row_scale = scaled_fp16_rows(x)
+        elif a.act.granularity == "row":
+            row_args = self.row_args[i] if own and x.device == self.row_args_device else None
+            ops = as_operands(quantize_rows(x, **(row_args or operand_row_args(x, a.act, a.static_mask))), x.shape[0])
+            stacked, row_scale, has_residual = ops.stacked, ops.main_scale, ops.residual is not None
+        else:  # each expert's rows one tensor, the operand rows in expert order
+            bounds = route.offsets.tolist()
+            parts = [x[rows[lo:hi]] if rows is not None else x[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])
+                     if hi > lo]
+            ops = [as_operands(quantize_rows(p, **operand_row_args(p, a.act, a.static_mask)), p.shape[0])
+                   for p in parts]
+            if not ops:  # no row routed to an expert
+                return x.new_zeros(route.num_rows, w.qdata.shape[1])
+            has_residual = ops[0].residual is not None
+            stacked = torch.cat([o.main for o in ops] + ([o.residual for o in ops] if has_residual else []))
+            row_scale, src_rows, rows_x = torch.cat([o.main_scale for o in ops]), None, bounds[-1]
+        prepared = prepared if prepared is not None else prepare_weight_hopper(w)
+        y = moe_w4a4_gemm(stacked, row_scale, None if src_rows is None else src_rows.to(torch.int32),
+                          route.offsets.to(torch.int32), prepared, w.global_encode_scale.float(), route.num_rows,
+                          rows_x, has_residual, out_dtype=x.dtype if bias is None else torch.float32)
+        if bias is not None:  # fp32 rows + their expert's bias, one rounding; rows of no expert stay zero
+            expert = torch.searchsorted(route.offsets[1:].contiguous(), torch.arange(
+                route.num_rows, device=y.device, dtype=route.offsets.dtype), right=True)
+            valid = (expert < bias.shape[0])[:, None]
+            y = torch.where(valid, y + bias.index_select(0, expert.clamp(max=bias.shape[0] - 1)).float(),
+                            y).to(x.dtype)
+        return y
 
 
 def combine_top_k(y: torch.Tensor, route: Routing, top_k_weights: torch.Tensor | None,
@@ -297,7 +323,7 @@ def grouped_linear(backend: Backend, x, rows, offsets, weight: NVFP4Parts, bias,
     :class:`ExpertsKernel` of ``backend``: the built-in backends' ``grouped_linear`` entry (the
     ``quads::grouped_linear`` custom op's body)."""
     kernel = backend.experts_kernel(LinearArgs(weight, act, static_mask, prepared), None)
-    return kernel.apply(x, Routing.of_rows(rows, offsets, num_rows), None, None, (bias,))
+    return kernel.gemm(0, x, rows, Routing.of_rows(rows, offsets, num_rows), bias)
 
 
 def rollout_experts(

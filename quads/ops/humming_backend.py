@@ -36,8 +36,8 @@ import torch
 from quads.ops.activation_quant import as_operands, operand_row_args, per_row_scales, summed_row_args
 from quads.ops.backend_registry import LinearArgs, LinearKernel, register_backend
 from quads.ops.builtin_backends import HopperBackend
-from quads.ops.experts import ExpertsKernel, HopperExpertsKernel, Routing, combine_top_k
-from quads.ops.linear import HopperLinearKernel, prepare_weight_hopper
+from quads.ops.experts import HopperExpertsKernel
+from quads.ops.linear import HopperLinearKernel, compiled_linear, prepare_weight_hopper
 from quads.ops.sibling_linear import HopperSiblingKernel, stack_prepared_hopper
 from quads.tensor.nvfp4_math import NVFP4Parts
 
@@ -54,13 +54,11 @@ _OPERAND_MAX = {"w4a4": 6.0 * 448.0, "summed": 2 * 6.0 * 448.0}
 
 
 def humming_residual_layout(rows: int, layout: str = "auto", mode: str = "default") -> str:
-    """``"stacked"`` or ``"summed"`` for ``rows`` tokens (``QUADS_HUMMING_RESIDUAL`` overrides ``layout``).
+    """``"stacked"`` or ``"summed"`` for ``rows`` tokens under ``layout`` (the backend's
+    ``residual_layout``: ``QUADS_HUMMING_RESIDUAL`` is read once, when the backend is made).
 
     ``auto`` switches layout with the token count, which changes a row's bits with the batch: under
     the ``batch_invariant`` humming mode it keeps ``stacked`` at every M instead."""
-    layout = os.environ.get("QUADS_HUMMING_RESIDUAL", layout)
-    if layout not in RESIDUAL_LAYOUTS:
-        raise ValueError(f"QUADS_HUMMING_RESIDUAL / residual_layout must be one of {RESIDUAL_LAYOUTS}, got {layout!r}")
     if layout == "auto" and mode == "batch_invariant":
         return "stacked"
     if layout == "auto":
@@ -73,6 +71,18 @@ def humming_supports(weight: NVFP4Parts) -> bool:
     expert (else the Hopper kernels)."""
     dim = weight.qdata.dim()
     return dim in (2, 3) and weight.global_encode_scale.numel() == (1 if dim == 2 else weight.qdata.shape[0])
+
+
+def humming_serves(args: LinearArgs, experts: bool = False) -> bool:
+    """The exact-vs-fast rule of one weight, decided once, when its kernel is made: humming serves
+    it (:func:`humming_supports`) in a humming layout (or none yet); an experts projection also
+    needs per-row activation scales. Per call only the input decides: fp32 activations (and
+    biased experts projections) take the exact kernels. Shapes humming cannot tile never get
+    here (:func:`humming_shape_problem`, the kernel choice's fallback)."""
+    prepared = args.prepared
+    if not (prepared is None or isinstance(prepared, HummingWeight)) or not humming_supports(args.parts()):
+        return False
+    return not experts or args.act is None or args.act.granularity == "row"
 
 
 #: the weight shapes humming's sm90 tile heuristics serve: an output size N that its 128-wide
@@ -287,32 +297,34 @@ class HummingLinearKernel(LinearKernel):
                 args.prepared.layer(dtype)
 
     def apply(self, x, bias=None, operands=None):
-        a, backend = self.args, self.backend
-        if torch.compiler.is_compiling():  # quads::linear over the layout's tensors (prepared per call if none)
-            return HopperLinearKernel.apply(self, x, bias, operands)
-        self.check_input(x)
-        if x.dtype not in self.humming_dtypes:  # the exact kernels, on the parts (derived from a held layout)
-            parts = a.prepared.real_parts(a.parts()) if a.prepared is not None else a.parts()
-            return HopperLinearKernel(backend, LinearArgs(parts, a.act, a.static_mask)).apply(x, bias, operands)
-        prepared = a.prepared if a.prepared is not None else backend.prepare_weight(a.parts())
+        if torch.compiler.is_compiling():
+            return compiled_linear(self, x, bias)
+        if x.shape[-1] != self.k:
+            self.check_input(x)
+        if x.dtype not in self.humming_dtypes:  # the one per-call choice: the exact kernels, on the parts
+            held = self.prepared is not None  # (derived from the layout, which is the weight's storage)
+            return HopperLinearKernel.apply(self, x, bias, operands, self.prepared.real_parts(self.parts) if held
+                                            else self.parts, None)
+        prepared = self.prepared if self.prepared is not None else self.backend.prepare_weight(self.parts)
+        act = self.act
         x2 = x.reshape(-1, x.shape[-1])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         m = x2.shape[0]
-        if a.act is None:
+        if act is None:
             y = prepared.layer(x2.dtype)(x2)
             return (y if bias is None else y + bias.to(y.dtype)).reshape(*x.shape[:-1], y.shape[-1])
         from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
         from quads.kernels.quantize_activations import quantize_rows
 
         layer = prepared.layer(torch.float16)
-        summed = a.act.has_residual and humming_residual_layout(m, backend.residual_layout, layer.mode) == "summed"
+        summed = act.has_residual and humming_residual_layout(m, self.backend.residual_layout, layer.mode) == "summed"
         stacked = False
         if summed and operands is None:  # the quantization kernel writes fp16(main + residual) itself
-            q = quantize_rows(x2, **summed_row_args(x2, a.act, a.static_mask))
+            q = quantize_rows(x2, **summed_row_args(x2, act, self.static_mask))
             op, scale = q.summed_operand, per_row_scales(q.main.global_encode_scale, m)
         else:
             ops = operands if operands is not None else as_operands(
-                quantize_rows(x2, **operand_row_args(x2, a.act, a.static_mask)), m)
+                quantize_rows(x2, **operand_row_args(x2, act, self.static_mask)), m)
             scale = ops.main_scale
             if ops.residual is None:
                 op = ops.main
@@ -336,52 +348,42 @@ class _OneLayer:
         return self._layer
 
 
-class HummingExpertsKernel(ExpertsKernel):
+class HummingExpertsKernel(HopperExpertsKernel):
     """One experts module on humming's grouped MoE GEMM (see the module doc): per projection the
     token operands quantized once, gathered per expert row, into the summed operand (W4A4) or the
-    16-bit rows themselves (W4A16). A projection humming does not serve (expert biases, fp32
-    activations, ``"tensor"`` activation scales, Hopper-laid weights) runs the exact
-    :class:`~quads.ops.experts.HopperExpertsKernel` on its packed parts (derived from a humming layout)."""
+    16-bit rows themselves (W4A16). A projection humming does not serve (:func:`humming_serves`,
+    decided here once: Hopper-laid weights, ``"tensor"`` activation scales, one global scale for
+    all experts) or an input it does not take (expert biases, fp32 activations: the one per-call
+    branch) runs the exact :class:`~quads.ops.experts.HopperExpertsKernel` GEMM on its packed
+    parts (derived from a humming layout)."""
 
-    def serves(self, a: LinearArgs, x: torch.Tensor, bias) -> bool:
-        prepared = a.prepared
-        return ((prepared is None or isinstance(prepared, HummingWeight)) and humming_supports(a.parts())
-                and bias is None and x.dtype in (torch.float16, torch.bfloat16)
-                and (a.act is None or a.act.granularity == "row"))
+    def __init__(self, backend, gate_up: LinearArgs, down: LinearArgs | None = None):
+        super().__init__(backend, gate_up, down)
+        self.fast = tuple(humming_serves(a, experts=True) for a in self.projections)
 
-    def apply(self, hidden, top_k_index, top_k_weights, apply_gate, biases=(None, None)) -> torch.Tensor:
+    def gemm(self, i, x, rows, route, bias, w=None):
+        a = self.projections[i]
+        if not self.fast[i] or bias is not None or x.dtype not in HummingLinearKernel.humming_dtypes:
+            held = isinstance(a.prepared, HummingWeight)
+            return HopperExpertsKernel.gemm(self, i, x, rows, route, bias,
+                                            a.prepared.real_parts(self.parts[i]) if held else None)
         from quads.kernels.humming_operands import unscale_rows
         from quads.kernels.quantize_activations import quantize_rows
 
-        route = self.route(hidden, top_k_index)
-        num_rows, x, rows = route.num_rows, hidden, route.token_of_row
-        for i, a in enumerate(self.projections):
-            if i:
-                x, rows = apply_gate(x), None
-            if torch.compiler.is_compiling():
-                x = torch.ops.quads.grouped_linear(*self.op_args(a, x, rows, route, biases[i]))
-                continue
-            if not self.serves(a, x, biases[i]):
-                held = isinstance(a.prepared, HummingWeight)
-                exact = LinearArgs(a.prepared.real_parts(a.parts()) if held else a.parts(), a.act, a.static_mask,
-                                   None if held else a.prepared)
-                x = HopperExpertsKernel(self.backend, exact).apply(x, Routing.of_rows(rows, route.offsets, num_rows),
-                                                                   None, None, (biases[i],))
-                continue
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            prepared = a.prepared if a.prepared is not None else self.backend.prepare_weight(a.parts())
-            if a.act is None:
-                y = prepared.layer(x.dtype)(x if rows is None else x.index_select(0, rows), expert_layout=route.offsets)
-            else:  # one kernel: the rows gathered per expert quantized straight into the summed operand (row-local:
-                # a gathered row has its token's bits)
-                q = quantize_rows(x, **summed_row_args(x, a.act, a.static_mask, rows))
-                layer, scaling = prepared.layer(torch.float16), "summed" if a.act.has_residual else "w4a4"
-                o = layer(q.summed_operand, scaling, expert_layout=route.offsets)
-                y = unscale_rows(o, num_rows, layer.unshift[scaling], per_row_scales(q.main.global_encode_scale, num_rows),
-                                 None, x.dtype, stacked=False)
-            valid = torch.arange(num_rows, device=y.device) < route.offsets[-1]  # rows of no expert give 0
-            x = y.masked_fill_(~valid[:, None], 0)
-        return combine_top_k(x, route, top_k_weights, hidden)
+        num_rows = route.num_rows
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        prepared = a.prepared if a.prepared is not None else self.backend.prepare_weight(self.parts[i])
+        if a.act is None:
+            y = prepared.layer(x.dtype)(x if rows is None else x.index_select(0, rows), expert_layout=route.offsets)
+        else:  # one kernel: the rows gathered per expert quantized straight into the summed operand (row-local:
+            # a gathered row has its token's bits)
+            q = quantize_rows(x, **summed_row_args(x, a.act, a.static_mask, rows))
+            layer, scaling = prepared.layer(torch.float16), "summed" if a.act.has_residual else "w4a4"
+            o = layer(q.summed_operand, scaling, expert_layout=route.offsets)
+            y = unscale_rows(o, num_rows, layer.unshift[scaling], per_row_scales(q.main.global_encode_scale, num_rows),
+                             None, x.dtype, stacked=False)
+        valid = torch.arange(num_rows, device=y.device) < route.offsets[-1]  # rows of no expert give 0
+        return y.masked_fill_(~valid[:, None], 0)
 
 
 class HummingStack:
@@ -491,7 +493,8 @@ class HummingSiblingKernel(HopperSiblingKernel):
 
 
 class HummingBackend(HopperBackend):
-    """See the module doc. ``mode``/``residual_layout`` default to the env overrides, then
+    """See the module doc. ``mode``/``residual_layout`` default to ``QUADS_HUMMING_MODE`` /
+    ``QUADS_HUMMING_RESIDUAL`` (read here, once: the registered backend reads them at import), then
     ``"default"``/``"auto"``; ``stack_siblings`` (default on; ``QUADS_HUMMING_STACK_SIBLINGS=0`` turns
     it off): a sibling set of one global scale runs one GEMM over a stacked copy of its members'
     layouts (:class:`HummingStack`: the members' bytes once more, and each member's output under
@@ -507,7 +510,7 @@ class HummingBackend(HopperBackend):
     def shape_problem(self, n: int, k: int) -> str | None:
         return humming_shape_problem(n, k)
 
-    def __init__(self, mode: str | None = None, residual_layout: str = "auto", stack_siblings: bool | None = None):
+    def __init__(self, mode: str | None = None, residual_layout: str | None = None, stack_siblings: bool | None = None):
         from quads.ops.humming_library import HUMMING_MODES
 
         if stack_siblings is None:
@@ -517,8 +520,11 @@ class HummingBackend(HopperBackend):
         self.mode = mode or os.environ.get("QUADS_HUMMING_MODE", "default")
         if self.mode not in HUMMING_MODES:
             raise ValueError(f"QUADS_HUMMING_MODE must be one of {HUMMING_MODES}, got {self.mode!r}")
+        if residual_layout is None:
+            residual_layout = os.environ.get("QUADS_HUMMING_RESIDUAL", "auto")
         if residual_layout not in RESIDUAL_LAYOUTS:
-            raise ValueError(f"residual_layout must be one of {RESIDUAL_LAYOUTS}, got {residual_layout!r}")
+            raise ValueError(f"QUADS_HUMMING_RESIDUAL / residual_layout must be one of {RESIDUAL_LAYOUTS}, "
+                             f"got {residual_layout!r}")
         self.residual_layout = residual_layout
 
     def prepare_weight(self, weight: NVFP4Parts, out=None):
@@ -545,11 +551,9 @@ class HummingBackend(HopperBackend):
                 or stack_prepared_hopper(prepared))
 
     def linear_kernel(self, args: LinearArgs) -> LinearKernel:
-        """:class:`HummingLinearKernel` for a weight humming serves (a humming layout, or none yet);
-        the exact Hopper kernel for the rest (per-row global scales: its layout is the Hopper one)."""
-        if humming_supports(args.parts()) and (args.prepared is None or isinstance(args.prepared, HummingWeight)):
-            return HummingLinearKernel(self, args)
-        return HopperLinearKernel(self, args)
+        """:class:`HummingLinearKernel` where :func:`humming_serves` the weight, the exact Hopper
+        kernel for the rest (per-row global scales: its layout is the Hopper one)."""
+        return (HummingLinearKernel if humming_serves(args) else HopperLinearKernel)(self, args)
 
 
 def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str = "auto", operands=None) -> torch.Tensor:

@@ -29,11 +29,12 @@ from quads.ops.activation_quant import (
     ActivationQuant,
     QuantizedActivation,
     as_operands,
+    fixed_operand_row_args,
     operand_row_args,
     quantize_activation_reference,
     quantize_activation_triton,
 )
-from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel, get_backend, select_backend
+from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelHandle, LinearArgs, LinearKernel, get_backend, select_backend
 from quads.ops.compile_alignment import align_this_compile
 from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
@@ -134,9 +135,21 @@ def prepare_weight_hopper(weight: NVFP4Parts, out=None):
 
 def _op_args(kernel: LinearKernel, x2: torch.Tensor, bias) -> tuple:
     """A linear kernel's call as the ``quads::linear`` custom op's plain arguments."""
-    a = kernel.args
-    held = getattr(a.prepared, "holds_parts", False)  # then the weight is not read (in a trace: no parts)
-    return linear_op_args(kernel.backend, x2, None if held else a.parts(), bias, a.prepared, a.act, a.static_mask)
+    held = getattr(kernel.prepared, "holds_parts", False)  # then the weight is not read (in a trace: no parts)
+    return linear_op_args(kernel.backend, x2, None if held else kernel.parts, bias, kernel.prepared, kernel.act,
+                          kernel.static_mask)
+
+
+def compiled_linear(kernel: LinearKernel, x: torch.Tensor, bias) -> torch.Tensor:
+    """``kernel.apply`` as ``torch.compile`` traces it: one opaque custom op over the kernel object
+    itself (``quads::linear_kernel``, whose body runs ``kernel.apply`` eagerly), or where this torch
+    has no opaque objects ``quads::linear`` over its plain arguments."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if KERNEL_OPS:
+        y = torch.ops.quads.linear_kernel(x2, bias, kernel.op_handle, kernel.n)
+    else:
+        y = torch.ops.quads.linear(*_op_args(kernel, x2, bias))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class ReferenceLinearKernel(LinearKernel):
@@ -145,17 +158,16 @@ class ReferenceLinearKernel(LinearKernel):
     :func:`reference_operands` of the input, computed once for sibling linears."""
 
     def apply(self, x, bias=None, operands=None):
-        a = self.args
-        x2 = x.reshape(-1, x.shape[-1])
         if torch.compiler.is_compiling():
-            y = torch.ops.quads.linear(*_op_args(self, x2, bias))
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        self.check_input(x)
-        if a.act is None:
-            y = F.linear(x2, dequantized_weight(a.parts(), x2.dtype), bias)  # cached until the weight changes
+            return compiled_linear(self, x, bias)
+        if x.shape[-1] != self.k:
+            self.check_input(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.act is None:
+            y = F.linear(x2, dequantized_weight(self.parts, x2.dtype), bias)  # cached until the weight changes
         else:
-            ops = operands if operands is not None else reference_operands(x2, a.act, a.static_mask)
-            y = _matmul_operands(ops, a.parts())
+            ops = operands if operands is not None else reference_operands(x2, self.act, self.static_mask)
+            y = _matmul_operands(ops, self.parts)
             if bias is not None:
                 y = y + bias.to(torch.float32)
             y = y.to(x2.dtype)
@@ -166,7 +178,7 @@ class HopperLinearKernel(LinearKernel):
     """The Hopper backend's linear, the Triton twin of :class:`ReferenceLinearKernel`: the input's
     GEMM operands (``operands``, :meth:`Backend.activation_operands` computed by a sibling set,
     else here: the fused quantization, or W4A16's fp16 rows), then the exact decode GEMM (few
-    tokens: the weight streamed once in the layout ``args.prepared``, built per call if absent)
+    tokens: the weight streamed once in the layout ``prepared``, built per call if absent)
     or the prefill GEMM (many tokens).
 
     Weight-only (``act=None``): ``x`` goes in as fp16 with a per-row power of two
@@ -175,35 +187,47 @@ class HopperLinearKernel(LinearKernel):
     ``DQ(W)``, a cuBLAS product) the weight is not rounded to bf16 and the fp32 sums run in
     another order: differences of that size."""
 
-    def apply(self, x, bias=None, operands=None):
-        x2 = x.reshape(-1, x.shape[-1])
+    def __init__(self, backend, args: LinearArgs):
+        super().__init__(backend, args)
+        self.row_args_device = None if self.parts is None else self.parts.qdata.device
+        self.row_args = None if self.k is None else fixed_operand_row_args(self.k, self.row_args_device, self.act,
+                                                                           self.static_mask)
+
+    def apply(self, x, bias=None, operands=None, parts=None, prepared=None):
+        """``parts``/``prepared``: read instead of the kernel's own (the humming kernel's exact path
+        for fp32 inputs: parts derived from its layout, the Hopper layout built per call)."""
         if torch.compiler.is_compiling():
-            y = torch.ops.quads.linear(*_op_args(self, x2, bias))
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        self.check_input(x)
+            return compiled_linear(self, x, bias)
+        if x.shape[-1] != self.k:
+            self.check_input(x)
         from quads.kernels.fp16_operand import scaled_fp16_rows
         from quads.kernels.quantize_activations import quantize_rows
         from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
         from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
 
-        a, m = self.args, x2.shape[0]
+        x2 = x.reshape(-1, x.shape[-1])
+        act, m = self.act, x2.shape[0]
         if operands is None:
             x2c = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            if a.act is None:
+            if act is None:
                 operands = scaled_fp16_rows(x2c)
             else:
-                operands = as_operands(quantize_rows(x2c, **operand_row_args(x2c, a.act, a.static_mask)), m)
-        if a.act is None:
+                row_args = self.row_args if parts is None and x2c.device == self.row_args_device else None
+                operands = as_operands(quantize_rows(x2c, **(row_args or operand_row_args(x2c, act, self.static_mask))),
+                                       m)
+        if act is None:
             main = stacked = operands[0]
             row_scale, residual = operands[1], None
         else:
             main, stacked, row_scale, residual = operands.main, operands.stacked, operands.main_scale, operands.residual
-        w = a.parts()
+        w = self.parts if parts is None else parts
         sw = w.global_encode_scale.to(torch.float32)
         has_res = residual is not None
         if (2 * m if has_res else m) <= max_decode_columns():
-            prepared = a.prepared if a.prepared is not None else prepare_weight_hopper(w)
-            y = decode_gemm(stacked, row_scale, prepared, sw, m, has_res, bias, x2.dtype)
+            if parts is None:
+                prepared = self.prepared
+            y = decode_gemm(stacked, row_scale, prepared if prepared is not None else prepare_weight_hopper(w), sw, m,
+                            has_res, bias, x2.dtype)
         else:
             y = w4a4_gemm(main, row_scale, w.qdata, w.scale, sw, r16=residual, bias=bias, out_dtype=x2.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -214,15 +238,14 @@ class BlackwellLinearKernel(HopperLinearKernel):
     weight-only and CPU tensors (the interpreter) take the Hopper emulation."""
 
     def apply(self, x, bias=None, operands=None):
-        a = self.args
-        if a.act is None or not x.is_cuda or torch.compiler.is_compiling():
+        if self.act is None or not x.is_cuda or torch.compiler.is_compiling():
             return super().apply(x, bias, operands)
         from quads.kernels.blackwell import fp4_unscaled_mm
 
         self.check_input(x)
         x2 = x.reshape(-1, x.shape[-1])
-        qa = quantize_activation_triton(x2, a.act, a.static_mask)  # packed operands, its own quantization
-        w = a.parts()
+        qa = quantize_activation_triton(x2, self.act, self.static_mask)  # packed operands, its own quantization
+        w = self.parts
         acc = fp4_unscaled_mm(qa.main, w)
         if qa.residual is not None:
             acc = acc + fp4_unscaled_mm(qa.residual, w)
@@ -343,6 +366,20 @@ def linear_op(
     args = LinearArgs(weight, act_from_fields(quantize_activations, residual_fraction, selection, granularity,
                                               act_block_scaling), static_mask, prepared)
     return be.linear_kernel(args).apply(x, bias)
+
+
+if KERNEL_OPS:
+    @torch.library.custom_op("quads::linear_kernel", mutates_args=())
+    def linear_kernel_op(x: torch.Tensor, bias: torch.Tensor | None, kernel: KernelHandle, out_features: int
+                         ) -> torch.Tensor:
+        """(M, K) -> (M, N): a linear kernel object's ``apply``, run eagerly, as an op opaque to
+        ``torch.compile`` (the compiled path's kernel is the module's own: nothing is rebuilt per call)."""
+        return kernel.kernel.apply(x, bias)
+
+    @linear_kernel_op.register_fake
+    def _(x, bias, kernel, out_features):
+        align_this_compile()
+        return x.new_empty(x.shape[0], out_features)
 
 
 @linear_op.register_fake

@@ -66,6 +66,7 @@ def calibrate_residual_channels(model: nn.Module, batches: Iterable[dict | torch
             hooks.append(module.register_forward_pre_hook(lambda m, args, n=name: stats.observe(n, args[0])))
         else:
             module.quads_observer = lambda key, x, n=name: stats.observe(f"{n}.{key}", x)
+        module.quads_weights_changed()  # the kernel of the calibration's policy (and observing gate)
     try:
         for batch in batches:
             model(**batch) if isinstance(batch, dict) else model(batch)
@@ -76,6 +77,7 @@ def calibrate_residual_channels(model: nn.Module, batches: Iterable[dict | torch
             module.quads_policy = policies[name]
             if isinstance(module, RolloutExperts):
                 module.quads_observer = None
+            module.quads_weights_changed()
     # a NaN/Inf activation makes its layer's sums non-finite: one check for all, before any mask is set
     check_all_finite(stats.sums.items(), "calibrate_residual_channels: non-finite calibration activations (no mask "
                      "was set); the inputs of these layers held NaN/Inf")
@@ -89,5 +91,5 @@ def calibrate_residual_channels(model: nn.Module, batches: Iterable[dict | torch
             module.quads_static_masks = tuple(masks)
         if any(m is None for m in masks):
             raise ValueError(f"calibrate_residual_channels: layer {name!r} saw no calibration tokens")
-        module.quads_kernel()  # remade now with the mask, not at a later forward (perhaps inside a compiled trace)
+        module.quads_weights_changed()  # the kernel remade now with the mask
     return len(layers)

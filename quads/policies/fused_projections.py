@@ -57,12 +57,12 @@ def _group(members: list[nn.Module], stack: bool, enabled: bool) -> SiblingSet:
                          enabled=enabled)
     if stack and all(m.bias is None for m in members):
         shared = members[0].quads_scale_group  # group mode: one global scale for all members
-        views = group.stack([m.quads_prepared_weights()[0] for m in members],
+        views = group.stack([m.quads_prepared[0] for m in members],
                             [m.weight.parts.global_encode_scale for m in members],
                             shared_scale=shared is not None and all(m.quads_scale_group is shared for m in members))
         for m, view in zip(members, views or ()):
             m.quads_prepared = (view,)  # later weight writes land in the stacked layout directly
-            m.quads_kernel()  # remade now over the view, not at a later forward (perhaps inside a compiled trace)
+            m.quads_weights_changed()  # the kernel remade now over the view
     return group
 
 

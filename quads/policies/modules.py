@@ -20,13 +20,15 @@ is ``kernel.apply``, which calls the launchers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel, gemm_shape, select_backend
-from quads.ops.experts import experts_loop
+from quads.ops.experts import act_and_mul, experts_loop
 from quads.policies.policy import QuadsPolicy
 from quads.policies.ste import fake_quant_linear, fake_quantize_activation, fake_quantize_weight
 from quads.policies.trainer_experts import grouped_experts_forward, grouped_mm_available
@@ -41,6 +43,8 @@ __all__ = [
     "RolloutExperts",
     "is_fused_experts",
     "apply_gate",
+    "gate_of",
+    "refresh_after_load",
     "rollout_owners",
 ]
 
@@ -81,31 +85,38 @@ class QuadsModule:
 
 
 class RolloutModule(QuadsModule):
-    """Rollout mixin: owns packed parameters and the backend chosen for their device."""
+    """Rollout mixin: owns packed parameters, the backend chosen for their device and one kernel.
+
+    The kernel's lifecycle is vLLM's: made when the module is converted (create), remade or kept
+    by :meth:`quads_weights_changed` after every write (process), and a forward is
+    ``kernel.apply`` (apply), which reads no version and checks no source. Every write through
+    the product API calls :meth:`quads_weights_changed`: ``quantize_``, ``sync_weights_`` (and the
+    sharded sync, ``GraphedSync``), ``load_state_dict`` (a post-load hook), ``.to()`` / ``.cuda()``,
+    ``calibrate_residual_channels``, ``fuse_projections_`` / ``unfuse_projections_``. A write that
+    bypasses it (``module.weight.parts.copy_(...)``, a parameter or ``quads_backend`` /
+    ``quads_policy`` / ``quads_static_mask`` replaced by hand) must be followed by a call of
+    :meth:`quads_weights_changed`, else the forward keeps computing with what it had."""
 
     #: names of the packed NVFP4 parameters of this module kind
     quads_packed_names: tuple[str, ...] = ()
     quads_backend: Backend
     #: per packed parameter, what the backend's kernels read (``backend.prepare_weight``)
     quads_prepared: tuple = ()
-    #: (the backend, the packed parameters' versions) that ``quads_prepared`` was made from
-    _quads_prepared_versions: tuple | None = None
 
     def quads_select_backend(self) -> None:
-        """(Re)pick the backend for the device the packed weights are on."""
+        """(Re)pick the backend for the device the packed weights are on, then refresh."""
         weights = [getattr(self, n) for n in self.quads_packed_names]
         self.quads_backend = select_backend(weights[0].device, getattr(self.quads_policy, "kernel", "exact"),
                                             [gemm_shape(w) for w in weights])
         self.quads_weights_changed()
 
-    def _quads_versions(self) -> tuple:
-        return tuple(getattr(self, n).parts_version() for n in self.quads_packed_names)
-
     def quads_weights_changed(self) -> None:
-        """Called whenever the packed weights were (re)written: by ``quantize_``, ``sync_weights_``
-        and device moves. Rebuilds what the backend derives from the packed parts (the Hopper
-        kernel layout: as many bytes again as the packed weight), in place into the tensors it
-        holds when their shapes still fit (captured graphs keep their addresses).
+        """The one refresh: call it after the packed weights (or the backend, the policy, a static
+        mask) were written or replaced. Rebuilds what the backend derives from the packed parts
+        (the Hopper kernel layout: as many bytes again as the packed weight), in place into the
+        tensors it holds when their shapes still fit (captured graphs keep their addresses), then
+        the module's kernel (kept when none of its sources was replaced, so compiled graphs and
+        captured syncs keep the object they hold).
 
         Where the backend's layout converts back to the parts bit for bit (``prepared.can_hold_parts``:
         the humming backend), it becomes the weight's storage (``NVFP4Tensor.to_layout_``): every
@@ -123,7 +134,6 @@ class RolloutModule(QuadsModule):
                 w.to_layout_(out)
             prepared.append(out)
         self.quads_prepared = tuple(prepared)
-        self._quads_prepared_versions = (self.quads_backend, self._quads_versions())
         group = getattr(self, "quads_group", None)
         if group is not None:  # sibling projections (quads.ops.sibling_linear.SiblingSet)
             i = self.quads_group_index
@@ -131,52 +141,54 @@ class RolloutModule(QuadsModule):
                 group.write_scale(i, self.weight.global_encode_scale)
             else:  # another backend, or a layout not written in place (a device move): alone again
                 group.dissolve()
-        if getattr(self, "quads_policy", None) is not None:  # the kernel, made now (not inside a compiled trace)
-            self.quads_kernel()
+        if getattr(self, "quads_policy", None) is not None:
+            self._quads_refresh_kernel()
 
     def quads_weights_rewritten(self) -> None:
         """The packed weights and what :meth:`quads_weights_changed` derives from them were rewritten in
-        place by a replayed capture of it (:class:`quads.policies.graphed_sync.GraphedSync`): record
-        the weights' new versions, so nothing is rebuilt at the next forward."""
-        self._quads_prepared_versions = (self.quads_backend, self._quads_versions())
-
-    def quads_prepared_weights(self) -> tuple:
-        """The prepared weights, rebuilt first if the packed parts were written in place since
-        (e.g. ``load_state_dict``: their version counters moved) or ``quads_backend`` was set by
-        hand (another backend's layout). Not checked inside compiled graphs, where weights change
-        only through ``sync_weights_``, which rebuilds eagerly."""
-        held = self._quads_prepared_versions
-        if not torch.compiler.is_compiling() and (
-                held is None or held[0] is not self.quads_backend or held[1] != self._quads_versions()):
-            self.quads_weights_changed()
-        return self.quads_prepared
+        place by a replayed capture of it (:class:`quads.policies.graphed_sync.GraphedSync`): nothing
+        to do, the kernel reads those tensors (a hook kept for the replay's bookkeeping)."""
 
     def _quads_kernel_sources(self) -> tuple:
-        """What this module's kernel is made from (compared by identity: any one replaced, it is remade)."""
+        """What this module's kernel is made from, compared by identity at a refresh (any one replaced: remade)."""
         return (self.quads_backend, self.quads_policy, *self.quads_prepared,
-                *(getattr(self, n) for n in self.quads_packed_names), *self._quads_masks())
+                *(o for n in self.quads_packed_names for o in (getattr(self, n), *getattr(self, n).storage_objects())),
+                *self._quads_masks())
+
+    def _quads_refresh_kernel(self) -> None:
+        sources = self._quads_kernel_sources()
+        held = self.__dict__.get("_quads_kernel_sources_held")
+        if (held is None or "_quads_kernel" not in self.__dict__ or len(held) != len(sources)
+                or any(a is not b for a, b in zip(held, sources))):
+            self._quads_kernel = self.quads_make_kernel()
+            self._quads_kernel_sources_held = sources
+        self._quads_forward_inputs()
 
     def _quads_masks(self) -> tuple:
         return ()
+
+    def _quads_forward_inputs(self) -> None:
+        """Set what the forward hands the kernel besides the input (an experts module's gate and
+        biases), at every refresh."""
 
     def quads_make_kernel(self):
         raise NotImplementedError
 
     def quads_kernel(self):
-        """This module's kernel (``kernel.apply`` runs its forward's GEMMs): made when its weights are set,
-        and again only when one of its sources was replaced (backend, policy, a prepared layout, a
-        packed weight, a static mask: a device move, a calibration), compared by identity."""
-        self.quads_prepared_weights()
-        sources = self._quads_kernel_sources()
-        held = self.__dict__.get("_quads_kernel")
-        if held is None or len(held[0]) != len(sources) or any(a is not b for a, b in zip(held[0], sources)):
-            held = self.__dict__["_quads_kernel"] = (sources, self.quads_make_kernel())
-        return held[1]
+        """This module's kernel (``kernel.apply`` runs its forward's GEMMs), as the last
+        :meth:`quads_weights_changed` made it."""
+        return self._quads_kernel
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
         self.quads_select_backend()  # .to(device) / .cuda(): the backend follows the weights
         return out
+
+
+def refresh_after_load(module: nn.Module, incompatible_keys) -> None:
+    """``load_state_dict`` post-hook of every rollout module (registered by ``quantize_``): the
+    loaded values were copied into the packed parts in place; refresh what is derived from them."""
+    module.quads_weights_changed()
 
 
 def rollout_owners(model: nn.Module) -> dict[int, list[RolloutModule]]:
@@ -269,26 +281,29 @@ class RolloutLinear(RolloutModule):
             y, operands = kernel.apply(x, self.quads_group_index)
             if y is not None:
                 return y
-            return self.quads_kernel().apply(x, self.bias, operands)
-        return self.quads_kernel().apply(x, self.bias)
+            return self._quads_kernel.apply(x, self.bias, operands)
+        return self._quads_kernel.apply(x, self.bias)
 
     def quads_sibling_inputs(self) -> tuple:
         """(linear kernel, bias) as the sibling set computes with them."""
-        return self.quads_kernel(), self.bias
+        return self._quads_kernel, self.bias
 
     def quads_unstack(self, view) -> None:
         """Leave a stacked layout: this linear's prepared weight becomes its own copy of ``view``."""
         self.quads_prepared = (type(view)(view.values.clone(), view.scales.clone(), view.n, view.k),)
-        self.quads_kernel()  # remade now over its own layout, not at a later forward (perhaps inside a compiled trace)
+        self._quads_refresh_kernel()  # remade now over its own layout
 
 
 def apply_gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
     """A fused experts module's gate: its ``_apply_gate`` if it has one, else ``act(gate) * up``."""
+    return gate_of(module)(gate_up_out)
+
+
+def gate_of(module: nn.Module):
+    """The callable a fused experts module's gate is: its ``_apply_gate`` (the model's own code),
+    else ``act(gate) * up`` (:func:`~quads.ops.experts.act_and_mul` over its ``act_fn``)."""
     gate_fn = getattr(module, "_apply_gate", None)
-    if gate_fn is not None:
-        return gate_fn(gate_up_out)
-    gate, up = gate_up_out.chunk(2, dim=-1)
-    return module.act_fn(gate) * up
+    return gate_fn if gate_fn is not None else functools.partial(act_and_mul, module.act_fn)
 
 
 def _bias(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -347,8 +362,13 @@ class RolloutExperts(RolloutModule):
         return self.quads_backend.experts_kernel(LinearArgs(self.gate_up_proj, act, masks[0], prepared[0]),
                                                  LinearArgs(self.down_proj, act, masks[1], prepared[1]))
 
+    def _quads_forward_inputs(self) -> None:
+        # the model's gate called by the kernel directly (calibration: the observing one), the biases
+        self._quads_gate = gate_of(self) if self.quads_observer is None else self._gate_and_observe
+        self._quads_biases = (_bias(self, "gate_up_proj_bias"), _bias(self, "down_proj_bias"))
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if self.quads_observer is not None:
             self.quads_observer("gate_up_proj", hidden_states)
-        return self.quads_kernel().apply(hidden_states, top_k_index, top_k_weights, self._gate_and_observe,
-                                         (_bias(self, "gate_up_proj_bias"), _bias(self, "down_proj_bias")))
+        return self._quads_kernel.apply(hidden_states, top_k_index, top_k_weights, self._quads_gate,
+                                        self._quads_biases)

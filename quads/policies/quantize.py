@@ -34,6 +34,7 @@ from quads.policies.modules import (
     QuadsModule,
     RolloutExperts,
     RolloutLinear,
+    refresh_after_load,
     TrainerExperts,
     TrainerLinear,
 )
@@ -233,6 +234,7 @@ def _commit(t: _Target, policy: QuadsPolicy) -> None:
     policy.activation_quant  # built now, not inside a (compiled) forward
     if policy.side == "rollout":
         t.module.quads_select_backend()  # the kernels for the packed weights' device and shapes
+        t.module.register_load_state_dict_post_hook(refresh_after_load)  # a load writes the parts in place
     else:
         t.module.quads_select_backend()  # the fake quantizer for the masters' device
 

@@ -29,7 +29,7 @@ def _jit_weights(model: nn.Module) -> list[tuple[object, torch.dtype]]:
             continue
         # W4A4 multiplies quads' fp16 operands; weight-only W4A16 the activations' own dtype
         dtype = torch.float16 if module.quads_act is not None else getattr(module, module.quads_packed_names[0]).dtype
-        out += [(p, dtype) for p in module.quads_prepared_weights() if hasattr(p, "warmup")]
+        out += [(p, dtype) for p in module.quads_prepared if hasattr(p, "warmup")]
     return out
 
 

@@ -277,6 +277,13 @@ class NVFP4Tensor(torch.Tensor):
             self.__dict__["_qdata"], self.__dict__["_scale"] = saved[0][0], saved[1][0]
         self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
 
+    def storage_objects(self) -> tuple:
+        """``(layout, qdata, scale, global_encode_scale)`` as held (``qdata``/``scale`` None while a
+        layout holds the parts): the objects a kernel reads, compared by identity when a module
+        refreshes its kernel (every write lands in them in place; a storage change replaces one)."""
+        d = self.__dict__
+        return d.get("_layout"), d.get("_qdata"), d.get("_scale"), self.global_encode_scale
+
     def parts_version(self) -> tuple:
         """A key that changes whenever the parts may have been written (a module then re-derives its
         kernel layout): the stored parts' version counters, or the layout's write count."""

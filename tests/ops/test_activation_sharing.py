@@ -223,7 +223,7 @@ def test_custom_op_bodies_do_not_share(launches):
     model = _rollout("llama")
     layer = model.model.layers[0].self_attn.q_proj
     x = torch.randn(2, 64, dtype=torch.bfloat16)
-    (prepared,) = layer.quads_prepared_weights()
+    (prepared,) = layer.quads_prepared
     w = layer.weight.parts
     args = (w.qdata, w.scale, w.global_encode_scale, None, [prepared.values, prepared.scales], "hopper",
             w.qdata.shape[0], True, 1.0, "per_token", "row", "6", None, "hopper")

@@ -125,3 +125,35 @@ def test_cache_hash_is_metadata_only_and_stable_across_processes():
             "._stable_hash_for_caching())")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           timeout=300).stdout.split()[-1] == h
+
+
+@pytest.fixture(params=[True, False], ids=["kernel-objects", "plain-fields"])
+def kernel_ops(request, monkeypatch):
+    """Both compiled paths: the kernel object as the op's argument (torch's opaque objects) and,
+    for a torch without them, the kernel's plain fields (``quads::linear`` / ``quads::grouped_linear``)."""
+    import quads.ops.experts as experts_module
+    import quads.ops.linear as linear_module
+
+    if request.param and not linear_module.KERNEL_OPS:
+        pytest.skip("this torch has no opaque custom-op objects")
+    monkeypatch.setattr(linear_module, "KERNEL_OPS", request.param)
+    monkeypatch.setattr(experts_module, "KERNEL_OPS", request.param)
+    return request.param
+
+
+def test_compiled_ops_take_the_module_kernel(kernel_ops):
+    """The graph's quads ops: the module's own kernel handle (nothing rebuilt per call) or its
+    plain fields; eager bits either way."""
+    m = _rollout("qwen3_moe")
+    seen = []
+
+    def spy(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, backend=spy, fullgraph=True)(ids).logits, m(ids).logits)
+    targets = {str(n.target).removeprefix("quads.").split(".")[0] for gm in seen for n in gm.graph.nodes
+               if n.op == "call_function" and "quads" in str(n.target)}
+    assert targets == ({"linear_kernel", "experts_gemm"} if kernel_ops else {"linear", "grouped_linear"})

@@ -372,11 +372,13 @@ def test_residual_layout_selection(monkeypatch):
     assert hb.humming_residual_layout(hb.SUMMED_FROM_ROWS) == "summed"
     assert hb.humming_residual_layout(512, "stacked") == "stacked"
     assert hb.humming_residual_layout(512, "auto", "batch_invariant") == "stacked"  # one layout at every M
-    monkeypatch.setenv("QUADS_HUMMING_RESIDUAL", "summed")
-    assert hb.humming_residual_layout(1) == "summed"
+    monkeypatch.setenv("QUADS_HUMMING_RESIDUAL", "summed")  # read once, when a backend is made
+    layout = hb.HummingBackend().residual_layout
+    assert layout == "summed" and hb.humming_residual_layout(1, layout) == "summed"
+    assert hb.HummingBackend(residual_layout="stacked").residual_layout == "stacked"  # the argument wins
     monkeypatch.setenv("QUADS_HUMMING_RESIDUAL", "both")
     with pytest.raises(ValueError, match="QUADS_HUMMING_RESIDUAL"):
-        hb.humming_residual_layout(1)
+        hb.HummingBackend()
     with pytest.raises(ValueError, match="QUADS_HUMMING_MODE"):
         hb.HummingBackend(mode="fastest")
 
@@ -571,9 +573,12 @@ def test_fp32_activations_take_the_exact_kernel_without_a_humming_layout(fake_hu
         kernel.apply(_x(k=96))
 
 
-def test_compiled_humming_experts_are_not_wired_yet(fake_humming, monkeypatch):
-    """Inside a compiled graph a humming-prepared experts weight raises (``quads::grouped_linear``
-    takes the Hopper layout only) instead of reading the wrong layout."""
+def test_compiled_humming_experts_run_the_kernel_object(fake_humming, monkeypatch):
+    """Inside a compiled graph a humming-prepared experts projection is one ``quads::experts_gemm``
+    over the kernel object itself (its eager humming GEMM in the op's body: the eager bits); a
+    torch without opaque custom-op objects (``quads::grouped_linear``, which takes the Hopper layout
+    only) raises instead of reading the wrong layout."""
+    import quads.ops.experts as experts_mod
     from quads.ops.backend_registry import LinearArgs
     from quads.ops.experts import Routing
 
@@ -582,6 +587,11 @@ def test_compiled_humming_experts_are_not_wired_yet(fake_humming, monkeypatch):
     prepared = be.prepare_weight(w)
     assert isinstance(prepared, hb.HummingWeight)
     kernel = be.experts_kernel(LinearArgs(w, None, None, prepared))
+    x, route = torch.randn(4, 128).half(), Routing.of_rows(None, torch.tensor([0, 2, 4]), 4)
+    eager = kernel.apply(x, route, None, None)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    if experts_mod.KERNEL_OPS:
+        assert torch.equal(kernel.apply(x, route, None, None), eager)
+    monkeypatch.setattr(experts_mod, "KERNEL_OPS", False)
     with pytest.raises(NotImplementedError, match="humming-prepared experts"):
-        kernel.apply(torch.randn(4, 128).half(), Routing.of_rows(None, torch.tensor([0, 2, 4]), 4), None, None)
+        kernel.apply(x, route, None, None)

@@ -276,11 +276,20 @@ def _compiled_graph(model, x):
 
 
 @pytest.mark.parametrize("activations", ["nvfp4", "bf16"])
-def test_compiled_graph_calls_quads_linear_with_the_layout_tensors(fake_humming, _fresh_dynamo, activations):
-    """The compiled graph of layout-held weights: one ``quads::linear`` per linear (no other quads op),
-    its packed parts None and its prepared tensors the weight's humming layout itself (graph inputs:
-    written in place by syncs). W4A16 (``bf16``) reads the layer of the activation dtype, made with the
-    kernel so that its tensors are there."""
+@pytest.mark.parametrize("kernel_ops", [True, False], ids=["kernel-objects", "plain-fields"])
+def test_compiled_graph_calls_quads_linear_with_the_layout_tensors(fake_humming, _fresh_dynamo, activations,
+                                                                   kernel_ops, monkeypatch):
+    """The compiled graph of layout-held weights: one quads op per linear (no other quads op). With
+    torch's opaque objects, ``quads::linear_kernel`` over the module's own kernel (its handle a graph
+    input: nothing rebuilt per call); without them, ``quads::linear`` with its packed parts None and
+    its prepared tensors the weight's humming layout itself (graph inputs: written in place by
+    syncs). W4A16 (``bf16``) reads the layer of the activation dtype, made with the kernel so that
+    its tensors are there."""
+    import quads.ops.linear as linear_module
+
+    if kernel_ops and not linear_module.KERNEL_OPS:
+        pytest.skip("this torch has no opaque custom-op objects")
+    monkeypatch.setattr(linear_module, "KERNEL_OPS", kernel_ops)
     model = _llama()
     with quads.use_backend("humming"):
         quads.quantize_(model, quads.QuadsPolicy(side="rollout", kernel="fast", activations=activations))
@@ -290,12 +299,17 @@ def test_compiled_graph_calls_quads_linear_with_the_layout_tensors(fake_humming,
     placeholders = {n: t for n, t in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs)}
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and "quads" in str(n.target)]
     linears = _linears(model)
-    assert len(calls) == len(linears) and all(n.target in (torch.ops.quads.linear, torch.ops.quads.linear.default) for n in calls)
-    layouts = {tuple(id(t) for t in m.quads_prepared[0].op_tensors) for m in linears}
-    for node in calls:
-        assert node.args[1] is None and node.args[2] is None  # no packed parts: the layout holds them
-        passed = tuple(id(placeholders[a]) for a in node.args[5])
-        assert passed in layouts
+    op = torch.ops.quads.linear_kernel if kernel_ops else torch.ops.quads.linear
+    assert len(calls) == len(linears) and all(n.target in (op, op.default) for n in calls)
+    if kernel_ops:
+        handles = {id(m.quads_kernel().op_handle) for m in linears}
+        assert {id(placeholders[n.args[2]]) for n in calls} == handles
+    else:
+        layouts = {tuple(id(t) for t in m.quads_prepared[0].op_tensors) for m in linears}
+        for node in calls:
+            assert node.args[1] is None and node.args[2] is None  # no packed parts: the layout holds them
+            passed = tuple(id(placeholders[a]) for a in node.args[5])
+            assert passed in layouts
     if activations == "bf16":
         assert all(set(m.quads_prepared[0].layers) == {torch.float16, torch.bfloat16} for m in linears)
 

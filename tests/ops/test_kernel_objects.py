@@ -61,11 +61,16 @@ def test_a_kernel_refuses_a_weight_that_is_not_2d_untransposed():
 
 @pytest.mark.parametrize("first,second", [("torch", "hopper"), ("hopper", "torch")])
 def test_backend_set_by_hand_prepares_its_own_layout(first, second):
+    """A backend set by hand is a write that bypasses the product API: it takes effect at the
+    refresh call (``quads_weights_changed``), which prepares its layout and remakes the kernel."""
     x = torch.randn(5, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
     model = _rollout(first)
     with torch.no_grad():
         model(x)  # a kernel made over the first backend's layout
+        kernel = model[0].quads_kernel()
         model[0].quads_backend = get_backend(second)
+        assert model[0].quads_kernel() is kernel  # nothing polled: the forward keeps its kernel until the refresh
+        model[0].quads_weights_changed()
         got = model(x)
         want = _rollout(second)(x)
     assert type(model[0].quads_prepared[0]) is type(_rollout(second)[0].quads_prepared[0])

@@ -123,7 +123,7 @@ def test_fusing_remakes_the_kernels_over_the_stacked_layout_at_once():
     assert quads.fuse_projections_(model) == 2
     attn = model.model.layers[0].self_attn
     for m in (attn.q_proj, attn.k_proj, attn.v_proj):
-        assert m.__dict__["_quads_kernel"][1].args.prepared is m.quads_prepared[0]
+        assert m.quads_kernel().args.prepared is m.quads_prepared[0]
 
 
 def test_unfusing_remakes_the_kernels_over_their_own_layouts_at_once():
@@ -134,4 +134,4 @@ def test_unfusing_remakes_the_kernels_over_their_own_layouts_at_once():
     assert unfuse_projections_(model) == 2
     attn = model.model.layers[0].self_attn
     for m in (attn.q_proj, attn.k_proj, attn.v_proj):
-        assert m.__dict__["_quads_kernel"][1].args.prepared is m.quads_prepared[0]
+        assert m.quads_kernel().args.prepared is m.quads_prepared[0]
