@@ -37,6 +37,8 @@ GAP_SOURCES: dict[str, tuple[str, str]] = {
 ACCURACY_SOURCES: list[tuple[str, str, str]] = [
     ("dense", "SmolLM2-135M-Instruct, chain-sum, 100 GRPO steps, 2 seeds, H200",
      "results/h200_2026-12-03_rl_step/real_grpo_logs"),
+    ("moe", "SmolLM2 upcycled to 8 experts top-2, chain-sum, 114-144 GRPO steps, 1 seed, H200",
+     "results/h200_2026-12-04_moe_grpo"),
 ]
 KIND_NAMES = {"dense": "dense", "moe": "MoE"}
 HARDWARE_NAMES = {"hopper": "Hopper (H200)", "blackwell": "Blackwell (sm_100+)"}
