@@ -802,6 +802,21 @@ def _rollout_state(model) -> list[torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def logits_agree(reference, other, ids, fast: bool) -> tuple[bool, str]:
+    """``other``'s logits against ``reference``'s on ``ids``: bit-equal on the exact kernels; on
+    humming's (Stream-K GEMMs differ run to run) no further from them than ``reference``'s own
+    repeated forwards are from each other (twice that spread). (ok, a note for the row)."""
+    if not fast:
+        same = bits_equal(reference(ids).logits, other(ids).logits)
+        return same, f"logits bit-equal {same}"
+    runs = [reference(ids).logits.float() for _ in range(3)]
+    noise = max((a - b).abs().max().item() for i, a in enumerate(runs) for b in runs[i + 1:])
+    gap = max((other(ids).logits.float() - r).abs().max().item() for r in runs)
+    ok = gap <= 2 * noise + 1e-6
+    return ok, f"logits |other - reference| {gap:.3g} <= 2 x run-to-run {noise:.3g}: {ok}"
+
+
 @check("graphed_sync")
 def check_graphed_sync():
     """``GraphedSync`` (the sync captured as CUDA graphs and replayed) against the eager
@@ -851,17 +866,7 @@ def check_graphed_sync():
                 times[name].append((time.perf_counter() - t) * 1e3)
             equal.append(all(bits_equal(a, b) for a, b in zip(_rollout_state(rollout), _rollout_state(twin))))
         ids = torch.randint(0, cfg.vocab_size, (4, 8), device="cuda")
-        with torch.no_grad():
-            if fast:  # humming's Stream-K GEMMs differ run to run: the graphed rollout's logits must differ
-                # from the eager twin's no more than the eager twin's own repeated forwards differ
-                runs = [twin(ids).logits.float() for _ in range(3)]
-                noise = max((a - b).abs().max().item() for i, a in enumerate(runs) for b in runs[i + 1:])
-                gap = max((rollout(ids).logits.float() - r).abs().max().item() for r in runs)
-                same_logits = gap <= 2 * noise + 1e-6
-                logits_note = f"logits |graphed - eager| {gap:.3g} <= 2 x eager run-to-run {noise:.3g}: {same_logits}"
-            else:
-                same_logits = bits_equal(rollout(ids).logits, twin(ids).logits)
-                logits_note = f"logits bit-equal {same_logits}"
+        same_logits, logits_note = logits_agree(twin, rollout, ids, fast)
         what = "the logits within the eager run-to-run bound" if fast else "the logits"
         record(f"{label}: == eager sync bits after each of 4 syncs ({what}), replays used",
                all(equal) and same_logits and graphed.replays == 3 and graphed.blocker is None,
@@ -999,12 +1004,12 @@ def check_save_load():
             load_s = time.perf_counter() - t
             same = [bits_equal(a, b) for a, b in zip(_rollout_state(model), _rollout_state(back))]
             ids = torch.randint(0, cfg.vocab_size, (4, 8), device="cuda")
-            with torch.no_grad():
-                logits = bits_equal(model(ids).logits, back(ids).logits)
             backends = {m.quads_backend.name for m in back.modules() if hasattr(m, "quads_packed_names")}
-        record(f"{label}: from_pretrained == the saved model (every stored tensor, logits)",
+            logits, note = logits_agree(model, back, ids, "humming" in backends)
+        record(f"{label}: from_pretrained == the saved model (every stored tensor; the logits, within humming's "
+               "run-to-run spread on the fast kernels)",
                all(same) and len(same) == len(_rollout_state(model)) and logits,
-               f"{sum(same)}/{len(same)} tensors equal, logits {logits}, backends {sorted(backends)}, "
+               f"{sum(same)}/{len(same)} tensors equal, {note}, backends {sorted(backends)}, "
                f"save {save_s:.1f} s, load {load_s:.1f} s")
 
 
