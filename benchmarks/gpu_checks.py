@@ -970,7 +970,8 @@ def check_save_load():
     """``save_pretrained`` / ``from_pretrained`` of quads rollouts on the GPU (``quant_method:
     "quads"``): a dense Qwen3 and a Qwen3-MoE, exact and fast kernels, loaded with
     ``device_map="cuda"``: every packed storage (Hopper / humming layouts included), dense
-    parameter and the logits bit-equal to the saved model's; a trainer's masters and logits too."""
+    parameter bit-equal to the saved model's, the logits too (on humming's kernels within their
+    run-to-run spread: ``logits_agree``); a trainer's masters and logits too."""
     import tempfile
 
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
