@@ -22,6 +22,7 @@ from pathlib import Path
 
 from benchmarks.rl.real_grpo_report import load, load_logs
 from quads.diagnostics.plan_speeds import PLAN_SPEEDS
+from quads.tensor.files import write_atomically
 from quads.diagnostics.recommend import recommend
 from quads.policies import POLICY_PRESETS
 
@@ -161,7 +162,7 @@ def write(path: Path, blocks: dict[str, str]) -> bool:
     for marker, block in blocks.items():
         new = _span(marker).sub(lambda m: m.group(1) + block + "\n" + m.group(3), new)
     if new != text:
-        path.write_text(new)
+        write_atomically(path, new)
     return new != text
 
 

@@ -52,7 +52,7 @@ class Routing:
         flat = top_k_index.reshape(-1)
         self.top_k = top_k_index.shape[-1]
         self.num_rows = flat.numel()
-        if flat.is_cuda and _routing_kernel_applies(flat, num_experts):
+        if _routing_kernel_applies(flat, num_experts):
             from quads.kernels.moe_routing import moe_routing
 
             self.order, counts, self.offsets, self.token_of_row = moe_routing(flat, num_experts, self.top_k)

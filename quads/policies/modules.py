@@ -303,7 +303,16 @@ def gate_of(module: nn.Module):
     """The callable a fused experts module's gate is: its ``_apply_gate`` (the model's own code),
     else ``act(gate) * up`` (:func:`~quads.ops.experts.act_and_mul` over its ``act_fn``)."""
     gate_fn = getattr(module, "_apply_gate", None)
-    return gate_fn if gate_fn is not None else functools.partial(act_and_mul, module.act_fn)
+    if gate_fn is not None:
+        return gate_fn
+    act = getattr(module, "act_fn", None)
+    if act is None:  # (found when the gate runs, not when the kernel is made: a module may never run)
+        return functools.partial(_missing_gate, type(module).__name__)
+    return functools.partial(act_and_mul, act)
+
+
+def _missing_gate(name: str, gate_up_out: torch.Tensor) -> torch.Tensor:
+    raise AttributeError(f"{name} has neither _apply_gate nor act_fn: quads cannot run its experts' gate")
 
 
 def _bias(module: nn.Module, name: str) -> torch.Tensor | None:

@@ -265,11 +265,22 @@ def test_a_loaded_rollout_is_refreshed_before_it_is_returned(tmp_path):
     every rollout module's quads_weights_changed, so what the kernels read is current before any
     forward (nothing is left for a forward to notice)."""
     _quantized(tmp_path, "qwen3_moe", "rollout").save_pretrained(tmp_path / "r")
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "r")
+    refreshed = []
+    original = RolloutModule.quads_weights_changed
+
+    def counting(self):
+        refreshed.append(self)
+        return original(self)
+
+    RolloutModule.quads_weights_changed = counting
+    try:
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "r")
+    finally:
+        RolloutModule.quads_weights_changed = original
     rollouts = [m for m in back.modules() if isinstance(m, RolloutModule)]
     assert rollouts
-    for m in rollouts:
-        assert m._quads_prepared_versions == (m.quads_backend, m._quads_versions()), m
+    seen = {id(m) for m in refreshed}
+    assert all(id(m) in seen for m in rollouts)  # every module refreshed after its weights were loaded
 
 
 def test_trainer_save_pretrained_writes_the_state_dict_it_is_given(tmp_path):
