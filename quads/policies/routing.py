@@ -213,6 +213,10 @@ class RoutingCheck:
             h.remove()
         self._handles = []
 
+    def release(self) -> None:
+        """Drop the last armed forward's rows (kept for a backward's recompute) once its step is over."""
+        self._current = self._attended = None
+
     @contextlib.contextmanager
     def armed(self, routing: torch.Tensor, *, count: bool = True):
         """Compare (and replay) ``routing`` (B, T, L, k) in the model's forwards inside the block."""

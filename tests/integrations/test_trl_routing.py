@@ -218,3 +218,45 @@ def test_example_logs_routing_flips_with_replay(tmp_path, capsys):
     steps = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in l]
     assert len(steps) == 2 and all(0.5 < s["sampling/quads/routing_replayed"] <= 1.0 for s in steps)
     assert [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")][0].split()[-2] == "flips"
+
+
+def _a_tool(x: int) -> int:
+    """Adds one.
+
+    Args:
+        x: a number.
+    """
+    return x + 1
+
+
+def test_multi_call_rollouts_record_no_routing_and_refuse_replay(tmp_path):
+    """With TRL tools a batch's rollout is several engine calls (the tool-calling rows again): no
+    one recording covers it, so replay is refused in one line, before TRL runs; without replay
+    the trainer records no routing (flips not measured rather than a crash on a recording of
+    another shape)."""
+    with pytest.raises(ValueError, match=r"routing_replay=True\): tools= rolls a batch out in several engine calls"):
+        _trainer(tmp_path / "r", routing_replay=True, tools=[_a_tool])
+    trainer = _trainer(tmp_path / "m")
+    trainer._quads_check_routing(trainer.model, False, "tools")
+    assert trainer.quads_routing_replay is None
+
+
+def test_a_failed_set_up_takes_the_routing_hooks_off(tmp_path, monkeypatch):
+    """A failure in the trainer's last set-up steps (the precision probe's forward) leaves the
+    caller's model without quads' routing hooks, so a retry does not stack a second set."""
+    tok = make_tokenizer()
+    model = tiny_model(tok)
+    ds = datasets.Dataset.from_list(make_prompts(16, seed=0))
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, max_steps=1, logging_steps=1, report_to=[],
+                      save_strategy="no", disable_tqdm=True)
+
+    def boom(self, args):
+        raise RuntimeError("probe failed")
+
+    monkeypatch.setattr(QuadsGRPOTrainer, "_quads_precision_probe", boom)
+    routers = moe_routers(model)
+    before = [len(r._forward_hooks) for r in routers]
+    with pytest.raises(RuntimeError, match="probe failed"):
+        QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=ds, processing_class=tok)
+    assert [len(r._forward_hooks) for r in routers] == before

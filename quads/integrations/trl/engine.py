@@ -199,6 +199,9 @@ class QuadsRolloutEngine:
             logprobs.append([[v] for v in lp[:n]])
         if self.record_routing:
             self.last_routing = _routing_rows(self._routing, width, prompts, completion_ids)
+            self._routing = None  # held by last_routing's rows until the trainer takes them, no longer
+            if self._decoder is not None:
+                self._decoder.last_routing = None
         return [list(p) for p in prompts], completion_ids, logprobs, None
 
 

@@ -191,7 +191,8 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
             init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
         _refuse_peft_model(model)
-        self._quads_check_routing(model, routing_replay)
+        multi_call = next((k for k in ("tools", "rollout_func") if kwargs.get(k)), None)
+        self._quads_check_routing(model, routing_replay, multi_call)
         undo = _model_snapshot(model)
         self._quads_apply_trainer_policy(model)
         try:
@@ -213,7 +214,12 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
                 graphed=graphed_decode,
                 record_routing=self.quads_routing_replay is not None,
             )
+            self._quads_setup_routing(self.accelerator.unwrap_model(self.model))
+            self._quads_precision_probe(args)
         except BaseException:
+            routing = self.__dict__.get("quads_routing")
+            if routing is not None:
+                routing.remove()  # its hooks on the caller's model
             undo()  # TRL (or the rollout build) failed: the caller's model is as it was, a retry works
             raise
         # Hand the engine to TRL's external-engine code path (see use_vllm and the module doc).
@@ -223,8 +229,6 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         self._last_loaded_step = -1
 
         self._quads_probe_models: dict[str, nn.Module] | None = None
-        self._quads_setup_routing(unwrapped)
-        self._quads_precision_probe(args)
 
     def _quads_precision_probe(self, args) -> None:
         """Warn in one line when a module of the trainer computes in another dtype than its
@@ -310,6 +314,8 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         self._quads_routing_of_batch = None
+        if self.quads_routing is not None:
+            self.quads_routing.release()  # the last step's rows: its backward is done
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         if self.quads_routing is not None:
@@ -323,11 +329,13 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
 
     # -- routing agreement and replay (quads.policies.routing) ---------------------------------
 
-    def _quads_check_routing(self, model: nn.Module, routing_replay: bool) -> None:
+    def _quads_check_routing(self, model: nn.Module, routing_replay: bool, multi_call: str | None = None) -> None:
         """Decide ``quads_routing_replay`` (None: not an MoE model with supported routers, no
         recording; else whether the trainer replays); refuse replay on such a model, in one line."""
         replay = routing_replay or self.quads_preset.routing_replay
         problem = routing_problem(model)
+        if problem is None and multi_call:  # a batch's rollout is several engine calls: no one recording
+            problem = f"{multi_call}= rolls a batch out in several engine calls, whose routing is not recorded as one"
         if problem is not None and replay:
             raise ValueError(f"QuadsGRPOTrainer(routing_replay=True): {problem}")
         self.quads_routing_replay = None if problem is not None else replay
@@ -349,8 +357,10 @@ class QuadsGRPOTrainer(MismatchLogging, _GRPOTrainer):
         completion = pad(rows[1], padding_value=-1, padding_side="right", pad_to_multiple_of=self.pad_to_multiple_of)
         routing = torch.cat([prompt, completion], dim=1).to(self.accelerator.device)
         if tuple(routing.shape[:2]) != tuple(shape):
-            raise RuntimeError(f"QuadsGRPOTrainer: the recorded routing {tuple(routing.shape)} does not match the "
-                               f"trainer's input {tuple(shape)}")
+            if self.quads_routing_replay:
+                raise RuntimeError(f"QuadsGRPOTrainer: the recorded routing {tuple(routing.shape)} does not match the "
+                                   f"trainer's input {tuple(shape)}: it cannot be replayed")
+            return None  # not this batch's recording as a whole: no flips measured for it
         self._quads_routing_of_batch = routing
         return routing
 

@@ -27,6 +27,8 @@ Requirements (a local BF16 checkpoint, one process per engine, no PEFT, no sleep
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import os
 from typing import Any
@@ -139,6 +141,26 @@ def _check_options(train_args, trainer_policy, rollout_corr_metrics, routing_rep
         raise TypeError(f"QuadsVLLMGRPOTrainer(rollout_corr_metrics=...) must be True or False, got {rollout_corr_metrics!r}")
     if routing_replay is not False:
         raise ValueError(ROUTING_REPLAY_REFUSAL)
+    _refuse_config_fields(train_args)
+
+
+def _refuse_config_fields(train_args) -> None:
+    """A ``QuadsGRPOConfig``'s QuadsGRPOTrainer fields (``quads_policy``, ``quads_routing_replay``, ...)
+    are not this trainer's options (its engine and trainer policy are set by its own arguments):
+    one set away from its default is refused in one line rather than ignored. (The
+    ``quads_importance_sampling_*`` fields are TRL's own options and take effect.)"""
+    try:
+        from quads.integrations.trl.config import TRAINER_OPTIONS, QuadsGRPOConfig
+    except ImportError:  # pragma: no cover - TRL is installed wherever this trainer runs
+        return
+    if not isinstance(train_args, QuadsGRPOConfig):
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(QuadsGRPOConfig)}
+    for name in (*TRAINER_OPTIONS.values(), "quads_kernel", "quads_residual_fraction"):
+        if getattr(train_args, name) != defaults[name]:
+            raise ValueError(f"QuadsVLLMGRPOTrainer does not read QuadsGRPOConfig.{name} (set to "
+                             f"{getattr(train_args, name)!r}): pass the trainer's own arguments (trainer_policy=, "
+                             "rollout_config=, rollout_corr_metrics=) instead")
 
 
 class QuadsVLLMGRPOTrainer(MismatchLogging, GRPOTrainer):
