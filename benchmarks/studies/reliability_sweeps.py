@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import dataclasses
 import os
 import platform
@@ -120,9 +121,15 @@ class _LineCounter:
 
 
 def run_traced(fn: Callable[[], object], stop: int | None = None) -> tuple[int, BaseException | None]:
-    """Run ``fn`` under a :class:`_LineCounter`; (lines executed, the exception or None)."""
+    """Run ``fn`` under a :class:`_LineCounter`; (lines executed, the exception or None). The
+    garbage collector is off during the run (after collecting what earlier work left): a
+    finalizer run by a collection inside ``fn`` would count lines that are not ``fn``'s, and
+    Python drops an exception raised in a finalizer, so an interrupt landing there would vanish."""
     counter = _LineCounter(stop)
     error = None
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
     sys.settrace(counter)
     try:
         fn()
@@ -130,6 +137,8 @@ def run_traced(fn: Callable[[], object], stop: int | None = None) -> tuple[int, 
         error = err
     finally:
         sys.settrace(None)
+        if enabled:
+            gc.enable()
     return counter.count, error
 
 
