@@ -802,6 +802,19 @@ def _rollout_state(model) -> list[torch.Tensor]:
     return out
 
 
+def _qwen3_configs(dense_layers: int):
+    """A dense Qwen3 (hidden 1024, MLP 2816) and a Qwen3-MoE (16 experts top-4 of width 768, 2
+    layers) small enough for a check, at real head and GEMM shapes."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    dense = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=dense_layers,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False)
+    moe = Qwen3MoeConfig(vocab_size=4096, hidden_size=1024, moe_intermediate_size=768, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16,
+                         num_experts_per_tok=4, tie_word_embeddings=False)
+    return dense, moe
+
+
 @torch.no_grad()
 def logits_agree(reference, other, ids, fast: bool) -> tuple[bool, str]:
     """``other``'s logits against ``reference``'s on ``ids``: bit-equal on the exact kernels; on
@@ -825,18 +838,14 @@ def check_graphed_sync():
     refused with the rollout unchanged, an interrupt after the write restored; ms per sync of both
     (dense Qwen3 4 layers 1024/2816 and an MoE of 16 experts; exact and fast kernels)."""
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     from quads.policies import POLICY_PRESETS, build_rollout_model
     from quads.policies.graphed_sync import GraphedSync
     from quads.policies.presets import with_kernel
 
     fast_ok = humming_unavailable() is None
-    dense = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False)
-    moe = Qwen3MoeConfig(vocab_size=4096, hidden_size=1024, moe_intermediate_size=768, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16,
-                         num_experts_per_tok=4, tie_word_embeddings=False)
+    dense, moe = _qwen3_configs(dense_layers=4)
     cases = [("dense", dense, Qwen3ForCausalLM, "quads", False), ("dense", dense, Qwen3ForCausalLM, "w4a16", True),
              ("dense", dense, Qwen3ForCausalLM, "quads", True), ("moe", moe, Qwen3MoeForCausalLM, "quads-experts", True)]
     for model_name, cfg, cls, preset_name, fast in cases:
@@ -974,16 +983,12 @@ def check_save_load():
     run-to-run spread: ``logits_agree``); a trainer's masters and logits too."""
     import tempfile
 
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     from quads.policies.presets import with_kernel
 
     fast_ok = humming_unavailable() is None
-    dense = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
-                        num_attention_heads=8, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False)
-    moe = Qwen3MoeConfig(vocab_size=4096, hidden_size=1024, moe_intermediate_size=768, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16,
-                         num_experts_per_tok=4, tie_word_embeddings=False)
+    dense, moe = _qwen3_configs(dense_layers=2)
     cases = [(n, cfg, cls, side, fast) for n, cfg, cls in (("dense", dense, Qwen3ForCausalLM), ("moe", moe, Qwen3MoeForCausalLM))
              for side, fast in (("rollout", False), ("rollout", True), ("trainer", False))]
     for model_name, cfg, cls, side, fast in cases:

@@ -341,6 +341,13 @@ def test_embedded_model_quads_gap_smaller_than_naive():
     assert q["sampling/quads/k3_kl"] < n["sampling/quads/k3_kl"]
 
 
+def _one_step_args(tmp_path):
+    """A one-step CPU GRPOConfig with BF16 autocast (the failed-init tests)."""
+    return GRPOConfig(output_dir=str(tmp_path / "x"), use_cpu=True, bf16=True, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, max_steps=1, report_to=[], save_strategy="no",
+                      disable_tqdm=True)
+
+
 def test_trl_failure_leaves_the_callers_model_unconverted(tmp_path, monkeypatch):
     """When TRL's __init__ fails after the model's conversion, the model's module classes are
     restored and a retry works."""
@@ -349,9 +356,7 @@ def test_trl_failure_leaves_the_callers_model_unconverted(tmp_path, monkeypatch)
     classes = {n: type(m) for n, m in model.named_modules()}
     attrs = {n: set(vars(m)) for n, m in model.named_modules()}
     ds = datasets.Dataset.from_list(make_prompts(16, seed=0))
-    args = GRPOConfig(output_dir=str(tmp_path / "x"), use_cpu=True, bf16=True, per_device_train_batch_size=4,
-                      num_generations=2, max_completion_length=4, max_steps=1, report_to=[], save_strategy="no",
-                      disable_tqdm=True)
+    args = _one_step_args(tmp_path)
     real_init = trl.GRPOTrainer.__init__
 
     def failing_init(self, *a, **k):
@@ -417,9 +422,7 @@ def test_mismatch_alarm_factor_is_checked_before_the_model_is_touched(tmp_path):
 def test_trl_failure_restores_the_experts_implementation(tmp_path, monkeypatch):
     tok = make_tokenizer()
     model = tiny_model(tok, experts="grouped_mm")
-    args = GRPOConfig(output_dir=str(tmp_path / "x"), use_cpu=True, bf16=True, per_device_train_batch_size=4,
-                      num_generations=2, max_completion_length=4, max_steps=1, report_to=[], save_strategy="no",
-                      disable_tqdm=True)
+    args = _one_step_args(tmp_path)
     real_init = trl.GRPOTrainer.__init__
 
     def failing_init(self, *a, **k):
