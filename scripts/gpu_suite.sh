@@ -9,7 +9,8 @@
 #   tests     pytest -m gpu tests/gpu (the GPU checks' own test file excepted: `checks` runs them)
 #   checks    python -m benchmarks.gpu_checks (the kernels at real shapes, bit-exact / bounded)
 #   examples  the main example (examples/trl_grpo_quads.py, TRL through QuadsGRPOTrainer) on CUDA for
-#             every preset of POLICY_PRESETS (and quads with --kernel fast) x {embedded MoE, SmolLM2-135M,
+#             every preset of POLICY_PRESETS (and quads with --kernel fast, quads-experts with routing
+#             replay) x {embedded MoE, SmolLM2-135M,
 #             the MoE upcycled from it},
 #             STEPS (default 3) steps each, one model's presets side by side, at most EXAMPLE_JOBS
 #             (default 6) at once (the upcycled MoE's runs take about 13 GiB each: 11 at once overflow
@@ -81,7 +82,7 @@ PY
 
 run_examples() {
   local presets models model dir
-  presets="$($PY -c "from quads.policies import POLICY_PRESETS; print(' '.join(POLICY_PRESETS))") quads-fast"
+  presets="$($PY -c "from quads.policies import POLICY_PRESETS; print(' '.join(POLICY_PRESETS))") quads-fast quads-experts+r3"
   local real; real=$(quads_real_model_status)
   [ "$real" = built ] && say "real model: built (SmolLM2-135M-Instruct and its upcycled 8-expert MoE in $QUADS_CACHE)"
   models=""
@@ -104,6 +105,7 @@ run_examples() {
       mkdir -p "$W/examples"
       local how="--policy $preset"
       [ "$preset" = quads-fast ] && how="--policy quads --kernel fast"
+      [ "$preset" = quads-experts+r3 ] && how="--policy quads-experts --routing-replay"
       while [ "$(jobs -rp | wc -l)" -ge "${EXAMPLE_JOBS:-6}" ]; do wait -n; done
       # shellcheck disable=SC2086
       $PY examples/trl_grpo_quads.py --device "$DEVICE" $how ${dir:+--model "$dir"} --max-steps "$STEPS" \
@@ -112,7 +114,7 @@ run_examples() {
     done
     for i in "${!pids[@]}"; do
       wait "${pids[$i]}"; local rc=$?
-      local na; na=$(grep -o "error: --policy [^:]*: preset .*" "$W/examples/${names[$i]}.log" | head -n 1)
+      local na; na=$(grep -oE "error: --(policy [^:]*: preset|routing-replay:) .*" "$W/examples/${names[$i]}.log" | head -n 1)
       if [ "$rc" != 0 ] && [ -n "$na" ]; then  # a plan that cannot apply to this model, refused up front
         say "example ${names[$i]}: N/A (${na#error: })"; continue
       fi
