@@ -20,6 +20,7 @@ Each check prints PASS/FAIL and goes into DIR/checks.json:
   product, the in-place refresh bit-exact against a layout built from scratch (same addresses),
   the packed parts derived back from the layout, one layout per rollout module (<= 1.1x); under
   ``torch.compile`` (``quads::linear`` over the layouts) bit-equal to eager, before and after a sync;
+  the exact kernels compiled the same way (a linear stack and a whole Qwen3-MoE rollout, ``compiled``);
   a sibling set's one GEMM over its stacked weight (group mode) against the members' own GEMMs:
   the stated bound, the bits compared, both timed under CUDA graphs (``humming_siblings``);
 * W4A16 decode vs the dense bf16 product; MoE experts (E=128 top-8 and E=8 top-2) vs the torch
@@ -468,7 +469,7 @@ def check_fused_projections():
     with torch.no_grad():
         for p_ in base.parameters():
             p_.add_(torch.randn_like(p_) * 0.02)
-    quads.sync_weights_(fused, base)
+    quads.sync_weights_(fused, base, plain_trainer=True)  # base: plain BF16 weights
     after = decoder.generate(prompts, torch.ones_like(prompts), spec)[0]  # the same captured graph
     fresh = build_rollout_model(base, policy, fuse_projections=False)
     want = GraphedDecoder(fresh, use_cuda_graph=False).generate(prompts, torch.ones_like(prompts), spec)[0]
@@ -685,6 +686,54 @@ def check_humming_compiled():
     finally:
         register_backend(default)
         torch._dynamo.reset()
+
+
+@check("compiled")
+def check_compiled():
+    """The exact kernels under ``torch.compile`` (fullgraph, inductor) on the GPU's torch: a linear
+    stack (W4A4 + residual, W4A16) and a whole Qwen3-MoE rollout (16 experts top-4), bit-equal to
+    eager, and again after a sync (the graph runs the modules' own kernels: no recompile)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from quads.policies import build_rollout_model
+
+    counters = torch._dynamo.utils.counters
+    _, moe = _qwen3_configs(dense_layers=2)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for name in ("stack nvfp4", "stack bf16", "qwen3-moe"):
+        torch.manual_seed(0)
+        if name == "qwen3-moe":
+            trainer = quads.quantize_(Qwen3MoeForCausalLM(moe).bfloat16().cuda(), quads.QuadsPolicy(side="trainer"))
+            rollout = build_rollout_model(trainer, quads.QuadsPolicy(side="rollout"))
+            xs = [torch.randint(0, 4096, (b, t), device="cuda", generator=g) for b, t in ((1, 1), (4, 16), (2, 64))]
+            run = (lambda mod: lambda x: mod(x).logits)
+        else:
+            def stack():
+                return torch.nn.Sequential(torch.nn.Linear(2880, 1408, bias=True),
+                                           torch.nn.Linear(1408, 2880, bias=False)).bfloat16().cuda()
+            rollout, trainer = stack(), stack()
+            quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", activations=name.split()[1]))
+            quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
+            xs = [torch.randn(m, 2880, device="cuda", generator=g).bfloat16() for m in (1, 16, 256)]
+            run = (lambda mod: mod)
+        torch._dynamo.reset()
+        compiled = run(torch.compile(rollout, fullgraph=True))
+        eager = run(rollout)
+        with torch.no_grad():
+            before = [compiled(x) for x in xs]
+            same = all(bits_equal(y, eager(x)) for x, y in zip(xs, before))
+            graphs = counters["stats"]["unique_graphs"]
+            with torch.no_grad():
+                for p_ in trainer.parameters():
+                    p_.add_(torch.randn_like(p_) * 0.02)
+            quads.sync_weights_(rollout, trainer)
+            after = [compiled(x) for x in xs]
+            synced = all(bits_equal(y, eager(x)) for x, y in zip(xs, after))
+            kept = counters["stats"]["unique_graphs"] == graphs
+            changed = not bits_equal(after[-1], before[-1])
+        record(f"compiled exact ({name}) == eager bits, and after a sync", same and synced and kept and changed,
+               f"equal {same}, after sync {synced} (changed {changed}), no recompile {kept}")
+    torch._dynamo.reset()
 
 
 @check("four_over_six")

@@ -270,7 +270,7 @@ def main():
                 _sync()
                 build_s = time.perf_counter() - t0
                 quantized = model is not base and VARIANTS[name] != "fp8"
-                sync_s = sync_time(lambda: quads.sync_weights_(model, base)) if quantized else 0.0
+                sync_s = sync_time(lambda: quads.sync_weights_(model, base, plain_trainer=True)) if quantized else 0.0
                 record(kind=kind, variant=name, build_s=round(build_s, 2), sync_ms=round(sync_s * 1e3, 1),
                        weights_gib=_memory("memory_allocated"))
                 for i, glue in enumerate(glues):

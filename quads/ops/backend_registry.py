@@ -50,13 +50,20 @@ class KernelHandle(OpaqueBase):
     """A kernel object as a custom op's argument (``quads::linear_kernel``, ``quads::experts_gemm``):
     opaque to ``torch.compile`` (a reference: a graph input, never copied or guarded on), so the
     compiled call runs the module's own kernel. Pickles as its kernel's class name (what
-    inductor's cache key hashes of it: never the weights)."""
+    inductor's cache key hashes of it: never the weights); copies are the handle itself (a
+    reference: torch's fake script objects deep-copy the objects they wrap in some versions)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
 
     def __reduce__(self):
         return str, (f"quads kernel {type(self.kernel).__qualname__}",)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 #: whether compiled code hands kernel objects to the quads custom ops (``quads::linear_kernel``,

@@ -62,6 +62,7 @@ class SiblingSet:
         self._kernel: tuple | None = None  # (sources, kernel)
         for i, m in enumerate(self.members):
             m.quads_group, m.quads_group_index = self, i
+        self._refresh_kernel()  # made now, never inside a forward (a compiled graph would guard on its absence)
 
     # -- the stacked layout ----------------------------------------------------------------------
 
@@ -81,7 +82,7 @@ class SiblingSet:
         self.row_scales = torch.empty(self.offsets[-1], dtype=torch.float32, device=global_scales[0].device)
         for i, gs in enumerate(global_scales):
             self.write_scale(i, gs)
-        self.kernel()  # made now over the stacked layout
+        self._refresh_kernel()  # made now over the stacked layout
         return self.views
 
     def write_scale(self, i: int, global_encode_scale: torch.Tensor) -> None:
@@ -113,6 +114,9 @@ class SiblingSet:
         replaced, compared by identity."""
         if not self.enabled:
             return None
+        return self._refresh_kernel()
+
+    def _refresh_kernel(self) -> "SiblingKernel":
         sources = (self.backend, self.act, self.stacked, self.row_scales)
         held = self._kernel
         if held is None or any(a is not b for a, b in zip(held[0], sources)):

@@ -157,3 +157,56 @@ def test_compiled_ops_take_the_module_kernel(kernel_ops):
     targets = {str(n.target).removeprefix("quads.").split(".")[0] for gm in seen for n in gm.graph.nodes
                if n.op == "call_function" and "quads" in str(n.target)}
     assert targets == ({"linear_kernel", "experts_gemm"} if kernel_ops else {"linear", "grouped_linear"})
+
+
+def test_kernel_handles_survive_deep_copying_fake_objects(monkeypatch):
+    """Some torch versions (2.11) deep-copy the object a fake script object wraps: the kernel
+    handle is a reference, so the copy is the handle itself and the compiled graph still runs the
+    module's kernel (a handle that copied into something else failed inside aot_autograd)."""
+    import copy
+
+    from torch._library import fake_class_registry
+
+    from quads.ops.backend_registry import KERNEL_OPS
+
+    if not KERNEL_OPS:
+        pytest.skip("this torch has no opaque custom-op objects")
+    init = fake_class_registry.FakeScriptObject.__init__
+
+    def deep_copying_init(self, wrapped_obj, script_class_name, x):
+        init(self, wrapped_obj, script_class_name, x)
+        object.__setattr__(self, "real_obj", copy.deepcopy(x))
+
+    monkeypatch.setattr(fake_class_registry.FakeScriptObject, "__init__", deep_copying_init)
+    m = _rollout("qwen3_moe")
+    kernel = next(mod for mod in m.modules() if isinstance(mod, RolloutExperts))._quads_kernel
+    assert copy.deepcopy(kernel.op_handle) is kernel.op_handle and copy.copy(kernel.op_handle) is kernel.op_handle
+    twin = copy.deepcopy(kernel)
+    assert twin.op_handle.kernel is twin  # a copied kernel gets its own handle
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, backend="aot_eager", fullgraph=True)(ids).logits, m(ids).logits)
+
+
+def test_fused_rollout_compiles_once_per_shape_across_syncs():
+    """A rollout with fused projections (sibling sets) compiled, run at two shapes, synced, run
+    again: no recompile (each set's kernel exists before the first trace, so no graph guards on
+    its absence)."""
+    from quads.policies import build_rollout_model
+
+    trainer = quads.quantize_(build("qwen3_moe", dtype=torch.float32), quads.QuadsPolicy(side="trainer"))
+    rollout = build_rollout_model(trainer, quads.QuadsPolicy(side="rollout"))
+    assert any(getattr(m, "quads_group", None) is not None for m in rollout.modules())
+    compiled = torch.compile(rollout, backend="eager", fullgraph=True)
+    counters = torch._dynamo.utils.counters
+    shapes = [torch.randint(0, 96, s, generator=torch.Generator().manual_seed(3)) for s in ((1, 1), (2, 9), (3, 5))]
+    with torch.no_grad():
+        for ids in shapes:
+            compiled(ids)
+        graphs = counters["stats"]["unique_graphs"]
+        for p_ in trainer.parameters():
+            p_.add_(torch.randn_like(p_) * 0.02)
+        quads.sync_weights_(rollout, trainer)
+        for ids in shapes:
+            assert torch.equal(compiled(ids).logits, rollout(ids).logits)
+    assert counters["stats"]["unique_graphs"] == graphs
