@@ -76,3 +76,22 @@ def test_an_accuracy_source_for_another_model_kind_is_a_column(tmp_path, monkeyp
     assert "held-out after GRPO, MoE" in table.splitlines()[0]
     row = next(line for line in table.splitlines() if line.startswith("| `quads-experts`"))
     assert "| 75.0% |" in row
+
+
+def test_accuracy_reads_the_summaries_where_every_log_has_its_run_folder(tmp_path):
+    """A folder with both: the summary's exact accuracy, not the console log's 3-decimal print
+    (56/64 and 53/64 average to 85.2%, their printed 0.875 and 0.828 to 85.1%)."""
+    for seed, acc in ((0, 56 / 64), (1, 53 / 64)):
+        run = tmp_path / f"bf16-s{seed}"
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({"policy": "bf16", "args": {"seed": seed}, "complete": True,
+                                                      "heldout_before": {"rollout": 0.5},
+                                                      "heldout_after": {"rollout": acc, "trainer": acc}}))
+        (run / "metrics.jsonl").write_text(json.dumps({"reward": 0.5, "sampling/quads/logp_gap_mean": 0.01}) + "\n")
+        (tmp_path / f"bf16-s{seed}.log").write_text(
+            "step   1/1  reward 0.5  gap mean 0.01 p99 0.1 max 0.5  k3 1e-4  IS raw [0.9, 1.1] masked 0.0  "
+            "(7.0s: generate 4.0 train 3.0 sync 0.05)\n"
+            f"held-out acc  rollout engine 0.500 -> {acc:.3f}  trainer forward 0.500 -> {acc:.3f}\n")
+    assert plan_table._accuracy(str(tmp_path)) == {"bf16": (56 / 64 + 53 / 64) / 2}
+    (tmp_path / "bf16-s1" / "summary.json").unlink()  # a log without its run folder: the logs tell every run
+    assert plan_table._accuracy(str(tmp_path)) == {"bf16": (0.875 + 0.828) / 2}

@@ -38,7 +38,7 @@ GAP_SOURCES: dict[str, tuple[str, str]] = {
 ACCURACY_SOURCES: list[tuple[str, str, str]] = [
     ("dense", "SmolLM2-135M-Instruct, chain-sum, 100 GRPO steps, 2 seeds, H200",
      "results/h200_2026-12-03_rl_step/real_grpo_logs"),
-    ("moe", "SmolLM2 upcycled to 8 experts top-2, chain-sum, 114-144 GRPO steps, 1 seed, H200",
+    ("moe", "SmolLM2 upcycled to 8 experts top-2, chain-sum, 114-150 GRPO steps (of 150), 2 seeds, H200",
      "results/h200_2026-12-04_moe_grpo"),
 ]
 KIND_NAMES = {"dense": "dense", "moe": "MoE"}
@@ -60,8 +60,12 @@ def _gap_cells(kind: str) -> dict[str, str]:
 
 
 def _accuracy(folder: str) -> dict[str, float]:
+    """Preset -> held-out accuracy after GRPO, the mean over the finished seeds: from the runs'
+    ``summary.json`` (exact), or from their console logs (printed to 3 decimals) where a log has
+    no run folder left beside it (a later start overwrote it)."""
     path = REPO / folder
-    runs = load_logs(path) if any(path.glob("*-s*.log")) else load(path)
+    logs = list(path.glob("*-s*.log"))
+    runs = load_logs(path) if any(not (log.with_suffix("") / "summary.json").exists() for log in logs) else load(path)
     out = {}
     for config, rs in runs.items():
         done = [r["after"] for r in rs if r["finished"] and r["after"] is not None]
