@@ -6,9 +6,9 @@ weight; so a rollout checkpoint (``rollout.state_dict()``, ``quads.tensor.load_s
 loaded into a plain model, a quads trainer or a rollout of another scope would give a model that
 holds dequantized weights without saying so. A plain module has no quads hook, and torch runs no
 hook before its first ``copy_``; so :func:`install` wraps ``torch.nn.Module.load_state_dict``
-(``import quads`` runs it) with :func:`check_no_dequantizing_load`, which costs one ``isinstance``
-per value when the state dict holds no packed weight, and refuses in one line naming the first
-culprit key:
+(``import quads`` runs it) with :func:`check_no_dequantizing_load`, which costs one type and one
+name test per entry when the state dict holds no packed weight, and refuses in one line naming
+the first culprit key (in the model's order):
 
 * a packed value (an ``NVFP4Tensor``) whose destination is a dense tensor;
 * a packed weight's serialized parts (``K.qdata``, ``K.scale``, ``K.global_encode_scale``: a
