@@ -25,8 +25,10 @@ from quads.policies import (
 )
 from quads.tensor import NVFP4Tensor, nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize
 from quads.integration_hooks import install as _install_integration_hooks
+from quads.tensor.load_guard import install as _install_load_guard
 
 _install_integration_hooks()  # QuadsPolicy works in torchao's quantize_ once torchao is imported
+_install_load_guard()  # load_state_dict never dequantizes packed NVFP4 weights into dense tensors silently
 
 __version__ = "0.1.0"
 

@@ -30,7 +30,7 @@ from quads.tensor.finite import check_all_finite, check_dequantized_range, check
 from quads.tensor.nvfp4_math import nvfp4_quantize
 from quads.tensor.nvfp4_tensor import NVFP4Tensor, check_nvfp4_values
 
-__all__ = ["RolloutLoadCheck", "TrainerLoadCheck"]
+__all__ = ["RolloutLoadCheck"]
 
 _WHAT = "load_state_dict (nothing was loaded)"
 
@@ -82,16 +82,3 @@ class RolloutLoadCheck:
                                           block_scaling=dst.block_scaling)
             packed.append((key, state_dict[key], dst))
         check_dequantized_range([(k, s.parts, d.orig_dtype) for k, s, d in packed], _WHAT)
-
-
-class TrainerLoadCheck:
-    """``load_state_dict`` pre-hook of a quads trainer model: its parameters are high-precision
-    masters, and a packed NVFP4 value (a rollout checkpoint, ``load_safetensors`` of a rollout's
-    state) would be dequantized into them silently; refused before anything is loaded."""
-
-    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        packed = [k for k, v in state_dict.items() if k.startswith(prefix) and isinstance(v, NVFP4Tensor)]
-        if packed:
-            raise ValueError(f"{_WHAT}: {packed[0]} is a packed NVFP4 weight ({len(packed)} in the state dict: a "
-                             "rollout checkpoint); a quads trainer loads high-precision masters: load it into a model "
-                             "quantized with QuadsPolicy(side='rollout')")

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from quads.ops.backend_registry import Backend, gemm_shape, select_backend
-from quads.policies.load_check import RolloutLoadCheck, TrainerLoadCheck
+from quads.policies.load_check import RolloutLoadCheck
 from quads.policies.modules import (
     QuadsModule,
     RolloutExperts,
@@ -299,10 +299,8 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
     snapshot = ModuleTreeSnapshot(model)
     try:
         convert_targets(targets, policy, model)
-        if policy.side == "rollout":
+        if policy.side == "rollout":  # (a trainer refuses packed values through quads.tensor.load_guard)
             model.register_load_state_dict_pre_hook(RolloutLoadCheck())  # every value checked before any loads
-        else:
-            model.register_load_state_dict_pre_hook(TrainerLoadCheck())  # a rollout checkpoint is refused
         install_save_pretrained(model)
     except BaseException:  # Ctrl-C included: every class, attribute and hook back as it was
         snapshot.restore()

@@ -311,3 +311,40 @@ def test_quads_export_takes_a_quads_trainer_checkpoint_and_refuses_a_rollout(tmp
     assert main(["export", "--model", str(tmp_path / "r"), "--out", str(tmp_path / "o3")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and "holds a quads rollout checkpoint" in err[0], err
+
+
+def test_a_rollout_checkpoint_loaded_without_quads_fails_in_one_line(tmp_path):
+    """Without quads' quantizer transformers would initialise the packed weights randomly (its
+    load report only); the rollout's config.json makes that load fail first, in one line. A
+    trainer checkpoint (BF16 masters) still loads as a plain model."""
+    from quads.integrations.transformers.config import PLAIN_LOAD_REFUSAL
+
+    _quantized(tmp_path, "llama", "rollout").save_pretrained(tmp_path / "r")
+    _quantized(tmp_path, "llama", "trainer").save_pretrained(tmp_path / "t")
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["transformers_weights"] == PLAIN_LOAD_REFUSAL
+    assert "transformers_weights" not in json.loads((tmp_path / "t" / "config.json").read_text())
+    src = ("import sys; from transformers import AutoModelForCausalLM\n"
+           "try:\n"
+           f"    AutoModelForCausalLM.from_pretrained({str(tmp_path / 'r')!r})\n"
+           "except ValueError as err:\n"
+           "    print('REFUSED', str(err))\n"
+           f"t = AutoModelForCausalLM.from_pretrained({str(tmp_path / 't')!r})\n"
+           "print('TRAINER', type(t).__name__, 'quads' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    refused = [line for line in run.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 1 and refused[0].endswith(PLAIN_LOAD_REFUSAL), run.stdout
+    assert "TRAINER LlamaForCausalLM False" in run.stdout
+
+
+def test_a_rollout_checkpoint_loaded_with_quantization_config_none_fails_in_one_line(tmp_path):
+    rollout = _quantized(tmp_path, "llama", "rollout")
+    rollout.save_pretrained(tmp_path / "r")
+    with pytest.raises(ValueError, match=r"import quads before from_pretrained \(and pass no quantization_config=None"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "r", quantization_config=None)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "r")  # quads' quantizer drops the key before the load
+    assert not hasattr(back.config, "transformers_weights")
+    _assert_same(rollout, back)
+    back.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == json.loads(
+        (tmp_path / "r" / "config.json").read_text())

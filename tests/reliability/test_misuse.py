@@ -256,12 +256,33 @@ def test_load_a_rollout_checkpoint_into_a_trainer(rollout_file):
              "model.layers.0.self_attn.q_proj.weight is a packed NVFP4 weight", models=[trainer])
 
 
-@pytest.mark.xfail(strict=True, reason="a plain transformers model has no quads hook to check a state dict before "
-                                       "torch loads it; NVFP4 -> dense copy_ dequantizes (documented)")
 def test_load_a_rollout_checkpoint_into_a_plain_model(rollout_file):
     plain = build("llama")
     state = load_safetensors(rollout_file)
     _refused(lambda: plain.load_state_dict(state), ValueError, "packed NVFP4", models=[plain])
+
+
+def test_load_a_rollout_checkpoint_into_a_plain_model_non_strict(rollout_file):
+    plain = build("llama")
+    state = load_safetensors(rollout_file)
+    _refused(lambda: plain.load_state_dict(state, strict=False), ValueError,
+             "model.layers.0.self_attn.q_proj.weight is a packed NVFP4 weight", "quantize_", models=[plain])
+
+
+def test_load_a_rollout_file_read_without_quads_into_a_plain_model(rollout_file):
+    from safetensors.torch import load_file
+
+    plain = build("llama")
+    _refused(lambda: plain.load_state_dict(load_file(rollout_file), strict=False), ValueError,
+             "model.layers.0.self_attn.q_proj.weight.qdata", "load_safetensors", models=[plain])
+
+
+def test_load_a_rollout_checkpoint_into_a_rollout_of_another_scope():
+    """The attention a scoped rollout keeps dense would receive the dequantized weights."""
+    full = _rollout("qwen3_moe", seed=3)
+    scoped = _rollout("qwen3_moe", scope="routed_experts")
+    _refused(lambda: scoped.load_state_dict(full.state_dict()), ValueError,
+             "model.layers.0.self_attn.q_proj.weight is a packed NVFP4 weight", models=[scoped])
 
 
 def test_load_a_per_tensor_scale_checkpoint_into_a_group_rollout(tmp_path):

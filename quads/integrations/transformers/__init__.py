@@ -18,6 +18,10 @@ and checked: docs/ecosystem.md, "Saving and loading with transformers".
 
 from __future__ import annotations
 
+from quads.extras import require
+
+require("quads.integrations.transformers", "transformers")
+
 from quads.integrations.transformers.config import FORMAT_VERSION, QUANT_METHOD, QuadsConfig
 from quads.integrations.transformers.quantizer import QuadsHfQuantizer
 from quads.integrations.transformers.save import save_pretrained

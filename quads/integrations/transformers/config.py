@@ -7,6 +7,12 @@ side's :class:`~quads.QuadsPolicy`.
 
 Read back, every policy field goes through ``QuadsPolicy``'s own validation (its errors name the
 field); a field this version does not know, or a newer ``format_version``, is refused by name.
+
+A rollout's ``config.json`` also holds ``transformers_weights`` = :data:`PLAIN_LOAD_REFUSAL`:
+transformers (5.x) refuses a ``transformers_weights`` that names no safetensors file, in one
+line quoting it, before it builds the model; so a ``from_pretrained`` without quads' quantizer
+(quads never imported, or ``quantization_config=None``) fails with that line instead of loading
+the packed weights as missing, randomly initialised ones. quads' quantizer removes it first.
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from quads.policies.policy import QuadsPolicy
 
-__all__ = ["QuadsConfig", "FORMAT_VERSION", "QUANT_METHOD", "policy_to_json", "policy_from_json"]
+__all__ = ["QuadsConfig", "FORMAT_VERSION", "PLAIN_LOAD_REFUSAL", "QUANT_METHOD", "policy_to_json",
+           "policy_from_json"]
 
 QUANT_METHOD = "quads"
 #: the checkpoint layout this version writes and reads (see docs/ecosystem.md)
 FORMAT_VERSION = 1
 _POLICY_FIELDS = tuple(f.name for f in fields(QuadsPolicy))
+#: a rollout's ``config.json`` ``transformers_weights`` (module doc): the line a load without quads ends with
+PLAIN_LOAD_REFUSAL = ("quads NVFP4 rollout: model.safetensors holds packed weights that load only through quads; "
+                      "import quads before from_pretrained (and pass no quantization_config=None)")
 
 
 def policy_to_json(policy: QuadsPolicy) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from transformers.quantizers.base import HfQuantizer
 
-from quads.integrations.transformers.config import QuadsConfig, policy_to_json
+from quads.integrations.transformers.config import PLAIN_LOAD_REFUSAL, QuadsConfig, policy_to_json
 from quads.policies.modules import RolloutModule
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import quantize_
@@ -161,6 +161,16 @@ class QuadsHfQuantizer(HfQuantizer):
         _check_device_map(device_map)
         if self.pre_quantized:
             _check_request(self.policy, "from_pretrained")
+
+    def update_tp_plan(self, config):
+        """A hook transformers runs on the config after it made the quantizer and before it
+        resolves the weight files: a rollout checkpoint's ``transformers_weights``
+        (:data:`PLAIN_LOAD_REFUSAL`, what makes a load without quads fail) is removed there, so
+        transformers reads ``model.safetensors`` as usual."""
+        config = super().update_tp_plan(config)
+        if getattr(config, "transformers_weights", None) == PLAIN_LOAD_REFUSAL:
+            del config.transformers_weights
+        return config
 
     def update_dtype(self, dtype):
         if dtype is not None and dtype not in _DTYPES:

@@ -9,11 +9,15 @@ are written by :func:`quads.tensor.save_safetensors` (one ``model.safetensors``:
 the model's own names, header and per-tensor CRC32, ties stored once). Each file is then renamed
 into ``save_directory`` (atomic per file; a symlink planted at a file's name is replaced, never
 written through), and weight files of an earlier save that this one does not write are removed.
+A rollout's ``config.json`` gets ``transformers_weights`` =
+:data:`~quads.integrations.transformers.config.PLAIN_LOAD_REFUSAL`, so that a load without
+quads fails in one line instead of initialising the packed weights randomly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 import tempfile
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from quads.integrations.transformers.config import QuadsConfig
+from quads.integrations.transformers.config import PLAIN_LOAD_REFUSAL, QuadsConfig
 from quads.policies.modules import QuadsModule
 from quads.policies.policy import QuadsPolicy
 from quads.tensor.files import existing_parent, move_files_into, publish_modes
@@ -32,6 +36,14 @@ __all__ = ["save_pretrained", "model_policy"]
 _WEIGHTS = "model.safetensors"
 _WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 _MISSING = object()
+
+
+def _refuse_plain_loads(config_file: Path) -> None:
+    """``transformers_weights`` = :data:`PLAIN_LOAD_REFUSAL` in a rollout's ``config.json``
+    (transformers' own writer drops that key, so it is added after it wrote the file)."""
+    config = json.loads(config_file.read_text())
+    config["transformers_weights"] = PLAIN_LOAD_REFUSAL
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def model_policy(model: nn.Module) -> QuadsPolicy:
@@ -103,6 +115,7 @@ def save_pretrained(model: nn.Module, save, save_directory, *args, is_main_proce
             save(staging, state_dict={} if policy.side == "rollout" else state_dict, **kwargs)
         if policy.side == "rollout":
             save_safetensors(model.state_dict(), staging / _WEIGHTS)
+            _refuse_plain_loads(staging / "config.json")
         publish_modes(staging)
         target.mkdir(exist_ok=True)
         _remove_stale_weights(target, move_files_into(staging, target))
