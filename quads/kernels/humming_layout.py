@@ -19,11 +19,9 @@ the CPU stand-in for humming's kernel in the tests, and the packed parts derived
 humming's layout (:meth:`quads.ops.humming_library.HummingNVFP4.packed_parts`; the GPU run
 checks both bit-exact against humming's own kernel before anything relies on them).
 
-**Padding.** humming's sm_90 tiles need N a multiple of 128 and K of 64
-(:data:`HUMMING_N_MULTIPLE`, :data:`HUMMING_K_MULTIPLE`); a weight of another shape is held in the
-layout of its padded shape (:func:`humming_padded_shape`): :func:`pad_parts` appends zero codes
-(``+0``) with zero block scales, so a padded output column is exactly 0 and a padded K column adds
-exactly 0 to every sum; :func:`humming_padding_cost` is the memory it costs.
+**Padding.** Other shapes than humming's tile multiples are held in the layout of their padded
+shape (:func:`humming_padded_shape`): :func:`pad_parts` appends zero codes and zero block scales
+(padded outputs exactly 0, padded K adds exactly 0); :func:`humming_padding_cost` is its memory.
 """
 
 from __future__ import annotations

@@ -16,11 +16,6 @@ Stream-K: not deterministic run to run, measured max diff 0.0078 at 4096^2), ``"
 (the same table without Stream-K: deterministic) and ``"batch_invariant"``; the first two take the
 GPU's measured configurations on their M intervals where quads ships them (:mod:`.humming_tuning`).
 
-**Padding**: a weight whose N is not a multiple of 128 or K of 64 is held in the layout of its
-padded shape (:func:`~quads.kernels.humming_layout.pad_parts`: zero codes and scales, so padded
-outputs are exactly 0 and padded K adds exactly 0); a call pads the activations in K where K
-needs it (one copy of the rows) and returns the (M, N) columns of the (M, N_pad) output as a view.
-
 **JIT**: a layer's first call compiles its table (~1.5 s per shape; :meth:`HummingNVFP4.warmup`
 before CUDA-graph capture), cached under quads' cache directory (``HUMMING_CACHE_DIR``).
 
@@ -298,8 +293,10 @@ class HummingNVFP4:
     epilogue's ``2^c``), all refreshable in place.
 
     ``dtype``: the activation dtype the layer multiplies (fp16 for quads' operands; bf16/fp16
-    for direct W4A16). Held in the layout of the padded shape ``(pad_n, pad_k)`` (module doc,
-    **Padding**); its inputs, outputs and packed parts are of the weight's own ``(shape_n, shape_k)``. ``operand_max``: the operand bound of the output-range rule for each named
+    for direct W4A16). Held in the layout of its padded shape ``(pad_n, pad_k)``
+    (:func:`~quads.kernels.humming_layout.pad_parts`: zeros) where humming cannot tile its own; its
+    inputs, outputs and packed parts are of the weight's ``(shape_n, shape_k)``: a call pads the
+    activations in K where K needs it (one copy) and gives the output's N columns as a view. ``operand_max``: the operand bound of the output-range rule for each named
     scaling (``{"unit": None}`` = no shift: weight_scale_2 = 1/S_w, for inputs whose outputs fit)."""
 
     def __init__(self, qdata, scale, global_encode_scale, *, dtype=torch.float16, mode: str = "default",
