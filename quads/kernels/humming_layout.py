@@ -33,7 +33,8 @@ import torch
 from quads.tensor.nvfp4_math import pack_e2m1, unpack_e2m1
 
 __all__ = ["HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "humming_padded_shape", "humming_padding_cost", "pad_parts",
-           "unpad_parts", "repack_reference", "scale_layout", "scale_permutation", "scale_unlayout", "unrepack_reference"]
+           "repack_reference", "scale_layout", "scale_permutation", "scale_unlayout", "unpad_parts",
+           "unrepack_reference"]
 
 #: humming 0.1.19's sm_90 tile multiples (read off its heuristics and ``check_shape``: the rule's
 #: reasons are in :func:`quads.ops.humming_backend.humming_shape_problem`)

@@ -44,8 +44,8 @@ from quads.ops.linear import HopperLinearKernel, compiled_linear, prepare_weight
 from quads.ops.sibling_linear import HopperSiblingKernel, stack_prepared_hopper
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["HUMMING_K_BLOCK", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel", "HummingExpertsKernel",
-           "HummingSiblingKernel", "HummingStack", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
+__all__ = ["HUMMING_K_BLOCK", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel",
+           "HummingExpertsKernel", "HummingSiblingKernel", "HummingStack", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
            "humming_padded_shape", "humming_padding_cost", "humming_residual_layout", "humming_shape_problem",
            "stack_prepared_humming"]
 

@@ -296,7 +296,8 @@ class HummingNVFP4:
     for direct W4A16). Held in the layout of its padded shape ``(pad_n, pad_k)``
     (:func:`~quads.kernels.humming_layout.pad_parts`: zeros) where humming cannot tile its own; its
     inputs, outputs and packed parts are of the weight's ``(shape_n, shape_k)``: a call pads the
-    activations in K where K needs it (one copy) and gives the output's N columns as a view. ``operand_max``: the operand bound of the output-range rule for each named
+    activations in K where K needs it (one copy) and gives the output's N columns as a view.
+    ``operand_max``: the operand bound of the output-range rule for each named
     scaling (``{"unit": None}`` = no shift: weight_scale_2 = 1/S_w, for inputs whose outputs fit)."""
 
     def __init__(self, qdata, scale, global_encode_scale, *, dtype=torch.float16, mode: str = "default",
