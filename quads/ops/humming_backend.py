@@ -204,6 +204,12 @@ class HummingWeight:
         return next(lay for lay in self.layers.values() if not lay.shared)
 
     @property
+    def padded_shape(self) -> tuple[int, int]:
+        """``(N, K)`` of the humming layout held: :func:`humming_padded_shape` of the weight's (its own
+        where humming tiles it as it is); bytes: :func:`humming_padding_cost` x the packed bytes."""
+        return humming_padded_shape(self.shape[-2], self.shape[-1] * 2)
+
+    @property
     def can_hold_parts(self) -> bool:
         """Whether :meth:`packed_parts` can give the packed parts back (humming's direct repack layout)."""
         from quads.ops.humming_library import direct_repack

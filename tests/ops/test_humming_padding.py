@@ -82,6 +82,7 @@ def test_every_width_runs_humming_in_a_padded_layout(fake_humming, monkeypatch, 
     layer = _held(prepared)
     (n_pad, k_pad), cost = PADDED[(n, k)]
     assert (layer.shape_n, layer.shape_k, layer.pad_n, layer.pad_k) == (n, k, n_pad, k_pad)
+    assert prepared.padded_shape == (n_pad, k_pad)
     assert tuple(layer.layer.weight.shape) == (k_pad // 16, 2 * n_pad) and _padding_is_zero(layer)
     packed = n * (k // 2 + k // 16)
     assert prepared.nbytes == pytest.approx(cost * packed, rel=1e-12)
