@@ -217,3 +217,18 @@ def test_smollm2_widths_run_humming_whole_stacked_and_synced(fake_humming, monke
     with torch.no_grad():
         y2, want2 = fast(ids).logits, exact(ids).logits
     assert not torch.equal(y2, y) and _rel(y2, want2) <= 2**-5
+
+
+@pytest.mark.parametrize("act", [None, ActivationQuant()])
+def test_the_linear_op_runs_a_padded_layout_from_its_arguments(fake_humming, act):
+    """``quads::linear`` (what compiled code calls) makes a padded layer back from its tensors
+    (N = 192 and K = 80 padded) and gives the eager kernel's bits, contiguous (its fake's strides)."""
+    from quads.ops.linear import linear_op_args
+
+    w, be = _w(192, 80), backend_mod.get_backend("humming")
+    prepared = be.prepare_weight(w)
+    kernel = be.linear_kernel(backend_mod.LinearArgs(prepared.shape_parts, act, None, prepared))
+    x = _x(m=3, k=80)
+    want = kernel.apply(x)
+    got = torch.ops.quads.linear(*linear_op_args(be, x, None, None, prepared, act, None))
+    assert got.shape == (3, 192) and got.is_contiguous() and torch.equal(got, want)
