@@ -638,6 +638,107 @@ def check_humming_siblings():
             del prepared, siblings, stack, kernel, each
 
 
+#: (N, K) of the padded-layout check: SmolLM2 (576, k/v 192, MLP 1536), Qwen2.5-0.5B-like 960,
+#: GPT-OSS's 2880, a K humming's tiles do not divide (720), and 4096 (no padding: the control)
+PADDED_SHAPES = ((576, 576), (192, 576), (576, 1536), (960, 960), (2880, 2880), (256, 720), (4096, 4096))
+
+
+@check("humming_padded")
+def check_humming_padded():
+    """Widths humming cannot tile as they are (N % 128, K % 64), held in the zero-padded layout
+    (``humming_padded_shape``), against 4096 (none): every path within its stated bound of the exact
+    fp32 product (``bench_humming.bounds``) at M = 1, 16, 64; a sync rewrites the padded layout in
+    place (addresses kept, == a layout built from scratch, padding zero, parts read back); bytes held
+    / packed bytes against ``humming_padding_cost``; the W4A4+res GEMM timed under CUDA graphs
+    against the exact kernels; an experts block of width 2880 (grouped GEMM; the down projection's N
+    padded to 2944)."""
+    why = humming_unavailable()
+    if why:
+        RESULTS["humming_padded"] = {"ok": True, "skipped": True, "detail": why}
+        print(f"[SKIP] humming_padded: {why}", flush=True)
+        return
+    from benchmarks.ops.bench_humming import QUADS_DEFAULT, bounds
+    from quads.kernels.humming_layout import scale_unlayout, unrepack_reference
+    from quads.ops.backend_registry import LinearArgs
+    from quads.ops.experts import Routing
+    from quads.ops.humming_backend import HummingBackend, HummingWeight, humming_padded_shape, humming_padding_cost
+
+    def padding_zero(lay):
+        q = unrepack_reference(lay.layer.weight.data)
+        sc = scale_unlayout(lay.layer.weight_scale.data, bool(lay.layer.humming_config.should_apply_bs_on_c))
+        n, k, sc = lay.shape_n, lay.shape_k, sc.view(torch.uint8)
+        return bool((q[..., n:, :] == 0).all() and (q[..., k // 2:] == 0).all()
+                    and (sc[..., n:, :] == 0).all() and (sc[..., k // 16:] == 0).all())
+
+    paths = {"stacked": (HummingBackend(residual_layout="stacked"), QUADS_DEFAULT),
+             "summed": (HummingBackend(residual_layout="summed"), QUADS_DEFAULT),
+             "w4a16": (HummingBackend(mode="no_stream_k"), None)}
+    hopper = get_backend("hopper")
+    g = torch.Generator(device="cuda").manual_seed(41)
+    for n, k in PADDED_SHAPES:
+        tag = f"N={n} K={k} (held {'x'.join(map(str, humming_padded_shape(n, k)))})"
+        parts = nvfp4_quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16())
+        hw = paths["stacked"][0].prepare_weight(parts)
+        hw.warmup(dtypes=(torch.float16, torch.bfloat16), ms=(1, 16, 64))
+        for kind, (backend, act) in paths.items():
+            worst = 0.0
+            prep = hw if backend.mode == hw.mode else hw.with_mode(backend.mode)
+            for m in (1, 16, 64):
+                x = torch.randn(m, k, device="cuda", generator=g)
+                x[:, 3] *= 30.0
+                x = x.bfloat16()
+                y = backend.linear(x, hw.shape_parts, None, act, None, prep)
+                ref, b = bounds(x, parts, kind)
+                worst = max(worst, float(((y.float() - ref).abs() / b.clamp(min=1e-30)).max()))
+            record(f"humming padded {kind} {tag} within the stated bound", worst <= 1,
+                   f"max |err| / bound = {worst:.3f} (M = 1, 16, 64)")
+        packed = n * (k // 2 + k // 16)
+        ratio = hw.nbytes / packed  # the layouts (one, shared by fp16 and bf16) and the Stream-K locks
+        cost = humming_padding_cost(n, k)
+        record(f"humming padded {tag} bytes held / packed", cost <= ratio <= cost + 16384 / packed,
+               f"{ratio:.5f}x, humming_padding_cost {cost:.5f}x")
+        times, hp = [], hopper.prepare_weight(parts)
+        fast_kernel = paths["stacked"][0].linear_kernel(LinearArgs(hw.shape_parts, QUADS_DEFAULT, None, hw))
+        exact_kernel = hopper.linear_kernel(LinearArgs(parts, QUADS_DEFAULT, None, hp))
+        for m in (1, 64):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            t_h, t_e = _graph_us(lambda: fast_kernel.apply(x)), _graph_us(lambda: exact_kernel.apply(x))
+            times.append(f"M={m}: humming {t_h:.1f} us, exact {t_e:.1f} us")
+        del hp, fast_kernel, exact_kernel
+        record(f"humming padded {tag} timed (W4A4+res, graphs)", True, "; ".join(times))
+        new = nvfp4_quantize((torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16())
+        ptrs = {dt: [t.data_ptr() for t in lay.written_tensors()] for dt, lay in hw.layers.items()}
+        hw.write_parts_(new)
+        fresh = HummingWeight(new, "default")
+        fresh.layer(torch.bfloat16)
+        same = all(bits_equal(a.data, b.data) for dt in hw.layers
+                   for a, b in zip(hw.layers[dt].layer.parameters(), fresh.layers[dt].layer.parameters()))
+        kept = ptrs == {dt: [t.data_ptr() for t in lay.written_tensors()] for dt, lay in hw.layers.items()}
+        zero = all(padding_zero(lay) for lay in hw.layers.values())
+        q, sc = hw.packed_parts()
+        back = bits_equal(q, new.qdata) and bits_equal(sc, new.scale)
+        record(f"humming padded {tag} sync in place == built from scratch, padding zero",
+               same and kept and zero and back,
+               f"bits {same}, addresses kept {kept}, padding zero {zero}, parts read back {back}")
+        del hw, fresh
+    # experts of width 2880 (gate_up 5760 x 2880 as it is; down 2880 x 2880 held 2944 x 2880): grouped GEMM
+    e, h = 8, 2880
+    backend, torch_be = paths["summed"][0], get_backend("torch")
+    route = Routing(torch.randint(0, e, (64, 2), device="cuda", generator=g), e)
+    for name, (n, k) in (("gate_up", (2 * h, h)), ("down", (h, h))):
+        w = nvfp4_quantize((torch.randn(e, n, k, device="cuda", generator=g) * 0.02).bfloat16(), "expert")
+        prep = backend.prepare_weight(w)
+        prep.warmup(ms=(route.num_rows,))
+        x = torch.randn(64 if name == "gate_up" else route.num_rows, k, device="cuda", generator=g).bfloat16()
+        rows = route.token_of_row if name == "gate_up" else None
+        y = backend.grouped_linear(x, rows, route.offsets, w, None, QUADS_DEFAULT, None, route.num_rows, prep)
+        ref = torch_be.grouped_linear(x.float(), rows, route.offsets, w, None, QUADS_DEFAULT, None, route.num_rows)
+        rel = float((y.float() - ref).abs().max() / ref.abs().max())
+        record(f"humming padded experts {name} E={e} N={n} K={k} (held {humming_padded_shape(n, k)})",
+               rel <= 2**-7 and padding_zero(prep.layer(torch.float16)), f"max |err| / max |ref| = {rel:.2e}")
+        del prep
+
+
 @check("humming_compiled")
 def check_humming_compiled():
     """``kernel="fast"`` under ``torch.compile`` (fullgraph, inductor): linears held in humming layouts
@@ -1072,7 +1173,8 @@ def check_save_load():
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
           "humming": check_humming, "humming_compiled": check_humming_compiled,
-          "humming_siblings": check_humming_siblings, "four_over_six": check_four_over_six,
+          "humming_siblings": check_humming_siblings, "humming_padded": check_humming_padded,
+          "four_over_six": check_four_over_six,
           "moe_routing": check_moe_routing, "graphed_sync": check_graphed_sync,
           "graphed_routing": check_graphed_routing, "save_load": check_save_load}
 

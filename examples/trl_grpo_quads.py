@@ -124,7 +124,7 @@ def parse_args(argv=None):
     ap.add_argument("--policy", choices=sorted(POLICY_PRESETS), default="quads")
     ap.add_argument("--kernel", choices=["exact", "fast"], default="exact",
                     help="the rollout's kernels (QuadsPolicy.kernel): exact (bit-exact Triton) or fast (humming, "
-                         "sm_90; layers humming cannot serve keep the exact kernels)")
+                         "sm_90; widths humming cannot tile as they are run in padded layouts)")
     ap.add_argument("--max-steps", type=positive_int, default=30)
     ap.add_argument("--model", default=None, help="local HF causal LM directory (default: quads' embedded tiny MoE)")
     ap.add_argument("--task", choices=["auto", *sorted(TASKS)], default="auto",

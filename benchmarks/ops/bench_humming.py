@@ -167,14 +167,15 @@ def install_cpu_emulation():
             self.humming_config = Config(f"{tuple(qdata.shape)}{dtype}")
 
     def call(self, a, scaling="unit", out=None, expert_layout=None):
+        a = self.padded_input(a)
         w = unscaled_values(NVFP4Parts(self.layer.weight, self.layer.weight_scale, torch.ones(())))
         if expert_layout is None:
-            return ((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype)
+            return self.logical_output(((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype))
         y = torch.zeros(a.shape[0], w.shape[-2], dtype=self.dtype)
         b = expert_layout.tolist()
         for e in range(len(b) - 1):
             y[b[e]:b[e + 1]] = ((a[b[e]:b[e + 1]].float() @ w[e].T) * self.ws2[scaling][e]).to(self.dtype)
-        return y
+        return self.logical_output(y)
 
     hg.check_humming_device = lambda d: torch.device(d)
     hg.import_humming = lambda: None

@@ -18,6 +18,10 @@ permutation of each run of 32 or 64 values: :func:`scale_permutation`).
 the CPU stand-in for humming's kernel in the tests, and the packed parts derived on demand from
 humming's layout (:meth:`quads.ops.humming_library.HummingNVFP4.packed_parts`; the GPU run
 checks both bit-exact against humming's own kernel before anything relies on them).
+
+**Padding.** Other shapes than humming's tile multiples are held in the layout of their padded
+shape (:func:`humming_padded_shape`): :func:`pad_parts` appends zero codes and zero block scales
+(padded outputs exactly 0, padded K adds exactly 0); :func:`humming_padding_cost` is its memory.
 """
 
 from __future__ import annotations
@@ -28,7 +32,50 @@ import torch
 
 from quads.tensor.nvfp4_math import pack_e2m1, unpack_e2m1
 
-__all__ = ["repack_reference", "scale_layout", "scale_permutation", "scale_unlayout", "unrepack_reference"]
+__all__ = ["HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "humming_padded_shape", "humming_padding_cost", "pad_parts",
+           "repack_reference", "scale_layout", "scale_permutation", "scale_unlayout", "unpad_parts",
+           "unrepack_reference"]
+
+#: humming 0.1.19's sm_90 tile multiples (read off its heuristics and ``check_shape``: the rule's
+#: reasons are in :func:`quads.ops.humming_backend.humming_shape_problem`)
+HUMMING_N_MULTIPLE, HUMMING_K_MULTIPLE = 128, 64
+
+
+def humming_padded_shape(n: int, k: int) -> tuple[int, int]:
+    """``(N, K)`` of the humming layout that holds a weight of ``n`` outputs by ``k`` inputs: each
+    rounded up to humming's tile multiple (the shape itself where it is one)."""
+    return -(-n // HUMMING_N_MULTIPLE) * HUMMING_N_MULTIPLE, -(-k // HUMMING_K_MULTIPLE) * HUMMING_K_MULTIPLE
+
+
+def humming_padding_cost(n: int, k: int) -> float:
+    """Bytes of the padded layout / bytes of the unpadded one (codes and block scales both grow with
+    ``N x K``; per expert the same): 1.0 for a shape humming tiles as it is."""
+    n_pad, k_pad = humming_padded_shape(n, k)
+    return (n_pad * k_pad) / (n * k)
+
+
+def pad_parts(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed ``qdata`` (.., N, K/2) and ``scale`` (.., N, K/16) in the padded shape
+    (:func:`humming_padded_shape`): zero codes and zero scales appended (the parts themselves
+    where no padding is needed)."""
+    n, k = qdata.shape[-2], qdata.shape[-1] * 2
+    n_pad, k_pad = humming_padded_shape(n, k)
+    if (n_pad, k_pad) == (n, k):
+        return qdata, scale
+    q = qdata.new_zeros((*qdata.shape[:-2], n_pad, k_pad // 2))
+    s = torch.zeros((*scale.shape[:-2], n_pad, k_pad // 16), dtype=torch.uint8, device=scale.device)
+    q[..., :n, : k // 2] = qdata
+    s[..., :n, : k // 16] = scale.view(torch.uint8)
+    return q, s.view(scale.dtype)
+
+
+def unpad_parts(qdata: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed parts of an ``n x k`` weight held padded (:func:`pad_parts`' inverse; new tensors
+    where padded)."""
+    if tuple(qdata.shape[-2:]) == (n, k // 2):
+        return qdata, scale
+    return qdata[..., :n, : k // 2].contiguous(), scale[..., :n, : k // 16].contiguous()
+
 
 # source axes after reshaping (E, N, K) codes to (E, bx, kk, i4, tb, by, i, i5, td, i6)
 _SRC = ("bx", "kk", "i4", "tb", "by", "i", "i5", "td", "i6")

@@ -9,7 +9,8 @@ the per-row global scale ``S_x`` is divided out afterwards; the residual shares 
 * :func:`unscale_rows`: the epilogue ``y = (o[i] [+ o[M+i]]) * u / s[i] [+ bias]`` in fp32, stored
   in the output dtype: ``o`` the GEMM's fp16 output (M or 2M rows), ``u`` the power of two that
   undoes the GEMM's output shift (a (1,) device tensor: refreshed in place by weight syncs), ``s``
-  the per-row scales (``S_x``, or the W4A16 operand's ``2^j``).
+  the per-row scales (``S_x``, or the W4A16 operand's ``2^j``). ``o`` may be a view of wider
+  rows (a padded humming layout's first N columns): read through its row stride, no copy.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ def _sum_rows_kernel(S, M, K, OUT, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _unscale_kernel(O, M, N, U, SCALE, BIAS, Y, STACKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _unscale_kernel(O, M, N, O_STRIDE, U, SCALE, BIAS, Y, STACKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
-    acc = tl.load(O + row * N + n, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.load(O + row * O_STRIDE + n, mask=mask, other=0.0).to(tl.float32)
     if STACKED:
-        acc += tl.load(O + (row + M) * N + n, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(O + (row + M) * O_STRIDE + n, mask=mask, other=0.0).to(tl.float32)
     y = acc * tl.load(U) / tl.load(SCALE + row)
     if HAS_BIAS:
         y += tl.load(BIAS + n, mask=mask, other=0.0).to(tl.float32)
@@ -64,7 +65,8 @@ def sum_stacked_rows(stacked: torch.Tensor, m: int) -> torch.Tensor:
 
 def unscale_rows(o: torch.Tensor, m: int, unshift: torch.Tensor, row_scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, stacked: bool) -> torch.Tensor:
-    """(M, N) ``out_dtype`` = ``(o[i] [+ o[M+i]]) * unshift / row_scale[i] [+ bias]`` in fp32 (module doc)."""
+    """(M, N) ``out_dtype`` = ``(o[i] [+ o[M+i]]) * unshift / row_scale[i] [+ bias]`` in fp32 (module doc);
+    ``o``'s rows may be strided (a view of a padded GEMM output)."""
     rows = 2 * m if stacked else m
     if o.dim() != 2 or o.shape[0] != rows:
         raise ValueError(f"unscale_rows expects ({rows}, N) GEMM output rows, got {tuple(o.shape)}")
@@ -72,7 +74,8 @@ def unscale_rows(o: torch.Tensor, m: int, unshift: torch.Tensor, row_scale: torc
         raise ValueError(f"unscale_rows: {row_scale.numel()} row scales for {m} rows / unshift of "
                          f"{unshift.numel()} values (want 1)")
     n = o.shape[1]
-    o = interpreter_safe_input(o).contiguous()
+    o = interpreter_safe_input(o)
+    o = o if o.stride(-1) == 1 else o.contiguous()
     # the interpreter truncates fp32 -> bf16 stores: write fp32 there and round on the host
     store_dtype = torch.float32 if interpreting() and out_dtype == torch.bfloat16 else out_dtype
     y = torch.empty((m, n), dtype=store_dtype, device=o.device)
@@ -80,6 +83,6 @@ def unscale_rows(o: torch.Tensor, m: int, unshift: torch.Tensor, row_scale: torc
         scale = row_scale.reshape(-1).to(torch.float32).contiguous()
         b = interpreter_safe_input(bias).contiguous() if bias is not None else scale
         _unscale_kernel[(m, triton.cdiv(n, _BLOCK))](
-            o, m, n, unshift.to(torch.float32), scale, b, y,
+            o, m, n, o.stride(0), unshift.to(torch.float32), scale, b, y,
             STACKED=stacked, HAS_BIAS=bias is not None, BLOCK=_BLOCK)
     return y.to(out_dtype)

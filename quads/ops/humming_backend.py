@@ -15,8 +15,9 @@ the token rows quantized once and gathered per expert into the summed operand. S
 (:class:`HummingSiblingKernel`): one GEMM over a stacked copy of the members' layouts where they
 share one global scale (group mode). Not on humming (the exact Hopper kernels serve them): weights
 with per-row global scales, experts with one global scale for all, fp32 activations, biased
-experts, ``"tensor"`` activation scales in experts; weights of shapes humming cannot tile
-(:func:`humming_shape_problem`, the kernel choice).
+experts, ``"tensor"`` activation scales in experts. Every shape an NVFP4 weight has (K % 16 == 0,
+:func:`humming_shape_problem`) runs on humming: one whose N is not a multiple of 128 or K of 64 is
+held padded (:func:`humming_padded_shape`, zeros; memory: :func:`humming_padding_cost`).
 
 Weight memory: one humming layout per weight (1.0x the packed bytes; a sibling set's stacked copy
 once more), shared by the fp16 and bf16 layers; :class:`HummingWeight` derives the packed parts
@@ -33,6 +34,8 @@ import os
 
 import torch
 
+from quads.kernels.humming_layout import (HUMMING_K_MULTIPLE, HUMMING_N_MULTIPLE, humming_padded_shape,
+                                          humming_padding_cost)
 from quads.ops.activation_quant import as_operands, operand_row_args, per_row_scales, summed_row_args
 from quads.ops.backend_registry import LinearArgs, LinearKernel, register_backend
 from quads.ops.builtin_backends import HopperBackend
@@ -41,9 +44,10 @@ from quads.ops.linear import HopperLinearKernel, compiled_linear, prepare_weight
 from quads.ops.sibling_linear import HopperSiblingKernel, stack_prepared_hopper
 from quads.tensor.nvfp4_math import NVFP4Parts
 
-__all__ = ["HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel", "HummingExpertsKernel",
-           "HummingSiblingKernel", "HummingStack", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
-           "humming_residual_layout", "humming_shape_problem", "stack_prepared_humming"]
+__all__ = ["HUMMING_K_BLOCK", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel",
+           "HummingExpertsKernel", "HummingSiblingKernel", "HummingStack", "HummingWeight", "RESIDUAL_LAYOUTS", "SUMMED_FROM_ROWS",
+           "humming_padded_shape", "humming_padding_cost", "humming_residual_layout", "humming_shape_problem",
+           "stack_prepared_humming"]
 
 RESIDUAL_LAYOUTS = ("auto", "stacked", "summed")
 #: from this many tokens on, ``auto`` uses the summed operand (measured on the H200: stacked faster at
@@ -77,32 +81,33 @@ def humming_serves(args: LinearArgs, experts: bool = False) -> bool:
     """The exact-vs-fast rule of one weight, decided once, when its kernel is made: humming serves
     it (:func:`humming_supports`) in a humming layout (or none yet); an experts projection also
     needs per-row activation scales. Per call only the input decides: fp32 activations (and
-    biased experts projections) take the exact kernels. Shapes humming cannot tile never get
-    here (:func:`humming_shape_problem`, the kernel choice's fallback)."""
+    biased experts projections) take the exact kernels. Every NVFP4 shape gets here
+    (:func:`humming_shape_problem`: the padding of shapes humming cannot tile as they are is the
+    layout's, :func:`humming_padded_shape`)."""
     prepared = args.prepared
     if not (prepared is None or isinstance(prepared, HummingWeight)) or not humming_supports(args.parts()):
         return False
     return not experts or args.act is None or args.act.granularity == "row"
 
 
-#: the weight shapes humming's sm90 tile heuristics serve: an output size N that its 128-wide
-#: output tile divides (N = 576, 960 and 2880 fail an assertion inside humming on the H200,
-#: N = 768, 1408, 1536, 2048 run) and a K its 64-deep tiles divide (every real hidden size is one)
-HUMMING_N_MULTIPLE, HUMMING_K_MULTIPLE = 128, 64
+#: the K multiple humming needs of a weight: the NVFP4 block (every NVFP4 weight has it)
+HUMMING_K_BLOCK = 16
 
 
 def humming_shape_problem(n: int, k: int) -> str | None:
-    """Why humming cannot serve a weight of ``n`` outputs by ``k`` inputs, or None.
+    """Why humming cannot serve a weight of ``n`` outputs by ``k`` inputs, or None: the one
+    exact-vs-fast rule of a shape (:meth:`HummingBackend.shape_problem`).
 
-    Read off humming 0.1.19: its sm_90 heuristics (``tune/sm90_policies.py``,
-    ``build_sm90_seed_config``) start the block N at 128 or 256 (512 for wide MoE tiles) and halve
-    it until it divides N, asserting it stays four warps of 32 columns for 16-bit activations
-    (``block_shape_n >= min_warp_shape_n * 4``): N a multiple of 128. Its block K halves until it
-    divides K with a warp K of at least 32 (``kernel/humming.py``, ``check_shape``), and quads'
-    in-place refresh and parts read-back restate its repack on 64 x 64 tiles
-    (:mod:`quads.kernels.humming_layout`): K a multiple of 64."""
-    if n % HUMMING_N_MULTIPLE or k % HUMMING_K_MULTIPLE:
-        return f"humming needs N % {HUMMING_N_MULTIPLE} == 0 and K % {HUMMING_K_MULTIPLE} == 0, got N={n} K={k}"
+    Any ``n`` and any ``k`` of whole NVFP4 blocks: the layout pads the rest
+    (:func:`humming_padded_shape`). humming 0.1.19 itself tiles N in multiples of 128 and K of 64:
+    its sm_90 heuristics (``tune/sm90_policies.py``, ``build_sm90_seed_config``) start the block N
+    at 128 or 256 (512 for wide MoE tiles) and halve it until it divides N, asserting it stays four
+    warps of 32 columns for 16-bit activations (``block_shape_n >= min_warp_shape_n * 4``: N = 576,
+    960 and 2880 fail it on the H200); its block K halves until it divides K with a warp K of at
+    least 32 (``kernel/humming.py``, ``check_shape``), and quads' in-place refresh and parts
+    read-back restate its repack on 64 x 64 tiles (:mod:`quads.kernels.humming_layout`)."""
+    if n < 1 or k < HUMMING_K_BLOCK or k % HUMMING_K_BLOCK:
+        return f"humming needs N >= 1 and K a positive multiple of {HUMMING_K_BLOCK} (the NVFP4 block), got N={n} K={k}"
     return None
 
 
@@ -197,6 +202,12 @@ class HummingWeight:
 
     def _owner(self):
         return next(lay for lay in self.layers.values() if not lay.shared)
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        """``(N, K)`` of the humming layout held: :func:`humming_padded_shape` of the weight's (its own
+        where humming tiles it as it is); bytes: :func:`humming_padding_cost` x the packed bytes."""
+        return humming_padded_shape(self.shape[-2], self.shape[-1] * 2)
 
     @property
     def can_hold_parts(self) -> bool:
@@ -310,8 +321,8 @@ class HummingLinearKernel(LinearKernel):
         x2 = x.reshape(-1, x.shape[-1])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         m = x2.shape[0]
-        if act is None:
-            y = prepared.layer(x2.dtype)(x2)
+        if act is None:  # a padded layout's (M, N) view copied once: the op's output is contiguous (its fake's)
+            y = prepared.layer(x2.dtype)(x2).contiguous()
             return (y if bias is None else y + bias.to(y.dtype)).reshape(*x.shape[:-1], y.shape[-1])
         from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
         from quads.kernels.quantize_activations import quantize_rows
@@ -374,7 +385,8 @@ class HummingExpertsKernel(HopperExpertsKernel):
         x = x if x.stride(-1) == 1 else x.contiguous()
         prepared = a.prepared if a.prepared is not None else self.backend.prepare_weight(self.parts[i])
         if a.act is None:
-            y = prepared.layer(x.dtype)(x if rows is None else x.index_select(0, rows), expert_layout=route.offsets)
+            y = prepared.layer(x.dtype)(x if rows is None else x.index_select(0, rows),
+                                        expert_layout=route.offsets).contiguous()  # padded N: one copy
         else:  # one kernel: the rows gathered per expert quantized straight into the summed operand (row-local:
             # a gathered row has its token's bits)
             q = quantize_rows(x, **summed_row_args(x, a.act, a.static_mask, rows))
@@ -404,9 +416,9 @@ class HummingStack:
     def write_member_(self, i: int) -> None:
         """Member ``i``'s layout (written by a sync) into its columns, in place; the shifts from all members'."""
         dst, src = self.weight.layer(torch.float16), self.members[i].layer(torch.float16)
-        lo, hi = self.offsets[i], self.offsets[i + 1]
-        dst.layer.weight.data[..., 2 * lo:2 * hi].copy_(src.layer.weight.data)
-        dst.layer.weight_scale.data[..., lo:hi].copy_(src.layer.weight_scale.data)
+        lo, hi = self.offsets[i], self.offsets[i + 1]  # (a padded member's own columns: its first hi - lo)
+        dst.layer.weight.data[..., 2 * lo:2 * hi].copy_(src.layer.weight.data[..., :2 * (hi - lo)])
+        dst.layer.weight_scale.data[..., lo:hi].copy_(src.layer.weight_scale.data[..., :hi - lo])
         gs = self.members[i].global_encode_scale
         self.weight.global_encode_scale = gs
         one = torch.ones(1, dtype=torch.float32, device=dst.ws2[next(iter(dst.ws2))].device)
@@ -424,12 +436,13 @@ def _layer_fields(w: HummingWeight):
 
 def stack_prepared_humming(prepared, shared_scale: bool):
     """A :class:`HummingStack` of sibling humming weights (one K, mode and device, humming's direct
-    layout, one global scale by construction: ``shared_scale``), and the members' own weights as
-    their views; None when they do not qualify."""
+    layout, one global scale by construction: ``shared_scale``; each N a multiple of 64, so that a
+    member's layout is whole 64-row blocks of the stacked one, padded or not), and the members' own
+    weights as their views; None when they do not qualify."""
     if not shared_scale or not all(isinstance(p, HummingWeight) and len(p.shape) == 2 for p in prepared):
         return None
     first = prepared[0]
-    if any(p.shape[1] != first.shape[1] or p.device != first.device or p.mode != first.mode
+    if any(p.shape[0] % 64 or p.shape[1] != first.shape[1] or p.device != first.device or p.mode != first.mode
            or p.rows_hint != first.rows_hint or not p.can_hold_parts for p in prepared):
         return None
     parts = [p.packed_parts() for p in prepared]  # transient: the stacked layout is built from them
@@ -442,9 +455,12 @@ def stack_prepared_humming(prepared, shared_scale: bool):
     stacked = HummingStack(weight, list(prepared), offsets)
     w, ws, on_c = _layer_fields(weight)
     fields = [_layer_fields(p) for p in prepared]
+    n_pad = humming_padded_shape(offsets[-1], 2 * first.shape[1])[0]
     if (not weight.can_hold_parts or any(f[2] != on_c for f in fields)
-            or tuple(w.shape[:-1]) != tuple(fields[0][0].shape[:-1]) or w.shape[-1] != 2 * offsets[-1]
-            or ws.shape[-1] != offsets[-1] or any(f[1].shape[-1] != p.shape[0] for f, p in zip(fields, prepared))):
+            or tuple(w.shape[:-1]) != tuple(fields[0][0].shape[:-1]) or w.shape[-1] != 2 * n_pad
+            or ws.shape[-1] != n_pad
+            or any(f[1].shape[-1] != humming_padded_shape(p.shape[0], 2 * p.shape[1])[0]
+                   for f, p in zip(fields, prepared))):
         return None  # not the column-concatenated layout the member writes rely on
     for i in range(len(prepared)):
         stacked.write_member_(i)  # the members' shifts (one for all)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from quads.kernels.humming_layout import humming_padded_shape, pad_parts, unpad_parts
 from quads.ops.humming_tuning import HUMMING_REQUIREMENT, merge_tuned, tuned_intervals
 
 __all__ = [
@@ -292,7 +293,11 @@ class HummingNVFP4:
     epilogue's ``2^c``), all refreshable in place.
 
     ``dtype``: the activation dtype the layer multiplies (fp16 for quads' operands; bf16/fp16
-    for direct W4A16). ``operand_max``: the operand bound of the output-range rule for each named
+    for direct W4A16). Held in the layout of its padded shape ``(pad_n, pad_k)``
+    (:func:`~quads.kernels.humming_layout.pad_parts`: zeros) where humming cannot tile its own; its
+    inputs, outputs and packed parts are of the weight's ``(shape_n, shape_k)``: a call pads the
+    activations in K where K needs it (one copy) and gives the output's N columns as a view.
+    ``operand_max``: the operand bound of the output-range rule for each named
     scaling (``{"unit": None}`` = no shift: weight_scale_2 = 1/S_w, for inputs whose outputs fit)."""
 
     def __init__(self, qdata, scale, global_encode_scale, *, dtype=torch.float16, mode: str = "default",
@@ -307,8 +312,9 @@ class HummingNVFP4:
         self.dtype, self.mode = dtype, mode
         self.rows_hint = tuple(sorted(set(rows_hint))) if rows_hint else None
         self.shape_n, self.shape_k = qdata.shape[-2], qdata.shape[-1] * 2
+        self.pad_n, self.pad_k = humming_padded_shape(self.shape_n, self.shape_k)
         self.operand_max = dict(operand_max or {"unit": None})
-        self.layer = self._build(qdata, scale, global_encode_scale)
+        self.layer = self._build(*pad_parts(qdata, scale), global_encode_scale)
         self.shared = False  # True: the transformed tensors are another layer's (share_layout_)
         self.shift: dict[str, torch.Tensor] = {}
         self.ws2: dict[str, torch.Tensor] = {}
@@ -319,6 +325,7 @@ class HummingNVFP4:
 
     # -- building and refreshing ------------------------------------------------------------------
     def _build(self, qdata, scale, gs):
+        """A transformed ``HummingLayer`` of parts in the padded shape (:func:`pad_parts`)."""
         from humming.layer import HummingLayer
 
         with _cuda_device(self.device):
@@ -326,7 +333,7 @@ class HummingNVFP4:
             # only): HummingLayer creates them with torch.empty, which would otherwise land in host
             # memory and be copied over by .to() (then a no-op)
             with torch.device(self.device):
-                layer = HummingLayer(shape_n=self.shape_n, shape_k=self.shape_k, torch_dtype=self.dtype,
+                layer = HummingLayer(shape_n=self.pad_n, shape_k=self.pad_k, torch_dtype=self.dtype,
                                      num_experts=self.num_experts,
                                      weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"})
             layer = layer.to(self.device)
@@ -371,7 +378,8 @@ class HummingNVFP4:
 
     def refresh_(self, qdata, scale, global_encode_scale) -> None:
         """Rewrite the held layout from new parts of the same shapes, in place, on the device (module
-        doc): humming's own transform under the held configuration, no new layer."""
+        doc): humming's own transform under the held configuration, no new layer; the padding is
+        written as zeros again (:func:`pad_parts`)."""
         _check_parts(qdata, scale, global_encode_scale)
         experts = qdata.shape[0] if qdata.dim() == 3 else None
         if (experts, qdata.shape[-2], qdata.shape[-1] * 2) != (self.num_experts, self.shape_n, self.shape_k):
@@ -379,7 +387,7 @@ class HummingNVFP4:
                              f"({self.num_experts or ''}, {self.shape_n}, {self.shape_k}) humming layer")
         if not self.shared:  # a layout shared with another dtype's layer is rewritten by its owner
             with _cuda_device(self.device):
-                transform_into_(self.layer, qdata, scale, global_encode_scale)
+                transform_into_(self.layer, *pad_parts(qdata, scale), global_encode_scale)
         self._write_scales(scale, global_encode_scale)
 
     def share_layout_(self, owner: "HummingNVFP4") -> bool:
@@ -417,7 +425,7 @@ class HummingNVFP4:
             raise NotImplementedError(f"packed parts from a humming layout of this configuration: {cfg.to_str()}")
         qdata = unrepack_reference(self.layer.weight.data)
         scale = scale_unlayout(self.layer.weight_scale.data, bool(cfg.should_apply_bs_on_c))
-        return qdata, scale
+        return unpad_parts(qdata, scale, self.shape_n, self.shape_k)
 
     # -- configuration ----------------------------------------------------------------------------
     def _configs(self) -> tuple[str | None, str | None]:
@@ -425,7 +433,7 @@ class HummingNVFP4:
         if self.mode == "batch_invariant":
             compute["use_batch_invariant"] = True
         compute_str = json.dumps(compute) if compute else None
-        tuned = tuned_intervals(device_name(self.device), self.shape_n, self.shape_k,
+        tuned = tuned_intervals(device_name(self.device), self.pad_n, self.pad_k,
                                 str(self.dtype).removeprefix("torch."), self.mode, self.num_experts)
         if self.mode != "no_stream_k" and self.rows_hint is None and not tuned:
             return compute_str, None  # humming resolves its own table (the same call as below)
@@ -484,6 +492,7 @@ class HummingNVFP4:
         self.rows_hint = tuple(spec["rows_hint"]) if spec["rows_hint"] else None
         self.num_experts = shape[0] if len(shape) == 3 else None
         self.shape_n, self.shape_k = shape[-2], shape[-1] * 2
+        self.pad_n, self.pad_k = humming_padded_shape(self.shape_n, self.shape_k)
         params = {name: next(tensors) for name in spec["params"]} if not spec["shared"] else dict(layout)
         buffers = {name: next(tensors) for name in spec["buffers"]}
         ws2 = {name: next(tensors) for name in spec["scalings"]}
@@ -501,7 +510,9 @@ class HummingNVFP4:
     # -- running ----------------------------------------------------------------------------------
     def __call__(self, a: torch.Tensor, scaling: str = "unit", out: torch.Tensor | None = None,
                  expert_layout: torch.Tensor | None = None) -> torch.Tensor:
-        """``a @ DQ(W)^T * 2^-c`` (M, N) in ``self.dtype`` (c of ``scaling``; 0 for ``"unit"``).
+        """``a @ DQ(W)^T * 2^-c`` (M, N) in ``self.dtype`` (c of ``scaling``; 0 for ``"unit"``): a
+        view of the GEMM's (M, N_pad) output where N is padded (:meth:`logical_output`); ``a`` (M, K)
+        padded in K where K is (:meth:`padded_input`); ``out``: (M, N_pad).
 
         Experts: ``expert_layout`` (E+1,) int32/int64 row offsets, rows ``[off[e], off[e+1])`` of
         ``a`` multiplied by expert ``e`` (humming's grouped-contiguous MoE GEMM; quads'
@@ -513,10 +524,22 @@ class HummingNVFP4:
             raise TypeError(f"this humming layer multiplies {self.dtype} rows, got {a.dtype}")
         if (expert_layout is None) != (self.num_experts is None):
             raise ValueError("expert_layout goes with (and only with) a 3-D experts layer")
-        return humming_forward(layer.humming_config, inputs=a, weight=layer.weight,
-                               weight_scale=layer.weight_scale, weight_scale_2=self.ws2[scaling],
-                               outputs=out, locks=layer.locks, expert_layout=expert_layout,
-                               compute_config=self.compute_config, tuning_config=self.tuning_config)
+        o = humming_forward(layer.humming_config, inputs=self.padded_input(a), weight=layer.weight,
+                            weight_scale=layer.weight_scale, weight_scale_2=self.ws2[scaling],
+                            outputs=out, locks=layer.locks, expert_layout=expert_layout,
+                            compute_config=self.compute_config, tuning_config=self.tuning_config)
+        return self.logical_output(o)
+
+    def padded_input(self, a: torch.Tensor) -> torch.Tensor:
+        """``a`` (M, K) as the GEMM's (M, K_pad) rows: zero columns appended, one copy (``a`` itself
+        where K is humming's multiple)."""
+        if a.shape[-1] != self.shape_k:
+            raise ValueError(f"this humming layer multiplies rows of K={self.shape_k}, got {tuple(a.shape)}")
+        return a if self.pad_k == self.shape_k else torch.nn.functional.pad(a, (0, self.pad_k - self.shape_k))
+
+    def logical_output(self, o: torch.Tensor) -> torch.Tensor:
+        """The GEMM's (M, N_pad) output as the weight's (M, N): a view (row stride N_pad), no copy."""
+        return o if self.pad_n == self.shape_n else o[:, : self.shape_n]
 
     def warmup(self, ms=(1,)) -> None:
         """Compile (first call: every kernel of the M-interval table) and run once per M in ``ms``:

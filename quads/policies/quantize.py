@@ -326,7 +326,7 @@ def exact_kernel_layers(targets: list[ConversionTarget]) -> list[tuple[str, tupl
 def warn_exact_kernel_layers(targets: list[ConversionTarget]) -> None:
     """One warning line for the whole model: how many layers keep the exact kernels, and why; or,
     where no layer runs humming (a CPU, a GPU without it), that the preference has no effect."""
-    from quads.ops.humming_backend import HUMMING_K_MULTIPLE, HUMMING_N_MULTIPLE
+    from quads.ops.humming_backend import HUMMING_K_BLOCK
 
     kept = exact_kernel_layers(targets)
     backends = sorted({getattr(getattr(t.module, "quads_backend", None), "name", "?") for t in targets})
@@ -338,7 +338,7 @@ def warn_exact_kernel_layers(targets: list[ConversionTarget]) -> None:
     if kept:
         shapes = [f"{n}x{k}" for n, k in dict.fromkeys(shape for _, shape in kept)]
         warnings.warn(f"quads: kernel='fast': {len(kept)} of {len(targets)} layers keep the exact kernels: humming "
-                      f"needs N % {HUMMING_N_MULTIPLE} == 0 and K % {HUMMING_K_MULTIPLE} == 0 (N x K here: "
+                      f"needs K % {HUMMING_K_BLOCK} == 0 (N x K here: "
                       f"{', '.join(shapes[:4])}{', ...' if len(shapes) > 4 else ''}; e.g. {kept[0][0]})", stacklevel=3)
 
 

@@ -215,17 +215,19 @@ def fake_humming(monkeypatch):
         return _FakeLayer(qdata, scale, self.dtype)
 
     def call(self, a, scaling="unit", out=None, expert_layout=None):
+        """HummingNVFP4.__call__ with humming's GEMM stood in for (the padding around it is quads')."""
         assert a.dtype == self.dtype
         calls.append((tuple(a.shape), scaling))
+        a = self.padded_input(a)
         w = unscaled_values(NVFP4Parts(*_fake_parts(self.layer), torch.ones(())))
         if expert_layout is None:
-            return ((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype)
+            return self.logical_output(((a.float() @ w.T) * self.ws2[scaling]).to(self.dtype))
         y = torch.full((a.shape[0], w.shape[-2]), float("nan"), dtype=self.dtype)  # unwritten rows: garbage
         bounds = expert_layout.tolist()
         for e in range(len(bounds) - 1):
             lo, hi = bounds[e], bounds[e + 1]
             y[lo:hi] = ((a[lo:hi].float() @ w[e].T) * self.ws2[scaling][e]).to(self.dtype)
-        return y
+        return self.logical_output(y)
 
     monkeypatch.setattr(hg, "check_humming_device", lambda d: torch.device(d))
     monkeypatch.setattr(hg, "import_humming", lambda: None)
@@ -292,7 +294,7 @@ def test_refresh_rewrites_the_held_tensors_in_place(fake_humming):
     assert again is held
     assert ptrs == [p.data_ptr() for p in layer.layer.parameters()] + [layer.ws2["w4a4"].data_ptr(),
                                                                        layer.unshift["w4a4"].data_ptr()]
-    assert torch.equal(_fake_parts(layer.layer)[0], w2.qdata)
+    assert torch.equal(layer.packed_parts()[0], w2.qdata)
     assert float(layer.shift["w4a4"]) != shift1  # a 40x larger weight needs a larger shift
     x, act = _x(), ActivationQuant()
     y = hb.humming_w4a4(x.float(), layer, None, act)
@@ -483,11 +485,11 @@ def test_pruned_table_picks_humming_kernel_for_every_hinted_row_count():
     assert all(a[1] == b[0] for a, b in zip(pruned, pruned[1:]))
 
 
-# -- the shapes humming serves: the rest keep the exact kernels ------------------------------------
+# -- the shapes humming serves: every NVFP4 shape (padded where humming's tiles need it) -----------------
 
-@pytest.mark.parametrize("n,k,served", [(576, 576, False), (192, 576, False), (960, 960, False), (2880, 2880, False),
+@pytest.mark.parametrize("n,k,served", [(576, 576, True), (192, 576, True), (960, 960, True), (2880, 2880, True),
                                         (1536, 576, True), (1408, 2048, True), (768, 1408, True), (5760, 2880, True),
-                                        (256, 200, False)])
+                                        (48, 80, True), (256, 200, False), (256, 8, False), (0, 64, False)])
 def test_humming_shape_rule(n, k, served):
     assert (hb.humming_shape_problem(n, k) is None) == served
     assert (backend_mod.get_backend("humming").shape_problem(n, k) is None) == served
@@ -497,8 +499,8 @@ def test_select_backend_gives_shapes_humming_cannot_serve_the_exact_kernels(monk
     monkeypatch.setattr(backend_mod, "_kernel_backend_for", lambda d: "hopper")  # as on an H200
     monkeypatch.setattr(hg, "import_humming", lambda: None)
     cuda = torch.device("cuda", 0)
-    assert quads.select_backend(cuda, "fast", [(1536, 576)]).name == "humming"
-    assert quads.select_backend(cuda, "fast", [(1536, 576), (576, 1536)]).name == "hopper"  # any one: all exact
+    assert quads.select_backend(cuda, "fast", [(576, 576), (192, 576), (2880, 2880)]).name == "humming"
+    assert quads.select_backend(cuda, "fast", [(1536, 576), (256, 200)]).name == "hopper"  # any one: all exact
     assert quads.select_backend(cuda, "exact", [(576, 576)]).name == "hopper"
 
 
@@ -507,9 +509,35 @@ def _mixed_model():
     return torch.nn.Sequential(torch.nn.Linear(128, 576, bias=False), torch.nn.Linear(576, 256, bias=False))
 
 
-def test_fast_policy_keeps_the_exact_kernels_where_humming_cannot_serve(fake_humming):
-    """``kernel="fast"``: the 576-output layer gets the exact kernels (same bits as the exact
-    path), the 256-output one humming; one warning line for the model says how many and why."""
+def _refuse_576(monkeypatch):
+    """The shape rule refusing N = 576 (no NVFP4 shape is refused by the real one): the fallback's path."""
+    real = hb.humming_shape_problem
+    monkeypatch.setattr(hb, "humming_shape_problem", lambda n, k: "refused here" if n == 576 else real(n, k))
+
+
+def test_fast_policy_serves_padded_widths_on_humming_without_a_warning(fake_humming):
+    """``kernel="fast"``: the 576-output layer (N not a multiple of 128) runs humming in a padded
+    layout, within the fast path's bound of the exact path; no layer keeps the exact kernels."""
+    import warnings
+
+    x = _x(m=3, k=128)
+    exact = _mixed_model()
+    with quads.use_backend("hopper"):
+        quads.quantize_(exact, quads.QuadsPolicy(side="rollout"))
+    fast = _mixed_model()
+    with quads.use_backend("humming"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quads.quantize_(fast, quads.QuadsPolicy(side="rollout", kernel="fast"))
+    assert [m.quads_backend.name for m in fast] == ["humming", "humming"]
+    assert fast[0].quads_prepared[0].layer(torch.float16).pad_n == 640
+    with torch.no_grad():
+        assert _rel(fast(x), exact(x)) <= 2**-6
+
+
+def test_fast_policy_keeps_the_exact_kernels_where_the_rule_refuses(fake_humming, monkeypatch):
+    """A shape the rule refuses gets the exact kernels (same bits as the exact path), the rest
+    humming; one warning line for the model says how many and why."""
+    _refuse_576(monkeypatch)
     x = _x(m=3, k=128)
     exact = _mixed_model()
     with quads.use_backend("hopper"):
@@ -519,19 +547,21 @@ def test_fast_policy_keeps_the_exact_kernels_where_humming_cannot_serve(fake_hum
         quads.quantize_(fast, quads.QuadsPolicy(side="rollout", kernel="fast"))
     lines = [str(w.message) for w in caught if "keep the exact kernels" in str(w.message)]
     assert len(lines) == 1 and "1 of 2 layers" in lines[0] and "576x128" in lines[0] and "'0'" not in lines[0]
-    assert "N % 128 == 0" in lines[0] and lines[0].endswith("e.g. 0)")
+    assert "K % 16 == 0" in lines[0] and lines[0].endswith("e.g. 0)")
     assert fast[0].quads_backend.name == "hopper" and fast[1].quads_backend.name == "humming"
     with torch.no_grad():
         assert torch.equal(fast[0](x), exact[0](x))  # the kept layer: the exact path's bits
 
 
-def test_fast_policy_warns_on_any_device_and_exact_policy_never():
+def test_fast_policy_warns_on_any_device_and_exact_policy_never(monkeypatch):
     import warnings
 
     with pytest.warns(UserWarning, match=r"^quads: kernel='fast' has no effect here: all 2 layers run the torch "
-                                         r"backend \(humming runs on Hopper GPUs\); on a Hopper GPU 1 of them would "
-                                         r"keep the exact kernels$"):
+                                         r"backend \(humming runs on Hopper GPUs\)$"):
         quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout", kernel="fast"))  # CPU: says what runs
+    _refuse_576(monkeypatch)
+    with pytest.warns(UserWarning, match=r"on a Hopper GPU 1 of them would keep the exact kernels$"):
+        quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout", kernel="fast"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quads.quantize_(_mixed_model(), quads.QuadsPolicy(side="rollout"))
@@ -542,6 +572,7 @@ def test_warm_up_kernels_compiles_every_humming_weight_once_with_a_progress_line
 
     warmed = []
     monkeypatch.setattr(hb.HummingWeight, "warmup", lambda self, dtypes=(torch.float16,), ms=(1,): warmed.append(dtypes))
+    _refuse_576(monkeypatch)
     fast = _mixed_model()
     with quads.use_backend("humming"), pytest.warns(UserWarning, match="keep the exact kernels"):
         quads.quantize_(fast, quads.QuadsPolicy(side="rollout", kernel="fast"))

@@ -167,7 +167,8 @@ def heuristics(monkeypatch):
 
 
 def _layer(mode, **kw):
-    return hb.HummingWeight(_weight(), mode, **kw).layer(torch.float16)  # a (64, 128) weight
+    # a (64, 128) weight, held padded: its GEMM, the tables' key, is 128 x 128
+    return hb.HummingWeight(_weight(), mode, **kw).layer(torch.float16)
 
 
 def _plain(table):
@@ -175,7 +176,7 @@ def _plain(table):
 
 
 def test_layer_configs_unchanged_when_no_entry_matches(fake_humming, heuristics, tmp_path, monkeypatch):
-    path = _table_file(tmp_path, [_entry(dtype="bfloat16"), _entry(n=128)])  # other dtype, other N
+    path = _table_file(tmp_path, [_entry(n=128, dtype="bfloat16"), _entry(n=64)])  # other dtype, the unpadded N
     for env in ("0", str(path), None):  # off, a table without this layer's key, the shipped one
         if env is None:
             monkeypatch.delenv("QUADS_HUMMING_TUNED")
@@ -192,7 +193,7 @@ def test_layer_configs_unchanged_when_no_entry_matches(fake_humming, heuristics,
 
 def test_layer_configs_take_tuned_entries_by_mode(fake_humming, heuristics, tmp_path, monkeypatch):
     nsk = [[32, 64, _cfg(5, sk=False)]]
-    path = _table_file(tmp_path, [_entry(), _entry(mode="no_stream_k", intervals=nsk)])
+    path = _table_file(tmp_path, [_entry(n=128), _entry(n=128, mode="no_stream_k", intervals=nsk)])
     monkeypatch.setenv("QUADS_HUMMING_TUNED", str(path))
     h = _plain(heuristics)
     compute, tuning = _ORIG_CONFIGS(_layer("default"))

@@ -368,7 +368,7 @@ class _HostOps(TorchDispatchMode):
 
 
 def _fast_moe(seed):
-    """A Qwen3-MoE whose experts humming serves (N % 128, K % 64), its routed experts NVFP4 on the fast path."""
+    """A Qwen3-MoE (widths humming tiles without padding), its routed experts NVFP4 on the fast path."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
