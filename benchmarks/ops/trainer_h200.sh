@@ -25,7 +25,7 @@ timeout 120 $PY -m benchmarks.ops.bench_trainer --out "$OUT/bench_trainer_profil
 grep -E '"profile": true' "$OUT/bench_trainer_profile.log" | cut -c1-700
 timeout 75 $PY -m benchmarks.ops.bench_fake_quant --out "$OUT/bench_fake_quant.json" 2>&1 | tee "$OUT/bench_fake_quant.log"
 NCU_MPS=()
-if pgrep -x nvidia-cuda-mps-control >/dev/null 2>&1 || pgrep -x nvidia-cuda-mps-server >/dev/null 2>&1; then
+if pgrep -f nvidia-cuda-mps-control >/dev/null 2>&1 || pgrep -f nvidia-cuda-mps-server >/dev/null 2>&1; then
     if [ "${STOP_MPS:-0}" = 1 ]; then
         echo "MPS daemon running: quitting it (STOP_MPS=1)"; echo quit | nvidia-cuda-mps-control; sleep 2
     else

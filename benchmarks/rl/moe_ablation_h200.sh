@@ -41,7 +41,7 @@ case "$cmd" in
     MODEL=$($PY -c "from quads.models.upcycle import moe_dir; print(moe_dir())")
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    pgrep -x nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d || echo "MPS: could not start"
+    pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d || echo "MPS: could not start"
     if ! timeout 120 $PY -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
       echo "MPS: a CUDA client failed under MPS; running time-sliced"; echo quit | nvidia-cuda-mps-control; sleep 2
     fi

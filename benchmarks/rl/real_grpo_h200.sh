@@ -28,7 +28,7 @@ real=$(quads_real_model_status) || { echo "real model $real"; exit 1; }
 if [ "${QUADS_MPS:-0}" = "1" ]; then
   export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps} CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/nvidia-mps-log}
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if ! pgrep -x nvidia-cuda-mps-control >/dev/null; then nvidia-cuda-mps-control -d || echo "MPS: could not start"; fi
+  if ! pgrep -f nvidia-cuda-mps-control >/dev/null; then nvidia-cuda-mps-control -d || echo "MPS: could not start"; fi
   if ! timeout 120 $PY -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
     echo "MPS: a CUDA client failed under MPS; stopping it and running time-sliced"
     echo quit | nvidia-cuda-mps-control; sleep 2
