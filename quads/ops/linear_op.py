@@ -91,25 +91,6 @@ def w4a4_matmul_reference(qa: QuantizedActivation, weight: NVFP4Parts) -> torch.
     return _matmul_operands(ReferenceOperands(qa, unscaled_values(qa.main), res), weight)
 
 
-def _op_args(kernel: LinearKernel, x2: torch.Tensor, bias) -> tuple:
-    """A linear kernel's call as the ``quads::linear`` custom op's plain arguments."""
-    held = getattr(kernel.prepared, "holds_parts", False)  # then the weight is not read (in a trace: no parts)
-    return linear_op_args(kernel.backend, x2, None if held else kernel.parts, bias, kernel.prepared, kernel.act,
-                          kernel.static_mask)
-
-
-def compiled_linear(kernel: LinearKernel, x: torch.Tensor, bias) -> torch.Tensor:
-    """``kernel.apply`` as ``torch.compile`` traces it: one opaque custom op over the kernel object
-    itself (``quads::linear_kernel``, whose body runs ``kernel.apply`` eagerly), or where this torch
-    has no opaque objects ``quads::linear`` over its plain arguments."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if KERNEL_OPS:
-        y = torch.ops.quads.linear_kernel(x2, bias, kernel.op_handle, kernel.n)
-    else:
-        y = torch.ops.quads.linear(*_op_args(kernel, x2, bias))
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
 def linear_reference(x2, weight: NVFP4Parts, bias, act, static_mask=None, prepared=None, operands=None):
     """One call of :class:`~quads.ops.backends.reference.ReferenceLinearKernel` (the torch backend's ``linear``)."""
     return get_backend("torch").linear(x2, weight, bias, act, static_mask, prepared, operands)
@@ -127,8 +108,27 @@ def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None
 
 
 # ---------------------------------------------------------------------------------------------
-# The custom op (torch.compile) and the front
+# The custom ops (torch.compile) and the front
 # ---------------------------------------------------------------------------------------------
+
+
+def _op_args(kernel: LinearKernel, x2: torch.Tensor, bias) -> tuple:
+    """A linear kernel's call as the ``quads::linear`` custom op's plain arguments."""
+    held = getattr(kernel.prepared, "holds_parts", False)  # then the weight is not read (in a trace: no parts)
+    return linear_op_args(kernel.backend, x2, None if held else kernel.parts, bias, kernel.prepared, kernel.act,
+                          kernel.static_mask)
+
+
+def compiled_linear(kernel: LinearKernel, x: torch.Tensor, bias) -> torch.Tensor:
+    """``kernel.apply`` as ``torch.compile`` traces it: one opaque custom op over the kernel object
+    itself (``quads::linear_kernel``, whose body runs ``kernel.apply`` eagerly), or where this torch
+    has no opaque objects ``quads::linear`` over its plain arguments."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if KERNEL_OPS:
+        y = torch.ops.quads.linear_kernel(x2, bias, kernel.op_handle, kernel.n)
+    else:
+        y = torch.ops.quads.linear(*_op_args(kernel, x2, bias))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def act_fields(act: ActivationQuant | None) -> tuple[bool, float, str, str, str]:
