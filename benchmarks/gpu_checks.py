@@ -58,23 +58,23 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import quads  # noqa: E402
-from quads.kernels.hopper_weight_decode import load_weight_tile  # noqa: E402
-from quads.kernels.hopper_weight_layout import (  # noqa: E402
+from quads.kernels.hopper.weight_decode import load_weight_tile  # noqa: E402
+from quads.kernels.hopper.weight_layout import (  # noqa: E402
     HopperWeight,
     from_hopper_layout,
     to_hopper_layout,
     to_hopper_layout_reference,
 )
 from quads.kernels.quantize_activations import quantize_rows  # noqa: E402
-from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
-from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
+from quads.kernels.hopper.w4a4_decode import DecodeConfig, decode_gemm  # noqa: E402
+from quads.kernels.hopper.w4a4_gemm import GemmConfig, w4a4_gemm  # noqa: E402
 from quads.ops import ActivationQuant, get_backend, rollout_experts  # noqa: E402
 from quads.ops.activation_quant import (  # noqa: E402
     activation_operands_triton,
     num_residual_channels,
     quantize_activation_reference,
 )
-from quads.ops.linear import unscaled_values, w4a16_linear  # noqa: E402
+from quads.ops.linear_op import unscaled_values, w4a16_linear  # noqa: E402
 from quads.ops.weight_quant import quantize_weight_triton  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
@@ -404,7 +404,7 @@ def check_moe():
     hw = to_hopper_layout(p.qdata, p.scale)
     hid = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:TOPK] for _ in range(T)])
-    from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm
+    from quads.kernels.hopper.moe_grouped_gemm import moe_w4a4_gemm
 
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -425,7 +425,7 @@ def check_moe():
                             hi - lo, True)
         same.append(bits_equal(y[lo:hi], dense))
     record("grouped rows == dense decode rows", all(same), f"{sum(same)}/{len(same)} experts")
-    from quads.kernels.moe_grouped_gemm import MoeConfig
+    from quads.kernels.hopper.moe_grouped_gemm import MoeConfig
 
     for split in (False, True):
         ys = moe_w4a4_gemm(q.stacked, q.main_scale, (order // TOPK).to(torch.int32), offsets, hw,
@@ -480,7 +480,7 @@ def check_fused_projections():
 
 def humming_unavailable() -> str | None:
     """Why the ``kernel="fast"`` (humming) check cannot run here, or None."""
-    from quads.ops.humming_library import HUMMING_REQUIREMENT, check_humming_device, import_humming
+    from quads.ops.backends.humming.library import HUMMING_REQUIREMENT, check_humming_device, import_humming
 
     try:
         import_humming()
@@ -504,7 +504,7 @@ def check_humming():
         print(f"[SKIP] humming: {why}", flush=True)
         return
     from benchmarks.ops.bench_humming import bounds
-    from quads.ops.humming_backend import HummingBackend, HummingWeight
+    from quads.ops.backends.humming.backend import HummingBackend, HummingWeight
 
     paths = {"stacked": (HummingBackend(residual_layout="stacked"), ActivationQuant(residual_fraction=1.0)),
              "summed": (HummingBackend(residual_layout="summed"), ActivationQuant(residual_fraction=1.0)),
@@ -586,7 +586,7 @@ def check_humming_siblings():
     from benchmarks.ops.bench_humming import bounds
     from quads.ops.backend_registry import LinearArgs
     from quads.ops.activation_quant import as_operands, operand_row_args
-    from quads.ops.humming_backend import (HummingBackend, HummingLinearKernel, humming_residual_layout,
+    from quads.ops.backends.humming.backend import (HummingBackend, HummingLinearKernel, humming_residual_layout,
                                            humming_shape_problem)
     from quads.ops.sibling_linear import SiblingSet
     from quads.tensor.nvfp4_math import NVFP4Parts, shared_global_encode_scale
@@ -658,10 +658,10 @@ def check_humming_padded():
         print(f"[SKIP] humming_padded: {why}", flush=True)
         return
     from benchmarks.ops.bench_humming import QUADS_DEFAULT, bounds
-    from quads.kernels.humming_layout import scale_unlayout, unrepack_reference
+    from quads.kernels.humming.layout import scale_unlayout, unrepack_reference
     from quads.ops.backend_registry import LinearArgs
-    from quads.ops.experts import Routing
-    from quads.ops.humming_backend import HummingBackend, HummingWeight, humming_padded_shape, humming_padding_cost
+    from quads.ops.experts_op import Routing
+    from quads.ops.backends.humming.backend import HummingBackend, HummingWeight, humming_padded_shape, humming_padding_cost
 
     def padding_zero(lay):
         q = unrepack_reference(lay.layer.weight.data)
@@ -751,7 +751,7 @@ def check_humming_compiled():
         print(f"[SKIP] humming_compiled: {why}", flush=True)
         return
     from quads.ops.backend_registry import register_backend
-    from quads.ops.humming_backend import HummingBackend
+    from quads.ops.backends.humming.backend import HummingBackend
 
     def stack():
         return torch.nn.Sequential(torch.nn.Linear(4096, 2048, bias=True),
@@ -893,7 +893,7 @@ def check_moe_routing():
     replayed in a CUDA graph; the kernel and the torch ops timed in CUDA graphs (µs printed, no bound)."""
     from benchmarks.timing import graph_time
     from quads.kernels import moe_routing as mr
-    from quads.ops import experts as ex
+    from quads.ops import experts_op as ex
 
     def routing(idx, e, kernel):
         applies = ex._routing_kernel_applies

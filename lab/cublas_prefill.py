@@ -1,6 +1,6 @@
 """Archived experiment: the prefill product through cuBLAS on the kernels' exact fp16 operands.
 
-Moved out of ``quads/kernels/w4a4_gemm_hopper.py`` (no library caller: it is **not batch
+Moved out of ``quads/kernels/hopper/w4a4_gemm.py`` (no library caller: it is **not batch
 invariant**, so no policy selects it). Kept because docs/kernel_log.md compares against it and
 its test (tests/kernels/test_kernel_w4a4_gemm.py) still checks the fp32-order bound.
 """
@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
-from quads.kernels.w4a4_gemm_hopper import _residual_row_offset, dequant_weight_fp16
+from quads.kernels.hopper.w4a4_gemm import _residual_row_offset, dequant_weight_fp16
 
 __all__ = ["cublas_prefill"]
 

@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 
-from quads.kernels.hopper_weight_decode import load_weight_tile  # noqa: E402
-from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
-from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
+from quads.kernels.hopper.weight_decode import load_weight_tile  # noqa: E402
+from quads.kernels.hopper.weight_layout import to_hopper_layout  # noqa: E402
+from quads.kernels.hopper.w4a4_decode import DecodeConfig, decode_gemm  # noqa: E402
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
 from benchmarks.timing import graph_time  # noqa: E402

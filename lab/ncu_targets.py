@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 
-from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
-from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm  # noqa: E402
-from quads.kernels.w4a4_decode_hopper import decode_gemm  # noqa: E402
+from quads.kernels.hopper.weight_layout import to_hopper_layout  # noqa: E402
+from quads.kernels.hopper.moe_grouped_gemm import moe_w4a4_gemm  # noqa: E402
+from quads.kernels.hopper.w4a4_decode import decode_gemm  # noqa: E402
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton  # noqa: E402
 from quads.tensor.nvfp4_math import nvfp4_quantize  # noqa: E402
 

@@ -33,8 +33,8 @@ import torch
 
 from benchmarks.timing import graph_time  # noqa: E402
 
-from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
-from quads.kernels.w4a4_gemm_hopper import (  # noqa: E402
+from quads.kernels.hopper.weight_layout import to_hopper_layout  # noqa: E402
+from quads.kernels.hopper.w4a4_gemm import (  # noqa: E402
     GemmConfig,
     dequant_weight_fp16,
     pick_config,

@@ -321,8 +321,8 @@ def test_rollout_modules_store_their_backend_and_forward_never_reselects(monkeyp
         raise AssertionError("select_backend called in a forward")
 
     import quads.ops.activation_quant as activation_quant
-    import quads.ops.experts as experts
-    import quads.ops.linear as linear
+    import quads.ops.experts_op as experts
+    import quads.ops.linear_op as linear
     import quads.ops.weight_quant as weight_quant
 
     for mod in (backend_mod, activation_quant, experts, linear, weight_quant):  # every front that may pick

@@ -39,7 +39,7 @@ Sections (``--sections``, default ``linear,moe``):
      repack launched straight into the held tensor) vs the Hopper layout kernel vs the dense fp16
      weight (ms); then ``check refresh``: the refreshed tensors vs a layer built from scratch from
      the same parts (bit for bit), humming's layout vs quads' restatement of its repack kernel
-     (``quads/kernels/humming_layout.py``) and the packed parts derived back from it.
+     (``quads/kernels/humming/layout.py``) and the packed parts derived back from it.
   5. *Memory*: packed NVFP4 bytes (qdata + block scales) and, per backend, the bytes a rollout holds
      per weight: exact = packed + Hopper layout; humming = packed + its layout (the fp16 and bf16
      layers share one when the bits agree: ``shared``); target <= 1.1x packed.
@@ -79,13 +79,13 @@ if DRY:  # before any Triton kernel is decorated: the interpreter runs them on C
 import torch
 
 from benchmarks.timing import RESULTS_CSV, add_csv_argument, append_results
-from quads.ops import humming_library as hg
-from quads.kernels.hopper_weight_layout import to_hopper_layout
+from quads.ops.backends.humming import library as hg
+from quads.kernels.hopper.weight_layout import to_hopper_layout
 from quads.ops import ActivationQuant, get_backend
 from quads.ops.activation_quant import activation_operands_triton, quantize_activation_reference, summed_operand_triton
 from benchmarks.ops.humming_dense_prefill import dense_w4a4, dense_weight_fp16
-from quads.ops.humming_backend import HummingBackend, HummingWeight
-from quads.ops.linear import unscaled_values, w4a4_linear_reference
+from quads.ops.backends.humming.backend import HummingBackend, HummingWeight
+from quads.ops.linear_op import unscaled_values, w4a4_linear_reference
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 from quads.tensor.files import write_atomically
 
@@ -333,9 +333,9 @@ def memory_row(tag, parts: NVFP4Parts, hopper, hw: HummingWeight, w16=None, **ex
 def refresh_check(tag, hws, new_parts):
     """The in-place refresh (humming's repack launched into the held tensors) against a layer built
     from scratch from the same parts, bit for bit; humming's real layout against quads' restatement
-    (``quads.kernels.humming_layout``) and the packed parts derived back from it. Run after
+    (``quads.kernels.humming.layout``) and the packed parts derived back from it. Run after
     ``refresh_`` to ``new_parts``; True when every comparison holds."""
-    from quads.kernels.humming_layout import repack_reference
+    from quads.kernels.humming.layout import repack_reference
 
     res = {"refresh_vs_rebuild": True, "layout_reference": None, "derived_parts": None}
     try:
@@ -383,7 +383,7 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
         fp8w = [fp8_weight(w) for w in ws]
     t = time.time()
     # compile only the kernels humming picks for the row counts run here (stacked: 2M rows): the
-    # same kernel per M as its full table (quads.ops.humming_library.prune_table)
+    # same kernel per M as its full table (quads.ops.backends.humming.library.prune_table)
     hint = sorted({1, 2, *ms, *(2 * m for m in ms), *CHECK_MS, *(2 * m for m in CHECK_MS)})
     base = [HummingWeight(p, "default", rows_hint=hint) for p in parts]
     for hw in base:
@@ -531,7 +531,7 @@ def moe_gemm_checks(mt, humming, prep_m, gu, dn, hid, idx, num_experts, gate):
     plain W4A4). The block-level rel above compares outputs after the gate and the re-quantization
     of ``h``: a difference of ``2^-11`` in ``h`` can flip an e2m1 code (one step: up to 1/3 of its
     block's max) or a block scale, which no GEMM bound covers; this check is the bound that holds."""
-    from quads.ops.experts import Routing
+    from quads.ops.experts_op import Routing
 
     route = Routing(idx, num_experts)
     offs = route.offsets.tolist()

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from benchmarks.ops.fp8_peer import fp8_linear, fp8_quantize_rows, fp8_weight  # noqa: E402
 from benchmarks.timing import RESULTS_CSV, append_results, graph_time  # noqa: E402
 
-from quads.kernels.hopper_weight_layout import to_hopper_layout, to_hopper_layout_reference  # noqa: E402
+from quads.kernels.hopper.weight_layout import to_hopper_layout, to_hopper_layout_reference  # noqa: E402
 from quads.kernels.quantize_activations import quantize_rows  # noqa: E402
-from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
+from quads.kernels.hopper.w4a4_decode import DecodeConfig, decode_gemm  # noqa: E402
 from quads.ops import ActivationQuant, get_backend, rollout_experts  # noqa: E402
 from quads.ops.activation_quant import activation_operands_triton  # noqa: E402
 from quads.ops.weight_quant import quantize_weight_triton  # noqa: E402
@@ -68,7 +68,7 @@ def row(section, name, us, floor_bytes=None, peers=None, **extra):
 def fast_backend():
     """The ``kernel="fast"`` backend (humming, docs/humming.md), or None with the reason printed:
     its rows are then absent (humming not installed, or not sm_90)."""
-    from quads.ops.humming_library import HUMMING_REQUIREMENT, check_humming_device, import_humming
+    from quads.ops.backends.humming.library import HUMMING_REQUIREMENT, check_humming_device, import_humming
 
     try:
         import_humming()

@@ -123,7 +123,7 @@ import quads
 from quads.ops import use_backend
 from quads.ops.weight_quant import fake_quantize_weight_reference, fake_quantize_weight_triton
 from quads.policies.modules import TrainerExperts, TrainerLinear, apply_gate
-from quads.ops.experts import experts_loop
+from quads.ops.experts_op import experts_loop
 from quads.policies.ste import fake_quantize_activation, fake_quantize_weight
 from quads.tensor.files import write_atomically
 

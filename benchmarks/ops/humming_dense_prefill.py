@@ -22,7 +22,7 @@ def dense_weight_fp16(weight: NVFP4Parts) -> torch.Tensor:
     """(N, K) fp16 ``e2m1 * f32(s) * 2^-14`` of a 2-D NVFP4 weight (exact: the values the exact
     path's GEMMs multiply; one Triton kernel). Per call (prefill) or held per sync (3.6x the
     packed NVFP4 bytes: over the rollout-memory target, measured as an upper bound)."""
-    from quads.kernels.w4a4_gemm_hopper import dequant_weight_fp16
+    from quads.kernels.hopper.w4a4_gemm import dequant_weight_fp16
 
     return dequant_weight_fp16(weight.qdata, weight.scale)
 
@@ -37,7 +37,7 @@ def dense_w4a4(x2d: torch.Tensor, weight: NVFP4Parts, bias, act, static_mask=Non
 
     Error vs the exact path: ``stacked`` = fp32 summation order only (every product exact);
     ``summed`` = + one fp16 rounding per operand element, ``|Δy| <= 2^-11 (|x̂+r̂| @ |W|ᵀ)``."""
-    from quads.kernels.humming_operands import unscale_rows
+    from quads.kernels.humming.operands import unscale_rows
 
     if layout not in DENSE_LAYOUTS:
         raise ValueError(f"layout must be one of {DENSE_LAYOUTS}, got {layout!r}")
@@ -48,7 +48,7 @@ def dense_w4a4(x2d: torch.Tensor, weight: NVFP4Parts, bias, act, static_mask=Non
     w16 = dense_weight_fp16(weight) if w16 is None else w16
     stacked = layout == "stacked" and act.has_residual
     if operands is not None:  # computed once by a sibling group: stacked rows (main, then residual)
-        from quads.kernels.humming_operands import sum_stacked_rows
+        from quads.kernels.humming.operands import sum_stacked_rows
 
         scale = operands.main_scale
         if operands.residual is None:

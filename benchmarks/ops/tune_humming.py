@@ -1,5 +1,5 @@
 """Tune humming's GEMM configurations for quads' decode shapes on one GPU, and write the table quads
-ships (``quads/assets/humming_tuned/<device>.json``, read by :mod:`quads.ops.humming_tuning`).
+ships (``quads/assets/humming_tuned/<device>.json``, read by :mod:`quads.ops.backends.humming.tuning`).
 
 Run from the repository root (GPU: after ``source scripts/gpu_env.sh``)::
 
@@ -161,9 +161,9 @@ def interval_for(table: list, m: int) -> tuple[int, int, dict]:
 # -- the tuned table -------------------------------------------------------------------------------
 
 def table_from_results(results: dict, min_gain: float) -> dict:
-    """The table file (:mod:`quads.ops.humming_tuning` format) from this script's JSON: per (N, K,
+    """The table file (:mod:`quads.ops.backends.humming.tuning` format) from this script's JSON: per (N, K,
     dtype, mode) the winners' intervals (module doc)."""
-    from quads.ops.humming_tuning import HUMMING_REQUIREMENT, TABLE_FORMAT
+    from quads.ops.backends.humming.tuning import HUMMING_REQUIREMENT, TABLE_FORMAT
 
     groups: dict[tuple, list] = {}
     for r in results["rows"]:
@@ -197,7 +197,7 @@ def table_from_results(results: dict, min_gain: float) -> dict:
 
 
 def write_table(results: dict, path: str, min_gain: float) -> dict:
-    from quads.ops.humming_tuning import validate_table
+    from quads.ops.backends.humming.tuning import validate_table
     from quads.tensor.files import write_atomically
 
     table = table_from_results(results, min_gain)
@@ -247,7 +247,7 @@ def stand_in_layer_config(n: int, k: int, dtype: torch.dtype):
     """humming's layer config of an (N, K) NVFP4 weight, built on CPU (zero parts)."""
     from humming.layer import HummingLayer
 
-    from quads.ops.humming_library import modelopt_tensors
+    from quads.ops.backends.humming.library import modelopt_tensors
 
     layer = HummingLayer(shape_n=n, shape_k=k, torch_dtype=dtype, num_experts=None,
                          weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"})
@@ -350,7 +350,7 @@ def _precompile(layer, cfgs: list[dict], dev) -> str | None:
 
 def run_group(n, k, dname, ms, args, dev, l2, cublas_cache, out_rows, t0):
     from benchmarks.timing import graph_time
-    from quads.ops.humming_library import HummingNVFP4
+    from quads.ops.backends.humming.library import HummingNVFP4
     from quads.tensor.nvfp4_math import nvfp4_quantize
 
     dtype = DTYPES[dname]
@@ -435,7 +435,7 @@ def _print_group(r):
 
 def gpu_run(args):
     from benchmarks.timing import _commit, _device_name
-    from quads.ops.humming_library import HUMMING_REQUIREMENT, check_humming_device, import_humming
+    from quads.ops.backends.humming.library import HUMMING_REQUIREMENT, check_humming_device, import_humming
     from quads.tensor.files import write_atomically
 
     os.environ["QUADS_HUMMING_TUNED"] = "0"  # the baseline is humming's heuristic, whatever table ships

@@ -71,7 +71,7 @@ def fast_unavailable() -> str | None:
     """Why ``kernel="fast"`` variants cannot run here (None: they can)."""
     if DEVICE != "cuda":
         return None  # the preference falls back to the torch reference off sm_90 (the --tiny smoke test)
-    from quads.ops.humming_library import HUMMING_REQUIREMENT, import_humming
+    from quads.ops.backends.humming.library import HUMMING_REQUIREMENT, import_humming
 
     try:
         import_humming()

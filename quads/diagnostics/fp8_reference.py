@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quads.ops.experts import experts_loop
+from quads.ops.experts_op import experts_loop
 from quads.ops.weight_cache import cached_derived
 from quads.policies.modules import apply_gate
 from quads.policies.policy import QuadsPolicy

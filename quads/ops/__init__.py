@@ -1,21 +1,21 @@
 """Rollout-side ops: weight and activation quantization, the W4A4/W4A16 linear, sibling linears,
 MoE experts. Imports only ``tensor`` and ``kernels``.
 
-One op per file, each with its torch reference, its kernel glue, its ``torch.library`` custom op
-(with a fake implementation, for ``torch.compile``) and its front function:
-:mod:`.weight_quant` (``quantize_weight``), :mod:`.activation_quant` (``quantize_activation``),
-:mod:`.linear` (the linear kernels, ``rollout_linear``), :mod:`.sibling_linear` (``SiblingSet``:
-one quantization and one stacked GEMM for q/k/v, gate/up), :mod:`.grouped_linear` and
-:mod:`.experts` (the experts kernels, ``rollout_experts``). :mod:`.backend_registry` is the backend
-interface, the kernel base, the registry and the choice; :mod:`.builtin_backends` binds the
-built-in backends to those files.
+One op per file, each with its torch reference, its ``torch.library`` custom op (with a fake
+implementation, for ``torch.compile``) and its front function: :mod:`.weight_quant`
+(``quantize_weight``), :mod:`.activation_quant` (``quantize_activation``), :mod:`.linear_op`
+(``rollout_linear``), :mod:`.grouped_linear_op`, :mod:`.experts_op` (routing, the experts kernels'
+base, ``rollout_experts``), :mod:`.sibling_linear` (``SiblingSet``: one quantization and one stacked
+GEMM for q/k/v, gate/up). :mod:`.backend_registry` is the backend interface, the kernel base, the
+registry and the choice; :mod:`.backends` holds each backend's kernel classes, one module per
+backend (reference, hopper, blackwell, humming).
 """
 
 from quads.ops.activation_quant import ActivationQuant, QuantizedActivation, dequantize_activation, quantize_activation
 from quads.ops.backend_registry import Backend, get_backend, register_backend, select_backend, use_backend
-from quads.ops.builtin_backends import BlackwellBackend, HopperBackend, TorchBackend  # registers the three
-from quads.ops.experts import rollout_experts
-from quads.ops.linear import rollout_linear, w4a4_matmul_reference
+from quads.ops.backends import BlackwellBackend, HopperBackend, TorchBackend  # registers the three
+from quads.ops.experts_op import rollout_experts
+from quads.ops.linear_op import rollout_linear, w4a4_matmul_reference
 from quads.ops.sibling_linear import SiblingSet
 from quads.ops.weight_quant import quantize_weight
 

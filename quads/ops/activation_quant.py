@@ -5,7 +5,7 @@ mask ``S`` (per token: the channels whose |r| is among the top ``k`` of that row
 k = 100%; static: a calibrated per-layer channel set); ``r_hat = DQ(Q(r * 1_S))`` with the *same*
 global scale as ``x`` (its E4M3 block scales absorb the residual's ~10x smaller range; measured:
 the same error as a global scale of its own, docs/design.md); the GEMM then uses
-``x_hat + r_hat`` (two W4A4 products with one epilogue scale, see :mod:`quads.ops.linear`).
+``x_hat + r_hat`` (two W4A4 products with one epilogue scale, see :mod:`quads.ops.linear_op`).
 
 Global activation scales are per row (per token) by default, so a token's quantization, and
 hence its log-probs, never depend on which other tokens share the batch (batch invariance;

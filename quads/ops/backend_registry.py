@@ -6,11 +6,11 @@ one :class:`LinearArgs`), the stacked linear of sibling projections. ``quantize_
 method's ``process_weights_after_loading``) picks one with :func:`select_backend` for the device
 and shapes of the module's weights and stores it (``quads_backend``); moving a module picks again.
 
-Built in (:mod:`quads.ops.builtin_backends`, registered when :mod:`quads.ops` is imported):
-``torch`` (the references: any device, the spec), ``hopper`` (the exact-emulation Triton kernels:
-sm_90; any device under ``TRITON_INTERPRET=1``), ``blackwell`` (native FP4 on sm_100+, NOT RUN:
-selectable, never ``auto``), and ``humming`` (:mod:`quads.ops.humming_backend`, vLLM's humming
-GEMMs on sm_90, the fast non-exact path; registered on first use).
+Built in (:mod:`quads.ops.backends`, one module each, registered when :mod:`quads.ops` is
+imported): ``torch`` (the references: any device, the spec), ``hopper`` (the exact-emulation Triton
+kernels: sm_90; any device under ``TRITON_INTERPRET=1``), ``blackwell`` (native FP4 on sm_100+, NOT
+RUN: selectable, never ``auto``), and ``humming`` (:mod:`quads.ops.backends.humming.backend`, vLLM's
+humming GEMMs on sm_90, the fast non-exact path; registered on first use).
 
 ``auto`` (default) = ``hopper`` on CUDA sm_90 with Triton, ``torch`` anywhere else; with the
 kernel preference ``"fast"`` (``QuadsPolicy.kernel``) ``humming`` where it would pick ``hopper``,
@@ -19,7 +19,7 @@ that module gets the exact kernels. Force a backend with ``QUADS_BACKEND=<name>|
 ``with quads.use_backend(name):`` (a forced kernel backend on a device that cannot run it raises).
 
 Adding a backend: subclass :class:`Backend` (or an existing one), give it a ``name``, its kernel
-classes and entries with the references' bits (or a documented bound), :func:`register_backend`
+classes (``linear_kernel_class``, ``experts_kernel_class``, ``sibling_kernel_class``) and entries with the references' bits (or a documented bound), :func:`register_backend`
 an instance; add its device rule to :func:`select_backend` only once it is measured.
 """
 
@@ -154,7 +154,7 @@ class LinearKernel(KernelObject):
 #: the fast path (humming: within a stated bound of the exact path, see docs/humming.md)
 KERNEL_PREFERENCES = ("exact", "fast")
 #: backends registered on first use (their modules import this one)
-_LAZY = {"humming": "quads.ops.humming_backend"}
+_LAZY = {"humming": "quads.ops.backends.humming.backend"}
 
 
 class Backend:
@@ -184,7 +184,7 @@ class Backend:
     * ``experts_kernel(gate_up, down)`` -> the experts module's kernel (``experts_kernel_class``);
       ``grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared)``: one
       projection over rows routed already (the ``quads::grouped_linear`` op's body; the built-in
-      backends run it through a one-projection experts kernel, :func:`quads.ops.experts.grouped_linear`).
+      backends run it through a one-projection experts kernel, :func:`quads.ops.experts_op.grouped_linear`).
 
     Trainer side: ``group_scale(masters, block_scaling="6")``, a sibling group's shared global
     scale in the form this backend's weight fake quantizer (:func:`~quads.policies.ste.fake_quantizer`)
@@ -237,8 +237,8 @@ class Backend:
         """The kernel that serves one weight (chosen once, when the weight is set)."""
         return self.linear_kernel_class(self, args)
 
-    #: the class of this backend's experts kernels: :class:`quads.ops.experts.ExpertsKernel` (set by
-    #: :mod:`quads.ops.builtin_backends`: it runs the backend's ``grouped_linear``) or a subclass
+    #: the class of this backend's experts kernels: :class:`quads.ops.experts_op.ExpertsKernel` (it
+    #: runs the backend's ``grouped_linear``) or a subclass; None: the backend has none
     experts_kernel_class: type | None = None
 
     def experts_kernel(self, gate_up: LinearArgs, down: LinearArgs | None = None):
@@ -256,7 +256,7 @@ class Backend:
         return None
 
     #: the class of this backend's sibling-set kernels: :class:`quads.ops.sibling_linear.SiblingKernel`
-    #: (set by :mod:`quads.ops.builtin_backends`: the operands once) or a subclass with a stacked GEMM
+    #: (the operands once) or a subclass with a stacked GEMM; None: the backend serves no sibling set
     sibling_kernel_class: type | None = None
 
     def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
@@ -387,13 +387,13 @@ def _select(device: torch.device | str, kernel: str) -> Backend:
     if requested == "auto":
         name = _kernel_backend_for(device) or "torch"
         if name == "hopper" and kernel == "fast":
-            from quads.ops.humming_library import import_humming
+            from quads.ops.backends.humming.library import import_humming
 
             import_humming()  # missing: the error names the pip requirement
             name = "humming"
         return get_backend(name)
     if requested == "humming" and not _interpreting():
-        from quads.ops.humming_library import check_humming_device, import_humming
+        from quads.ops.backends.humming.library import check_humming_device, import_humming
 
         check_humming_device(device)
         import_humming()

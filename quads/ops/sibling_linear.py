@@ -29,10 +29,10 @@ from typing import Sequence
 
 import torch
 
-from quads.ops.activation_quant import ActivationQuant, as_operands, operand_row_args
+from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend
 
-__all__ = ["SiblingSet", "SiblingKernel", "HopperSiblingKernel", "enabled_groups", "stack_prepared_hopper"]
+__all__ = ["SiblingSet", "SiblingKernel", "enabled_groups"]
 
 
 def _input_key(x: torch.Tensor) -> tuple | None:
@@ -120,6 +120,8 @@ class SiblingSet:
         sources = (self.backend, self.act, self.stacked, self.row_scales)
         held = self._kernel
         if held is None or any(a is not b for a, b in zip(held[0], sources)):
+            if self.backend.sibling_kernel_class is None:
+                raise TypeError(f"backend {self.backend.name!r} names no sibling_kernel_class: it serves no sibling set")
             held = self._kernel = (sources, self.backend.sibling_kernel_class(self))
         return held[1]
 
@@ -208,32 +210,6 @@ class SiblingKernel:
         return self.siblings.keep(i, key, x, None, operands)
 
 
-class HopperSiblingKernel(SiblingKernel):
-    """The Hopper backend's: the fused quantization's operands (or W4A16's fp16 rows) once, then
-    one decode GEMM over the stacked layout with the per-row global scales where the set has one,
-    no output has a bias and the tokens (with their residual rows) fit one decode launch."""
-
-    def apply(self, x, i=None, bias=None):
-        hit, key, biased = self.siblings.begin(i, x, bias)
-        if hit is not None:
-            return hit
-        from quads.kernels.fp16_operand import scaled_fp16_rows
-        from quads.kernels.quantize_activations import quantize_rows
-        from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
-
-        x2 = x.reshape(-1, x.shape[-1])
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        m = x2.shape[0]
-        if self.act is None:
-            return self.siblings.keep(i, key, x, None, scaled_fp16_rows(x2))
-        ops = as_operands(quantize_rows(x2, **operand_row_args(x2, self.act)), m)
-        y = None
-        if self.stacked is not None and not biased and 2 * m <= max_decode_columns():
-            y = decode_gemm(ops.stacked, ops.main_scale, self.stacked, self.row_scales, m, ops.residual is not None,
-                            None, x.dtype)
-        return self.siblings.keep(i, key, x, y, ops)
-
-
 @contextlib.contextmanager
 def enabled_groups(sets: Sequence[SiblingSet]):
     """Dormant sets serve their members inside the block; on exit they are dormant again and
@@ -249,26 +225,3 @@ def enabled_groups(sets: Sequence[SiblingSet]):
             g.drop_pending()
 
 
-def stack_prepared_hopper(prepared: Sequence, shared_scale: bool = False):
-    """The Hopper layouts of sibling weights (each N a multiple of 64, one K, one device) as one
-    layout stacked along N, and each member's view of it; None when they do not qualify."""
-    from quads.kernels.hopper_weight_layout import ROW_PAD, HopperWeight
-
-    if not all(isinstance(p, HopperWeight) and p.values.dim() == 4 for p in prepared):
-        return None
-    first = prepared[0]
-    if any(p.n % ROW_PAD or p.k != first.k or p.values.device != first.values.device for p in prepared):
-        return None
-    n = sum(p.n for p in prepared)
-    stacked = HopperWeight(
-        torch.empty((n // 16, *first.values.shape[1:]), dtype=torch.uint8, device=first.values.device),
-        torch.empty((n // 16, *first.scales.shape[1:]), dtype=torch.uint8, device=first.scales.device), n, first.k)
-    views, lo = [], 0
-    for p in prepared:
-        hi = lo + p.n // 16
-        view = HopperWeight(stacked.values[lo:hi], stacked.scales[lo:hi], p.n, p.k)
-        view.values.copy_(p.values)
-        view.scales.copy_(p.scales)
-        views.append(view)
-        lo = hi
-    return stacked, views

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel, gemm_shape, select_backend
-from quads.ops.experts import act_and_mul, experts_loop
+from quads.ops.experts_op import act_and_mul, experts_loop
 from quads.policies.policy import QuadsPolicy
 from quads.policies.ste import fake_quant_linear, fake_quantize_activation, fake_quantize_weight
 from quads.policies.trainer_experts import grouped_experts_forward, grouped_mm_available
@@ -301,7 +301,7 @@ def apply_gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
 
 def gate_of(module: nn.Module):
     """The callable a fused experts module's gate is: its ``_apply_gate`` (the model's own code),
-    else ``act(gate) * up`` (:func:`~quads.ops.experts.act_and_mul` over its ``act_fn``)."""
+    else ``act(gate) * up`` (:func:`~quads.ops.experts_op.act_and_mul` over its ``act_fn``)."""
     gate_fn = getattr(module, "_apply_gate", None)
     if gate_fn is not None:
         return gate_fn

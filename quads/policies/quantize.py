@@ -313,8 +313,8 @@ def quantize_(model: nn.Module, policy: QuadsPolicy, filter_fn: FilterFn | None 
 def exact_kernel_layers(targets: list[ConversionTarget]) -> list[tuple[str, tuple[int, int]]]:
     """``(name, (N, K))`` of every target that ``kernel="fast"`` runs on the exact kernels
     because the fast backend cannot serve that weight's shape (on any device: the rule is the
-    fast backend's own, :func:`~quads.ops.humming_backend.humming_shape_problem`)."""
-    from quads.ops.humming_backend import humming_shape_problem
+    fast backend's own, :func:`~quads.ops.backends.humming.backend.humming_shape_problem`)."""
+    from quads.ops.backends.humming.backend import humming_shape_problem
 
     out = []
     for t in targets:
@@ -326,7 +326,7 @@ def exact_kernel_layers(targets: list[ConversionTarget]) -> list[tuple[str, tupl
 def warn_exact_kernel_layers(targets: list[ConversionTarget]) -> None:
     """One warning line for the whole model: how many layers keep the exact kernels, and why; or,
     where no layer runs humming (a CPU, a GPU without it), that the preference has no effect."""
-    from quads.ops.humming_backend import HUMMING_K_BLOCK
+    from quads.ops.backends.humming.backend import HUMMING_K_BLOCK
 
     kept = exact_kernel_layers(targets)
     backends = sorted({getattr(getattr(t.module, "quads_backend", None), "name", "?") for t in targets})

@@ -5,7 +5,7 @@ the (token, choice) rows sorted by expert, one grouped GEMM for ``gate_up``, the
 ``down``. The quads trainer does the same on the fake-quantized 3-D weights, so a QAT step costs
 what a BF16 step costs instead of a Python loop over experts:
 
-* the rows are grouped by :class:`~quads.ops.experts.Routing` (the order the rollout uses);
+* the rows are grouped by :class:`~quads.ops.experts_op.Routing` (the order the rollout uses);
 * each grouped GEMM is :class:`_FakeQuantGroupedMM`: forward ``x @ DQ(Q(W_e))^T`` per group;
   backward recomputes ``DQ(Q(W))`` from the master (with the saved global scales: no amax pass)
   instead of keeping the (E, N, K) forward weight alive between forward and backward, and
@@ -15,7 +15,7 @@ what a BF16 step costs instead of a Python loop over experts:
   backward instead of recomputing it: one fused pass less per micro-step, a forward-weight copy
   of every expert alive from forward to backward (what the BF16 peer with BF16 expert casts
   keeps too);
-* the combine is :func:`~quads.ops.experts.experts_loop`'s (flat row order, weighted sum over
+* the combine is :func:`~quads.ops.experts_op.experts_loop`'s (flat row order, weighted sum over
   the k choices), so per row this computes what the per-expert loop computes (tested).
 
 Dtypes follow F.linear under autocast (the loop's semantics): a float32 master under autocast
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from quads.ops.backend_registry import Backend
-from quads.ops.experts import Routing
+from quads.ops.experts_op import Routing
 from quads.policies.ste import fake_quantize_activation, fake_quantizer, forward_weight_dtype
 
 __all__ = ["grouped_mm_available", "grouped_experts_forward"]

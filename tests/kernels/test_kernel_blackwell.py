@@ -7,7 +7,7 @@ import torch
 
 
 from quads.kernels.blackwell import fp4_unscaled_mm, is_blackwell, to_blocked
-from quads.ops.linear import unscaled_values
+from quads.ops.linear_op import unscaled_values
 from quads.tensor.nvfp4_math import nvfp4_quantize
 
 

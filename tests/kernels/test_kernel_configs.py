@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from quads.kernels import moe_grouped_gemm, w4a4_decode_hopper, w4a4_gemm_hopper  # noqa: E402
+from quads.kernels.hopper import moe_grouped_gemm, w4a4_decode, w4a4_gemm  # noqa: E402
 
 
 def _both(monkeypatch, module, pick, *args):
@@ -23,14 +23,14 @@ def _both(monkeypatch, module, pick, *args):
 
 @pytest.mark.parametrize("m,residual", [(65, True), (300, False), (4096, True)])
 def test_prefill_interpreter_config_is_the_gpu_config(monkeypatch, m, residual):
-    gpu, cpu = _both(monkeypatch, w4a4_gemm_hopper, "pick_config", m, 4096, 4096, residual)
+    gpu, cpu = _both(monkeypatch, w4a4_gemm, "pick_config", m, 4096, 4096, residual)
     assert (cpu.loads, cpu.group) == (gpu.loads, gpu.group) == ("tma", 8)
     assert cpu.bk == gpu.bk and cpu.bn <= gpu.bn and cpu.bm <= gpu.bm
 
 
 @pytest.mark.parametrize("columns,n", [(2, 4096), (16, 4096), (24, 4096), (40, 16384), (64, 4096), (128, 4096)])
 def test_decode_interpreter_config_is_the_gpu_config(monkeypatch, columns, n):
-    gpu, cpu = _both(monkeypatch, w4a4_decode_hopper, "pick_decode_config", columns, n, 4096)
+    gpu, cpu = _both(monkeypatch, w4a4_decode, "pick_decode_config", columns, n, 4096)
     same = ("bn", "kbi", "num_warps", "num_stages", "prefetch", "reduce_kernel")
     assert {a: getattr(cpu, a) for a in same} == {a: getattr(gpu, a) for a in same}
     assert gpu.use_asm and not cpu.use_asm  # the portable decode: same bits (tests/kernels/test_kernel_layout)

@@ -228,7 +228,7 @@ def test_activation_policy_field_reaches_the_rollout_linear():
     with torch.no_grad():
         y = layer(x)
     from quads.ops.activation_quant import ActivationQuant
-    from quads.ops.linear import linear_reference
+    from quads.ops.linear_op import linear_reference
 
     parts = layer.weight.parts
     assert torch.equal(y, linear_reference(x, parts, layer.bias, ActivationQuant(block_scaling=FOS)))

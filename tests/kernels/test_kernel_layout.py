@@ -11,9 +11,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 import triton.language as tl  # noqa: E402
 
-from quads.kernels.hopper_weight_layout import to_hopper_layout_triton  # noqa: E402
-from quads.kernels.hopper_weight_decode import load_weight_tile  # noqa: E402
-from quads.kernels.hopper_weight_layout import (  # noqa: E402
+from quads.kernels.hopper.weight_layout import to_hopper_layout_triton  # noqa: E402
+from quads.kernels.hopper.weight_decode import load_weight_tile  # noqa: E402
+from quads.kernels.hopper.weight_layout import (  # noqa: E402
     HopperWeight,
     from_hopper_layout,
     to_hopper_layout,

@@ -11,10 +11,10 @@ triton = pytest.importorskip("triton")
 # the interpreter evaluates 1/0 -> inf on purpose (E4M3 zero scales): numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-from quads.kernels.hopper_weight_layout import HopperWeight, to_hopper_layout  # noqa: E402
-from quads.kernels.moe_grouped_gemm import MoeConfig, moe_w4a4_gemm  # noqa: E402
-from quads.kernels.w4a4_decode_hopper import decode_gemm  # noqa: E402
-from quads.kernels.w4a4_gemm_hopper import w4a4_gemm  # noqa: E402
+from quads.kernels.hopper.weight_layout import HopperWeight, to_hopper_layout  # noqa: E402
+from quads.kernels.hopper.moe_grouped_gemm import MoeConfig, moe_w4a4_gemm  # noqa: E402
+from quads.kernels.hopper.w4a4_decode import decode_gemm  # noqa: E402
+from quads.kernels.hopper.w4a4_gemm import w4a4_gemm  # noqa: E402
 from quads.ops import ActivationQuant, get_backend, rollout_experts, use_backend  # noqa: E402
 from quads.ops.activation_quant import activation_operands_triton  # noqa: E402
 from quads.tensor import NVFP4Tensor  # noqa: E402
@@ -101,7 +101,7 @@ def test_entry_point_no_tokens_for_most_experts():
 def test_weight_only_grouped_rows_equal_dense_w4a16_bits():
     """W4A16 experts (act=None) run on the grouped kernel (no host loop: graph-capturable), each
     row with the bits of the dense W4A16 Hopper path on its expert, close to the bf16 reference."""
-    from quads.ops.linear import w4a16_linear_hopper
+    from quads.ops.backends.hopper import w4a16_linear_hopper
 
     gu, _, hid, idx, _ = _experts(seed=3, dtype=torch.float32)
     hid = hid.bfloat16().float()  # bf16 values (what a rollout feeds): exact as fp16 row operands
@@ -165,8 +165,9 @@ def test_biased_experts_rows_have_the_dense_linear_bits(act, tokens):
     ``"tensor"`` activation scales (each expert's rows one tensor): each row has the bits of the
     dense Hopper linear on its expert (the decode GEMM for few rows, the prefill GEMM for many);
     W4A16 with biases the reference's ``F.linear``."""
-    from quads.ops.experts import Routing
-    from quads.ops.linear import linear_hopper, w4a16_linear
+    from quads.ops.experts_op import Routing
+    from quads.ops.backends.hopper import linear_hopper
+    from quads.ops.linear_op import w4a16_linear
     from quads.tensor.nvfp4_math import NVFP4Parts
 
     gu, _, hid, idx, _ = _experts(seed=4)

@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("triton")
 
 from quads.kernels import moe_routing as mr  # noqa: E402
-from quads.ops import experts as ex  # noqa: E402
-from quads.ops.experts import Routing  # noqa: E402
+from quads.ops import experts_op as ex  # noqa: E402
+from quads.ops.experts_op import Routing  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FIELDS = ("order", "counts", "offsets", "token_of_row")

@@ -18,9 +18,9 @@ triton = pytest.importorskip("triton")
 # the interpreter evaluates 1/0 -> inf on purpose (E4M3 zero scales): numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-from quads.kernels.hopper_weight_layout import to_hopper_layout  # noqa: E402
-from quads.kernels.w4a4_decode_hopper import DecodeConfig, decode_gemm  # noqa: E402
-from quads.kernels.w4a4_gemm_hopper import GemmConfig, w4a4_gemm  # noqa: E402
+from quads.kernels.hopper.weight_layout import to_hopper_layout  # noqa: E402
+from quads.kernels.hopper.w4a4_decode import DecodeConfig, decode_gemm  # noqa: E402
+from quads.kernels.hopper.w4a4_gemm import GemmConfig, w4a4_gemm  # noqa: E402
 from lab.cublas_prefill import cublas_prefill  # noqa: E402  (archived: no library caller)
 from quads.ops import ActivationQuant, get_backend, rollout_linear, use_backend, w4a4_matmul_reference  # noqa: E402
 from quads.ops.activation_quant import (  # noqa: E402

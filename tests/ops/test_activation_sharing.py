@@ -11,12 +11,12 @@ import torch
 
 import quads
 import quads.kernels.quantize_activations as quantize_activations
-import quads.kernels.fp16_operand as fp16_operand
-import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper
+import quads.kernels.hopper.fp16_operand as fp16_operand
+import quads.kernels.hopper.w4a4_decode as w4a4_decode
 from quads.engine import GraphedDecoder, SamplingSpec
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel
-from quads.ops.sibling_linear import SiblingSet, enabled_groups
+from quads.ops.sibling_linear import SiblingKernel, SiblingSet, enabled_groups
 from quads.policies.fused_projections import share_quantization
 from quads.tensor.nvfp4_math import NVFP4Parts
 from tests.tiny_models import build
@@ -64,7 +64,7 @@ def test_siblings_quantize_once_and_outputs_are_bit_identical(kind, gemm, launch
     """Both GEMMs read the shared operands: ``prefill`` routes every call to the many-token GEMM
     (its threshold set to 0: the interpreter would take minutes for > 64 real tokens)."""
     if gemm == "prefill":
-        monkeypatch.setattr(w4a4_decode_hopper, "max_decode_columns", lambda: 0)
+        monkeypatch.setattr(w4a4_decode, "max_decode_columns", lambda: 0)
     model = _rollout(kind)
     ids = torch.randint(0, 96, (2, 3), generator=torch.Generator().manual_seed(0))
     plain, n_plain = _forward(model, ids, launches, share=False)
@@ -138,6 +138,7 @@ class _Counting(Backend):
     """Counts activation quantizations; each member's output is a fresh tensor (N_i columns)."""
 
     name = "counting"
+    sibling_kernel_class = SiblingKernel
 
     def __init__(self):
         self.calls = 0

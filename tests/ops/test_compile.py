@@ -131,8 +131,8 @@ def test_cache_hash_is_metadata_only_and_stable_across_processes():
 def kernel_ops(request, monkeypatch):
     """Both compiled paths: the kernel object as the op's argument (torch's opaque objects) and,
     for a torch without them, the kernel's plain fields (``quads::linear`` / ``quads::grouped_linear``)."""
-    import quads.ops.experts as experts_module
-    import quads.ops.linear as linear_module
+    import quads.ops.experts_op as experts_module
+    import quads.ops.linear_op as linear_module
 
     if request.param and not linear_module.KERNEL_OPS:
         pytest.skip("this torch has no opaque custom-op objects")

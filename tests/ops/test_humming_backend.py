@@ -16,15 +16,15 @@ import pytest
 import torch
 
 import quads
-from quads.ops import humming_library as hg
-from quads.kernels.humming_layout import repack_reference, scale_layout, scale_unlayout, unrepack_reference
-from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
+from quads.ops.backends.humming import library as hg
+from quads.kernels.humming.layout import repack_reference, scale_layout, scale_unlayout, unrepack_reference
+from quads.kernels.humming.operands import sum_stacked_rows, unscale_rows
 from quads.ops import backend_registry as backend_mod
-from quads.ops import humming_backend as hb
+from quads.ops.backends.humming import backend as hb
 from quads.ops.activation_quant import (ActivationQuant, activation_operands_triton, quantize_activation_reference,
                                        summed_operand_triton)
-from quads.ops.linear import unscaled_values as _unscaled
-from quads.ops.linear import unscaled_values, w4a4_linear_reference, w4a16_linear
+from quads.ops.linear_op import unscaled_values as _unscaled
+from quads.ops.linear_op import unscaled_values, w4a4_linear_reference, w4a16_linear
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize, nvfp4_quantize
 
 # the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
@@ -315,7 +315,7 @@ def test_weights_humming_cannot_hold_go_to_the_hopper_layout(fake_humming, monke
 @pytest.mark.parametrize("act", [None, ActivationQuant(), ActivationQuant(residual_fraction=0.0)])
 def test_grouped_experts_through_humming_match_the_exact_path(fake_humming, act):
     from quads.ops import get_backend
-    from quads.ops.experts import Routing
+    from quads.ops.experts_op import Routing
 
     g = torch.Generator().manual_seed(3)
     w = nvfp4_quantize(torch.randn(4, 48, 64, generator=g) * torch.tensor([0.01, 0.1, 1.0, 5.0])[:, None, None],
@@ -346,7 +346,7 @@ def test_experts_projections_humming_does_not_serve_take_the_exact_kernel(fake_h
     on the parts derived from the humming layout (its bits, no humming call); the unbiased
     projection beside a biased one stays on humming."""
     from quads.ops import get_backend
-    from quads.ops.experts import Routing
+    from quads.ops.experts_op import Routing
 
     g = torch.Generator().manual_seed(6)
     w = nvfp4_quantize(torch.randn(4, 128, 64, generator=g) * 0.1, "expert")
@@ -609,9 +609,9 @@ def test_compiled_humming_experts_run_the_kernel_object(fake_humming, monkeypatc
     over the kernel object itself (its eager humming GEMM in the op's body: the eager bits); a
     torch without opaque custom-op objects (``quads::grouped_linear``, which takes the Hopper layout
     only) raises instead of reading the wrong layout."""
-    import quads.ops.experts as experts_mod
+    import quads.ops.experts_op as experts_mod
     from quads.ops.backend_registry import LinearArgs
-    from quads.ops.experts import Routing
+    from quads.ops.experts_op import Routing
 
     w = nvfp4_quantize(torch.randn(2, 128, 128, generator=torch.Generator().manual_seed(0)) * 0.05, "expert")
     be = hb.HummingBackend()

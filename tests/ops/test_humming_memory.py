@@ -3,7 +3,7 @@
 A rollout module on the humming backend holds only humming's layout: it is its ``NVFP4Tensor``'s
 storage (``to_layout_``), every reader of the packed parts (state dicts, saving, ``dequantize``,
 the exact-path fallbacks) derives them from it (the inverse repack of
-:mod:`quads.kernels.humming_layout`) and every writer (a sync, ``load_state_dict``) writes it in
+:mod:`quads.kernels.humming.layout`) and every writer (a sync, ``load_state_dict``) writes it in
 place (``write_parts_``). Tested with
 the stand-in for humming's GEMM (``fake_humming``: humming's real layout through the torch
 restatement of its repack), and at the real shapes with humming's own Python on CPU where it is
@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import quads
-from quads.ops import humming_backend as hb
+from quads.ops.backends.humming import backend as hb
 from quads.policies.modules import RolloutLinear, RolloutModule
 from quads.tensor import NVFP4Tensor
 from quads.tensor.nvfp4_math import nvfp4_quantize
@@ -158,7 +158,7 @@ def test_sync_writes_through_the_layout_bit_exact_and_in_place(fake_humming):
 def test_sync_never_derives_the_parts_from_the_layout(fake_humming, monkeypatch):
     """A sync writes the layout and snapshots the layout's own tensors for its rollback: deriving the
     packed parts (the inverse repack, several passes over every weight) is not part of it."""
-    from quads.ops import humming_library as hg
+    from quads.ops.backends.humming import library as hg
 
     trainer = _llama(seed=7)
     quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
@@ -285,7 +285,7 @@ def test_compiled_graph_calls_quads_linear_with_the_layout_tensors(fake_humming,
     its prepared tensors the weight's humming layout itself (graph inputs: written in place by
     syncs). W4A16 (``bf16``) reads the layer of the activation dtype, made with the kernel so that
     its tensors are there."""
-    import quads.ops.linear as linear_module
+    import quads.ops.linear_op as linear_module
 
     if kernel_ops and not linear_module.KERNEL_OPS:
         pytest.skip("this torch has no opaque custom-op objects")
@@ -317,9 +317,9 @@ def test_compiled_graph_calls_quads_linear_with_the_layout_tensors(fake_humming,
 def test_linear_op_makes_the_layout_back_from_its_arguments(fake_humming):
     """``quads::linear``'s body runs on the tensors it is given (copies here, the layout then
     rewritten): no registry, no handle, nothing looked up by identity."""
-    import quads.ops.linear as linear_module
+    import quads.ops.linear_op as linear_module
     from quads.ops.backend_registry import get_backend
-    from quads.ops.linear import linear_op_args
+    from quads.ops.linear_op import linear_op_args
 
     assert not hasattr(torch.ops.quads, "linear_held")
     assert not hasattr(linear_module, "register_held")

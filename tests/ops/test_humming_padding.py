@@ -17,14 +17,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import quads
-from quads.kernels.humming_layout import humming_padded_shape, humming_padding_cost, scale_unlayout, \
+from quads.kernels.humming.layout import humming_padded_shape, humming_padding_cost, scale_unlayout, \
     unrepack_reference
-from quads.kernels.humming_operands import unscale_rows
+from quads.kernels.humming.operands import unscale_rows
 from quads.ops import backend_registry as backend_mod
-from quads.ops import humming_backend as hb
-from quads.ops import humming_library as hg
+from quads.ops.backends.humming import backend as hb
+from quads.ops.backends.humming import library as hg
 from quads.ops.activation_quant import ActivationQuant, activation_operands_triton
-from quads.ops.linear import unscaled_values, w4a4_linear_reference, w4a16_linear
+from quads.ops.linear_op import unscaled_values, w4a4_linear_reference, w4a16_linear
 from quads.policies.fused_projections import fuse_projections_
 from quads.policies.modules import RolloutLinear
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_quantize
@@ -141,7 +141,7 @@ def test_grouped_experts_of_padded_widths(fake_humming, act):
     """Experts (3-D, grouped GEMM): N = 192 padded to 256 (gate_up-like) and K = 96 padded to 128
     (down: its K the intermediate width), within the bound of the exact path; a sync in place."""
     from quads.ops import get_backend
-    from quads.ops.experts import Routing
+    from quads.ops.experts_op import Routing
 
     g = torch.Generator().manual_seed(3)
     w = nvfp4_quantize(torch.randn(3, 192, 576, generator=g) * torch.tensor([0.01, 0.1, 1.0])[:, None, None], "expert")
@@ -223,7 +223,7 @@ def test_smollm2_widths_run_humming_whole_stacked_and_synced(fake_humming, monke
 def test_the_linear_op_runs_a_padded_layout_from_its_arguments(fake_humming, act):
     """``quads::linear`` (what compiled code calls) makes a padded layer back from its tensors
     (N = 192 and K = 80 padded) and gives the eager kernel's bits, contiguous (its fake's strides)."""
-    from quads.ops.linear import linear_op_args
+    from quads.ops.linear_op import linear_op_args
 
     w, be = _w(192, 80), backend_mod.get_backend("humming")
     prepared = be.prepare_weight(w)

@@ -1,12 +1,12 @@
 """The humming layout on CPU: the refresh of a weight sync, the layout restated in torch, packed parts on demand.
 
-* :mod:`quads.kernels.humming_layout` against a line-by-line Python transcription of humming's
+* :mod:`quads.kernels.humming.layout` against a line-by-line Python transcription of humming's
   ``weight_repack_nk`` kernel (``process.cuh``, 4-bit weight, 16-bit activations, interleave mode
   3), and its inverse.
 * With humming 0.1.19 importable (the ``humming`` extra; skipped otherwise) and a faked H200
   ``DeviceInfo``: humming's own Python (schema conversion, layer configuration, padding checks,
   block-scale transform) runs on CPU; only its CUDA repack kernel is replaced, by the reference
-  above. The in-place refresh (:func:`quads.ops.humming_library.transform_into_`: one repack
+  above. The in-place refresh (:func:`quads.ops.backends.humming.library.transform_into_`: one repack
   launch into the held tensor) gives bit for bit the tensors of the stage-1 refresh (a scratch
   ``HummingLayer`` built from the new parts, transformed, copied over), at the same addresses,
   and the packed parts derived from the layout are quads' parts. The GPU run
@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 
-from quads.kernels.humming_layout import (repack_reference, scale_layout, scale_permutation, scale_unlayout,
+from quads.kernels.humming.layout import (repack_reference, scale_layout, scale_permutation, scale_unlayout,
                                           unrepack_reference)
 from quads.tensor.nvfp4_math import nvfp4_quantize
 
@@ -109,7 +109,7 @@ def humming_on_cpu(monkeypatch):
     import humming.ops as hops
     from humming.config import LayerConfig
 
-    from quads.ops import humming_library as hg
+    from quads.ops.backends.humming import library as hg
 
     fake = types.SimpleNamespace(index=0, name="NVIDIA H200", is_ppu=False, sm_count=132, sm_major=9, sm_minor=0,
                                  sm_version=90, max_threads_per_block=1024, max_threads_per_sm=2048,
@@ -168,7 +168,7 @@ def _stage1_refresh(layer, qdata, scale, gs):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape,gran", [((64, 128), "tensor"), ((3, 128, 64), "expert")])
 def test_in_place_refresh_is_bit_exact_against_the_stage1_refresh(humming_on_cpu, dtype, shape, gran):
-    from quads.ops import humming_library as hg
+    from quads.ops.backends.humming import library as hg
 
     g = torch.Generator().manual_seed(1)
     w1 = nvfp4_quantize(torch.randn(*shape, generator=g) * 0.05, gran)
@@ -206,7 +206,7 @@ def test_scale_layout_restates_humming(humming_on_cpu):
 
 
 def test_refresh_checks_before_writing(humming_on_cpu):
-    from quads.ops import humming_library as hg
+    from quads.ops.backends.humming import library as hg
 
     w = nvfp4_quantize(torch.randn(64, 128) * 0.05)
     layer = hg.HummingNVFP4(*w, dtype=torch.float16)
@@ -222,7 +222,7 @@ def test_refresh_checks_before_writing(humming_on_cpu):
 def test_one_layout_for_both_activation_dtypes(humming_on_cpu):
     """fp16 (W4A4 operands) and bf16 (W4A16) layers of one weight hold one layout: ~1.0x the packed
     bytes besides the packed parts, not one per dtype (bytes measured on CPU)."""
-    from quads.ops.humming_backend import HummingWeight
+    from quads.ops.backends.humming.backend import HummingWeight
 
     g = torch.Generator().manual_seed(2)
     w1 = nvfp4_quantize(torch.randn(4, 128, 256, generator=g) * 0.05, "expert")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import quads
-from quads.kernels.humming_layout import repack_reference, scale_layout
-from quads.ops import humming_backend as hb
-from quads.ops.linear import w4a4_linear_reference
+from quads.kernels.humming.layout import repack_reference, scale_layout
+from quads.ops.backends.humming import backend as hb
+from quads.ops.linear_op import w4a4_linear_reference
 from quads.policies.fused_projections import fuse_projections_, unfuse_projections_
 from tests.ops.test_humming_backend import fake_humming  # noqa: F401  (fixture)
 from tests.ops.test_humming_memory import _fast_rollout, _input, _linears, _llama

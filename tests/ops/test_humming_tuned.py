@@ -1,4 +1,4 @@
-"""The tuned humming table (quads.ops.humming_tuning): its merge into humming's M-interval table,
+"""The tuned humming table (quads.ops.backends.humming.tuning): its merge into humming's M-interval table,
 the lookup by (device, N, K, dtype, mode, experts), file validation, and the layer configuration
 it gives (unchanged where no entry matches)."""
 
@@ -12,9 +12,9 @@ import types
 import pytest
 import torch
 
-from quads.ops import humming_backend as hb
-from quads.ops import humming_library as hg
-from quads.ops import humming_tuning as ht
+from quads.ops.backends.humming import backend as hb
+from quads.ops.backends.humming import library as hg
+from quads.ops.backends.humming import tuning as ht
 from tests.ops.test_humming_backend import _ORIG_CONFIGS, _weight, fake_humming  # noqa: F401  (fixture)
 
 DEVICE = "NVIDIA H200"
@@ -255,7 +255,7 @@ def test_the_gpu_run_s_bookkeeping_with_stand_ins(monkeypatch, tmp_path):
     rows make a valid table."""
     import benchmarks.timing
     from benchmarks.ops import tune_humming as th
-    from quads.ops import humming_library
+    from quads.ops.backends.humming import library as humming_library
 
     heur = th.STORED_HEURISTIC_M64
     cands = th.derive_candidates(heur)[:4]  # stream_k off, block_m/2, ctas 1, k_warps*2

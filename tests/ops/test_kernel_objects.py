@@ -8,8 +8,8 @@ import torch.nn as nn
 
 import quads
 from quads.ops.backend_registry import Backend, LinearKernel, get_backend
-from quads.ops.builtin_backends import HopperBackend
-from quads.ops.experts import ExpertsKernel
+from quads.ops.backends import HopperBackend
+from quads.ops.experts_op import ExpertsKernel
 
 
 def _rollout(backend: str, **policy) -> nn.Module:
@@ -95,18 +95,36 @@ def test_a_backend_defining_linear_must_name_its_kernel_class():
     assert WithKernel.linear_kernel_class is LinearKernel
 
 
-def test_a_backend_with_only_grouped_linear_gets_the_generic_experts_kernel():
+def test_a_backend_with_only_grouped_linear_runs_the_generic_experts_kernel():
     calls = []
 
     class GroupedOnly(Backend):
         name = "grouped-only"
+        experts_kernel_class = ExpertsKernel
 
         def grouped_linear(self, x, rows, offsets, weight, bias, act, static_mask, num_rows, prepared=None):
             calls.append(num_rows)
             return get_backend("torch").grouped_linear(x, rows, offsets, weight, bias, act, static_mask, num_rows)
 
-    assert GroupedOnly.experts_kernel_class is ExpertsKernel
     from quads.ops.backend_registry import LinearArgs
 
     kernel = GroupedOnly().experts_kernel(LinearArgs(None), LinearArgs(None))
     assert type(kernel) is ExpertsKernel
+
+
+def test_each_backend_names_its_own_kernel_classes():
+    """The base names none (no default set on it from elsewhere); a backend without a sibling
+    kernel class serves no sibling set (a one-line error when one is made)."""
+    from quads.ops.activation_quant import ActivationQuant
+    from quads.ops.sibling_linear import SiblingSet
+
+    assert Backend.experts_kernel_class is None and Backend.sibling_kernel_class is None
+    for name in ("torch", "hopper", "blackwell"):
+        backend = get_backend(name)
+        assert backend.experts_kernel_class is not None and backend.sibling_kernel_class is not None, name
+
+    class NoSiblings(Backend):
+        name = "no-siblings"
+
+    with pytest.raises(TypeError, match="'no-siblings' names no sibling_kernel_class"):
+        SiblingSet(NoSiblings(), ActivationQuant(), [8, 8])

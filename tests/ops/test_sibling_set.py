@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import quads
-import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper
-from quads.ops import sibling_linear
+import quads.kernels.hopper.w4a4_decode as w4a4_decode
+from quads.ops.backends.hopper import HopperSiblingKernel
 from quads.policies.fused_projections import share_quantization
 from quads.policies.modules import RolloutLinear
 
@@ -44,13 +44,13 @@ def _logits(model, ids):
 
 def test_the_set_kernel_is_made_once_and_reused(monkeypatch):
     made = []
-    real_init = sibling_linear.HopperSiblingKernel.__init__
+    real_init = HopperSiblingKernel.__init__
 
     def counted(self, siblings):
         made.append(siblings)
         real_init(self, siblings)
 
-    monkeypatch.setattr(sibling_linear.HopperSiblingKernel, "__init__", counted)
+    monkeypatch.setattr(HopperSiblingKernel, "__init__", counted)
     model = _rollout(fuse=True)
     sets = {id(m.quads_group): m.quads_group for m in model.modules()
             if isinstance(m, RolloutLinear) and m.quads_group is not None}
@@ -70,7 +70,7 @@ def test_the_set_kernel_is_made_once_and_reused(monkeypatch):
 def test_one_decode_gemm_per_stacked_set(monkeypatch, fuse):
     """Decode-sized inputs: q/k/v one GEMM, gate/up one (fused), and the bits of seven."""
     calls, inside = [0], [False]
-    real = w4a4_decode_hopper.decode_gemm
+    real = w4a4_decode.decode_gemm
 
     def counted(*args, **kwargs):  # outermost calls only (under the interpreter it calls itself for bf16)
         if inside[0]:
@@ -84,7 +84,7 @@ def test_one_decode_gemm_per_stacked_set(monkeypatch, fuse):
     ids = torch.randint(0, 64, (1, 3), generator=torch.Generator().manual_seed(2))
     want = _logits(_rollout(fuse=False), ids)
     model = _rollout(fuse=fuse)
-    monkeypatch.setattr(w4a4_decode_hopper, "decode_gemm", counted)
+    monkeypatch.setattr(w4a4_decode, "decode_gemm", counted)
     got = _logits(model, ids)
     assert calls[0] == (4 if fuse else 7) and torch.equal(got, want)
 
@@ -120,7 +120,7 @@ def _launcher_depths(model, run) -> set[int]:
 def test_launchers_are_two_calls_below_a_member_forward(monkeypatch, case):
     """forward -> kernel.apply -> launcher (-> the launch): 3 calls on every sibling path."""
     if case == "prefill":
-        monkeypatch.setattr(w4a4_decode_hopper, "max_decode_columns", lambda: 0)
+        monkeypatch.setattr(w4a4_decode, "max_decode_columns", lambda: 0)
     model = _rollout(fuse=case != "dormant", **({"activations": "bf16"} if case == "w4a16" else {}))
     ids = torch.randint(0, 64, (1, 2), generator=torch.Generator().manual_seed(3))
 

@@ -14,7 +14,7 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 import quads  # noqa: E402
-import quads.kernels.w4a4_decode_hopper as w4a4_decode_hopper  # noqa: E402
+import quads.kernels.hopper.w4a4_decode as w4a4_decode  # noqa: E402
 from quads.integrations.vllm.quant_method import QuadsConfig, QuadsLinearMethod, shard_linear  # noqa: E402
 from quads.ops.backend_registry import LinearKernel, get_backend  # noqa: E402
 
@@ -81,12 +81,12 @@ def test_one_stacked_gemm_with_each_shards_bits(monkeypatch, mode):
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     bias = torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     want, want_biased = _per_shard(method, layer, x), _per_shard(method, layer, x, bias)
-    calls = _counting(monkeypatch, w4a4_decode_hopper, "decode_gemm")
+    calls = _counting(monkeypatch, w4a4_decode, "decode_gemm")
     got = method.apply(layer, x)
     assert calls[0] == 1 and got.shape == (2, 3, sum(SIZES)) and torch.equal(got, want)
     assert torch.equal(method.apply(layer, x, bias), want_biased)  # biased: each shard's kernel, its bias
     assert calls[0] == 1 + len(SIZES)
-    monkeypatch.setattr(w4a4_decode_hopper, "max_decode_columns", lambda: 0)  # prefill: each shard's GEMM
+    monkeypatch.setattr(w4a4_decode, "max_decode_columns", lambda: 0)  # prefill: each shard's GEMM
     assert torch.equal(method.apply(layer, x), _per_shard(method, layer, x))
 
 

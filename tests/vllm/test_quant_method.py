@@ -104,7 +104,7 @@ def test_loads_and_weights_equal_trainer_fake_quant(engine):
 
 def test_moe_kernel_is_made_at_loading_not_per_forward(engine, monkeypatch):
     """Each MoE layer's experts kernel exists after loading and generation constructs none."""
-    from quads.ops.experts import ExpertsKernel
+    from quads.ops.experts_op import ExpertsKernel
 
     kind, llm, _, _ = engine
     if kind != "qwen3_moe":

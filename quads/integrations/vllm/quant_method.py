@@ -46,7 +46,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend, LinearArgs, gemm_shape, select_backend
-from quads.ops.linear import linear_op_args
+from quads.ops.linear_op import linear_op_args
 from quads.ops.sibling_linear import SiblingSet
 from quads.policies.policy import QuadsPolicy
 from quads.policies.quantize import pack_weight

@@ -1,20 +1,18 @@
-"""The rollout linear: its reference, its backend glue, its custom op and its front, in one file.
+"""The rollout linear's op: its torch reference, its custom ops (``torch.compile``) and its front.
 
 ``y = x Wᵀ`` with W packed NVFP4 parts (N, K). With an :class:`ActivationQuant` config the
 activations are quantized online and the product is W4A4 with residual compensation:
-``y = x̂ Ŵᵀ + r̂ Ŵᵀ``. The reference (:func:`w4a4_linear_reference`) mirrors the exact Hopper
+``y = x̂ Ŵᵀ + r̂ Ŵᵀ``. The reference (:func:`linear_reference`, its product :func:`w4a4_matmul_reference`) mirrors the exact Hopper
 emulation (docs/background.md): E2M1 x E4M3 products are exact, sums are float32, the global
 scales are divided out in the epilogue. Kernels agree with it up to float32 summation order.
 Without a config the layer is weight-only (W4A16): ``F.linear(x, DQ(W))``, bit-identical to the
 trainer's QAT forward.
 
-The linear kernels (one per rollout module, made when its weights are set; ``LinearArgs`` holds
-the weight, the activation config, the static mask and the prepared layout):
-:class:`ReferenceLinearKernel` (torch), :class:`HopperLinearKernel` (hopper),
-:class:`BlackwellLinearKernel` (blackwell). A module's forward calls ``kernel.apply(x, bias)``,
-which calls the launchers (``quantize_rows``, ``decode_gemm``, ``w4a4_gemm``) itself; inside
-``torch.compile`` it calls the ``quads::linear`` custom op (the prepared layout passed as its
-tensors, :meth:`Backend.op_prepared`), whose body runs the same kernel eagerly. Sibling linears
+The linear kernels (one per rollout module, made when its weights are set) live with their
+backends (:mod:`quads.ops.backends`). A module's forward calls ``kernel.apply(x, bias)``; inside
+``torch.compile`` that is one custom op here (``quads::linear_kernel`` over the kernel object, or
+``quads::linear`` over its plain arguments, the prepared layout passed as its tensors,
+:meth:`Backend.op_prepared`), whose body runs the same kernel eagerly. Sibling linears
 (:class:`~quads.ops.sibling_linear.SiblingSet`) pass ``operands`` computed once.
 """
 
@@ -25,15 +23,7 @@ import torch.nn.functional as F
 
 from typing import NamedTuple
 
-from quads.ops.activation_quant import (
-    ActivationQuant,
-    QuantizedActivation,
-    as_operands,
-    fixed_operand_row_args,
-    operand_row_args,
-    quantize_activation_reference,
-    quantize_activation_triton,
-)
+from quads.ops.activation_quant import ActivationQuant, QuantizedActivation, quantize_activation_reference
 from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelHandle, LinearArgs, LinearKernel, get_backend, select_backend
 from quads.ops.compile_alignment import align_this_compile
 from quads.ops.weight_cache import dequantized_weight
@@ -45,22 +35,15 @@ __all__ = [
     "rollout_linear",
     "linear_op",
     "act_fields",
+    "compiled_linear",
     "prepared_fields",
     "linear_op_args",
     "reference_operands",
-    "hopper_operands",
-    "prepare_weight_hopper",
     "unscaled_values",
     "w4a4_matmul_reference",
     "linear_reference",
-    "linear_hopper",
     "w4a4_linear_reference",
-    "w4a4_linear_hopper",
-    "ReferenceLinearKernel",
-    "HopperLinearKernel",
-    "BlackwellLinearKernel",
     "w4a16_linear",
-    "w4a16_linear_hopper",
 ]
 
 
@@ -108,29 +91,25 @@ def w4a4_matmul_reference(qa: QuantizedActivation, weight: NVFP4Parts) -> torch.
     return _matmul_operands(ReferenceOperands(qa, unscaled_values(qa.main), res), weight)
 
 
-def hopper_operands(x2: torch.Tensor, act: ActivationQuant | None, static_mask=None):
-    """``Backend("hopper").activation_operands``: the fused quantization's GEMM operands
-    (:class:`~quads.ops.activation_quant.ActivationOperands`), or without ``act`` (W4A16) the
-    fp16 rows and their per-row powers of two (:mod:`quads.kernels.fp16_operand`)."""
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    if act is None:
-        from quads.kernels.fp16_operand import scaled_fp16_rows
-
-        return scaled_fp16_rows(x2)
-    from quads.kernels.quantize_activations import quantize_rows
-
-    return as_operands(quantize_rows(x2, **operand_row_args(x2, act, static_mask)), x2.shape[0])
+def linear_reference(x2, weight: NVFP4Parts, bias, act, static_mask=None, prepared=None, operands=None):
+    """One call of :class:`~quads.ops.backends.reference.ReferenceLinearKernel` (the torch backend's ``linear``)."""
+    return get_backend("torch").linear(x2, weight, bias, act, static_mask, prepared, operands)
 
 
-def prepare_weight_hopper(weight: NVFP4Parts, out=None):
-    """The packed weight (2-D, or 3-D experts) in the decode kernels' layout
-    (:mod:`quads.kernels.hopper_weight_layout`): built once per weight write, not per call;
-    written into ``out`` (an earlier layout) when it fits, so its tensors keep their addresses."""
-    from quads.kernels.hopper_weight_layout import hopper_layout_fits, to_hopper_layout
+def w4a4_linear_reference(x2, weight: NVFP4Parts, bias, act: ActivationQuant, static_mask=None) -> torch.Tensor:
+    """The W4A4 (+ residual) reference (:func:`linear_reference` with an ``act``)."""
+    return linear_reference(x2, weight, bias, act, static_mask)
 
-    if out is not None and not hopper_layout_fits(out, weight.qdata, weight.scale):
-        out = None
-    return to_hopper_layout(weight.qdata, weight.scale, out)
+
+def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None) -> torch.Tensor:
+    """Weight-only: ``F.linear(x, DQ(W))`` with DQ in ``x.dtype`` (the trainer's QAT forward weight)."""
+    w = dequantized_weight(weight, x2.dtype)  # nvfp4_dequantize, cached until the weight changes
+    return F.linear(x2, w, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops (torch.compile) and the front
+# ---------------------------------------------------------------------------------------------
 
 
 def _op_args(kernel: LinearKernel, x2: torch.Tensor, bias) -> tuple:
@@ -150,145 +129,6 @@ def compiled_linear(kernel: LinearKernel, x: torch.Tensor, bias) -> torch.Tensor
     else:
         y = torch.ops.quads.linear(*_op_args(kernel, x2, bias))
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-class ReferenceLinearKernel(LinearKernel):
-    """The torch backend's linear: with ``act`` quantize (+ residual), the exact-emulation product
-    (:func:`w4a4_matmul_reference`), bias; without: :func:`w4a16_linear`. ``operands``:
-    :func:`reference_operands` of the input, computed once for sibling linears."""
-
-    def apply(self, x, bias=None, operands=None):
-        if torch.compiler.is_compiling():
-            return compiled_linear(self, x, bias)
-        if x.shape[-1] != self.k:
-            self.check_input(x)
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.act is None:
-            y = F.linear(x2, dequantized_weight(self.parts, x2.dtype), bias)  # cached until the weight changes
-        else:
-            ops = operands if operands is not None else reference_operands(x2, self.act, self.static_mask)
-            y = _matmul_operands(ops, self.parts)
-            if bias is not None:
-                y = y + bias.to(torch.float32)
-            y = y.to(x2.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-class HopperLinearKernel(LinearKernel):
-    """The Hopper backend's linear, the Triton twin of :class:`ReferenceLinearKernel`: the input's
-    GEMM operands (``operands``, :meth:`Backend.activation_operands` computed by a sibling set,
-    else here: the fused quantization, or W4A16's fp16 rows), then the exact decode GEMM (few
-    tokens: the weight streamed once in the layout ``prepared``, built per call if absent)
-    or the prefill GEMM (many tokens).
-
-    Weight-only (``act=None``): ``x`` goes in as fp16 with a per-row power of two
-    (:mod:`quads.kernels.fp16_operand`), the weight as the exact ``e2m1 * s * 2^-14`` operand, the
-    global scale divided out in fp32 at the end. Compared with :func:`w4a16_linear` (bf16
-    ``DQ(W)``, a cuBLAS product) the weight is not rounded to bf16 and the fp32 sums run in
-    another order: differences of that size."""
-
-    def __init__(self, backend, args: LinearArgs):
-        super().__init__(backend, args)
-        self.row_args_device = None if self.parts is None else self.parts.qdata.device
-        self.row_args = None if self.k is None else fixed_operand_row_args(self.k, self.row_args_device, self.act,
-                                                                           self.static_mask)
-
-    def apply(self, x, bias=None, operands=None, parts=None, prepared=None):
-        """``parts``/``prepared``: read instead of the kernel's own (the humming kernel's exact path
-        for fp32 inputs: parts derived from its layout, the Hopper layout built per call)."""
-        if torch.compiler.is_compiling():
-            return compiled_linear(self, x, bias)
-        if x.shape[-1] != self.k:
-            self.check_input(x)
-        from quads.kernels.fp16_operand import scaled_fp16_rows
-        from quads.kernels.quantize_activations import quantize_rows
-        from quads.kernels.w4a4_decode_hopper import decode_gemm, max_decode_columns
-        from quads.kernels.w4a4_gemm_hopper import w4a4_gemm
-
-        x2 = x.reshape(-1, x.shape[-1])
-        act, m = self.act, x2.shape[0]
-        if operands is None:
-            x2c = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            if act is None:
-                operands = scaled_fp16_rows(x2c)
-            else:
-                row_args = self.row_args if parts is None and x2c.device == self.row_args_device else None
-                operands = as_operands(quantize_rows(x2c, **(row_args or operand_row_args(x2c, act, self.static_mask))),
-                                       m)
-        if act is None:
-            main = stacked = operands[0]
-            row_scale, residual = operands[1], None
-        else:
-            main, stacked, row_scale, residual = operands.main, operands.stacked, operands.main_scale, operands.residual
-        w = self.parts if parts is None else parts
-        sw = w.global_encode_scale.to(torch.float32)
-        has_res = residual is not None
-        if (2 * m if has_res else m) <= max_decode_columns():
-            if parts is None:
-                prepared = self.prepared
-            y = decode_gemm(stacked, row_scale, prepared if prepared is not None else prepare_weight_hopper(w), sw, m,
-                            has_res, bias, x2.dtype)
-        else:
-            y = w4a4_gemm(main, row_scale, w.qdata, w.scale, sw, r16=residual, bias=bias, out_dtype=x2.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-class BlackwellLinearKernel(HopperLinearKernel):
-    """W4A4 (+ residual) through native FP4 GEMMs on sm_100+ (NOT RUN here, see kernels.blackwell);
-    weight-only and CPU tensors (the interpreter) take the Hopper emulation."""
-
-    def apply(self, x, bias=None, operands=None):
-        if self.act is None or not x.is_cuda or torch.compiler.is_compiling():
-            return super().apply(x, bias, operands)
-        from quads.kernels.blackwell import fp4_unscaled_mm
-
-        self.check_input(x)
-        x2 = x.reshape(-1, x.shape[-1])
-        qa = quantize_activation_triton(x2, self.act, self.static_mask)  # packed operands, its own quantization
-        w = self.parts
-        acc = fp4_unscaled_mm(qa.main, w)
-        if qa.residual is not None:
-            acc = acc + fp4_unscaled_mm(qa.residual, w)
-        y = acc / (_row_scale(qa.main.global_encode_scale, x2.shape[0]) * w.global_encode_scale.to(torch.float32))
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        return y.to(x2.dtype).reshape(*x.shape[:-1], y.shape[-1])
-
-
-def linear_reference(x2, weight: NVFP4Parts, bias, act, static_mask=None, prepared=None, operands=None):
-    """One call of :class:`ReferenceLinearKernel` (the torch backend's ``linear``)."""
-    return get_backend("torch").linear(x2, weight, bias, act, static_mask, prepared, operands)
-
-
-def linear_hopper(x2, weight: NVFP4Parts, bias, act, static_mask=None, prepared=None, operands=None):
-    """One call of :class:`HopperLinearKernel` (the hopper backend's ``linear``)."""
-    return get_backend("hopper").linear(x2, weight, bias, act, static_mask, prepared, operands)
-
-
-def w4a4_linear_reference(x2, weight: NVFP4Parts, bias, act: ActivationQuant, static_mask=None) -> torch.Tensor:
-    """The W4A4 (+ residual) reference (:func:`linear_reference` with an ``act``)."""
-    return linear_reference(x2, weight, bias, act, static_mask)
-
-
-def w4a4_linear_hopper(x2, weight: NVFP4Parts, bias, act: ActivationQuant, static_mask=None, prepared=None):
-    """W4A4 (+ residual) on the Hopper kernels (:func:`linear_hopper` with an ``act``)."""
-    return linear_hopper(x2, weight, bias, act, static_mask, prepared)
-
-
-def w4a16_linear_hopper(x2, weight: NVFP4Parts, bias, prepared=None) -> torch.Tensor:
-    """Weight-only on the Hopper kernels, reading the packed weight (no dequantized copy)."""
-    return linear_hopper(x2, weight, bias, None, None, prepared)
-
-
-def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None) -> torch.Tensor:
-    """Weight-only: ``F.linear(x, DQ(W))`` with DQ in ``x.dtype`` (the trainer's QAT forward weight)."""
-    w = dequantized_weight(weight, x2.dtype)  # nvfp4_dequantize, cached until the weight changes
-    return F.linear(x2, w, bias)
-
-
-# ---------------------------------------------------------------------------------------------
-# The custom op (torch.compile) and the front
-# ---------------------------------------------------------------------------------------------
 
 
 def act_fields(act: ActivationQuant | None) -> tuple[bool, float, str, str, str]:
@@ -313,7 +153,7 @@ def prepared_fields(prepared) -> tuple[torch.Tensor | None, torch.Tensor | None]
 def prepared_from_fields(values, scales, n: int, k: int):
     if values is None:
         return None
-    from quads.kernels.hopper_weight_layout import HopperWeight  # a kernel backend is in use: Triton is there
+    from quads.kernels.hopper.weight_layout import HopperWeight  # a kernel backend is in use: Triton is there
 
     return HopperWeight(values, scales, n, k)
 

@@ -6,7 +6,7 @@ pairs ``a01 = (row g, k 2c..2c+1)``, ``a23 = (row g+8, same k)``, ``a45 = (row g
 ``a67 = (row g+8, k 8+2c..)`` (lane ``4g + c``, the mma/wgmma A fragment). This layout stores
 exactly those codes of one thread and one k16 tile in one 32-bit word, so a thread loads the
 four k16 tiles of a 16 x 64 block with one 16-byte load and decodes a word into its four fp16x2
-registers with a handful of bit operations (:mod:`quads.kernels.hopper_weight_decode`).
+registers with a handful of bit operations (:mod:`quads.kernels.hopper.weight_decode`).
 
 Storage (both uint8, sizes equal to the plain parts' after padding N to 64 and K to 64):
 
@@ -199,7 +199,7 @@ def to_hopper_layout_reference(qdata: torch.Tensor, scale: torch.Tensor) -> Hopp
 #
 # The Hopper weight layout built by a Triton kernel: plain NVFP4 parts -> lane words, one pass.
 #
-# Why: the layout (:mod:`quads.kernels.hopper_weight_layout`) is rebuilt at every weight sync; in
+# Why: the layout (:mod:`quads.kernels.hopper.weight_layout`) is rebuilt at every weight sync; in
 # torch ops (fragment permutes and a bit-placement loop over int32 copies of every code) it ran at
 # 1% of the H200's bandwidth and was the sync's largest cost. This kernel reads each code byte and
 # scale byte once and writes each layout byte once, with no intermediate tensor, into a given
@@ -223,7 +223,7 @@ def to_hopper_layout_reference(qdata: torch.Tensor, scale: torch.Tensor) -> Hopp
 # contiguous bytes and its four stores write 2 KB contiguous; per item 4 + 4 16-byte code/value
 # accesses (K a multiple of 128; narrower otherwise) and 4-byte scale loads (K a multiple of 256),
 # one 8-byte scale store. Compiled for sm_90 (Triton 3.6): 64 registers, no spills, no layout
-# conversion. Bit-identical to :func:`~quads.kernels.hopper_weight_layout.to_hopper_layout_reference`
+# conversion. Bit-identical to :func:`~quads.kernels.hopper.weight_layout.to_hopper_layout_reference`
 # (tests/kernels).
 
 ITEMS_PER_PROGRAM = 256  # (row block, k block, row) items: 16 KB of values per program

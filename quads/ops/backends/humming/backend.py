@@ -1,12 +1,12 @@
 """The ``humming`` backend: rollout linears and experts through vLLM's humming GEMMs on Hopper (the fast path).
 
 quads keeps its NVFP4 parts, its one quantizer and its Triton activation quantization, and hands
-humming (:mod:`quads.ops.humming_library`) the packed weight and 16-bit activation operands:
+humming (:mod:`quads.ops.backends.humming.library`) the packed weight and 16-bit activation operands:
 W4A16 feeds the bf16/fp16 activations directly; W4A4 (+ residual) feeds quads' exact fp16 operand
 rows, ``stacked`` (main then residual rows) or ``summed`` (``fp16(main + residual)``), and unscales
 the output rows (:class:`HummingLinearKernel` states the error bounds; docs/humming.md).
 
-``mode`` (``QUADS_HUMMING_MODE``, :data:`~quads.ops.humming_library.HUMMING_MODES`): ``"default"``
+``mode`` (``QUADS_HUMMING_MODE``, :data:`~quads.ops.backends.humming.library.HUMMING_MODES`): ``"default"``
 is humming's fastest (Stream-K: not deterministic run to run; the deterministic modes measured
 35-60% slower on the dense linears on the H200).
 
@@ -34,14 +34,13 @@ import os
 
 import torch
 
-from quads.kernels.humming_layout import (HUMMING_K_MULTIPLE, HUMMING_N_MULTIPLE, humming_padded_shape,
+from quads.kernels.humming.layout import (HUMMING_K_MULTIPLE, HUMMING_N_MULTIPLE, humming_padded_shape,
                                           humming_padding_cost)
 from quads.ops.activation_quant import as_operands, operand_row_args, per_row_scales, summed_row_args
 from quads.ops.backend_registry import LinearArgs, LinearKernel, register_backend
-from quads.ops.builtin_backends import HopperBackend
-from quads.ops.experts import HopperExpertsKernel
-from quads.ops.linear import HopperLinearKernel, compiled_linear, prepare_weight_hopper
-from quads.ops.sibling_linear import HopperSiblingKernel, stack_prepared_hopper
+from quads.ops.backends.hopper import (HopperBackend, HopperExpertsKernel, HopperLinearKernel, HopperSiblingKernel,
+                                       prepare_weight_hopper, stack_prepared_hopper)
+from quads.ops.linear_op import compiled_linear
 from quads.tensor.nvfp4_math import NVFP4Parts
 
 __all__ = ["HUMMING_K_BLOCK", "HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "HummingBackend", "HummingLinearKernel",
@@ -105,7 +104,7 @@ def humming_shape_problem(n: int, k: int) -> str | None:
     warps of 32 columns for 16-bit activations (``block_shape_n >= min_warp_shape_n * 4``: N = 576,
     960 and 2880 fail it on the H200); its block K halves until it divides K with a warp K of at
     least 32 (``kernel/humming.py``, ``check_shape``), and quads' in-place refresh and parts
-    read-back restate its repack on 64 x 64 tiles (:mod:`quads.kernels.humming_layout`)."""
+    read-back restate its repack on 64 x 64 tiles (:mod:`quads.kernels.humming.layout`)."""
     if n < 1 or k < HUMMING_K_BLOCK or k % HUMMING_K_BLOCK:
         return f"humming needs N >= 1 and K a positive multiple of {HUMMING_K_BLOCK} (the NVFP4 block), got N={n} K={k}"
     return None
@@ -144,7 +143,7 @@ class HummingWeight:
                 and weight.qdata.device == self.device)
 
     def _build(self, dtype: torch.dtype, parts: NVFP4Parts):
-        from quads.ops.humming_library import HummingNVFP4
+        from quads.ops.backends.humming.library import HummingNVFP4
 
         operand_max = {"unit": None}
         if dtype == torch.float16:
@@ -180,7 +179,7 @@ class HummingWeight:
         self.rows_hint = tuple(spec["rows_hint"]) if spec["rows_hint"] else None
         self.global_encode_scale, self._parts, self.holds_parts = global_encode_scale, parts, parts is None
         self.layers, layout, it = {}, None, iter(tensors)
-        from quads.ops.humming_library import HummingNVFP4
+        from quads.ops.backends.humming.library import HummingNVFP4
 
         for lay_spec in spec["layers"]:
             lay = HummingNVFP4.from_op_fields(lay_spec, it, layout, self.shape)
@@ -212,13 +211,13 @@ class HummingWeight:
     @property
     def can_hold_parts(self) -> bool:
         """Whether :meth:`packed_parts` can give the packed parts back (humming's direct repack layout)."""
-        from quads.ops.humming_library import direct_repack
+        from quads.ops.backends.humming.library import direct_repack
 
         return direct_repack(self._owner().layer.humming_config)
 
     def packed_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """quads' packed ``(qdata, scale)``, derived from the held layout (new tensors, bit-exact:
-        the inverse of humming's repack, :mod:`quads.kernels.humming_layout`)."""
+        the inverse of humming's repack, :mod:`quads.kernels.humming.layout`)."""
         if getattr(self, "_parts", None) is not None:
             return self._parts.qdata, self._parts.scale
         return self._owner().packed_parts()
@@ -291,7 +290,7 @@ class HummingLinearKernel(LinearKernel):
       (1/S_w)``, rounded once to ``x.dtype``.
     * W4A4 (+ residual): the fp16 layer on the exact operand rows ``e2m1 * f32(block scale)``
       (main and residual under the row's ``S_x``), the fp16 output rows unscaled by ``2^c / S_x``
-      (:func:`~quads.kernels.humming_operands.unscale_rows`). ``stacked`` (2M rows, summed in fp32
+      (:func:`~quads.kernels.humming.operands.unscale_rows`). ``stacked`` (2M rows, summed in fp32
       in the epilogue): error vs the exact path = the fp16 rounding of each output row (relative
       2^-11, plus ``2^(c-25)/S_x`` below fp16's normal range) and the final rounding. ``summed``
       (M rows): one more rounding per operand element, ``|Δy_n| <= 2^-11 * sum_k |x̂+r̂|_k |w_nk|``.
@@ -324,7 +323,7 @@ class HummingLinearKernel(LinearKernel):
         if act is None:  # a padded layout's (M, N) view copied once: the op's output is contiguous (its fake's)
             y = prepared.layer(x2.dtype)(x2).contiguous()
             return (y if bias is None else y + bias.to(y.dtype)).reshape(*x.shape[:-1], y.shape[-1])
-        from quads.kernels.humming_operands import sum_stacked_rows, unscale_rows
+        from quads.kernels.humming.operands import sum_stacked_rows, unscale_rows
         from quads.kernels.quantize_activations import quantize_rows
 
         layer = prepared.layer(torch.float16)
@@ -365,7 +364,7 @@ class HummingExpertsKernel(HopperExpertsKernel):
     16-bit rows themselves (W4A16). A projection humming does not serve (:func:`humming_serves`,
     decided here once: Hopper-laid weights, ``"tensor"`` activation scales, one global scale for
     all experts) or an input it does not take (expert biases, fp32 activations: the one per-call
-    branch) runs the exact :class:`~quads.ops.experts.HopperExpertsKernel` GEMM on its packed
+    branch) runs the exact :class:`~quads.ops.backends.hopper.HopperExpertsKernel` GEMM on its packed
     parts (derived from a humming layout)."""
 
     def __init__(self, backend, gate_up: LinearArgs, down: LinearArgs | None = None):
@@ -378,7 +377,7 @@ class HummingExpertsKernel(HopperExpertsKernel):
             held = isinstance(a.prepared, HummingWeight)
             return HopperExpertsKernel.gemm(self, i, x, rows, route, bias,
                                             a.prepared.real_parts(self.parts[i]) if held else None)
-        from quads.kernels.humming_operands import unscale_rows
+        from quads.kernels.humming.operands import unscale_rows
         from quads.kernels.quantize_activations import quantize_rows
 
         num_rows = route.num_rows
@@ -473,7 +472,7 @@ class HummingSiblingKernel(HopperSiblingKernel):
     weight (:class:`HummingLinearKernel`'s W4A4 steps and bits, inline: the launchers two calls
     below a member's forward), its columns to the members; else the operands once
     for the members' own kernels; over a Hopper-laid stack the Hopper decode GEMM
-    (:class:`~quads.ops.sibling_linear.HopperSiblingKernel`'s)."""
+    (:class:`~quads.ops.backends.hopper.HopperSiblingKernel`'s)."""
 
     def __init__(self, siblings):
         super().__init__(siblings)
@@ -487,7 +486,7 @@ class HummingSiblingKernel(HopperSiblingKernel):
         hit, key, biased = self.siblings.begin(i, x, bias)
         if hit is not None:
             return hit
-        from quads.kernels.humming_operands import unscale_rows
+        from quads.kernels.humming.operands import unscale_rows
         from quads.kernels.quantize_activations import quantize_rows
 
         x2 = x.reshape(-1, x.shape[-1])
@@ -527,7 +526,7 @@ class HummingBackend(HopperBackend):
         return humming_shape_problem(n, k)
 
     def __init__(self, mode: str | None = None, residual_layout: str | None = None, stack_siblings: bool | None = None):
-        from quads.ops.humming_library import HUMMING_MODES
+        from quads.ops.backends.humming.library import HUMMING_MODES
 
         if stack_siblings is None:
             stack_siblings = os.environ.get("QUADS_HUMMING_STACK_SIBLINGS", "1") != "0"

@@ -1,4 +1,4 @@
-"""The in-register decode of the Hopper weight layout (:mod:`quads.kernels.hopper_weight_layout`),
+"""The in-register decode of the Hopper weight layout (:mod:`quads.kernels.hopper.weight_layout`),
 called inside the GEMM kernels.
 
 A lane word holds one thread's codes of one k16 tile; a handful of bit operations turn it into

@@ -1,4 +1,4 @@
-"""MoE experts for transformers-5 fused expert modules: routing, the trainer-side loop, the rollout op.
+"""MoE experts for transformers-5 fused expert modules: routing, the trainer-side loop, the rollout op and its custom op.
 
 transformers 5 MoE blocks (Qwen3-MoE, Mixtral, OLMoE, ...) call their experts module as
 ``experts(hidden (T, H), top_k_index (T, k), top_k_weights (T, k))`` with 3-D parameters
@@ -8,13 +8,13 @@ transformers 5 MoE blocks (Qwen3-MoE, Mixtral, OLMoE, ...) call their experts mo
   no host synchronisation), shared by every path so all see the same row order;
 * :func:`experts_loop` is the trainer's skeleton (each expert's MLP on its rows, outputs weighted
   and summed over the k choices in transformers' order), also used by the FP8 reference;
-* the experts kernels (one per rollout experts module, made when its weights are set):
-  :class:`ReferenceExpertsKernel` (torch), :class:`HopperExpertsKernel` (hopper, blackwell), the
-  generic :class:`ExpertsKernel` over a backend's ``grouped_linear``; ``apply`` routes, runs the
-  grouped ``gate_up`` GEMM, the module's gate, the grouped ``down`` GEMM (calling the launchers
-  itself) and combines. :func:`grouped_linear` is one projection through such a kernel;
-  :func:`rollout_experts` the op for callers that keep no kernel. Per row they compute what
-  :func:`experts_loop` computes with rollout linears (tested).
+* :class:`ExpertsKernel` is the experts kernels' base (one per rollout experts module, made when
+  its weights are set; the backends' subclasses live in :mod:`quads.ops.backends`), itself the
+  generic kernel over a backend's ``grouped_linear``: ``apply`` routes, runs the grouped
+  ``gate_up`` GEMM, the module's gate, the grouped ``down`` GEMM and combines; inside
+  ``torch.compile`` each projection is the ``quads::experts_gemm`` custom op. :func:`grouped_linear`
+  is one projection through such a kernel; :func:`rollout_experts` the op for callers that keep no
+  kernel. Per row they compute what :func:`experts_loop` computes with rollout linears (tested).
 """
 
 from __future__ import annotations
@@ -22,18 +22,16 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-import quads.ops.grouped_linear  # noqa: F401  (registers the quads::grouped_linear custom op)
-from quads.ops.activation_quant import ActivationQuant, as_operands, fixed_operand_row_args, operand_row_args
+import quads.ops.grouped_linear_op  # noqa: F401  (registers the quads::grouped_linear custom op)
+from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelHandle, KernelObject, LinearArgs, select_backend
 from quads.ops.compile_alignment import align_this_compile
-from quads.ops.linear import _matmul_operands, act_fields, prepare_weight_hopper, prepared_fields, reference_operands
-from quads.ops.weight_cache import dequantized_weight
+from quads.ops.linear_op import act_fields, prepared_fields
 from quads.tensor.nvfp4_math import NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
-__all__ = ["act_and_mul", "compiled_gemm", "ExpertsKernel", "HopperExpertsKernel", "ReferenceExpertsKernel", "Routing", "combine_top_k", "grouped_linear",
+__all__ = ["act_and_mul", "compiled_gemm", "ExpertsKernel", "Routing", "combine_top_k", "grouped_linear",
            "route_by_expert", "experts_loop", "rollout_experts"]
 
 ExpertMLP = Callable[[torch.Tensor, int], torch.Tensor]
@@ -193,7 +191,6 @@ class ExpertsKernel(KernelObject):
                 *act_fields(a.act), a.static_mask, route.num_rows, self.backend.name)
 
 
-
 def compiled_gemm(kernel: ExpertsKernel, i: int, x, rows, route: Routing, bias) -> torch.Tensor:
     """Projection ``i`` of ``kernel`` as ``torch.compile`` traces it: one opaque custom op over the
     kernel object (``quads::experts_gemm``: :meth:`ExpertsKernel.gemm` eagerly in its body), or
@@ -216,91 +213,6 @@ if KERNEL_OPS:
     def _(x, rows, offsets, bias, kernel, projection, num_rows, out_features):
         align_this_compile()
         return x.new_empty(num_rows, out_features)
-
-
-class ReferenceExpertsKernel(ExpertsKernel):
-    """The torch backend's experts: each projection a host loop over the experts (``.tolist()``
-    synchronizes with the device), each expert's rows through the reference linear's product
-    (W4A4 + residual: the exact-emulation product of :mod:`quads.ops.linear`; W4A16: ``F.linear``
-    with ``DQ(W)`` in the input's dtype)."""
-
-    def gemm(self, i, x, rows, route, bias, w=None):
-        a = self.projections[i]
-        w = self.parts[i] if w is None else w
-        out = x.new_zeros(route.num_rows, w.qdata.shape[1])
-        bounds = route.offsets.tolist()
-        for e in range(len(bounds) - 1):
-            lo, hi = bounds[e], bounds[e + 1]
-            if hi == lo:
-                continue
-            src = x[rows[lo:hi].long()] if rows is not None else x[lo:hi]
-            we = NVFP4Parts(w.qdata[e], w.scale[e], w.global_encode_scale[e])
-            b = None if bias is None else bias[e]
-            if a.act is None:
-                y = F.linear(src, dequantized_weight(we, src.dtype), b)
-            else:
-                y = _matmul_operands(reference_operands(src, a.act, a.static_mask), we)
-                y = (y if b is None else y + b.to(torch.float32)).to(src.dtype)
-            out[lo:hi] = y.to(out.dtype)
-        return out
-
-
-class HopperExpertsKernel(ExpertsKernel):
-    """The Hopper backend's experts: each projection one grouped W4A4 launch over all experts
-    (weights in the layout ``prepared``, built per call if absent), each row with the bits of
-    the dense Hopper linear on its expert; no host synchronisation. ``act=None`` (W4A16) feeds the
-    same kernel fp16 rows times a per-row power of two. Expert biases are added to the fp32 rows
-    before the one rounding (as the dense kernels' epilogue does); ``"tensor"`` activation scales
-    quantize each expert's rows as one tensor (a host loop over experts, as the reference). W4A16
-    with biases runs the reference's per-expert ``F.linear`` (:class:`ReferenceExpertsKernel`)."""
-
-    def __init__(self, backend, gate_up: LinearArgs, down: LinearArgs | None = None):
-        super().__init__(backend, gate_up, down)
-        self.row_args_device = None if self.parts[0] is None else self.parts[0].qdata.device
-        self.row_args = tuple(None if p is None else fixed_operand_row_args(p.qdata.shape[-1] * 2, self.row_args_device,
-                                                                            a.act, a.static_mask)
-                              for a, p in zip(self.projections, self.parts))
-
-    def gemm(self, i, x, rows, route, bias, w=None):
-        a = self.projections[i]
-        if a.act is None and bias is not None:
-            return ReferenceExpertsKernel.gemm(self, i, x, rows, route, bias, w)
-        from quads.kernels.fp16_operand import scaled_fp16_rows
-        from quads.kernels.moe_grouped_gemm import moe_w4a4_gemm
-        from quads.kernels.quantize_activations import quantize_rows
-
-        own = w is None  # the kernel's own weight (else parts derived for the exact path)
-        prepared, w = (a.prepared, self.parts[i]) if own else (None, w)
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        src_rows, rows_x, has_residual = rows, x.shape[0], False
-        if a.act is None:
-            stacked, row_scale = scaled_fp16_rows(x)
-        elif a.act.granularity == "row":
-            row_args = self.row_args[i] if own and x.device == self.row_args_device else None
-            ops = as_operands(quantize_rows(x, **(row_args or operand_row_args(x, a.act, a.static_mask))), x.shape[0])
-            stacked, row_scale, has_residual = ops.stacked, ops.main_scale, ops.residual is not None
-        else:  # each expert's rows one tensor, the operand rows in expert order
-            bounds = route.offsets.tolist()
-            parts = [x[rows[lo:hi]] if rows is not None else x[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])
-                     if hi > lo]
-            ops = [as_operands(quantize_rows(p, **operand_row_args(p, a.act, a.static_mask)), p.shape[0])
-                   for p in parts]
-            if not ops:  # no row routed to an expert
-                return x.new_zeros(route.num_rows, w.qdata.shape[1])
-            has_residual = ops[0].residual is not None
-            stacked = torch.cat([o.main for o in ops] + ([o.residual for o in ops] if has_residual else []))
-            row_scale, src_rows, rows_x = torch.cat([o.main_scale for o in ops]), None, bounds[-1]
-        prepared = prepared if prepared is not None else prepare_weight_hopper(w)
-        y = moe_w4a4_gemm(stacked, row_scale, None if src_rows is None else src_rows.to(torch.int32),
-                          route.offsets.to(torch.int32), prepared, w.global_encode_scale.float(), route.num_rows,
-                          rows_x, has_residual, out_dtype=x.dtype if bias is None else torch.float32)
-        if bias is not None:  # fp32 rows + their expert's bias, one rounding; rows of no expert stay zero
-            expert = torch.searchsorted(route.offsets[1:].contiguous(), torch.arange(
-                route.num_rows, device=y.device, dtype=route.offsets.dtype), right=True)
-            valid = (expert < bias.shape[0])[:, None]
-            y = torch.where(valid, y + bias.index_select(0, expert.clamp(max=bias.shape[0] - 1)).float(),
-                            y).to(x.dtype)
-        return y
 
 
 def combine_top_k(y: torch.Tensor, route: Routing, top_k_weights: torch.Tensor | None,

@@ -3,14 +3,14 @@
 docs/background.md section 2: an E2M1 value times an E4M3 scale is exact in fp16, so
 ``y = x̂ Ŵᵀ + r̂ Ŵᵀ`` is reproduced by multiplying the *unscaled* operands on fp16 tensor cores
 with fp32 accumulation and dividing the sum by ``S_x[row] * S_w`` (the residual shares the row's
-global scale) in the epilogue, as :func:`quads.ops.linear.w4a4_matmul_reference` does (only the
+global scale) in the epilogue, as :func:`quads.ops.linear_op.w4a4_matmul_reference` does (only the
 fp32 summation order differs).
 
 The weight operand is ``e2m1 * s * 2^-14`` (the values the decode kernel builds in registers,
-see :mod:`quads.kernels.hopper_weight_decode`): dequantized once per call by
+see :mod:`quads.kernels.hopper.weight_decode`): dequantized once per call by
 :func:`dequant_weight_fp16`, read from shared memory; swap-AB as in the decode kernel.
 
-Batch invariance: K is cut into the canonical segments of :data:`quads.kernels.w4a4_decode_hopper.SEG_K`;
+Batch invariance: K is cut into the canonical segments of :data:`quads.kernels.hopper.w4a4_decode.SEG_K`;
 one software-pipelined loop walks all of K, the chain of k16 MMA steps restarts from zero at
 every segment start and each segment sum is added in segment order at the segment's end, with
 the decode kernel's epilogue formula, so a row's bits are those of the decode kernel (checked on
@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quads.kernels._interpreter import interpreting
-from quads.kernels.w4a4_decode_hopper import SEG_K
+from quads.kernels.hopper.w4a4_decode import SEG_K
 
 __all__ = ["w4a4_gemm", "GemmConfig", "pick_config", "dequant_weight_fp16"]
 

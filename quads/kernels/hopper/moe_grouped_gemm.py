@@ -1,16 +1,16 @@
 """Grouped W4A4 (+ residual) GEMM over packed 3-D expert weights, driven by top-k routing.
 
-Rows are the (token, choice) pairs sorted by expert (:class:`quads.ops.experts.Routing`):
+Rows are the (token, choice) pairs sorted by expert (:class:`quads.ops.experts_op.Routing`):
 ``offsets[e] .. offsets[e+1]`` are expert ``e``'s rows. One program per (output tile, expert)
 walks that expert's rows in chunks of ``BM``; experts without rows exit at once, so only routed
 experts' weights are read. Activation rows are gathered through ``rows`` (sorted position ->
 activation row: the token, for ``gate_up``; None = identity, for ``down``), so token activations
 are quantized once (per-row global scales make that bit-identical to quantizing each copy).
 
-The weight streams in the Hopper layout (:mod:`quads.kernels.hopper_weight_layout`, one per
+The weight streams in the Hopper layout (:mod:`quads.kernels.hopper.weight_layout`, one per
 expert) and is decoded in registers, as in the dense decode kernel; per-expert global weight
 scales ``S_w[e]``. Each program walks the canonical K segments of
-:data:`quads.kernels.w4a4_decode_hopper.SEG_K` itself (sum each from zero, add them in order) and
+:data:`quads.kernels.hopper.w4a4_decode.SEG_K` itself (sum each from zero, add them in order) and
 applies the same epilogue, so a row's result has the bits of the dense kernels on that expert.
 Activations: the stacked operand of the dense decode kernel (``2 * rows_x`` rows, the residual
 rows after the main ones; or ``rows_x`` without residual) and the rows' global scales.
@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from quads.kernels._interpreter import interpreting
-from quads.kernels.hopper_weight_decode import load_weight_tile
-from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight
-from quads.kernels.w4a4_decode_hopper import SEG_K
+from quads.kernels.hopper.weight_decode import load_weight_tile
+from quads.kernels.hopper.weight_layout import K_BLOCK, HopperWeight
+from quads.kernels.hopper.w4a4_decode import SEG_K
 
 __all__ = ["moe_w4a4_gemm", "MoeConfig", "pick_moe_config"]
 

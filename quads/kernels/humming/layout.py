@@ -16,7 +16,7 @@ permutation of each run of 32 or 64 values: :func:`scale_permutation`).
 
 :func:`repack_reference` and :func:`unrepack_reference` are this permutation and its inverse:
 the CPU stand-in for humming's kernel in the tests, and the packed parts derived on demand from
-humming's layout (:meth:`quads.ops.humming_library.HummingNVFP4.packed_parts`; the GPU run
+humming's layout (:meth:`quads.ops.backends.humming.library.HummingNVFP4.packed_parts`; the GPU run
 checks both bit-exact against humming's own kernel before anything relies on them).
 
 **Padding.** Other shapes than humming's tile multiples are held in the layout of their padded
@@ -37,7 +37,7 @@ __all__ = ["HUMMING_K_MULTIPLE", "HUMMING_N_MULTIPLE", "humming_padded_shape", "
            "unrepack_reference"]
 
 #: humming 0.1.19's sm_90 tile multiples (read off its heuristics and ``check_shape``: the rule's
-#: reasons are in :func:`quads.ops.humming_backend.humming_shape_problem`)
+#: reasons are in :func:`quads.ops.backends.humming.backend.humming_shape_problem`)
 HUMMING_N_MULTIPLE, HUMMING_K_MULTIPLE = 128, 64
 
 

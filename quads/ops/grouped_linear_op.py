@@ -1,11 +1,11 @@
 """The ``quads::grouped_linear`` custom op (one projection of the MoE experts, opaque to ``torch.compile``) and its fake.
 
-Rows arrive sorted by expert (:class:`quads.ops.experts.Routing`): rows ``offsets[e] ..
+Rows arrive sorted by expert (:class:`quads.ops.experts_op.Routing`): rows ``offsets[e] ..
 offsets[e+1]`` belong to expert ``e``, rows from ``offsets[E]`` on to no expert (their output is
 zero). ``rows`` maps each sorted row to its activation row (the token, for the ``gate_up``
 projection; None = identity, for ``down``). Row ``p`` of the result is ``linear(x[rows[p]],
-W[e(p)])`` with the semantics of :mod:`quads.ops.linear`. The experts kernels
-(:mod:`quads.ops.experts`) call the op per projection inside compiled graphs; its body runs the
+W[e(p)])`` with the semantics of :mod:`quads.ops.linear_op`. The experts kernels
+(:mod:`quads.ops.experts_op`) call the op per projection inside compiled graphs; its body runs the
 backend's ``grouped_linear`` (the same kernel, eagerly: the reference's host loop, which
 synchronizes with the device, runs inside it).
 """
@@ -16,7 +16,7 @@ import torch
 
 from quads.ops.backend_registry import get_backend
 from quads.ops.compile_alignment import align_this_compile
-from quads.ops.linear import act_from_fields, prepared_from_fields
+from quads.ops.linear_op import act_from_fields, prepared_from_fields
 from quads.tensor.nvfp4_math import NVFP4Parts
 
 __all__ = ["grouped_linear_op"]

@@ -3,7 +3,7 @@
 humming picks a GEMM configuration per M interval (entry ``[lo, hi, cfg]`` for ``lo < M <= hi``)
 from its heuristics. ``benchmarks/ops/tune_humming.py`` times candidate configurations on a GPU and
 writes the faster ones to ``quads/assets/humming_tuned/<device>.json`` (``<device>``:
-:func:`device_slug` of ``torch.cuda.get_device_name``). :class:`~quads.ops.humming_library.HummingNVFP4`
+:func:`device_slug` of ``torch.cuda.get_device_name``). :class:`~quads.ops.backends.humming.library.HummingNVFP4`
 reads it: for a layer's (device, N, K, dtype, mode, experts) the tuned entries replace humming's
 on their M intervals; the rest of humming's table stays (:func:`merge_tuned`).
 
@@ -32,7 +32,7 @@ __all__ = ["HUMMING_REQUIREMENT", "TABLE_FORMAT", "TUNED_DIR", "TUNED_MODES", "d
            "table_path", "tuned_intervals", "validate_table"]
 
 TABLE_FORMAT = "quads-humming-tuned/1"
-HUMMING_REQUIREMENT = "humming-kernels==0.1.19"  # the humming quads runs (humming_library re-exports it)
+HUMMING_REQUIREMENT = "humming-kernels==0.1.19"  # the humming quads runs (the library module re-exports it)
 TUNED_DIR = Path(__file__).resolve().parent.parent / "assets" / "humming_tuned"
 TUNED_MODES = ("default", "no_stream_k")
 M_MAX = 1 << 30  # humming's last interval ends here

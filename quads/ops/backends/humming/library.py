@@ -14,7 +14,7 @@ stays below ``2^15``; the GEMM reads ``2^-c / S_w`` and the epilogue multiplies 
 **Configurations** (``mode``, :data:`HUMMING_MODES`): ``"default"`` (humming's M-interval table,
 Stream-K: not deterministic run to run, measured max diff 0.0078 at 4096^2), ``"no_stream_k"``
 (the same table without Stream-K: deterministic) and ``"batch_invariant"``; the first two take the
-GPU's measured configurations on their M intervals where quads ships them (:mod:`.humming_tuning`).
+GPU's measured configurations on their M intervals where quads ships them (:mod:`.tuning`).
 
 **JIT**: a layer's first call compiles its table (~1.5 s per shape; :meth:`HummingNVFP4.warmup`
 before CUDA-graph capture), cached under quads' cache directory (``HUMMING_CACHE_DIR``).
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from quads.kernels.humming_layout import humming_padded_shape, pad_parts, unpad_parts
-from quads.ops.humming_tuning import HUMMING_REQUIREMENT, merge_tuned, tuned_intervals
+from quads.kernels.humming.layout import humming_padded_shape, pad_parts, unpad_parts
+from quads.ops.backends.humming.tuning import HUMMING_REQUIREMENT, merge_tuned, tuned_intervals
 
 __all__ = [
     "HUMMING_REQUIREMENT",
@@ -184,7 +184,7 @@ def prune_table(table: list, rows) -> list:
 
 
 def device_name(device: torch.device) -> str:
-    """The GPU's name (the key of :mod:`quads.ops.humming_tuning`'s tables); ``str(device)`` off CUDA."""
+    """The GPU's name (the key of :mod:`quads.ops.backends.humming.tuning`'s tables); ``str(device)`` off CUDA."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
@@ -208,7 +208,7 @@ def direct_repack(cfg) -> bool:
     (float 4-bit weight, 16-bit activations, e4m3 group scales, a tensor ``weight_scale_2``, no
     padding, zero point, bias, fused/int scales or block-scaled MMA): the case
     :func:`transform_into_` writes straight into the held tensors, and the one
-    :mod:`quads.kernels.humming_layout` restates."""
+    :mod:`quads.kernels.humming.layout` restates."""
     from humming import dtypes
     from humming.config import WeightScale2Type, WeightScaleType
 
@@ -228,7 +228,7 @@ def transform_into_(layer, qdata, scale, global_encode_scale) -> None:
     from humming import ops
     from humming.transform import transform_humming_tensors
 
-    from quads.kernels.humming_layout import scale_layout
+    from quads.kernels.humming.layout import scale_layout
 
     cfg = layer.humming_config
     held = dict(layer.named_parameters())
@@ -294,7 +294,7 @@ class HummingNVFP4:
 
     ``dtype``: the activation dtype the layer multiplies (fp16 for quads' operands; bf16/fp16
     for direct W4A16). Held in the layout of its padded shape ``(pad_n, pad_k)``
-    (:func:`~quads.kernels.humming_layout.pad_parts`: zeros) where humming cannot tile its own; its
+    (:func:`~quads.kernels.humming.layout.pad_parts`: zeros) where humming cannot tile its own; its
     inputs, outputs and packed parts are of the weight's ``(shape_n, shape_k)``: a call pads the
     activations in K where K needs it (one copy) and gives the output's N columns as a view.
     ``operand_max``: the operand bound of the output-range rule for each named
@@ -416,9 +416,9 @@ class HummingNVFP4:
 
     def packed_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """quads' packed ``(qdata, scale)`` derived from the held layout (the inverse permutations of
-        :mod:`quads.kernels.humming_layout`): what export or a fallback needs when only humming's
+        :mod:`quads.kernels.humming.layout`): what export or a fallback needs when only humming's
         layout is kept. The global scale is quads' own (not held here)."""
-        from quads.kernels.humming_layout import scale_unlayout, unrepack_reference
+        from quads.kernels.humming.layout import scale_unlayout, unrepack_reference
 
         cfg = self.layer.humming_config
         if not direct_repack(cfg):
@@ -442,7 +442,7 @@ class HummingNVFP4:
         table = get_heuristics_config(self.layer.humming_config, shape_m=None, device=self.device,
                                       use_batch_invariant=self.mode == "batch_invariant",
                                       **({"gemm_type": GROUPED} if self.num_experts else {}))
-        if tuned:  # this GPU's measured configurations on their M intervals (quads.ops.humming_tuning)
+        if tuned:  # this GPU's measured configurations on their M intervals (quads.ops.backends.humming.tuning)
             table = merge_tuned(table, tuned)
         if self.mode == "no_stream_k":
             table = _no_stream_k(table)
@@ -516,7 +516,7 @@ class HummingNVFP4:
 
         Experts: ``expert_layout`` (E+1,) int32/int64 row offsets, rows ``[off[e], off[e+1])`` of
         ``a`` multiplied by expert ``e`` (humming's grouped-contiguous MoE GEMM; quads'
-        :class:`~quads.ops.experts.Routing` offsets); rows from ``off[E]`` on are not written."""
+        :class:`~quads.ops.experts_op.Routing` offsets); rows from ``off[E]`` on are not written."""
         from humming.forward import humming_forward
 
         layer = self.layer

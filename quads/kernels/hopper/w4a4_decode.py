@@ -4,8 +4,8 @@
 (docs/background.md section 2), or the weight-only product with an fp16 activation operand.
 
 * The weight streams from HBM once, 16 bytes per thread per load, in the layout of
-  :mod:`quads.kernels.hopper_weight_layout`, and is decoded in registers
-  (:mod:`quads.kernels.hopper_weight_decode`) straight into the wgmma register operand
+  :mod:`quads.kernels.hopper.weight_layout`, and is decoded in registers
+  (:mod:`quads.kernels.hopper.weight_decode`) straight into the wgmma register operand
   (swap-AB: weight rows are the MMA's M, tokens its N).
 * Tokens are the MMA's N: the main operand rows and, with residual compensation, the residual
   rows stacked after them (one MMA over ``2M`` columns; for M <= 8 the residual fills columns
@@ -14,7 +14,7 @@
   Each program sums one segment from zero by a chain of k16 wgmma steps; the last program of an
   output tile to arrive (an int32 arrival counter it resets, so CUDA-graph replays work) adds
   the segment sums in segment order and applies the epilogue. No atomics touch the data. The
-  prefill kernel (:mod:`quads.kernels.w4a4_gemm_hopper`) walks the same segments with the same
+  prefill kernel (:mod:`quads.kernels.hopper.w4a4_gemm`) walks the same segments with the same
   operand values, so a row's bits do not depend on M or on which kernel ran.
 """
 
@@ -26,15 +26,15 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quads.kernels._interpreter import interpreting
-from quads.kernels.arrival_counters import arrival_counters
-from quads.kernels.hopper_weight_decode import decode_weight_raw, load_weight_raw, load_weight_tile
-from quads.kernels.hopper_weight_layout import K_BLOCK, HopperWeight
+from quads.kernels.hopper.arrival_counters import arrival_counters
+from quads.kernels.hopper.weight_decode import decode_weight_raw, load_weight_raw, load_weight_tile
+from quads.kernels.hopper.weight_layout import K_BLOCK, HopperWeight
 
 __all__ = ["SEG_K", "OPERAND_SHIFT", "DecodeConfig", "pick_decode_config", "decode_gemm", "max_decode_columns"]
 
 #: canonical K segment (channels) of every quads GEMM: fixes the fp32 summation order
 SEG_K = 512
-#: the weight operand is e2m1 * s * 2^-14 (hopper_weight_decode); epilogues multiply by 2^14
+#: the weight operand is e2m1 * s * 2^-14 (hopper.weight_decode); epilogues multiply by 2^14
 OPERAND_SHIFT = 14
 _MAX_COLUMNS = 128
 

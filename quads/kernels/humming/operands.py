@@ -1,4 +1,4 @@
-"""The two small Triton kernels around a humming GEMM (:mod:`quads.ops.humming_library`): operand sum, epilogue.
+"""The two small Triton kernels around a humming GEMM (:mod:`quads.ops.backends.humming.library`): operand sum, epilogue.
 
 quads hands humming its exact fp16 activation operands ``e2m1 * f32(block scale)`` (unscaled:
 the per-row global scale ``S_x`` is divided out afterwards; the residual shares ``S_x``):
