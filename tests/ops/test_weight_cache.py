@@ -116,14 +116,17 @@ def test_trainer_and_rollout_stay_aligned_across_training_steps():
     quads.sync_weights_(rollout, trainer)
     ids = torch.randint(0, 96, (2, 9))
     opt = torch.optim.SGD(trainer.parameters(), lr=1.0)
+    hits = weight_cache_info()["hits"]
     for _ in range(2):
         with torch.no_grad():
-            assert torch.equal(trainer(ids).logits, rollout(ids).logits)  # W4A16 rollout == QAT trainer
+            want = trainer(ids).logits
+            assert torch.equal(want, rollout(ids).logits)  # W4A16 rollout == QAT trainer
+            assert torch.equal(want, rollout(ids).logits)  # again, from the cached dequantized weights
         trainer(ids).logits.float().logsumexp(-1).mean().backward()
         opt.step()
         opt.zero_grad()
         quads.sync_weights_(rollout, trainer)
-    assert weight_cache_info()["hits"] > 0
+    assert weight_cache_info()["hits"] > hits
 
 
 @pytest.mark.parametrize("write", ["fused_adamw", "foreach", "data_copy"])

@@ -28,7 +28,7 @@ import torch.nn as nn
 from quads.integrations.transformers.config import PLAIN_LOAD_REFUSAL, QuadsConfig
 from quads.policies.modules import QuadsModule
 from quads.policies.policy import QuadsPolicy
-from quads.tensor.files import existing_parent, move_files_into, publish_modes
+from quads.tensor.files import existing_parent, move_files_into, publish_modes, write_atomically
 from quads.tensor.serialization import save_safetensors
 
 __all__ = ["save_pretrained", "model_policy"]
@@ -43,7 +43,7 @@ def _refuse_plain_loads(config_file: Path) -> None:
     (transformers' own writer drops that key, so it is added after it wrote the file)."""
     config = json.loads(config_file.read_text())
     config["transformers_weights"] = PLAIN_LOAD_REFUSAL
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_atomically(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n", what="save_pretrained")
 
 
 def model_policy(model: nn.Module) -> QuadsPolicy:
