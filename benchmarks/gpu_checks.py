@@ -739,6 +739,26 @@ def check_humming_padded():
         del prep
 
 
+@torch.no_grad()
+def compiled_matches_eager(rollout, trainer, xs, run=lambda module: module) -> tuple[bool, str]:
+    """``torch.compile(rollout, fullgraph=True)`` against eager on ``xs``, then after
+    ``sync_weights_(rollout, trainer)``: bits equal both times, the sync changed the output, no
+    recompile. ``run``: how a module's output is read (``lambda m: lambda x: m(x).logits``)."""
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    compiled, eager = run(torch.compile(rollout, fullgraph=True)), run(rollout)
+    before = [compiled(x) for x in xs]
+    same = all(bits_equal(y, eager(x)) for x, y in zip(xs, before))
+    graphs = counters["stats"]["unique_graphs"]
+    quads.sync_weights_(rollout, trainer)
+    after = [compiled(x) for x in xs]
+    synced = all(bits_equal(y, eager(x)) for x, y in zip(xs, after))
+    kept = counters["stats"]["unique_graphs"] == graphs
+    changed = not bits_equal(after[-1], before[-1])
+    return same and synced and kept and changed, \
+        f"equal {same}, after sync {synced} (changed {changed}), no recompile {kept}"
+
+
 @check("humming_compiled")
 def check_humming_compiled():
     """``kernel="fast"`` under ``torch.compile`` (fullgraph, inductor): linears held in humming layouts
@@ -757,7 +777,6 @@ def check_humming_compiled():
         return torch.nn.Sequential(torch.nn.Linear(4096, 2048, bias=True),
                                    torch.nn.Linear(2048, 4096, bias=False)).bfloat16().cuda()
 
-    counters = torch._dynamo.utils.counters
     default = get_backend("humming")
     register_backend(HummingBackend(mode="no_stream_k"))
     try:
@@ -768,22 +787,11 @@ def check_humming_compiled():
                 quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", kernel="fast", activations=activations))
             quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
             held = all(m.weight.kernel_layout is not None for m in rollout)
-            torch._dynamo.reset()
-            compiled = torch.compile(rollout, fullgraph=True)
             g = torch.Generator(device="cuda").manual_seed(5)
             xs = [torch.randn(m, 4096, device="cuda", generator=g).bfloat16() for m in (1, 16, 256)]
-            with torch.no_grad():
-                before = [compiled(x) for x in xs]
-                same = all(bits_equal(y, rollout(x)) for x, y in zip(xs, before))
-                graphs = counters["stats"]["unique_graphs"]
-                quads.sync_weights_(rollout, trainer)
-                after = [compiled(x) for x in xs]
-                synced = all(bits_equal(y, rollout(x)) for x, y in zip(xs, after))
-                kept = counters["stats"]["unique_graphs"] == graphs
-                changed = not bits_equal(after[0], before[0])
+            ok, detail = compiled_matches_eager(rollout, trainer, xs)
             record(f"humming compiled ({activations} activations) == eager bits, and after a sync",
-                   held and same and synced and kept and changed,
-                   f"layout-held {held}, equal {same}, after sync {synced} (changed {changed}), no recompile {kept}")
+                   held and ok, f"layout-held {held}, {detail}")
     finally:
         register_backend(default)
         torch._dynamo.reset()
@@ -798,7 +806,6 @@ def check_compiled():
 
     from quads.policies import build_rollout_model
 
-    counters = torch._dynamo.utils.counters
     _, moe = _qwen3_configs(dense_layers=2)
     g = torch.Generator(device="cuda").manual_seed(5)
     for name in ("stack nvfp4", "stack bf16", "qwen3-moe"):
@@ -809,31 +816,17 @@ def check_compiled():
             xs = [torch.randint(0, 4096, (b, t), device="cuda", generator=g) for b, t in ((1, 1), (4, 16), (2, 64))]
             run = (lambda mod: lambda x: mod(x).logits)
         else:
-            def stack():
-                return torch.nn.Sequential(torch.nn.Linear(2880, 1408, bias=True),
-                                           torch.nn.Linear(1408, 2880, bias=False)).bfloat16().cuda()
-            rollout, trainer = stack(), stack()
+            rollout, trainer = (torch.nn.Sequential(torch.nn.Linear(2880, 1408, bias=True),
+                                                    torch.nn.Linear(1408, 2880, bias=False)).bfloat16().cuda()
+                                for _ in range(2))
             quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", activations=name.split()[1]))
             quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
             xs = [torch.randn(m, 2880, device="cuda", generator=g).bfloat16() for m in (1, 16, 256)]
             run = (lambda mod: mod)
-        torch._dynamo.reset()
-        compiled = run(torch.compile(rollout, fullgraph=True))
-        eager = run(rollout)
         with torch.no_grad():
-            before = [compiled(x) for x in xs]
-            same = all(bits_equal(y, eager(x)) for x, y in zip(xs, before))
-            graphs = counters["stats"]["unique_graphs"]
-            with torch.no_grad():
-                for p_ in trainer.parameters():
-                    p_.add_(torch.randn_like(p_) * 0.02)
-            quads.sync_weights_(rollout, trainer)
-            after = [compiled(x) for x in xs]
-            synced = all(bits_equal(y, eager(x)) for x, y in zip(xs, after))
-            kept = counters["stats"]["unique_graphs"] == graphs
-            changed = not bits_equal(after[-1], before[-1])
-        record(f"compiled exact ({name}) == eager bits, and after a sync", same and synced and kept and changed,
-               f"equal {same}, after sync {synced} (changed {changed}), no recompile {kept}")
+            for p_ in trainer.parameters():  # a training step's worth of change before the sync
+                p_.add_(torch.randn_like(p_) * 0.02)
+        record(f"compiled exact ({name}) == eager bits, and after a sync", *compiled_matches_eager(rollout, trainer, xs, run))
     torch._dynamo.reset()
 
 

@@ -162,7 +162,7 @@ def test_compiled_ops_take_the_module_kernel(kernel_ops):
 def test_kernel_handles_survive_deep_copying_fake_objects(monkeypatch):
     """Some torch versions (2.11) deep-copy the object a fake script object wraps: the kernel
     handle is a reference, so the copy is the handle itself and the compiled graph still runs the
-    module's kernel (a handle that copied into something else failed inside aot_autograd)."""
+    module's kernel (a copy that is anything else fails inside aot_autograd)."""
     import copy
 
     from torch._library import fake_class_registry
