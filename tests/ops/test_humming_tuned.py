@@ -8,10 +8,12 @@ import json
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
+import quads
 from quads.ops.backends.humming import backend as hb
 from quads.ops.backends.humming import library as hg
 from quads.ops.backends.humming import tuning as ht
@@ -91,7 +93,8 @@ def test_shipped_table_path_is_named_after_the_device(monkeypatch, tmp_path):
     assert ht.device_slug("NVIDIA H200") == "nvidia-h200" and ht.device_slug(" NVIDIA H100 80GB HBM3") == \
         "nvidia-h100-80gb-hbm3"
     assert ht.table_path(DEVICE) == ht.TUNED_DIR / "nvidia-h200.json"
-    assert ht.TUNED_DIR.parent.name == "assets"  # shipped with the package (pyproject's package-data)
+    # shipped with the package (pyproject's package-data: quads/assets/**)
+    assert ht.TUNED_DIR.parent == Path(quads.__file__).resolve().parent / "assets"
     assert ht.load_table("No Such GPU") == {}  # no file: no entries
     monkeypatch.setenv("QUADS_HUMMING_TUNED", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="missing.json: no such file"):

@@ -33,7 +33,7 @@ __all__ = ["HUMMING_REQUIREMENT", "TABLE_FORMAT", "TUNED_DIR", "TUNED_MODES", "d
 
 TABLE_FORMAT = "quads-humming-tuned/1"
 HUMMING_REQUIREMENT = "humming-kernels==0.1.19"  # the humming quads runs (the library module re-exports it)
-TUNED_DIR = Path(__file__).resolve().parent.parent / "assets" / "humming_tuned"
+TUNED_DIR = Path(__file__).resolve().parents[3] / "assets" / "humming_tuned"  # quads/assets/humming_tuned
 TUNED_MODES = ("default", "no_stream_k")
 M_MAX = 1 << 30  # humming's last interval ends here
 #: the fields of humming 0.1.19's ``TuningConfig``, plus ``num_sms`` and ``use_f16_accum`` (its heuristic
