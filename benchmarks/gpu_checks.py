@@ -1167,7 +1167,7 @@ CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": chec
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
           "humming": check_humming, "humming_compiled": check_humming_compiled,
           "humming_siblings": check_humming_siblings, "humming_padded": check_humming_padded,
-          "four_over_six": check_four_over_six,
+          "compiled": check_compiled, "four_over_six": check_four_over_six,
           "moe_routing": check_moe_routing, "graphed_sync": check_graphed_sync,
           "graphed_routing": check_graphed_routing, "save_load": check_save_load}
 

@@ -1,12 +1,15 @@
-"""Host time of one eager decode step of the embedded MoE (``quads/assets/tiny-moe-arith``) on CPU.
+"""Host time of one eager decode step of the embedded MoE (``quads/assets/tiny-moe-arith``).
 
-    python -m benchmarks.ops.bench_decode_host [--steps 400] [--prompt 8] [--threads 1]
+    python -m benchmarks.ops.bench_decode_host [--steps 400] [--prompt 8] [--threads 1] [--device cpu|cuda]
 
-The rollout model (``quantize_(model, QuadsPolicy(side="rollout"))``, the torch backend: CPU
-tensors) decodes one token per step with transformers' key/value cache; each step is timed
-alone (``time.perf_counter``), the cache reset every ``--run`` steps (the model's 64 positions).
+The rollout model (``quantize_(model, QuadsPolicy(side="rollout"))``: the torch backend on CPU,
+the exact Triton kernels on a CUDA GPU) decodes one token per step with transformers'
+key/value cache; each step is timed alone (``time.perf_counter``; on CUDA the device is
+synchronized at both ends), the cache reset every ``--run`` steps (the model's 64 positions).
 Prints the median and the quartiles in microseconds. The shapes are tiny (hidden 128, 8 experts
-of 128), so the number is mostly Python and torch dispatch: what the rollout path's glue costs.
+of 128): on CPU the number is mostly the torch reference math and dispatch; on a GPU, whose
+kernels take microseconds at these shapes, the step is host-bound: what the rollout path's
+Python and launches cost.
 """
 
 from __future__ import annotations
@@ -21,24 +24,28 @@ import quads
 from quads.tasks.default_model import load_default_model
 
 
-def decode_step_times(steps: int, prompt: int, run: int) -> list[float]:
+def decode_step_times(steps: int, prompt: int, run: int, device: str = "cpu") -> list[float]:
     model, _ = load_default_model()
+    model.to(device)
     quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(0)
     times: list[float] = []
     with torch.no_grad():
         while len(times) < steps:
-            ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=gen)
+            ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=gen).to(device)
             cache = DynamicCache(config=model.config)
             out = model(input_ids=ids, past_key_values=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
             for pos in range(prompt, min(prompt + run, model.config.max_position_embeddings)):
+                sync()
                 t0 = time.perf_counter()
                 out = model(input_ids=token, past_key_values=cache, use_cache=True,
-                            position_ids=torch.tensor([[pos]]))
+                            position_ids=torch.tensor([[pos]], device=device))
                 token = out.logits[:, -1:].argmax(-1)
+                sync()
                 times.append(time.perf_counter() - t0)
     return times[:steps]
 
@@ -49,11 +56,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=8, help="prompt tokens before each run")
     ap.add_argument("--run", type=int, default=48, help="decode steps per cache")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    times = decode_step_times(args.steps, args.prompt, args.run)
+    times = decode_step_times(args.steps, args.prompt, args.run, args.device)
     q = statistics.quantiles([t * 1e6 for t in times], n=4)
-    print(f"decode step, tiny-moe-arith, torch backend, CPU: median {q[1]:.0f} us "
+    where = "torch backend, CPU" if args.device == "cpu" else f"exact kernels, {torch.cuda.get_device_name()}"
+    print(f"decode step, tiny-moe-arith, {where}: median {q[1]:.0f} us "
           f"(quartiles {q[0]:.0f} / {q[2]:.0f}; {len(times)} steps)")
 
 

@@ -26,7 +26,12 @@ in every variant, never NVFP4):
 
 * ``moe``: Qwen3-MoE, 4 layers, hidden 2048, 32/4 heads of 128, 64 experts top-6 of width 1408
   (2.4B parameters), transformers' ``grouped_mm`` experts;
-* ``dense``: Qwen3, 6 layers, hidden 3072, MLP 8192, 24/8 heads of 128 (0.8B parameters).
+* ``moe-128e``: Qwen3-30B-A3B's widths, 4 layers: hidden 2048, 32/4 heads of 128, 128 experts top-8
+  of width 768;
+* ``moe-2880``: GPT-OSS's widths, 4 layers: hidden 2880, 64/8 heads of 64, 32 experts top-4 of
+  width 2880 (humming serves 2880 through its padded layout);
+* ``dense``: Qwen3, 6 layers, hidden 3072, MLP 8192, 24/8 heads of 128 (0.8B parameters);
+* ``dense-4096``: Qwen3, 4 layers, hidden 4096, MLP 12288, 32/8 heads of 128.
 
 Variants ``<preset>@<masters>``: a preset of ``POLICY_PRESETS`` (``bf16``, ``quads``, ...) or
 ``quads-fast`` (``quads`` with ``QuadsPolicy(side="rollout", kernel="fast")``: humming's GEMMs);
@@ -68,6 +73,14 @@ from quads.tensor.files import write_atomically  # noqa: E402
 VOCAB = 32000
 PHASES = ("step", "generate", "score", "train", "sync")
 DEFAULT_VARIANTS = "bf16@fp32,bf16@bf16,quads@fp32,quads-fast@fp32"
+#: name -> (MoE, layers, hidden, heads, key/value heads, head dim, MLP or expert width, experts, top-k)
+MODELS = {
+    "moe": (True, 4, 2048, 32, 4, 128, 1408, 64, 6),
+    "moe-128e": (True, 4, 2048, 32, 4, 128, 768, 128, 8),
+    "moe-2880": (True, 4, 2880, 64, 8, 64, 2880, 32, 4),
+    "dense": (False, 6, 3072, 24, 8, 128, 8192, 0, 0),
+    "dense-4096": (False, 4, 4096, 32, 8, 128, 12288, 0, 0),
+}
 
 
 def build_model(kind: str, tiny: bool, device: str):
@@ -75,22 +88,23 @@ def build_model(kind: str, tiny: bool, device: str):
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     common = dict(vocab_size=VOCAB // (100 if tiny else 1), max_position_embeddings=4096, tie_word_embeddings=False,
-                  head_dim=16 if tiny else 128, attn_implementation="sdpa")
-    if kind == "moe":
-        cfg = Qwen3MoeConfig(num_hidden_layers=2 if tiny else 4, hidden_size=64 if tiny else 2048,
-                             num_attention_heads=4 if tiny else 32, num_key_value_heads=2 if tiny else 4,
-                             intermediate_size=128 if tiny else 6144, moe_intermediate_size=32 if tiny else 1408,
-                             num_experts=8 if tiny else 64, num_experts_per_tok=2 if tiny else 6,
-                             decoder_sparse_step=1, norm_topk_prob=True, **common)
+                  attn_implementation="sdpa")
+    if kind not in MODELS:
+        raise ValueError(f"unknown model {kind!r}; use one of {', '.join(MODELS)}")
+    moe, layers, hidden, heads, kv_heads, head_dim, width, experts, top_k = MODELS[kind]
+    if tiny:
+        layers, hidden, heads, kv_heads, head_dim, width, experts, top_k = 2, 64, 4, 2, 16, 128, 8 if moe else 0, 2
+    common.update(head_dim=head_dim, num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads)
+    if moe:
+        cfg = Qwen3MoeConfig(intermediate_size=3 * hidden, moe_intermediate_size=width // (4 if tiny else 1),
+                             num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1,
+                             norm_topk_prob=True, **common)
         cfg._experts_implementation = "grouped_mm"
         cls = Qwen3MoeForCausalLM
-    elif kind == "dense":
-        cfg = Qwen3Config(num_hidden_layers=2 if tiny else 6, hidden_size=64 if tiny else 3072,
-                          num_attention_heads=4 if tiny else 24, num_key_value_heads=2 if tiny else 8,
-                          intermediate_size=128 if tiny else 8192, **common)
-        cls = Qwen3ForCausalLM
     else:
-        raise ValueError(f"unknown model {kind!r}; use moe or dense")
+        cfg = Qwen3Config(intermediate_size=width, **common)
+        cls = Qwen3ForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
         model = cls(cfg).float()
@@ -297,6 +311,7 @@ def run_variant(kind: str, variant: str, args) -> dict:
         trainer.train()
         logs = [h for h in trainer.state.log_history if "timing/quads/generate_s" in h]
         decode = {**trainer.quads_rollout.decode_report(), **trainer.quads_rollout.sync_report()}
+        kernels = kernel_counts(trainer.quads_rollout.model)
         lengths = [h.get("completions/mean_length") for h in logs]
         peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
         del trainer, model
@@ -310,9 +325,19 @@ def run_variant(kind: str, variant: str, args) -> dict:
               "train": [s - g - y - c for s, g, y, c in zip(clock.step_s, gen, syn, clock.score_s)]}
     row = {"model": kind, "variant": variant, "preset": preset.name, "masters": str(masters).replace("torch.", ""),
            "params": params, "first_step_s": clock.step_s[0], "peak_gib": round(peak, 2), "decode": decode,
-           "completion_len": lengths, "per_step": phases}
+           "completion_len": lengths, "kernels": kernels, "per_step": phases}
     row.update({f"{p}_s": statistics.median(v[timed]) for p, v in phases.items()})
     return row
+
+
+def kernel_counts(model) -> dict[str, int]:
+    """How many rollout modules run each kernel class (e.g. ``{"HummingLinearKernel": 24, ...}``):
+    whether every layer of a ``-fast`` variant is on the fast kernels."""
+    from collections import Counter
+
+    from quads.policies.modules import RolloutModule
+
+    return dict(Counter(type(m.quads_kernel()).__name__ for m in model.modules() if isinstance(m, RolloutModule)))
 
 
 def table(rows: list[dict]) -> str:
@@ -382,7 +407,8 @@ def main(argv=None) -> int:
             print(f"[rl_step] {kind} {variant}: step {row['step_s']:.3f} s (generate {row['generate_s']:.3f}, score "
                   f"{row['score_s']:.3f}, train {row['train_s']:.3f}, sync {row['sync_s']:.4f}; first step "
                   f"{row['first_step_s']:.1f} s; {row['decode']['decoder']}, {row['decode']['captures']} capture(s); sync "
-                  f"{row['decode']['sync']} {row['decode']['replays']} replay(s) {row['decode']['sync_blocker'] or ''}) "
+                  f"{row['decode']['sync']} {row['decode']['replays']} replay(s) {row['decode']['sync_blocker'] or ''}; "
+                  f"kernels {row['kernels']}) "
                   f"[{time.time() - t0:.0f} s]", flush=True)
             write_atomically(out / "rl_step.json", json.dumps({"args": vars(args), "rows": rows, "skipped": skipped, "failed": failed}, indent=1))
     text = table(rows) + (f"\n\nnot run (--budget-s): {', '.join(skipped)}" if skipped else "")
