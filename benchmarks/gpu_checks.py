@@ -575,9 +575,9 @@ def _graph_us(fn, reps=200) -> float:
 def check_humming_siblings():
     """Sibling sets on humming (group mode: one global scale): one GEMM over the stacked weight
     against each member's own GEMM on the same operands, at SmolLM2 (K=576) and Qwen3 dense
-    (K=3072) shapes, M = 1, 16, 64: each output within the stated bound of the exact path
-    (``bench_humming.bounds``), whether the bits equal the per-member GEMM's (reported), and the
-    time of both under CUDA graphs (the quantization included in both)."""
+    (K=3072) shapes, M = 1, 16, 64, W4A4 + residual and W4A16: each output within the stated bound
+    of the exact path (``bench_humming.bounds``), whether the bits equal the per-member GEMM's
+    (reported), and the time of both under CUDA graphs (the quantization included in both)."""
     why = humming_unavailable()
     if why:
         RESULTS["humming_siblings"] = {"ok": True, "skipped": True, "detail": why}
@@ -636,6 +636,39 @@ def check_humming_siblings():
                        f"{bits_equal(y, ys)}; shifts {shifts} -> {shift}; "
                        f"graphs: stacked {t_one:.1f} us, per member {t_each:.1f} us")
             del prepared, siblings, stack, kernel, each
+    # W4A16 (bf16 activations as they are), the default mode: one GEMM over the stacked weight
+    # against the members' own
+    backend = HummingBackend(mode="default", stack_siblings=True)
+    for name, (k, sizes) in sets.items():
+        masters = [(torch.randn(n, k, device="cuda", generator=g) * 0.02 * (i + 1)).bfloat16()
+                   for i, n in enumerate(sizes)]
+        shared = shared_global_encode_scale(masters)
+        parts = [nvfp4_quantize(w, None, shared) for w in masters]
+        prepared = [backend.prepare_weight(p) for p in parts]
+        each = [HummingLinearKernel(backend, LinearArgs(p, None, None, w)) for p, w in zip(parts, prepared)]
+        siblings = SiblingSet(backend, None, sizes)
+        stacked = siblings.stack(prepared, [shared] * len(sizes), shared_scale=True) is not None
+        kernel = siblings.kernel()
+        whole = NVFP4Parts(torch.cat([p.qdata for p in parts]), torch.cat([p.scale for p in parts]), shared)
+        for hw in ((siblings.stacked.weight,) if stacked else ()) + tuple(prepared):
+            hw.warmup(dtypes=(torch.bfloat16,), ms=(1, 16, 64))
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device="cuda", generator=g)
+            x[:, 3] *= 30.0
+            x = x.bfloat16()
+            y, _ = kernel.apply(x)
+            ys = torch.cat([kern.apply(x) for kern in each], dim=-1)
+            ref, b = bounds(x, whole, "w4a16-sk")  # the default mode: humming's Stream-K configurations
+            worst = float(((y.float() - ref).abs() / b.clamp(min=1e-30)).max()) if y is not None else float("inf")
+            worst_each = float(((ys.float() - ref).abs() / b.clamp(min=1e-30)).max())
+            t_one = _graph_us(lambda: kernel.apply(x))
+            t_each = _graph_us(lambda: [kern.apply(x) for kern in each])
+            record(f"humming siblings {name} W4A16 M={m}: stacked GEMM within the stated bound",
+                   stacked and worst <= 1 and worst_each <= 1,
+                   f"stacked {stacked}; max |err|/bound stacked {worst:.3f}, per member {worst_each:.3f}; "
+                   f"bits == per member {y is not None and bits_equal(y, ys)}; "
+                   f"graphs: stacked {t_one:.1f} us, per member {t_each:.1f} us")
+        del prepared, siblings, kernel, each
 
 
 #: (N, K) of the padded-layout check: SmolLM2 (576, k/v 192, MLP 1536), Qwen2.5-0.5B-like 960,

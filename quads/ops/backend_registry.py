@@ -175,10 +175,11 @@ class Backend:
     * ``linear_kernel(args)`` -> the :class:`LinearKernel` of one weight (the module's, made once);
       ``linear(x2d, weight, bias, act, static_mask, prepared, operands)`` -> ``(M, N)``: one call
       through it (W4A4 + residual with an ``ActivationQuant``, W4A16 with ``act=None``).
-    * ``stack_prepared(prepared, shared_scale)`` -> the stacked layout of sibling weights and one view
-      of it per member (written through the views from then on, or the members' own layouts where
-      the stacked one is a copy with ``write_member_(i)``), or None when the backend has no stacked
-      GEMM for them (``shared_scale``: the weights share one global scale);
+    * ``stack_prepared(prepared, shared_scale, weight_only)`` -> the stacked layout of sibling weights
+      and one view of it per member (written through the views from then on, or the members' own
+      layouts where the stacked one is a copy with ``write_member_(i)``), or None when the backend
+      has no stacked GEMM for them (``shared_scale``: the weights share one global scale;
+      ``weight_only``: the set multiplies unquantized activations, W4A16);
       ``sibling_kernel_class``: the kernel of a :class:`~quads.ops.sibling_linear.SiblingSet` (the
       operands once, one GEMM over that layout where there is one).
     * ``experts_kernel(gate_up, down)`` -> the experts module's kernel (``experts_kernel_class``);
@@ -252,7 +253,7 @@ class Backend:
         """One linear call through :meth:`linear_kernel` (callers that keep no kernel)."""
         return self.linear_kernel(LinearArgs(weight, act, static_mask, prepared)).apply(x2d, bias, operands)
 
-    def stack_prepared(self, prepared: Sequence, shared_scale: bool = False):
+    def stack_prepared(self, prepared: Sequence, shared_scale: bool = False, weight_only: bool = False):
         return None
 
     #: the class of this backend's sibling-set kernels: :class:`quads.ops.sibling_linear.SiblingKernel`

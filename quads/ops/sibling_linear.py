@@ -73,9 +73,9 @@ class SiblingSet:
         sync), or None where the backend has no stacked GEMM for them. ``shared_scale``: the
         members' weights share one global scale by construction (group mode), which a stacked
         GEMM with one scale for all (humming's) needs."""
-        if self.act is None or len(prepared) < 2:
+        if len(prepared) < 2:
             return None
-        made = self.backend.stack_prepared(prepared, shared_scale)
+        made = self.backend.stack_prepared(prepared, shared_scale, weight_only=self.act is None)
         if made is None:
             return None
         self.stacked, self.views = made

@@ -206,3 +206,55 @@ def test_an_interrupted_sync_leaves_the_stacked_copy_as_it_was(fake_humming, mon
                                             for a, b in zip(now, old))
     with torch.no_grad():
         assert torch.equal(model(x).logits, y0)
+
+
+def _fast_w4a16_rollout(seed=0):
+    model = _llama(seed)
+    with quads.use_backend("humming"):
+        quads.quantize_(model, quads.QuadsPolicy(side="rollout", kernel="fast", activations="bf16"))
+    return model
+
+
+def test_w4a16_sibling_sets_run_one_humming_gemm_with_each_members_arithmetic(fake_humming):
+    """Weight-only siblings of one global scale: one GEMM over the stacked weight in the input's
+    dtype, each member's columns its own kernel's arithmetic (fp32 sum of exact products x 1/S_w,
+    rounded once): bit-equal to the members' own GEMMs on the stand-in (on the GPU, within the
+    fast path's run-to-run spread: the GPU check ``humming_siblings``)."""
+    model, alone = _fast_w4a16_rollout(), _fast_w4a16_rollout()
+    assert fuse_projections_(model) == 2
+    sets = _sets(model)
+    assert all(isinstance(s.stacked, hb.HummingStack) and isinstance(s.kernel(), hb.HummingSiblingKernel)
+               for s in sets)
+    x = _input()
+    with torch.no_grad():
+        alone(x)
+        n_alone = len(fake_humming)
+        del fake_humming[:]
+        y = model(x).logits
+        assert len(fake_humming) == n_alone - 3  # q/k/v and gate/up: 2 GEMMs instead of 5
+        assert {a[1] for a in fake_humming} == {"unit"} and {a[0][1] for a in fake_humming} == {128}
+        assert torch.equal(y, alone(x).logits)
+
+
+def test_a_sync_writes_through_w4a16_members_into_the_stacked_gemm(fake_humming):
+    """After a sync with new weights (a new shared global scale), the stacked W4A16 GEMM gives the
+    members' own outputs: its layout and its ``1 / S_w`` follow the members."""
+    trainer = _llama(seed=7)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(3.0)  # a different global scale than the rollout's
+    quads.quantize_(trainer, quads.QuadsPolicy(side="trainer", activations="bf16"))
+    fused, alone = _fast_w4a16_rollout(seed=1), _fast_w4a16_rollout(seed=1)
+    fuse_projections_(fused)
+    x = _input()
+    with torch.no_grad():
+        before = fused(x).logits
+    quads.sync_weights_(fused, trainer)
+    quads.sync_weights_(alone, trainer)
+    for s in _sets(fused):
+        assert float(s.stacked.weight.layer(torch.bfloat16).ws2["unit"]) == float(
+            s.stacked.members[0].layer(torch.bfloat16).ws2["unit"])
+    with torch.no_grad():
+        after, want = fused(x).logits, alone(x).logits
+    assert not torch.equal(after, before)
+    assert torch.equal(after, want)

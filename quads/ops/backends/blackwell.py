@@ -45,7 +45,7 @@ class BlackwellBackend(HopperBackend):
 
     linear_kernel_class = BlackwellLinearKernel
 
-    def stack_prepared(self, prepared, shared_scale=False):
+    def stack_prepared(self, prepared, shared_scale=False, weight_only=False):
         return None
 
 

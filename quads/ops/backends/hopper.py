@@ -210,12 +210,13 @@ class HopperSiblingKernel(SiblingKernel):
         return self.siblings.keep(i, key, x, y, ops)
 
 
-def stack_prepared_hopper(prepared: Sequence, shared_scale: bool = False):
+def stack_prepared_hopper(prepared: Sequence, shared_scale: bool = False, weight_only: bool = False):
     """The Hopper layouts of sibling weights (each N a multiple of 64, one K, one device) as one
-    layout stacked along N, and each member's view of it; None when they do not qualify."""
+    layout stacked along N, and each member's view of it; None when they do not qualify or the set
+    is weight-only (the W4A16 siblings share their fp16 rows; each member runs its own GEMM)."""
     from quads.kernels.hopper.weight_layout import ROW_PAD, HopperWeight
 
-    if not all(isinstance(p, HopperWeight) and p.values.dim() == 4 for p in prepared):
+    if weight_only or not all(isinstance(p, HopperWeight) and p.values.dim() == 4 for p in prepared):
         return None
     first = prepared[0]
     if any(p.n % ROW_PAD or p.k != first.k or p.values.device != first.values.device for p in prepared):

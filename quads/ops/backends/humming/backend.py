@@ -413,7 +413,9 @@ class HummingStack:
         return self.weight.nbytes
 
     def write_member_(self, i: int) -> None:
-        """Member ``i``'s layout (written by a sync) into its columns, in place; the shifts from all members'."""
+        """Member ``i``'s layout (written by a sync) into its columns, in place; the run-time scales
+        of every layer of the stack (fp16: the shifts from all members'; a W4A16 layer of another
+        dtype, sharing the fp16 layout: ``1 / S_w``, unshifted)."""
         dst, src = self.weight.layer(torch.float16), self.members[i].layer(torch.float16)
         lo, hi = self.offsets[i], self.offsets[i + 1]  # (a padded member's own columns: its first hi - lo)
         dst.layer.weight.data[..., 2 * lo:2 * hi].copy_(src.layer.weight.data[..., :2 * (hi - lo)])
@@ -421,11 +423,15 @@ class HummingStack:
         gs = self.members[i].global_encode_scale
         self.weight.global_encode_scale = gs
         one = torch.ones(1, dtype=torch.float32, device=dst.ws2[next(iter(dst.ws2))].device)
-        for name in dst.ws2:
-            c = torch.stack([m.layer(torch.float16).shift[name].reshape(()) for m in self.members]).amax().reshape(1)
-            dst.shift[name].copy_(c)
-            dst.ws2[name].copy_(one / gs.reshape(-1).to(torch.float32) * torch.exp2(-c))
-            dst.unshift[name].copy_(torch.exp2(c))
+        for dtype, lay in self.weight.layers.items():
+            for name in lay.ws2:
+                if lay.operand_max.get(name) is None:  # an unshifted range (c = 0)
+                    c = torch.zeros(1, dtype=torch.float32, device=one.device)
+                else:
+                    c = torch.stack([m.layer(dtype).shift[name].reshape(()) for m in self.members]).amax().reshape(1)
+                lay.shift[name].copy_(c)
+                lay.ws2[name].copy_(one / gs.reshape(-1).to(torch.float32) * torch.exp2(-c))
+                lay.unshift[name].copy_(torch.exp2(c))
 
 
 def _layer_fields(w: HummingWeight):
@@ -468,19 +474,26 @@ def stack_prepared_humming(prepared, shared_scale: bool):
 
 class HummingSiblingKernel(HopperSiblingKernel):
     """The humming backend's sibling-set kernel: over a :class:`HummingStack`, for 16-bit inputs
-    where no member has a bias, the input quantized once and one humming GEMM over the stacked
-    weight (:class:`HummingLinearKernel`'s W4A4 steps and bits, inline: the launchers two calls
-    below a member's forward), its columns to the members; else the operands once
-    for the members' own kernels; over a Hopper-laid stack the Hopper decode GEMM
+    where no member has a bias, one humming GEMM over the stacked weight, its columns to the
+    members: W4A4 (+ residual) with the input quantized once (:class:`HummingLinearKernel`'s steps
+    and bits, inline: the launchers two calls below a member's forward), W4A16 on the input as it
+    is (the layer of its dtype, ``1 / S_w`` for all members: their one global scale); else the
+    operands once for the members' own kernels; over a Hopper-laid stack the Hopper decode GEMM
     (:class:`~quads.ops.backends.hopper.HopperSiblingKernel`'s)."""
 
     def __init__(self, siblings):
         super().__init__(siblings)
-        self.layer = None
+        self.layer, self.layers = None, {}
         if isinstance(self.stacked, HummingStack):  # (a Hopper-laid stack: the Hopper decode GEMM)
-            self.layer, self.stacked = self.stacked.weight.layer(torch.float16), None
+            if self.act is None:  # W4A16: a layer per activation dtype, made now (one shared layout)
+                self.layers = {dtype: self.stacked.weight.layer(dtype) for dtype in HummingLinearKernel.humming_dtypes}
+            else:
+                self.layer = self.stacked.weight.layer(torch.float16)
+            self.stacked = None
 
     def apply(self, x, i=None, bias=None):
+        if self.layers and x.dtype in self.layers:
+            return self._weight_only(x, i, bias)
         if self.layer is None or x.dtype not in HummingLinearKernel.humming_dtypes:
             return super().apply(x, i, bias)
         hit, key, biased = self.siblings.begin(i, x, bias)
@@ -505,6 +518,19 @@ class HummingSiblingKernel(HopperSiblingKernel):
         scaling = "summed" if summed else "w4a4"
         y = unscale_rows(layer(op, scaling), m, layer.unshift[scaling], scale, bias, x2.dtype, stacked=stacked)
         return self.siblings.keep(i, key, x, y, None)
+
+    def _weight_only(self, x, i, bias):
+        """W4A16: one GEMM over the stacked weight in ``x.dtype`` (each column ``fp32 sum of exact
+        products * (1/S_w)``, rounded once: a member's own kernel's arithmetic); with a bias
+        anywhere, each member computes alone."""
+        hit, key, biased = self.siblings.begin(i, x, bias)
+        if hit is not None:
+            return hit
+        if biased:
+            return self.siblings.keep(i, key, x, None, None)
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        return self.siblings.keep(i, key, x, self.layers[x2.dtype](x2), None)
 
 
 class HummingBackend(HopperBackend):
@@ -559,11 +585,11 @@ class HummingBackend(HopperBackend):
             return HummingWeight.from_op_fields(tensors, config, global_encode_scale, weight)
         return super().prepared_from_op(tensors, config, weight, global_encode_scale)
 
-    def stack_prepared(self, prepared, shared_scale=False):
-        """One humming weight over sibling humming weights of one global scale; siblings in the
-        Hopper layout (shapes humming cannot tile) stacked as on the Hopper backend."""
+    def stack_prepared(self, prepared, shared_scale=False, weight_only=False):
+        """One humming weight over sibling humming weights of one global scale (W4A4 and W4A16);
+        siblings in the Hopper layout stacked as on the Hopper backend."""
         return (stack_prepared_humming(prepared, shared_scale and self.stack_siblings)
-                or stack_prepared_hopper(prepared))
+                or stack_prepared_hopper(prepared, weight_only=weight_only))
 
     def linear_kernel(self, args: LinearArgs) -> LinearKernel:
         """:class:`HummingLinearKernel` where :func:`humming_serves` the weight, the exact Hopper
