@@ -2,7 +2,7 @@
 
 humming (``QuadsPolicy(kernel="fast")``) compiles its GEMMs with NVRTC on a layer's first call:
 tens of seconds for a model's worth of shapes in a fresh process, seconds once its disk cache
-(:func:`quads.ops.backends.humming.library.humming_cache_root`) holds them. :func:`warm_up_kernels` pays
+(:func:`quads.ops.backends.humming.library.humming_cache_dir`) holds them. :func:`warm_up_kernels` pays
 that once, outside any graph capture, and says so; the graphed decoder calls it before its first
 rollout. The exact Triton kernels need no warm-up (compiled at the decoder's warm-up step).
 
@@ -101,11 +101,10 @@ def warm_up_kernels(model: nn.Module, log=None, workers: int | None = None) -> f
     if not weights:
         return 0.0
     say = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    from quads.ops.backends.humming.library import humming_cache_root
+    from quads.ops.backends.humming.library import humming_cache_dir
 
-    cache = os.environ.get("HUMMING_CACHE_DIR") or humming_cache_root()
     say(f"quads: compiling the fast kernels (humming) for {len(weights)} weights before the first rollout "
-        f"(cached in {cache}; a fresh cache takes tens of seconds) ...")
+        f"(cached in {humming_cache_dir()}; a fresh cache takes tens of seconds) ...")
     start = time.perf_counter()
     groups = _groups(weights)
     _warm_firsts(groups, min(len(groups), workers or _build_workers()))
