@@ -28,7 +28,8 @@ __all__ = ["warm_up_kernels"]
 
 
 def _jit_weights(model: nn.Module) -> list[tuple[object, torch.dtype]]:
-    """(prepared weight, activation dtype of its GEMM) of every weight a JIT backend holds."""
+    """(prepared weight, activation dtype of its GEMM) of every weight a JIT backend holds, the
+    stacked weights of fused sibling sets included (their GEMM multiplies fp16 operands)."""
     out = []
     for module in model.modules():
         if not isinstance(module, RolloutModule):
@@ -36,6 +37,9 @@ def _jit_weights(model: nn.Module) -> list[tuple[object, torch.dtype]]:
         # W4A4 multiplies quads' fp16 operands; weight-only W4A16 the activations' own dtype
         dtype = torch.float16 if module.quads_act is not None else getattr(module, module.quads_packed_names[0]).dtype
         out += [(p, dtype) for p in module.quads_prepared if hasattr(p, "warmup")]
+        stacked = getattr(getattr(getattr(module, "quads_group", None), "stacked", None), "weight", None)
+        if hasattr(stacked, "warmup"):
+            out.append((stacked, torch.float16))
     return out
 
 
