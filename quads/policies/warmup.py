@@ -107,10 +107,10 @@ def warm_up_kernels(model: nn.Module, log=None, workers: int | None = None) -> f
     say = log or (lambda line: print(line, file=sys.stderr, flush=True))
     from quads.ops.backends.humming.library import humming_cache_dir
 
-    say(f"quads: compiling the fast kernels (humming) for {len(weights)} weights before the first rollout "
+    groups = _groups(weights)
+    say(f"quads: compiling the fast kernels (humming) for {sum(map(len, groups))} weights before the first rollout "
         f"(cached in {humming_cache_dir()}; a fresh cache takes tens of seconds) ...")
     start = time.perf_counter()
-    groups = _groups(weights)
     _warm_firsts(groups, min(len(groups), workers or _build_workers()))
     for group in groups:  # the rest: humming's in-process cache holds their kernels now
         for prepared, dtype in group[1:]:
