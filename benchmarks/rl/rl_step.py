@@ -2,6 +2,7 @@
 
     python -m benchmarks.rl.rl_step --out DIR [--models moe,dense] [--variants bf16@fp32,bf16@bf16,quads@fp32,quads-fast@fp32]
         [--prompts 8] [--generations 8] [--prompt-len 64] [--new-tokens 192] [--warmup 1] [--steps 3] [--budget-s 540]
+        [--humming-cache DIR]
     python -m benchmarks.rl.rl_step --tiny --device cpu --out /tmp/rl_step        # CPU smoke run of this script
 
 One GRPO step of :class:`quads.integrations.trl.QuadsGRPOTrainer` (TRL 1.16's GRPOTrainer) is timed
@@ -20,6 +21,12 @@ rollout engine (``timing/quads/*``), ``score`` (TRL's no-grad scoring forward, t
 rewards, decoding the completions, metrics), ``step`` (the optimizer step's wall clock). Median
 over ``--steps`` steps after ``--warmup`` (the first step holds the graph capture and kernel
 compilation: ``first_step_s``). TRL's own work is inside ``train`` for every variant alike.
+
+First step and humming's disk cache: ``--humming-cache DIR`` points humming's JIT cache at ``DIR``
+(default: the environment's, :func:`~quads.ops.backends.humming.library.humming_cache_dir`); each
+row records ``humming_cache``: ``"cold"`` when the directory was missing or empty as its variant
+started, else ``"warm"``. A cold first step: a fresh, empty ``DIR``; a warm one: the same ``DIR``
+again in a new process (humming's in-process cache lives as long as the process).
 
 Models (random init from a config, no hub; vocabulary 32000, embeddings and ``lm_head`` BF16/FP32
 in every variant, never NVFP4):
@@ -280,6 +287,11 @@ class _Clock:
         trainer._get_per_token_logps_and_entropies = timed
 
 
+def humming_cache_state(path: Path) -> str:
+    """``"cold"`` when humming's cache directory ``path`` is missing or empty, else ``"warm"``."""
+    return "warm" if path.is_dir() and any(path.iterdir()) else "cold"
+
+
 def run_variant(kind: str, variant: str, args) -> dict:
     from trl import GRPOConfig
 
@@ -287,6 +299,9 @@ def run_variant(kind: str, variant: str, args) -> dict:
 
     from quads.policies.presets import preset_problem
 
+    from quads.ops.backends.humming.library import humming_cache_dir
+
+    cache_state = humming_cache_state(humming_cache_dir())
     preset, masters = resolve(variant)
     model = build_model(kind, args.tiny, args.device).to(masters)
     problem = preset_problem(preset, model)
@@ -324,8 +339,8 @@ def run_variant(kind: str, variant: str, args) -> dict:
     phases = {"step": clock.step_s, "generate": gen, "score": clock.score_s, "sync": syn,
               "train": [s - g - y - c for s, g, y, c in zip(clock.step_s, gen, syn, clock.score_s)]}
     row = {"model": kind, "variant": variant, "preset": preset.name, "masters": str(masters).replace("torch.", ""),
-           "params": params, "first_step_s": clock.step_s[0], "peak_gib": round(peak, 2), "decode": decode,
-           "completion_len": lengths, "kernels": kernels, "per_step": phases}
+           "params": params, "first_step_s": clock.step_s[0], "humming_cache": cache_state, "peak_gib": round(peak, 2),
+           "decode": decode, "completion_len": lengths, "kernels": kernels, "per_step": phases}
     row.update({f"{p}_s": statistics.median(v[timed]) for p, v in phases.items()})
     return row
 
@@ -343,14 +358,14 @@ def kernel_counts(model) -> dict[str, int]:
 def table(rows: list[dict]) -> str:
     """Markdown: per model, each variant's median phases, its step against the BF16 peers."""
     head = ("| model | variant | step s | vs bf16@fp32 | vs bf16@bf16 | generate s | score s | train s | sync s | "
-            "first step s | peak GiB |")
+            "first step s (humming cache) | peak GiB |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         peers = {p["variant"]: p["step_s"] for p in rows if p["model"] == r["model"]}
         ratio = lambda v: f"{peers[v] / r['step_s']:.2f}x" if v in peers else "-"  # noqa: E731  (>1: faster)
         lines.append(f"| {r['model']} | {r['variant']} | {r['step_s']:.3f} | {ratio('bf16@fp32')} | {ratio('bf16@bf16')} | "
                      f"{r['generate_s']:.3f} | {r['score_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.4f} | "
-                     f"{r['first_step_s']:.1f} | {r['peak_gib']} |")
+                     f"{r['first_step_s']:.1f} ({r['humming_cache']}) | {r['peak_gib']} |")
     return "\n".join(lines)
 
 
@@ -367,6 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=0, help="start no new variant after this many seconds (0: none)")
     p.add_argument("--profile", action="store_true", help="profile the last step per phase (module doc)")
+    p.add_argument("--humming-cache", default=None, metavar="DIR",
+                   help="humming's JIT cache directory (default: the environment's); module doc")
     p.add_argument("--tiny", action="store_true", help="toy widths (a smoke run of this script)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_csv_argument(p)
@@ -379,6 +396,8 @@ def main(argv=None) -> int:
             resolve(v)
         except ValueError as err:
             p.error(str(err))
+    if args.humming_cache:  # read by humming at each compile; set before any variant imports it
+        os.environ["HUMMING_CACHE_DIR"] = os.path.abspath(os.path.expanduser(args.humming_cache))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start, rows, skipped, failed = time.time(), [], [], []
@@ -406,9 +425,9 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"[rl_step] {kind} {variant}: step {row['step_s']:.3f} s (generate {row['generate_s']:.3f}, score "
                   f"{row['score_s']:.3f}, train {row['train_s']:.3f}, sync {row['sync_s']:.4f}; first step "
-                  f"{row['first_step_s']:.1f} s; {row['decode']['decoder']}, {row['decode']['captures']} capture(s); sync "
-                  f"{row['decode']['sync']} {row['decode']['replays']} replay(s) {row['decode']['sync_blocker'] or ''}; "
-                  f"kernels {row['kernels']}) "
+                  f"{row['first_step_s']:.1f} s, humming cache {row['humming_cache']}; {row['decode']['decoder']}, "
+                  f"{row['decode']['captures']} capture(s); sync {row['decode']['sync']} {row['decode']['replays']} "
+                  f"replay(s) {row['decode']['sync_blocker'] or ''}; kernels {row['kernels']}) "
                   f"[{time.time() - t0:.0f} s]", flush=True)
             write_atomically(out / "rl_step.json", json.dumps({"args": vars(args), "rows": rows, "skipped": skipped, "failed": failed}, indent=1))
     text = table(rows) + (f"\n\nnot run (--budget-s): {', '.join(skipped)}" if skipped else "")

@@ -587,6 +587,76 @@ def test_warm_up_kernels_compiles_every_humming_weight_once_with_a_progress_line
     assert warm_up_kernels(exact, log=lines.append) == 0.0 and lines == []
 
 
+def _grouped_model():
+    """Five humming weights of three kernel groups: (N, K) = (256, 128) x2, (128, 256) x2, (384, 128)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.Linear(256, 128, bias=False),
+                                torch.nn.Linear(128, 256, bias=False), torch.nn.Linear(256, 128, bias=False),
+                                torch.nn.Linear(128, 384, bias=False))
+    with quads.use_backend("humming"):
+        quads.quantize_(model, quads.QuadsPolicy(side="rollout", kernel="fast"))
+    return model
+
+
+def _stand_in_compiler(monkeypatch, barrier=None, fail_n=None):
+    """HummingNVFP4.warmup as humming's JIT: a layer whose kernels are not compiled yet (key: what
+    humming's in-process cache keys them by) compiles them, waiting on ``barrier`` meanwhile (so
+    that it passes only when that many compile at once); ``fail_n``: the width whose compile fails."""
+    import threading
+
+    lock, done, rec = threading.Lock(), set(), {"warmed": [], "compiled": [], "threads": set()}
+
+    def warmup(self, ms=(1,)):
+        key = (self.num_experts, self.pad_n, self.pad_k, self.dtype, self.mode, self.rows_hint)
+        with lock:
+            rec["warmed"].append(id(self))
+            compile_now = key not in done
+        if compile_now:
+            if self.pad_n == fail_n:
+                raise RuntimeError(f"nvrtc failed for N={fail_n}")
+            with lock:
+                rec["compiled"].append(key)
+                rec["threads"].add(threading.get_ident())
+            if barrier is not None:
+                barrier.wait()
+            with lock:
+                done.add(key)
+
+    monkeypatch.setattr(hg.HummingNVFP4, "warmup", warmup)
+    return rec
+
+
+def test_warm_up_kernels_compiles_distinct_kernel_groups_concurrently_and_each_once(fake_humming, monkeypatch):
+    """The three groups' first weights compile on three threads at once (the barrier breaks after
+    5 s otherwise); every weight is warmed once; no group's kernels compile twice (the other members
+    run after their group's compile finished)."""
+    import threading
+
+    from quads.policies.warmup import _jit_weights, warm_up_kernels
+
+    model = _grouped_model()
+    rec = _stand_in_compiler(monkeypatch, barrier=threading.Barrier(3, timeout=5))
+    lines = []
+    assert warm_up_kernels(model, log=lines.append, workers=3) >= 0.0
+    layers = [id(p.layer(dtype)) for p, dtype in _jit_weights(model)]
+    assert len(layers) == 5 and sorted(rec["warmed"]) == sorted(layers)  # each weight once
+    assert len(rec["compiled"]) == len(set(rec["compiled"])) == 3  # each group's kernels once
+    assert len(rec["threads"]) == 3 and threading.get_ident() not in rec["threads"]
+    assert len(lines) == 2 and "5 weights" in lines[0] and "(3 distinct kernel groups)" in lines[1]
+
+
+def test_warm_up_kernels_raises_a_compile_error_as_it_is(fake_humming, monkeypatch):
+    from quads.policies.warmup import warm_up_kernels
+
+    model = _grouped_model()
+    rec = _stand_in_compiler(monkeypatch, fail_n=384)
+    with pytest.raises(RuntimeError, match=r"^nvrtc failed for N=384$"):
+        warm_up_kernels(model, log=lambda line: None, workers=3)
+    assert 384 not in [key[1] for key in rec["compiled"]]
+    with pytest.raises(ValueError, match=r"^workers must be a positive int, got 0$"):
+        warm_up_kernels(model, log=lambda line: None, workers=0)
+
+
 def test_fp32_activations_take_the_exact_kernel_without_a_humming_layout(fake_humming, monkeypatch):
     be, w, act = hb.HummingBackend(), _weight(), ActivationQuant()
     assert hb.HummingBackend.linear_kernel_class is hb.HummingLinearKernel

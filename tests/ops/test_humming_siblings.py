@@ -92,6 +92,20 @@ def test_one_humming_gemm_per_sibling_set_within_the_bound(fake_humming):
         assert (out.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()
 
 
+def test_warm_up_kernels_compiles_the_stacked_weights_of_fused_sets_once(fake_humming, monkeypatch):
+    from quads.ops.backends.humming.library import HummingNVFP4
+    from quads.policies.warmup import warm_up_kernels
+
+    warmed = []
+    monkeypatch.setattr(HummingNVFP4, "warmup", lambda self, ms=(1,): warmed.append(id(self)))
+    model = _fast_rollout()
+    assert fuse_projections_(model) == 2
+    warm_up_kernels(model, log=lambda line: None, workers=2)
+    stacks = [id(s.stacked.weight.layer(torch.float16)) for s in _sets(model)]
+    members = [id(p.layer(torch.float16)) for m in _linears(model) for p in m.quads_prepared]
+    assert len(stacks) == 2 and sorted(warmed) == sorted(stacks + members)  # each once, the stacks included
+
+
 def test_a_sync_writes_through_the_members_into_the_stacked_gemm(fake_humming):
     trainer = _llama(seed=7)
     quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))

@@ -274,6 +274,13 @@ class HummingWeight:
         for dtype in dtypes:
             self.layer(dtype).warmup(ms)
 
+    def warmup_key(self, dtype: torch.dtype) -> tuple:
+        """What the kernels :meth:`warmup` compiles for ``dtype`` depend on (the layer, compute and
+        tuning configurations humming caches them under follow from it): weights of one key share
+        their kernels, so warming one compiles them for all."""
+        experts = self.shape[0] if len(self.shape) == 3 else None
+        return (experts, self.padded_shape, dtype, self.mode, self.rows_hint, str(self.device))
+
 
 @functools.lru_cache(maxsize=None)
 def _op_spec(config: str) -> dict:

@@ -46,6 +46,7 @@ __all__ = [
     "device_name",
     "direct_repack",
     "humming_tensors",
+    "humming_cache_dir",
     "humming_cache_root",
     "import_humming",
     "modelopt_tensors",
@@ -69,11 +70,19 @@ def humming_cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "quads" / "humming"
 
 
+def humming_cache_dir() -> Path:
+    """Where humming's JIT keeps compiled kernels (read at each compile): ``HUMMING_CACHE_DIR``,
+    else ``cache`` under :func:`humming_cache_root`."""
+    env = os.environ.get("HUMMING_CACHE_DIR")
+    return Path(env).expanduser() if env else humming_cache_root() / "cache"
+
+
 def import_humming():
-    """Import humming (lazily: only the humming backend needs it), its JIT cache under
-    :func:`humming_cache_root` unless ``HUMMING_CACHE_DIR``/``HUMMING_TMP_DIR`` are set."""
+    """Import humming (lazily: only the humming backend needs it), its JIT cache in
+    :func:`humming_cache_dir` and its scratch under :func:`humming_cache_root` unless
+    ``HUMMING_CACHE_DIR``/``HUMMING_TMP_DIR`` are set."""
     root = humming_cache_root()
-    os.environ.setdefault("HUMMING_CACHE_DIR", str(root / "cache"))
+    os.environ.setdefault("HUMMING_CACHE_DIR", str(humming_cache_dir()))
     os.environ.setdefault("HUMMING_TMP_DIR", str(root / "tmp"))
     try:
         import humming
