@@ -37,8 +37,9 @@ runs all ``B x P`` prompt tokens at once), then the largest batch measured: a se
 length (``min_cache_len = P + T``) and ``--search-tokens`` new tokens (prefill, the step's warm-up
 and capture, a few replays), a try that raises ``torch.OutOfMemoryError`` not fitting; the
 session freed and ``torch.cuda.empty_cache()`` between tries. Decode tokens/s is then timed at
-that B and at BF16's largest B of the same setting: one warm-up call (capture), one timed call of
-``--time-tokens`` new tokens, then one timed prefill-only call, all with the full cache length
+that B and at BF16's largest B of the same setting: a prefill-only call (warm-up) and a timed one,
+the session freed, then a warm-up call (capture) and a timed call of ``--time-tokens`` new
+tokens (one session at a time, as in the search), all with the full cache length
 (every decode step attends over the whole static cache, so a step costs the same at any position
 of a ``P + T`` rollout); decode tokens/s = B x (time tokens - 1) / (timed call - prefill),
 CUDA-synchronized wall clock. ``--budget-s``: no search or timing starts after it (the row says
@@ -309,9 +310,12 @@ def decode_rate(decoder, batch: int, prompt: int, time_tokens: int, vocab: int) 
     first = SamplingSpec(max_new_tokens=1, eos_token_ids=(), pad_token_id=0)
     timed = SamplingSpec(max_new_tokens=time_tokens, eos_token_ids=(), pad_token_id=0)
     try:
+        decoder.generate(ids, am, first)  # warm-up: kernels at this batch's prefill shapes
+        prefill_s = sync_time(lambda: decoder.generate(ids, am, first))  # no decode graph
+        _end_session(decoder)  # its cache and pools returned before the timed session's (as between
+        release()              # the search's tries: a largest batch fits only one session at a time)
         decoder.generate(ids, am, timed)  # warm-up: the capture, kernels at this batch's shapes
         full_s = sync_time(lambda: decoder.generate(ids, am, timed))
-        prefill_s = sync_time(lambda: decoder.generate(ids, am, first))  # after: a new spec drops the graph
     except RuntimeError as error:  # reported in the row: the other rows still run
         text = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return {"batch": batch, "error": "out of memory" if is_oom(error) else f"{type(error).__name__}: {text}"[:300]}
