@@ -403,7 +403,11 @@ def run_variant(name: str, args, out: dict, bf16_max: dict, start: float) -> Non
             if time.time() - start > args.budget_s:
                 row[f"decode_{key}"] = {"batch": batch, "skipped": "time budget"}
                 continue
-            row[f"decode_{key}"] = decode_rate(decoder, batch, args.prompt, args.time_tokens, config.vocab_size)
+            rate = decode_rate(decoder, batch, args.prompt, args.time_tokens, config.vocab_size)
+            if rate.get("error") == "out of memory" and batch > args.resolution:  # at the edge: one step below
+                rate = {**decode_rate(decoder, batch - args.resolution, args.prompt, args.time_tokens,
+                                      config.vocab_size), "below": f"out of memory at {batch}"}
+            row[f"decode_{key}"] = rate
         print(f"[colocated_memory] {name} {setting}: free {row['free_gib']:.1f} GiB, B predicted "
               f"{row['predicted_kv']} (KV) / {row.get('predicted_probe', '-')} (probe), measured {best} "
               f"[{time.time() - start:.0f} s]", flush=True)
