@@ -11,12 +11,14 @@
 #                humming_padded, humming_siblings, humming) beside pytest tests/gpu/test_fast_kernel_gpu.py
 #   host         host time of one eager decode step of the embedded MoE on the GPU
 #                (benchmarks.ops.bench_decode_host --device cuda), this tree and, when carried, the
-#                tree in .before/ (the same script over an older quads), alternated twice
+#                tree in .before/ (the same script over an older quads), one after the other
 #   moe2880      rl_step --models moe-2880: bf16@bf16 vs the fast MoE plans, a fresh humming cache
 #   dense_cold   rl_step --models dense: bf16@bf16 vs w4a16-fast / quads-fast, humming's own
 #                configurations (QUADS_HUMMING_TUNED=0), a fresh humming cache (the cold first step)
+#   dense_unstacked  bf16@bf16 vs w4a16-fast with QUADS_HUMMING_STACK_SIBLINGS=0 (each sibling its own
+#                GEMM), the dense_cold cache (what the stacked sibling sets buy)
 #   tune         benchmarks.ops.tune_humming on the dense model's shapes at M = 64 (bf16 and fp16),
-#                the table written to /tmp/fast_path/tune/nvidia-h200.json
+#                the table written to /tmp/fast_path/tune/nvidia-h200.json (the dense steps' cache)
 #   dense_tuned  the dense_cold variants again with that table (QUADS_HUMMING_TUNED=<it>), the
 #                humming cache of the steps before (the warm first step)
 #   colocated    benchmarks.rl.colocated_memory --layers 48 --settings fsdp (Qwen3-30B-A3B's widths
@@ -41,11 +43,11 @@ run_step() {
   case $1 in
     checks)
       $PY -m pytest -q -m gpu tests/gpu/test_fast_kernel_gpu.py -p no:cacheprovider > "$W/gpu_tests.log" 2>&1 &
-      step checks 480 $PY -m benchmarks.gpu_checks --out "$W/checks" \
+      step checks 420 $PY -m benchmarks.gpu_checks --out "$W/checks" \
         --only compiled,humming_compiled,fused,humming_padded,humming_siblings,humming
       wait; echo "[$(date +%T)] gpu_tests: $(tail -n 1 "$W/gpu_tests.log")" >> "$W/driver.log" ;;
     host)
-      for i in 1 2; do
+      for i in 1; do
         step "host_after_$i" 120 $PY -m benchmarks.ops.bench_decode_host --device cuda --steps 300
         [ -d .before/quads ] && step "host_before_$i" 120 bash -c "cd .before && $PY -m benchmarks.ops.bench_decode_host --device cuda --steps 300"
       done ;;
@@ -55,8 +57,11 @@ run_step() {
     dense_cold)
       QUADS_HUMMING_TUNED=0 HUMMING_CACHE_DIR=$W/humming_cold_dense step dense_cold 330 $PY -m benchmarks.rl.rl_step \
         --out "$W/dense_cold" --models dense --variants bf16@bf16,w4a16-fast@bf16,quads-fast@bf16 ;;
+    dense_unstacked)
+      QUADS_HUMMING_STACK_SIBLINGS=0 QUADS_HUMMING_TUNED=0 HUMMING_CACHE_DIR=$W/humming_cold_dense step dense_unstacked 240 \
+        $PY -m benchmarks.rl.rl_step --out "$W/dense_unstacked" --models dense --variants bf16@bf16,w4a16-fast@bf16 ;;
     tune)
-      step tune 280 $PY -m benchmarks.ops.tune_humming --out "$W/tune" --write-table "$W/tune/nvidia-h200.json" \
+      HUMMING_CACHE_DIR=$W/humming_cold_dense step tune 280 $PY -m benchmarks.ops.tune_humming --out "$W/tune" --write-table "$W/tune/nvidia-h200.json" \
         --dtypes bf16,fp16 --ms 64 --max-candidates 14 --budget-s 200 ;;
     dense_tuned)
       if [ -f "$W/tune/nvidia-h200.json" ]; then
