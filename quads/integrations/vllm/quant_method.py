@@ -395,6 +395,7 @@ class QuadsLinearMethod(LinearMethodBase):
         return layer.quads_kernels
 
     def _shard_kernels(self, layer: torch.nn.Module) -> list:
+        """One linear kernel per logical shard, over row slices of the layer's parameters."""
         act, kernels, start = self.config.activation_quant, [], 0
         for i, n in enumerate(layer.quads_output_partition_sizes):
             parts = NVFP4Parts(layer.weight[start:start + n], layer.weight_scale[start:start + n],
