@@ -801,7 +801,23 @@ def check_humming_compiled():
 def check_compiled():
     """The exact kernels under ``torch.compile`` (fullgraph, inductor) on the GPU's torch: a linear
     stack (W4A4 + residual, W4A16) and a whole Qwen3-MoE rollout (16 experts top-4), bit-equal to
-    eager, and again after a sync (the graph runs the modules' own kernels: no recompile)."""
+    eager, and again after a sync (the graph runs the modules' own kernels: no recompile). Both
+    compiled paths where this torch has opaque custom-op objects: the kernel objects
+    (``quads::linear_kernel`` / ``quads::experts_gemm``) and the plain fields a torch without them
+    takes (``quads::linear`` / ``quads::grouped_linear`` over ``KernelOpArgs``)."""
+    import quads.ops.experts_op as experts_op
+    import quads.ops.linear_op as linear_op
+
+    default = linear_op.KERNEL_OPS
+    try:
+        for kernel_ops in ((True, False) if default else (False,)):
+            linear_op.KERNEL_OPS = experts_op.KERNEL_OPS = kernel_ops
+            _compiled_exact("kernel objects" if kernel_ops else "plain fields")
+    finally:
+        linear_op.KERNEL_OPS = experts_op.KERNEL_OPS = default
+
+
+def _compiled_exact(path: str) -> None:
     from transformers import Qwen3MoeForCausalLM
 
     from quads.policies import build_rollout_model
@@ -826,7 +842,8 @@ def check_compiled():
         with torch.no_grad():
             for p_ in trainer.parameters():  # a training step's worth of change before the sync
                 p_.add_(torch.randn_like(p_) * 0.02)
-        record(f"compiled exact ({name}) == eager bits, and after a sync", *compiled_matches_eager(rollout, trainer, xs, run))
+        record(f"compiled exact ({name}, {path}) == eager bits, and after a sync",
+               *compiled_matches_eager(rollout, trainer, xs, run))
     torch._dynamo.reset()
 
 
@@ -1165,7 +1182,7 @@ def check_save_load():
 #: every check by name (the runner's --only, and tests/gpu/test_gpu_checks.py: one pytest test each)
 CHECKS = {"act_quant": check_act_quant, "weights": check_weights, "layout": check_layout_kernel,
           "gemm": check_gemm, "w4a16": check_w4a16, "moe": check_moe, "fused": check_fused_projections,
-          "humming": check_humming, "humming_compiled": check_humming_compiled,
+          "humming": check_humming, "humming_compiled": check_humming_compiled, "compiled": check_compiled,
           "humming_siblings": check_humming_siblings, "humming_padded": check_humming_padded,
           "four_over_six": check_four_over_six,
           "moe_routing": check_moe_routing, "graphed_sync": check_graphed_sync,

@@ -175,7 +175,7 @@ def test_plain_field_ops_make_the_kernel_back(backend):
         quads.quantize_(m, quads.QuadsPolicy(side="rollout"))
     layer = m.model.layers[0]
     linear, experts = layer.self_attn.q_proj._quads_kernel, layer.mlp.experts._quads_kernel
-    assert (linear.prepared is None) == (backend == "torch") and (experts.gate_up.prepared is None) == (backend == "torch")
+    assert {linear.prepared is None, experts.gate_up.prepared is None} == {backend == "torch"}
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 64, generator=g).bfloat16()
     route = Routing(torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)]), 4)

@@ -25,9 +25,9 @@ from quads.integrations.vllm.quant_method import QuadsConfig, QuadsFusedMoEMetho
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 #: what the kernels are made from: a forward reads none of them
-SOURCES = {"weight", "weight_scale", "weight_global_scale", "w13_weight", "w13_weight_scale", "w13_weight_global_scale",
-           "w2_weight", "w2_weight_scale", "w2_weight_global_scale", "quads_prepared", "quads_backend", "quads_siblings",
-           "quads_storage"}
+SOURCES = {"weight", "weight_scale", "weight_global_scale", "w13_weight", "w13_weight_scale",
+           "w13_weight_global_scale", "w2_weight", "w2_weight_scale", "w2_weight_global_scale", "quads_prepared",
+           "quads_backend", "quads_siblings", "quads_storage"}
 E, H, I = 4, 64, 32  # noqa: E741
 
 

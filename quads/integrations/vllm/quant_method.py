@@ -18,9 +18,8 @@ checkpoint's ``config.json`` (or ``hf_overrides``) with the rollout keys of :cla
 * **Not quantized** (as on the trainer side, :mod:`quads.policies.scope`): embeddings, ``lm_head``,
   MoE routers, ``extra_skip_patterns``, every linear with ``scope="routed_experts"``, and the
   ``skip_first_layers`` / ``skip_last_layers`` decoder layers: vLLM's unquantized methods run them.
-* **Weight reload**: vLLM reprocesses fresh parameters and copies the result into the existing
-  storage; ``process_weights_after_loading`` writes the packed values into the parameters the
-  kernels read and the layouts in place, so the kernels stay (a forward compares nothing).
+* **Weight reload**: ``process_weights_after_loading`` writes the packed values into the
+  parameters the kernels read and the layouts in place: the kernels stay, a forward compares nothing.
 
 Limits: tensor/expert parallel size 1 (global scales are per whole logical weight),
 ``residual_selection="per_token"`` only, linear inputs a multiple of 16.
