@@ -8,7 +8,8 @@ implementation, for ``torch.compile``) and its front function: :mod:`.weight_qua
 base, ``rollout_experts``), :mod:`.sibling_linear` (``SiblingSet``: one quantization and one stacked
 GEMM for q/k/v, gate/up). :mod:`.backend_registry` is the backend interface, the kernel base, the
 registry and the choice; :mod:`.backends` holds each backend's kernel classes, one module per
-backend (reference, hopper, blackwell, humming).
+backend (reference, hopper, blackwell, humming); :mod:`.kernel_op_args` is a kernel's fields as the
+plain-field custom ops' arguments (a torch without opaque custom-op objects).
 """
 
 from quads.ops.activation_quant import ActivationQuant, QuantizedActivation, dequantize_activation, quantize_activation

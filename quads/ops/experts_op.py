@@ -27,7 +27,7 @@ import quads.ops.grouped_linear_op  # noqa: F401  (registers the quads::grouped_
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelHandle, KernelObject, LinearArgs, select_backend
 from quads.ops.compile_alignment import align_this_compile
-from quads.ops.linear_op import act_fields, prepared_fields
+from quads.ops.kernel_op_args import KernelOpArgs
 from quads.tensor.nvfp4_math import NVFP4Parts
 from quads.tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -184,11 +184,11 @@ class ExpertsKernel(KernelObject):
         """Projection ``i`` as the ``quads::grouped_linear`` custom op's plain arguments (a torch
         without opaque objects)."""
         a, w = self.projections[i], self.parts[i]
-        if getattr(a.prepared, "backend_name", None) == "humming":  # quads::grouped_linear reads Hopper layouts
+        if getattr(a.prepared, "backend_name", None) == "humming":  # not run over a humming layout
             raise NotImplementedError("torch.compile of humming-prepared experts (kernel='fast' MoE) needs a torch "
                                       "with opaque custom-op objects: run the experts eagerly, or kernel='exact'")
-        return (x, rows, route.offsets, w.qdata, w.scale, w.global_encode_scale, bias, *prepared_fields(a.prepared),
-                *act_fields(a.act), a.static_mask, route.num_rows, self.backend.name)
+        fields = KernelOpArgs.of(self.backend, w, a.act, a.static_mask, a.prepared)
+        return (x, rows, route.offsets, bias, route.num_rows, self.out_features[i], *fields.to_op_args())
 
 
 def compiled_gemm(kernel: ExpertsKernel, i: int, x, rows, route: Routing, bias) -> torch.Tensor:

@@ -14,47 +14,27 @@ from __future__ import annotations
 
 import torch
 
-from quads.ops.backend_registry import get_backend
 from quads.ops.compile_alignment import align_this_compile
-from quads.ops.linear_op import act_from_fields, prepared_from_fields
-from quads.tensor.nvfp4_math import NVFP4Parts
+from quads.ops.kernel_op_args import KernelOpArgs
 
 __all__ = ["grouped_linear_op"]
 
 
-@torch.library.custom_op("quads::grouped_linear", mutates_args=())
-def grouped_linear_op(
-    x: torch.Tensor,
-    rows: torch.Tensor | None,
-    offsets: torch.Tensor,
-    qdata: torch.Tensor,
-    scale: torch.Tensor,
-    global_encode_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    prepared_values: torch.Tensor | None,
-    prepared_scales: torch.Tensor | None,
-    quantize_activations: bool,
-    residual_fraction: float,
-    selection: str,
-    granularity: str,
-    act_block_scaling: str,
-    static_mask: torch.Tensor | None,
-    num_rows: int,
-    backend: str,
-) -> torch.Tensor:
-    """(num_rows, N): ``backend.grouped_linear`` as an op opaque to ``torch.compile`` (the
-    reference's host loop, which synchronizes with the device, runs inside it)."""
-    n, k = qdata.shape[1], qdata.shape[2] * 2
-    return get_backend(backend).grouped_linear(
-        x, rows, offsets, NVFP4Parts(qdata, scale, global_encode_scale), bias,
-        act_from_fields(quantize_activations, residual_fraction, selection, granularity, act_block_scaling),
-        static_mask, num_rows,
-        prepared=prepared_from_fields(prepared_values, prepared_scales, n, k))
+@torch.library.custom_op(
+    "quads::grouped_linear", mutates_args=(),
+    schema=f"(Tensor x, Tensor? rows, Tensor offsets, Tensor? bias, int num_rows, int out_features, "
+           f"{KernelOpArgs.SCHEMA}) -> Tensor")
+def grouped_linear_op(x: torch.Tensor, rows: torch.Tensor | None, offsets: torch.Tensor, bias: torch.Tensor | None,
+                      num_rows: int, out_features: int, *fields) -> torch.Tensor:
+    """(num_rows, N): ``backend.grouped_linear`` over the 3-D weight of a kernel's plain fields
+    (:class:`KernelOpArgs`) as an op opaque to ``torch.compile`` (the reference's host loop, which
+    synchronizes with the device, runs inside it)."""
+    backend, a = KernelOpArgs.from_op_args(*fields).kernel_args()
+    return backend.grouped_linear(x, rows, offsets, a.weight, bias, a.act, a.static_mask, num_rows,
+                                  prepared=a.prepared)
 
 
 @grouped_linear_op.register_fake
-def _(x, rows, offsets, qdata, scale, global_encode_scale, bias, prepared_values, prepared_scales,
-      quantize_activations, residual_fraction, selection, granularity, act_block_scaling, static_mask, num_rows,
-      backend):
+def _(x, rows, offsets, bias, num_rows, out_features, *fields):
     align_this_compile()
-    return x.new_empty(num_rows, qdata.shape[1])
+    return x.new_empty(num_rows, out_features)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from quads.ops.activation_quant import ActivationQuant, QuantizedActivation, quantize_activation_reference
 from quads.ops.backend_registry import KERNEL_OPS, Backend, KernelHandle, LinearArgs, LinearKernel, get_backend, select_backend
+from quads.ops.kernel_op_args import KernelOpArgs
 from quads.ops.compile_alignment import align_this_compile
 from quads.ops.weight_cache import dequantized_weight
 from quads.tensor.nvfp4_math import NVFP4Parts, nvfp4_dequantize
@@ -34,9 +35,7 @@ __all__ = [
     "ReferenceOperands",
     "rollout_linear",
     "linear_op",
-    "act_fields",
     "compiled_linear",
-    "prepared_fields",
     "linear_op_args",
     "reference_operands",
     "unscaled_values",
@@ -112,13 +111,6 @@ def w4a16_linear(x2: torch.Tensor, weight: NVFP4Parts, bias: torch.Tensor | None
 # ---------------------------------------------------------------------------------------------
 
 
-def _op_args(kernel: LinearKernel, x2: torch.Tensor, bias) -> tuple:
-    """A linear kernel's call as the ``quads::linear`` custom op's plain arguments."""
-    held = getattr(kernel.prepared, "holds_parts", False)  # then the weight is not read (in a trace: no parts)
-    return linear_op_args(kernel.backend, x2, None if held else kernel.parts, bias, kernel.prepared, kernel.act,
-                          kernel.static_mask)
-
-
 def compiled_linear(kernel: LinearKernel, x: torch.Tensor, bias) -> torch.Tensor:
     """``kernel.apply`` as ``torch.compile`` traces it: one opaque custom op over the kernel object
     itself (``quads::linear_kernel``, whose body runs ``kernel.apply`` eagerly), or where this torch
@@ -127,85 +119,37 @@ def compiled_linear(kernel: LinearKernel, x: torch.Tensor, bias) -> torch.Tensor
     if KERNEL_OPS:
         y = torch.ops.quads.linear_kernel(x2, bias, kernel.op_handle, kernel.n)
     else:
-        y = torch.ops.quads.linear(*_op_args(kernel, x2, bias))
+        held = getattr(kernel.prepared, "holds_parts", False)  # then the weight is not read (in a trace: no parts)
+        y = torch.ops.quads.linear(*linear_op_args(kernel.backend, x2, None if held else kernel.parts, bias,
+                                                   kernel.prepared, kernel.act, kernel.static_mask))
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def act_fields(act: ActivationQuant | None) -> tuple[bool, float, str, str, str]:
-    """``ActivationQuant`` (or None: weight-only) as a custom op's five plain arguments."""
-    if act is None:
-        return False, 0.0, "per_token", "row", "6"
-    return True, float(act.residual_fraction), act.selection, act.granularity, act.block_scaling
-
-
-def act_from_fields(quantize_activations: bool, residual_fraction: float, selection: str, granularity: str,
-                    block_scaling: str = "6"):
-    return ActivationQuant(residual_fraction, selection, granularity, block_scaling) if quantize_activations else None
-
-
-def prepared_fields(prepared) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A prepared weight as two optional tensors (the Hopper layout's values and scales)."""
-    if prepared is not None and not hasattr(prepared, "values"):
-        raise TypeError(f"{type(prepared).__name__} is no Hopper layout: pass it as Backend.op_prepared's tensors")
-    return (None, None) if prepared is None else (prepared.values, prepared.scales)
-
-
-def prepared_from_fields(values, scales, n: int, k: int):
-    if values is None:
-        return None
-    from quads.kernels.hopper.weight_layout import HopperWeight  # a kernel backend is in use: Triton is there
-
-    return HopperWeight(values, scales, n, k)
 
 
 def linear_op_args(backend: Backend, x2: torch.Tensor, weight: NVFP4Parts | None, bias, prepared, act,
                    static_mask) -> tuple:
-    """One linear's call as ``quads::linear``'s plain arguments: the prepared layout as its tensors
-    and their static description (:meth:`Backend.op_prepared`). ``weight`` None: the layout holds
-    the packed parts (``prepared.holds_parts``, the humming layout), its ``global_encode_scale``
-    and packed ``shape`` stand for them."""
-    tensors, config = backend.op_prepared(prepared)
-    if weight is None:
-        q = s = None
-        gs, n = prepared.global_encode_scale, prepared.shape[-2]
-    else:
-        q, s, gs, n = weight.qdata, weight.scale, weight.global_encode_scale, weight.qdata.shape[0]
-    return (x2, q, s, gs, bias, tensors, config, n, *act_fields(act), static_mask, backend.name)
+    """One linear's call as ``quads::linear``'s plain arguments: the input, the bias, N and the
+    kernel's :class:`KernelOpArgs`. ``weight`` None: the prepared layout holds the packed parts
+    (``prepared.holds_parts``, the humming layout)."""
+    n = prepared.shape[-2] if weight is None else weight.qdata.shape[0]
+    return (x2, bias, n, *KernelOpArgs.of(backend, weight, act, static_mask, prepared).to_op_args())
 
 
-@torch.library.custom_op("quads::linear", mutates_args=())
-def linear_op(
-    x: torch.Tensor,
-    qdata: torch.Tensor | None,
-    scale: torch.Tensor | None,
-    global_encode_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    prepared: list[torch.Tensor],
-    prepared_config: str,
-    out_features: int,
-    quantize_activations: bool,
-    residual_fraction: float,
-    selection: str,
-    granularity: str,
-    act_block_scaling: str,
-    static_mask: torch.Tensor | None,
-    backend: str,
-) -> torch.Tensor:
-    """(M, K) -> (M, N): ``backend.linear`` as an op opaque to ``torch.compile`` (same bits as
-    eager). Arguments are tensors and plain values (:func:`linear_op_args`): the backend by name,
-    the activation quantizer as its fields, the prepared layout as its tensors and a static
-    description the backend makes it back from (:meth:`Backend.prepared_from_op`: nothing is
-    looked up by identity), the packed parts None where that layout holds them. Its body never
-    shares an activation quantization with another call (compiled code reuses buffers without
-    version bumps, so tensor identity says nothing about values there)."""
-    be = get_backend(backend)
-    weight = None if qdata is None else NVFP4Parts(qdata, scale, global_encode_scale)
-    prepared = be.prepared_from_op(prepared, prepared_config, weight, global_encode_scale)
-    if weight is None:  # the layout holds the parts: their shapes (meta) and the global scale
-        weight = NVFP4Parts(*prepared.shape_parts[:2], global_encode_scale)
-    args = LinearArgs(weight, act_from_fields(quantize_activations, residual_fraction, selection, granularity,
-                                              act_block_scaling), static_mask, prepared)
-    return be.linear_kernel(args).apply(x, bias)
+@torch.library.custom_op("quads::linear", mutates_args=(),
+                         schema=f"(Tensor x, Tensor? bias, int out_features, {KernelOpArgs.SCHEMA}) -> Tensor")
+def linear_op(x: torch.Tensor, bias: torch.Tensor | None, out_features: int, *fields) -> torch.Tensor:
+    """(M, K) -> (M, N): a linear kernel made from its plain fields (:class:`KernelOpArgs`, the
+    backend by name: nothing is looked up by identity) and applied, as an op opaque to
+    ``torch.compile`` (same bits as eager; :func:`linear_op_args` builds the arguments). Its body
+    never shares an activation quantization with another call (compiled code reuses buffers
+    without version bumps, so tensor identity says nothing about values there)."""
+    backend, args = KernelOpArgs.from_op_args(*fields).kernel_args()
+    return backend.linear_kernel(args).apply(x, bias)
+
+
+@linear_op.register_fake
+def _(x, bias, out_features, *fields):
+    align_this_compile()
+    return x.new_empty(x.shape[0], out_features)
 
 
 if KERNEL_OPS:
@@ -220,13 +164,6 @@ if KERNEL_OPS:
     def _(x, bias, kernel, out_features):
         align_this_compile()
         return x.new_empty(x.shape[0], out_features)
-
-
-@linear_op.register_fake
-def _(x, qdata, scale, global_encode_scale, bias, prepared, prepared_config, out_features, quantize_activations,
-      residual_fraction, selection, granularity, act_block_scaling, static_mask, backend):
-    align_this_compile()
-    return x.new_empty(x.shape[0], out_features)
 
 
 def _check_linear_weight(x: torch.Tensor, weight: NVFP4Tensor) -> None:

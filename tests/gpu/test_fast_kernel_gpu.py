@@ -43,6 +43,36 @@ def _config(kind: str):
     raise ValueError(kind)
 
 
+def _worst_module_error(exact, fast, ids) -> float:
+    """The largest relative (Frobenius) error of a fast rollout module's output against the exact
+    one's, each run on the input the exact model's forward gave that module."""
+    from quads.policies.modules import RolloutModule
+
+    inputs, hooks = {}, []
+
+    def keep(name):
+        def hook(module, args, kwargs, out):
+            inputs.setdefault(name, (args, kwargs, out))  # (returns None: the output stays as it is)
+        return hook
+
+    for name, m in exact.named_modules():
+        if isinstance(m, RolloutModule):
+            hooks.append(m.register_forward_hook(keep(name), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            exact(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    worst = 0.0
+    with torch.no_grad():
+        for name, (args, kwargs, want) in inputs.items():
+            got = fast.get_submodule(name)(*args, **kwargs)
+            want, got = (w[0] if isinstance(w, tuple) else w for w in (want, got))
+            worst = max(worst, ((got.float() - want.float()).norm() / want.float().norm()).item())
+    return worst
+
+
 def _model(kind: str):
     from transformers import AutoModelForCausalLM
 
@@ -85,7 +115,14 @@ def test_fast_kernel_runs_every_real_shape(kind, expect_kept, expect_humming):
                 x = torch.randn(5, m.in_features, generator=g).to("cuda", torch.bfloat16)
                 assert torch.equal(m(x), exact.get_submodule(name)(x)), name
     rel = ((got - want).norm() / want.norm()).item()
-    assert torch.isfinite(got).all() and rel < LOGIT_BOUND, rel
+    assert torch.isfinite(got).all()
+    if hasattr(base.config, "num_experts"):
+        # an MoE's logits also move where a near-tie of the (BF16) router flips an expert: each
+        # quantized module is compared on the exact model's own inputs instead (the same routing)
+        worst = _worst_module_error(exact, fast, ids)
+        assert worst < LOGIT_BOUND, (worst, rel)
+    else:
+        assert rel < LOGIT_BOUND, rel
 
     spec = SamplingSpec(max_new_tokens=8, eos_token_ids=(), pad_token_id=0, do_sample=False)
     decoder = GraphedDecoder(fast)

@@ -11,8 +11,8 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU checks need a CUDA GPU (sm_90)")]
 
-NAMES = ("act_quant", "weights", "layout", "gemm", "w4a16", "moe", "fused", "humming", "humming_compiled",
-         "humming_padded", "humming_siblings", "compiled", "four_over_six", "moe_routing", "graphed_sync",
+NAMES = ("act_quant", "weights", "layout", "gemm", "w4a16", "moe", "fused", "humming", "humming_compiled", "compiled",
+         "humming_padded", "humming_siblings", "four_over_six", "moe_routing", "graphed_sync",
          "graphed_routing", "save_load")
 
 

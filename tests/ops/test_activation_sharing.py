@@ -15,7 +15,8 @@ import quads.kernels.hopper.fp16_operand as fp16_operand
 import quads.kernels.hopper.w4a4_decode as w4a4_decode
 from quads.engine import GraphedDecoder, SamplingSpec
 from quads.ops.activation_quant import ActivationQuant
-from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel
+from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel, get_backend
+from quads.ops.linear_op import linear_op_args
 from quads.ops.sibling_linear import SiblingKernel, SiblingSet, enabled_groups
 from quads.policies.fused_projections import share_quantization
 from quads.tensor.nvfp4_math import NVFP4Parts
@@ -226,9 +227,8 @@ def test_custom_op_bodies_do_not_share(launches):
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     (prepared,) = layer.quads_prepared
     w = layer.weight.parts
-    args = (w.qdata, w.scale, w.global_encode_scale, None, [prepared.values, prepared.scales], "hopper",
-            w.qdata.shape[0], True, 1.0, "per_token", "row", "6", None, "hopper")
+    args = linear_op_args(get_backend("hopper"), x, w, None, prepared, ActivationQuant(1.0), None)
     with share_quantization(model), torch.no_grad():
-        a = torch.ops.quads.linear(x, *args)
-        b = torch.ops.quads.linear(x, *args)
+        a = torch.ops.quads.linear(*args)
+        b = torch.ops.quads.linear(*args)
     assert launches["quantize_rows"] == 2 and torch.equal(a, b)

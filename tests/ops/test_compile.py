@@ -5,6 +5,8 @@ compiles to the eager bits with inductor's defaults: quads turns on inductor's
 inductor's re-fused BF16 norms, gates and sums move activations by BF16 ulps, which can move
 NVFP4 codes), and only for those graphs."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch._inductor.config as inductor_config
@@ -157,6 +159,36 @@ def test_compiled_ops_take_the_module_kernel(kernel_ops):
     targets = {str(n.target).removeprefix("quads.").split(".")[0] for gm in seen for n in gm.graph.nodes
                if n.op == "call_function" and "quads" in str(n.target)}
     assert targets == ({"linear_kernel", "experts_gemm"} if kernel_ops else {"linear", "grouped_linear"})
+
+
+@pytest.mark.parametrize("backend", ["torch", "hopper"])
+def test_plain_field_ops_make_the_kernel_back(backend):
+    """``quads::linear`` and ``quads::grouped_linear`` over a kernel's fields (one record,
+    ``KernelOpArgs``) make the kernel back in their bodies: its bits, the Hopper layouts of a 2-D
+    and of a 3-D weight included; both ops' schemas end with the record's fields."""
+    from quads.ops.experts_op import Routing
+    from quads.ops.kernel_op_args import KernelOpArgs
+    from quads.ops.linear_op import linear_op_args
+
+    m = build("qwen3_moe")
+    with quads.use_backend(backend):
+        quads.quantize_(m, quads.QuadsPolicy(side="rollout"))
+    layer = m.model.layers[0]
+    linear, experts = layer.self_attn.q_proj._quads_kernel, layer.mlp.experts._quads_kernel
+    assert {linear.prepared is None, experts.gate_up.prepared is None} == {backend == "torch"}
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    route = Routing(torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)]), 4)
+    down_in = torch.randn(route.num_rows, experts.parts[1].qdata.shape[-1] * 2, generator=g).bfloat16()
+    with torch.no_grad():
+        args = linear_op_args(linear.backend, x, linear.parts, None, linear.prepared, linear.act, linear.static_mask)
+        assert torch.equal(torch.ops.quads.linear(*args), linear.apply(x))
+        for i, (inp, rows) in enumerate([(x, route.token_of_row), (down_in, None)]):
+            got = torch.ops.quads.grouped_linear(*experts.op_args(i, inp, rows, route, None))
+            assert torch.equal(got, experts.gemm(i, inp, rows, route, None))
+    fields = [f.name for f in dataclasses.fields(KernelOpArgs)]
+    for op in (torch.ops.quads.linear.default, torch.ops.quads.grouped_linear.default):
+        assert [a.name for a in op._schema.arguments][-len(fields):] == fields
 
 
 def test_kernel_handles_survive_deep_copying_fake_objects(monkeypatch):

@@ -677,8 +677,8 @@ def test_fp32_activations_take_the_exact_kernel_without_a_humming_layout(fake_hu
 def test_compiled_humming_experts_run_the_kernel_object(fake_humming, monkeypatch):
     """Inside a compiled graph a humming-prepared experts projection is one ``quads::experts_gemm``
     over the kernel object itself (its eager humming GEMM in the op's body: the eager bits); a
-    torch without opaque custom-op objects (``quads::grouped_linear``, which takes the Hopper layout
-    only) raises instead of reading the wrong layout."""
+    torch without opaque custom-op objects (``quads::grouped_linear``, whose path over a humming
+    layout has not run) raises instead."""
     import quads.ops.experts_op as experts_mod
     from quads.ops.backend_registry import LinearArgs
     from quads.ops.experts_op import Routing

@@ -306,9 +306,10 @@ def test_compiled_graph_calls_quads_linear_with_the_layout_tensors(fake_humming,
         assert {id(placeholders[n.args[2]]) for n in calls} == handles
     else:
         layouts = {tuple(id(t) for t in m.quads_prepared[0].op_tensors) for m in linears}
+        arg = {a.name: i for i, a in enumerate(torch.ops.quads.linear.default._schema.arguments)}
         for node in calls:
-            assert node.args[1] is None and node.args[2] is None  # no packed parts: the layout holds them
-            passed = tuple(id(placeholders[a]) for a in node.args[5])
+            assert node.args[arg["qdata"]] is None and node.args[arg["scale"]] is None  # the layout holds them
+            passed = tuple(id(placeholders[a]) for a in node.args[arg["prepared"]])
             assert passed in layouts
     if activations == "bf16":
         assert all(set(m.quads_prepared[0].layers) == {torch.float16, torch.bfloat16} for m in linears)
@@ -331,8 +332,9 @@ def test_linear_op_makes_the_layout_back_from_its_arguments(fake_humming):
     with torch.no_grad():
         want = kernel.apply(x)
         args = list(linear_op_args(get_backend("humming"), x, None, None, prepared, m.quads_act, None))
-        args[5] = [t.clone() for t in args[5]]
-        args[3] = args[3].clone()
+        arg = {a.name: i for i, a in enumerate(torch.ops.quads.linear.default._schema.arguments)}
+        args[arg["prepared"]] = [t.clone() for t in args[arg["prepared"]]]
+        args[arg["global_encode_scale"]] = args[arg["global_encode_scale"]].clone()
         trainer = _llama(seed=7)
         quads.quantize_(trainer, quads.QuadsPolicy(side="trainer"))
         quads.sync_weights_(model, trainer)  # the module's layout rewritten in place

@@ -18,8 +18,8 @@ checkpoint's ``config.json`` (or ``hf_overrides``) with the rollout keys of :cla
 * **Not quantized** (as on the trainer side, :mod:`quads.policies.scope`): embeddings, ``lm_head``,
   MoE routers, ``extra_skip_patterns``, every linear with ``scope="routed_experts"``, and the
   ``skip_first_layers`` / ``skip_last_layers`` decoder layers: vLLM's unquantized methods run them.
-* **Weight reload**: vLLM reprocesses fresh parameters and copies the result into the existing
-  storage; layouts are rewritten in place, the kernels remade once over the restored parameters.
+* **Weight reload**: ``process_weights_after_loading`` writes the packed values into the
+  parameters the kernels read and the layouts in place: the kernels stay, a forward compares nothing.
 
 Limits: tensor/expert parallel size 1 (global scales are per whole logical weight),
 ``residual_selection="per_token"`` only, linear inputs a multiple of 16.
@@ -263,10 +263,33 @@ def _frozen(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t, requires_grad=False)
 
 
-def _replace(layer: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _write_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set the layer's parameter ``name`` to ``value``, written into the parameter quads set there
+    before (``layer.quads_storage``) where shape, dtype and device match, else a new one. vLLM's
+    reload processes fresh parameters and then puts the ones it had back (copying the processed
+    values into them): writing into the held ones keeps the tensors the layer's kernels read, so
+    the kernels follow a reload without being remade or compared per forward."""
+    storage = layer.__dict__.setdefault("quads_storage", {})
+    held = storage.get(name)
+    if held is not None and (held.shape, held.dtype, held.device) == (value.shape, value.dtype, value.device):
+        if held is not value:
+            held.data.copy_(value)
+    else:
+        held = storage[name] = _frozen(value)
     if name in layer._parameters:
         delattr(layer, name)
-    layer.register_parameter(name, _frozen(tensor))
+    layer.register_parameter(name, held)
+
+
+def _refresh_kernels(layer: torch.nn.Module, name: str, sources: tuple, make) -> None:
+    """``layer.<name> = make()`` unless the kernels there were made over these same ``sources``
+    (compared by identity, held with them: no id is reused). Called by the writes
+    (``process_weights_after_loading``), never by a forward: a reload writes its values into the
+    held tensors in place, so the kernels stay."""
+    held = layer.__dict__.get(f"{name}_sources")
+    if held is None or len(held) != len(sources) or any(a is not b for a, b in zip(held, sources)):
+        layer.__dict__[name] = make()
+        layer.__dict__[f"{name}_sources"] = sources
 
 
 def _packed(layer: torch.nn.Module, prefix: str, dtype: torch.dtype) -> NVFP4Tensor:
@@ -333,16 +356,19 @@ class QuadsLinearMethod(LinearMethodBase):
                        if self.config.policy.weight_global_scale == "group" and len(shards) > 1 else None)
         packed = [pack_weight(shard, layer.quads_backend, f"{prefix} shard {i}", group_scale, block_scaling)
                   for i, shard in enumerate(shards)]
-        _replace(layer, "weight", torch.cat([p.qdata for p in packed]))
-        _replace(layer, "weight_scale", torch.cat([p.scale for p in packed]))
-        _replace(layer, "weight_global_scale", torch.stack([p.global_encode_scale for p in packed]))
+        _write_parameter(layer, "weight", torch.cat([p.qdata for p in packed]))
+        _write_parameter(layer, "weight_scale", torch.cat([p.scale for p in packed]))
+        _write_parameter(layer, "weight_global_scale", torch.stack([p.global_encode_scale for p in packed]))
         # what the backend's GEMMs read (the Hopper layout), once per load, in place on reload
         layer.quads_prepared = layer.quads_backend.refresh_prepared(
             getattr(layer, "quads_prepared", ()), [p.parts for p in packed])
         if len(packed) > 1:
             self._stack_shards(layer, packed)
-        if layer.__dict__.pop("quads_kernels", None) is None:  # a reload: remade over the restored parameters
-            self.kernels(layer)
+        siblings = layer.__dict__.get("quads_siblings")
+        sibling_kernel = None if siblings is None else siblings.kernel()
+        _refresh_kernels(layer, "quads_kernels", (layer.quads_backend, layer.weight, layer.weight_scale,
+                                                  layer.weight_global_scale, *layer.quads_prepared, sibling_kernel),
+                         lambda: (self._shard_kernels(layer), sibling_kernel))
 
     def _stack_shards(self, layer: torch.nn.Module, packed: list[NVFP4Tensor]) -> None:
         """The merged layer's :class:`SiblingSet` (``layer.quads_siblings``): the shards' layouts
@@ -362,22 +388,20 @@ class QuadsLinearMethod(LinearMethodBase):
         layer.quads_siblings = siblings
 
     def kernels(self, layer: torch.nn.Module) -> tuple[list, Any]:
-        """``(one linear kernel per shard, the merged layer's sibling kernel or None)``: made after
-        loading, and again only when one of their sources was replaced (backend, a parameter, a
-        prepared layout: vLLM's reload processes fresh parameters, then puts the originals back)."""
-        sources = (layer.quads_backend, layer.weight, layer.weight_scale, layer.weight_global_scale,
-                   *layer.quads_prepared)
-        held = layer.__dict__.get("quads_kernels")
-        if held is None or len(held[0]) != len(sources) or any(a is not b for a, b in zip(held[0], sources)):
-            act, kernels, start = self.config.activation_quant, [], 0
-            for i, n in enumerate(layer.quads_output_partition_sizes):
-                parts = NVFP4Parts(layer.weight[start:start + n], layer.weight_scale[start:start + n],
-                                   layer.weight_global_scale[i])
-                kernels.append(layer.quads_backend.linear_kernel(LinearArgs(parts, act, None, layer.quads_prepared[i])))
-                start += n
-            siblings = layer.__dict__.get("quads_siblings")
-            held = layer.quads_kernels = (sources, (kernels, None if siblings is None else siblings.kernel()))
-        return held[1]
+        """``(one linear kernel per shard, the merged layer's sibling kernel or None)``: made by
+        ``process_weights_after_loading``, again only when it replaced one of their sources (the
+        backend, a parameter, a prepared layout, the sibling set); a reload writes in place."""
+        return layer.quads_kernels
+
+    def _shard_kernels(self, layer: torch.nn.Module) -> list:
+        """One linear kernel per logical shard, over row slices of the layer's parameters."""
+        act, kernels, start = self.config.activation_quant, [], 0
+        for i, n in enumerate(layer.quads_output_partition_sizes):
+            parts = NVFP4Parts(layer.weight[start:start + n], layer.weight_scale[start:start + n],
+                               layer.weight_global_scale[i])
+            kernels.append(layer.quads_backend.linear_kernel(LinearArgs(parts, act, None, layer.quads_prepared[i])))
+            start += n
+        return kernels
 
     def shards(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         """The packed logical weights of ``layer`` (views of its parameters)."""
@@ -399,7 +423,7 @@ class QuadsLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # vLLM's default engine: torch.compile + CUDA graphs
             return compiled_shard_linear(layer, x, bias, self.config.activation_quant)
-        kernels, siblings = self.kernels(layer)
+        kernels, siblings = layer.quads_kernels  # made by the writes: nothing compared here
         if siblings is None:  # one weight: its kernel
             return kernels[0].apply(x, bias)
         y, operands = siblings.apply(x, bias=bias)  # the operands once; the stacked GEMM where it runs
@@ -539,35 +563,31 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
                 continue  # already packed
             packed = pack_weight(weight, layer.quads_backend, f"MoE {name}",  # 3-D: one global scale per expert
                                  block_scaling=self.config.policy.weight_block_scaling)
-            _replace(layer, name, packed.qdata)
-            _replace(layer, f"{name}_scale", packed.scale)
-            _replace(layer, f"{name}_global_scale", packed.global_encode_scale)
+            _write_parameter(layer, name, packed.qdata)
+            _write_parameter(layer, f"{name}_scale", packed.scale)
+            _write_parameter(layer, f"{name}_global_scale", packed.global_encode_scale)
         if layer.w13_weight.dtype == torch.uint8 and layer.w2_weight.dtype == torch.uint8:
             gate_up, down = self.packed_weights(layer)
             layer.quads_prepared = layer.quads_backend.refresh_prepared(
                 getattr(layer, "quads_prepared", ()), [gate_up.parts, down.parts])
-            # made now; on a reload dropped (made here, it would hold the fresh parameters until the
-            # next forward) and remade over the restored ones at the next forward
-            if layer.__dict__.pop("quads_experts_kernel", None) is None:
-                self.experts_kernel(layer)
+            sources = (layer.quads_backend, layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_global_scale,
+                       layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_global_scale, *layer.quads_prepared)
+            _refresh_kernels(layer, "quads_experts_kernel", sources, lambda: self._make_experts_kernel(layer))
 
     def experts_kernel(self, layer: torch.nn.Module):
-        """The layer's experts kernel: made after loading, again only when one of its sources was
-        replaced (the backend, a parameter, a prepared layout: vLLM's reload processes fresh
-        parameters, then puts the originals back). Plain parts, no NVFP4Tensor: ``apply`` also
-        runs inside vLLM's torch.compile (see :func:`compiled_shard_linear`)."""
-        prepared = getattr(layer, "quads_prepared", (None, None))
-        sources = (layer.quads_backend, layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_global_scale,
-                   layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_global_scale, *prepared)
-        held = layer.__dict__.get("quads_experts_kernel")
-        if held is None or len(held[0]) != len(sources) or any(a is not b for a, b in zip(held[0], sources)):
-            gate_up = NVFP4Parts(*sources[1:4])
-            down = NVFP4Parts(*sources[4:7])
-            act = self.config.activation_quant
-            kernel = layer.quads_backend.experts_kernel(LinearArgs(gate_up, act, None, prepared[0]),
-                                                        LinearArgs(down, act, None, prepared[1]))
-            held = layer.quads_experts_kernel = (sources, kernel)
-        return held[1]
+        """The layer's experts kernel: made by ``process_weights_after_loading``, again only when it
+        replaced one of its sources (the backend, a parameter, a prepared layout); a reload writes
+        in place."""
+        return layer.quads_experts_kernel
+
+    def _make_experts_kernel(self, layer: torch.nn.Module):
+        """Over plain parts, no NVFP4Tensor: ``apply`` also runs inside vLLM's torch.compile (see
+        :func:`compiled_shard_linear`)."""
+        gate_up = NVFP4Parts(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_global_scale)
+        down = NVFP4Parts(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_global_scale)
+        act, prepared = self.config.activation_quant, layer.quads_prepared
+        return layer.quads_backend.experts_kernel(LinearArgs(gate_up, act, None, prepared[0]),
+                                                  LinearArgs(down, act, None, prepared[1]))
 
     def packed_weights(self, layer: torch.nn.Module) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         dtype = layer.quads_orig_dtype
@@ -592,7 +612,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         # Shared experts (if any) run in vLLM's MoE runner (no overlap without a modular kernel).
         if layer.apply_router_weight_on_input:
             raise NotImplementedError("quads: apply_router_weight_on_input MoE models are not supported")
-        return self.experts_kernel(layer).apply(x, topk_ids.long(),
+        return layer.quads_experts_kernel.apply(x, topk_ids.long(),
                             topk_weights.to(x.dtype),  # as transformers' routers hand them to the experts
                             self._apply_gate, (getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)))
 

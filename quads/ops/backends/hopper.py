@@ -17,7 +17,7 @@ from quads.ops.activation_quant import (ActivationQuant, as_operands, fixed_oper
 from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel, get_backend, register_backend
 from quads.ops.backends.reference import ReferenceExpertsKernel
 from quads.ops.experts_op import ExpertsKernel, grouped_linear
-from quads.ops.linear_op import compiled_linear, prepared_fields, prepared_from_fields
+from quads.ops.linear_op import compiled_linear
 from quads.ops.sibling_linear import SiblingKernel
 from quads.ops.weight_quant import group_amax_bits_triton, quantize_weight_triton
 from quads.tensor.nvfp4_math import NVFP4Parts
@@ -245,10 +245,18 @@ class HopperBackend(Backend):
         return prepare_weight_hopper(weight, out)
 
     def op_prepared(self, prepared):
-        return ([], "") if prepared is None else (list(prepared_fields(prepared)), "hopper")
+        """The Hopper layout as its two tensors (values, scales)."""
+        if prepared is None:
+            return [], ""
+        if not hasattr(prepared, "values"):
+            raise TypeError(f"{type(prepared).__name__} is no Hopper layout: pass it as its backend's op_prepared")
+        return [prepared.values, prepared.scales], "hopper"
 
     def prepared_from_op(self, tensors, config, weight, global_encode_scale):
-        return prepared_from_fields(*tensors, weight.qdata.shape[0], weight.qdata.shape[1] * 2) if config else None
+        """The Hopper layout of ``tensors``; N and K (per expert for 3-D weights) from the parts."""
+        from quads.kernels.hopper.weight_layout import HopperWeight
+
+        return HopperWeight(*tensors, weight.qdata.shape[-2], weight.qdata.shape[-1] * 2) if config else None
 
     def quantize_weight(self, x, granularity=None, global_encode_scale=None, block_scaling="6"):
         return quantize_weight_triton(x, granularity, global_encode_scale, block_scaling)
