@@ -36,7 +36,8 @@ step() {  # name, seconds, command...: one step under its limit, its log in $W/<
   local t0=$SECONDS
   echo "[$(date +%T)] $name: start" >> "$W/driver.log"
   timeout "$limit" "$@" > "$W/$name.log" 2>&1
-  echo "[$(date +%T)] $name: exit $? [$((SECONDS - t0)) s]" >> "$W/driver.log"
+  local rc=$?
+  echo "[$(date +%T)] $name: exit $rc$( [ $rc = 124 ] && echo " (cut at $limit s)") [$((SECONDS - t0)) s]" >> "$W/driver.log"
 }
 
 run_step() {
