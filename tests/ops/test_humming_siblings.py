@@ -66,21 +66,29 @@ def _sets(model):
     return list({id(m.quads_group): m.quads_group for m in _linears(model) if m.quads_group is not None}.values())
 
 
-def test_one_humming_gemm_per_sibling_set_within_the_bound(fake_humming):
-    model, alone = _fast_rollout(), _fast_rollout()
+def _fused_against_alone(fake_humming, model, alone):
+    """Fuse ``model``'s sibling sets (each stacked, on the humming sibling kernel) and run it and
+    ``alone`` (unfused) on one input: ``(fused logits, unfused logits, the fused run's GEMM calls)``,
+    the fused run 3 GEMMs short of the unfused one (q/k/v and gate/up: 2 instead of 5)."""
     assert fuse_projections_(model) == 2
-    sets = _sets(model)
     assert all(isinstance(s.stacked, hb.HummingStack) and isinstance(s.kernel(), hb.HummingSiblingKernel)
-               for s in sets)
+               for s in _sets(model))
     x = _input()
     with torch.no_grad():
         alone(x)
         n_alone = len(fake_humming)
         del fake_humming[:]
         y = model(x).logits
-        assert len(fake_humming) == n_alone - 3  # q/k/v and gate/up: 2 calls instead of 5
-        assert {a[0][1] for a in fake_humming} == {128}
+        calls = list(fake_humming)
         ya = alone(x).logits
+    assert len(calls) == n_alone - 3
+    return y, ya, calls
+
+
+def test_one_humming_gemm_per_sibling_set_within_the_bound(fake_humming):
+    model = _fast_rollout()
+    y, ya, calls = _fused_against_alone(fake_humming, model, _fast_rollout())
+    assert {a[0][1] for a in calls} == {128}
     assert (y.float() - ya.float()).abs().max() <= 2**-6 * ya.float().abs().max()
     # member by member: the stacked GEMM's columns against the exact path, within the documented bound
     attn = model.model.layers[0].self_attn
@@ -234,20 +242,9 @@ def test_w4a16_sibling_sets_run_one_humming_gemm_with_each_members_arithmetic(fa
     dtype, each member's columns its own kernel's arithmetic (fp32 sum of exact products x 1/S_w,
     rounded once): bit-equal to the members' own GEMMs on the stand-in (on the GPU, within the
     fast path's run-to-run spread: the GPU check ``humming_siblings``)."""
-    model, alone = _fast_w4a16_rollout(), _fast_w4a16_rollout()
-    assert fuse_projections_(model) == 2
-    sets = _sets(model)
-    assert all(isinstance(s.stacked, hb.HummingStack) and isinstance(s.kernel(), hb.HummingSiblingKernel)
-               for s in sets)
-    x = _input()
-    with torch.no_grad():
-        alone(x)
-        n_alone = len(fake_humming)
-        del fake_humming[:]
-        y = model(x).logits
-        assert len(fake_humming) == n_alone - 3  # q/k/v and gate/up: 2 GEMMs instead of 5
-        assert {a[1] for a in fake_humming} == {"unit"} and {a[0][1] for a in fake_humming} == {128}
-        assert torch.equal(y, alone(x).logits)
+    y, ya, calls = _fused_against_alone(fake_humming, _fast_w4a16_rollout(), _fast_w4a16_rollout())
+    assert {a[1] for a in calls} == {"unit"} and {a[0][1] for a in calls} == {128}
+    assert torch.equal(y, ya)
 
 
 def test_a_sync_writes_through_w4a16_members_into_the_stacked_gemm(fake_humming):
