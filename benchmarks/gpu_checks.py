@@ -493,6 +493,24 @@ def humming_unavailable() -> str | None:
     return None
 
 
+def _worst_over_bound(backend, act, hw, parts, kind: str, ms, g) -> float:
+    """The largest ``|humming - exact fp32 product| / stated bound`` (``bench_humming.bounds`` of
+    ``kind``) of ``backend.linear`` over the prepared weight ``hw`` (in ``backend``'s mode: the same
+    layout), on fresh bf16 inputs with an outlier channel at each M of ``ms``."""
+    from benchmarks.ops.bench_humming import bounds
+
+    prep = hw if backend.mode == hw.mode else hw.with_mode(backend.mode)
+    k, worst = hw.shape[-1] * 2, 0.0
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", generator=g)
+        x[:, 3] *= 30.0  # an outlier channel
+        x = x.bfloat16()
+        y = backend.linear(x, hw.shape_parts, None, act, None, prep)
+        ref, b = bounds(x, parts, kind)
+        worst = max(worst, float(((y.float() - ref).abs() / b.clamp(min=1e-30)).max()))
+    return worst
+
+
 @check("humming")
 def check_humming():
     """``kernel="fast"`` (humming): every path within its stated bound of the exact fp32 product
@@ -504,7 +522,6 @@ def check_humming():
         RESULTS["humming"] = {"ok": True, "skipped": True, "detail": why}
         print(f"[SKIP] humming: {why}", flush=True)
         return
-    from benchmarks.ops.bench_humming import bounds
     from quads.ops.backends.humming.backend import HummingBackend, HummingWeight
 
     paths = {"stacked": (HummingBackend(residual_layout="stacked"), ActivationQuant(residual_fraction=1.0)),
@@ -518,15 +535,7 @@ def check_humming():
         hw = paths["stacked"][0].prepare_weight(parts)
         hw.warmup(dtypes=(torch.float16, torch.bfloat16), ms=(1,))
         for kind, (backend, act) in paths.items():
-            worst = 0.0
-            prep = hw if backend.mode == hw.mode else hw.with_mode(backend.mode)  # the same layout
-            for m in (1, 16, 64, 256):
-                x = torch.randn(m, k, device="cuda", generator=g)
-                x[:, 3] *= 30.0  # an outlier channel
-                x = x.bfloat16()
-                y = backend.linear(x, hw.shape_parts, None, act, None, prep)
-                ref, b = bounds(x, parts, kind)
-                worst = max(worst, float(((y.float() - ref).abs() / b.clamp(min=1e-30)).max()))
+            worst = _worst_over_bound(backend, act, hw, parts, kind, (1, 16, 64, 256), g)
             record(f"humming {kind} K={k} N={n} within the stated bound of the exact path", worst <= 1,
                    f"max |err| / bound = {worst:.3f} (M = 1, 16, 64, 256)")
         new = nvfp4_quantize((torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16())
@@ -691,7 +700,7 @@ def check_humming_padded():
         RESULTS["humming_padded"] = {"ok": True, "skipped": True, "detail": why}
         print(f"[SKIP] humming_padded: {why}", flush=True)
         return
-    from benchmarks.ops.bench_humming import QUADS_DEFAULT, bounds
+    from benchmarks.ops.bench_humming import QUADS_DEFAULT
     from quads.kernels.humming.layout import scale_unlayout, unrepack_reference
     from quads.ops.backend_registry import LinearArgs
     from quads.ops.experts_op import Routing
@@ -715,15 +724,7 @@ def check_humming_padded():
         hw = paths["stacked"][0].prepare_weight(parts)
         hw.warmup(dtypes=(torch.float16, torch.bfloat16), ms=(1, 16, 64))
         for kind, (backend, act) in paths.items():
-            worst = 0.0
-            prep = hw if backend.mode == hw.mode else hw.with_mode(backend.mode)
-            for m in (1, 16, 64):
-                x = torch.randn(m, k, device="cuda", generator=g)
-                x[:, 3] *= 30.0
-                x = x.bfloat16()
-                y = backend.linear(x, hw.shape_parts, None, act, None, prep)
-                ref, b = bounds(x, parts, kind)
-                worst = max(worst, float(((y.float() - ref).abs() / b.clamp(min=1e-30)).max()))
+            worst = _worst_over_bound(backend, act, hw, parts, kind, (1, 16, 64), g)
             record(f"humming padded {kind} {tag} within the stated bound", worst <= 1,
                    f"max |err| / bound = {worst:.3f} (M = 1, 16, 64)")
         packed = n * (k // 2 + k // 16)
@@ -1192,8 +1193,6 @@ def check_save_load():
     import tempfile
 
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
-
-    from quads.policies.presets import with_kernel
 
     fast_ok = humming_unavailable() is None
     dense, moe = _qwen3_configs(dense_layers=2)
