@@ -9,6 +9,8 @@
 # Steps (in the order given):
 #   checks       gpu_checks of the compiled and humming paths (compiled, humming_compiled, fused,
 #                humming_padded, humming_siblings, humming) beside pytest tests/gpu/test_fast_kernel_gpu.py
+#   rechecks     gpu_checks compiled, humming_padded and humming alone (a longer limit) beside the
+#                fast-kernel GPU test
 #   host         host time of one eager decode step of the embedded MoE on the GPU
 #                (benchmarks.ops.bench_decode_host --device cuda), this tree and, when carried, the
 #                tree in .before/ (the same script over an older quads), one after the other
@@ -46,6 +48,10 @@ run_step() {
       $PY -m pytest -q -m gpu tests/gpu/test_fast_kernel_gpu.py -p no:cacheprovider > "$W/gpu_tests.log" 2>&1 &
       step checks 420 $PY -m benchmarks.gpu_checks --out "$W/checks" \
         --only compiled,humming_compiled,fused,humming_padded,humming_siblings,humming
+      wait; echo "[$(date +%T)] gpu_tests: $(tail -n 1 "$W/gpu_tests.log")" >> "$W/driver.log" ;;
+    rechecks)
+      $PY -m pytest -q -m gpu tests/gpu/test_fast_kernel_gpu.py -p no:cacheprovider > "$W/gpu_tests.log" 2>&1 &
+      step rechecks 560 $PY -m benchmarks.gpu_checks --out "$W/rechecks" --only compiled,humming_padded,humming
       wait; echo "[$(date +%T)] gpu_tests: $(tail -n 1 "$W/gpu_tests.log")" >> "$W/driver.log" ;;
     host)
       for i in 1; do
