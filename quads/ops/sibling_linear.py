@@ -6,16 +6,18 @@ write refreshes, ``stacked.write_member_``), the per-row weight global scales an
 (:class:`SiblingKernel`, the backend's ``sibling_kernel_class``), made when the members' weights
 are set. A member's forward calls ``kernel.apply(x, i)``: the input's GEMM operands once, then
 the stacked GEMM (Hopper: few tokens, no biases, every output column with its own linear's bits;
-humming: one global scale for all members) or the operands for each member's own kernel. A vLLM merged layer is a set
-without members (``apply(x)``: every column at once).
+humming: one global scale for all members) or the operands for each member's own kernel. A
+vLLM merged layer is a set without members (``apply(x)``: every column at once).
 
-Members called one by one share by input identity: each other member, called next with the same
-tensor (same storage, offset, shape, strides, dtype and version counter), takes its output or
-the operands once; any other call computes anew, so a result never depends on whether its
-siblings ran. Never shared: inference-mode tensors (no version counter), tensor subclasses, meta
-tensors, code traced by ``torch.compile`` (compiled code reuses buffers without version bumps).
-Writes that bypass the dispatcher are invisible to the check (transformers' decoder layers have
-none between siblings). Inside a CUDA-graph capture the hit is decided at capture time.
+Members called one by one share within one forward of their parent (the set is attached to it,
+:class:`~quads.ops.parent_call.SiblingMembers`): the first member computes for every member and
+keeps the result in the call's slot; a member called next with the same input (the same tensor
+object, its version counter unchanged) takes its columns or the operands from it. The parent's
+forward hook empties the slot, so nothing computed for one call is seen by another, and a member
+called outside its parent's forward (or with another input) computes alone. Never shared:
+inference-mode tensors (no version counter: an in-place write could not be seen), tensor
+subclasses, meta tensors, code traced by ``torch.compile`` (the hooks open no slot there).
+Inside a CUDA-graph capture the sharing is decided at capture time.
 
 Sets are made by :func:`quads.fuse_projections_` (stacked) and by the graphed decoder (dormant
 sets, switched on inside its forwards by :func:`enabled_groups`). Members are any objects with
@@ -31,34 +33,31 @@ import torch
 
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend
+from quads.ops.parent_call import SiblingMembers
 
 __all__ = ["SiblingSet", "SiblingKernel", "enabled_groups"]
 
 
-def _input_key(x: torch.Tensor) -> tuple | None:
-    """Identity of an input tensor (None: never shared, see the module doc)."""
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_inference() or x.device.type == "meta":
-        return None
-    return (x.untyped_storage()._cdata, x.data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()),
-            x.dtype, x.device, x._version)
-
-
-class SiblingSet:
+class SiblingSet(SiblingMembers):
     """Linears of one backend and one activation configuration reading one input (module doc).
 
     ``sizes``: the members' output rows; ``members``: the modules served one by one (none for a
-    vLLM merged layer); ``enabled``: whether :meth:`kernel` serves (dormant sets are switched on
-    by :func:`enabled_groups`)."""
+    vLLM merged layer), ``names`` their names; ``enabled``: whether :meth:`kernel` serves (dormant
+    sets are switched on by :func:`enabled_groups`). Members share only once the set is attached
+    to their parent (:meth:`attach`)."""
+
+    #: the current parent call's ``(input, its version, (outputs, operands))``, or None
+    _slot: tuple | None = None
 
     def __init__(self, backend: Backend, act: ActivationQuant | None, sizes: Sequence[int],
-                 members: Sequence = (), enabled: bool = True):
+                 members: Sequence = (), enabled: bool = True, names: Sequence[str] = ()):
+        super().__init__(members, names)
         self.backend, self.act, self.enabled = backend, act, enabled
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        self.members = list(members)
         self.stacked = None  # the stacked weights as the backend's sibling kernel reads them
         self.views: list = []  # member i's prepared weight: a view into ``stacked``
         self.row_scales: torch.Tensor | None = None  # (N,) fp32: each output row's weight global scale
-        self._pending: tuple | None = None  # (input key, input alias, (outputs, operands), members not served yet)
+        self._call_open = False  # inside a forward of the members' parent
         self._kernel: tuple | None = None  # (sources, kernel)
         for i, m in enumerate(self.members):
             m.quads_group, m.quads_group_index = self, i
@@ -87,7 +86,10 @@ class SiblingSet:
 
     def write_scale(self, i: int, global_encode_scale: torch.Tensor) -> None:
         """Member ``i``'s weight was written: mirror its global scale into its rows of the per-row
-        vector and, where the stacked layout is a copy (``stacked.write_member_``), its layout."""
+        vector and, where the stacked layout is a copy (``stacked.write_member_``), its layout.
+        Drops the call's slot (a parent forward interrupted by a ``BaseException``, which skips its
+        forward hook, leaves it open; nothing computed from the old weights is served after)."""
+        self._close_call(None, None, None)
         if self.row_scales is not None:
             lo, hi = self.offsets[i], self.offsets[i + 1]
             self.row_scales[lo:hi].copy_(global_encode_scale.reshape(1).float().expand(hi - lo))
@@ -137,57 +139,55 @@ class SiblingSet:
         k, bias = self.members[i].quads_sibling_inputs()
         return k.apply(x, bias, operands)
 
-    # -- the memo (members called one by one) ----------------------------------------------------
+    # -- one parent call (members called one by one) --------------------------------------------
+
+    def _open_call(self, parent, args) -> None:
+        self._slot, self._call_open = None, self.enabled and not torch.compiler.is_compiling()
+
+    def _close_call(self, parent, args, output) -> None:
+        self._slot, self._call_open = None, False
 
     def begin(self, i: int | None, x: torch.Tensor, bias=None) -> tuple:
-        """``(hit, key, biased)`` before a kernel computes for member ``i`` (None: every output, no
-        memo): ``hit`` the ``(output, operands)`` to return now (``(None, None)``: the member
-        computes alone), else None; ``key`` the input's identity; ``biased`` whether an output has a
-        bias (no stacked GEMM then). Re-lays out the members' weights written since."""
+        """``(hit, biased)`` before a kernel computes for member ``i`` (None: every output, no
+        slot): ``hit`` the ``(output, operands)`` to return now (``(None, None)``: the member
+        computes alone), else None (compute, then :meth:`keep`); ``biased`` whether an output has
+        a bias (no stacked GEMM then)."""
         if i is None:
-            return None, None, bias is not None
-        key = _input_key(x)
-        if key is None:
-            return (None, None), None, False
-        pending = self._pending
-        if pending is not None and pending[0] == key and i in pending[3]:
-            pending[3].discard(i)
-            if not pending[3]:
-                self._pending = None
-            outs, operands = pending[2]
-            return (None if outs is None else outs[i], operands), key, False
-        inputs = [m.quads_sibling_inputs() for m in self.members]  # re-lays out weights written since
-        if any(m.quads_group is not self for m in self.members):  # that refresh dissolved the set
-            return (None, None), None, False
-        return None, key, any(b is not None for _, b in inputs)
+            return None, bias is not None
+        if not self._call_open or type(x) is not torch.Tensor or x.is_inference() or x.device.type == "meta":
+            return (None, None), False
+        slot = self._slot
+        if slot is not None and slot[0] is x and slot[1] == x._version:
+            outs, operands = slot[2]
+            return (None if outs is None else outs[i], operands), False
+        return None, any(m.quads_sibling_inputs()[1] is not None for m in self.members)
 
-    def keep(self, i: int | None, key, x: torch.Tensor, y: torch.Tensor | None, operands) -> tuple:
+    def keep(self, i: int | None, x: torch.Tensor, y: torch.Tensor | None, operands) -> tuple:
         """Member ``i``'s ``(output, operands)`` from a kernel's ``y (M, N)`` (or None) and
-        ``operands``, keeping them for the siblings not served yet; ``i`` None: ``y`` whole."""
+        ``operands``, kept in the call's slot for its siblings; ``i`` None: ``y`` whole."""
         lead = x.shape[:-1]
         if i is None:
             return (None if y is None else y.reshape(*lead, y.shape[-1])), (operands if y is None else None)
         outs = None
         if y is not None:
+            y = y.reshape(*lead, y.shape[-1])
             o = self.offsets
-            outs = [y[:, o[j]:o[j + 1]].reshape(*lead, -1) for j in range(len(o) - 1)]
+            outs = [y[..., o[j]:o[j + 1]] for j in range(len(o) - 1)]
             operands = None
-        rest = set(range(len(self.members))) - {i}
-        self._pending = (key, x.detach(), (outs, operands), rest) if rest else None  # the alias keeps the storage alive
+        if self._call_open:
+            self._slot = (x, x._version, (outs, operands))
         return (None if outs is None else outs[i]), operands
-
-    def drop_pending(self) -> None:
-        self._pending = None
 
     def dissolve(self) -> None:
         """Members compute alone again (each gets its own copy of its stacked view; a stacked copy
-        (``stacked.write_member_``) is dropped, the members' own layouts kept)."""
-        self._pending = None
+        (``stacked.write_member_``) is dropped, the members' own layouts kept); the parent's hooks
+        are removed."""
+        self.detach()
         for i, m in enumerate(self.members):
             if self.stacked is not None and not hasattr(self.stacked, "write_member_"):
                 m.quads_unstack(self.views[i])
             m.quads_group, m.quads_group_index = None, 0
-        self.members = []
+        self.members = ()
 
 
 class SiblingKernel:
@@ -203,17 +203,17 @@ class SiblingKernel:
         """``(y, operands)`` for ``x (..., K)``: ``y`` the stacked GEMM's output (member ``i``'s
         columns; ``i`` None: all of them, ``bias`` their concatenated bias) where it ran, else None
         and ``operands``, the input's operands for each member's kernel (None: each computes alone)."""
-        hit, key, _ = self.siblings.begin(i, x, bias)
+        hit, _ = self.siblings.begin(i, x, bias)
         if hit is not None:
             return hit
         operands = self.backend.activation_operands(x.reshape(-1, x.shape[-1]), self.act)
-        return self.siblings.keep(i, key, x, None, operands)
+        return self.siblings.keep(i, x, None, operands)
 
 
 @contextlib.contextmanager
 def enabled_groups(sets: Sequence[SiblingSet]):
-    """Dormant sets serve their members inside the block; on exit they are dormant again and
-    hold no outputs (nothing outlives a forward: no graph-pool tensor, no activation kept)."""
+    """Dormant sets serve their members inside the block; on exit they are dormant again (their
+    slots are emptied by their parents' forwards: no graph-pool tensor, no activation kept)."""
     switched = [g for g in sets if not g.enabled]
     for g in switched:
         g.enabled = True
@@ -222,6 +222,6 @@ def enabled_groups(sets: Sequence[SiblingSet]):
     finally:
         for g in switched:
             g.enabled = False
-            g.drop_pending()
+            g._close_call(None, None, None)
 
 

@@ -4,7 +4,8 @@ In a transformers decoder layer ``q_proj``, ``k_proj`` and ``v_proj`` read the s
 states, and so do ``gate_proj`` and ``up_proj`` (:data:`SIBLING_PROJECTIONS`, the one list of
 them; the ModelOpt export uses it too). :func:`fuse_projections_` gives each such set of rollout
 linears (one backend, one activation configuration, one K, one device, no calibrated mask) one
-:class:`SiblingSet`: one activation quantization per input and, where the backend has a stacked GEMM (Hopper,
+:class:`SiblingSet`, attached to their parent (its members share within each of the parent's
+forwards): one activation quantization per input and, where the backend has a stacked GEMM (Hopper,
 W4A4, no bias, rows a multiple of 64), one Hopper layout of the stacked weights of which each
 member's own layout is a view, so ``quantize_``/``sync_weights_`` keep writing the members'
 layouts in place (CUDA graphs keep their addresses) and the set's stays current with no copy.
@@ -41,20 +42,22 @@ def _groupable(modules: list[nn.Module]) -> bool:
 
 
 def _sibling_sets(model: nn.Module):
-    for parent in model.modules():
+    """``(parent, qualified member names, members)`` of every sibling set present in ``model``."""
+    for prefix, parent in model.named_modules():
         for names in SIBLING_PROJECTIONS:
             members = [getattr(parent, n, None) for n in names]
             if all(m is not None for m in members):
-                yield members
+                yield parent, [f"{prefix}.{n}" if prefix else n for n in names], members
 
 
-def _group(members: list[nn.Module], stack: bool, enabled: bool) -> SiblingSet:
+def _group(parent: nn.Module, names: list[str], members: list[nn.Module], stack: bool, enabled: bool) -> SiblingSet:
     for m in members:  # a dormant set of these members makes way
         if m.quads_group is not None:
             m.quads_group.dissolve()
     first = members[0]
     group = SiblingSet(first.quads_backend, first.quads_act, [m.weight.shape[0] for m in members], members,
-                         enabled=enabled)
+                       enabled=enabled, names=names)
+    group.attach(parent)  # members share within each forward of their parent
     if stack and all(m.bias is None for m in members):
         shared = members[0].quads_scale_group  # group mode: one global scale for all members
         views = group.stack([m.quads_prepared[0] for m in members],
@@ -75,9 +78,9 @@ def fuse_projections_(model: nn.Module) -> int:
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse_projections_ takes an nn.Module (a quads rollout model), got {type(model).__name__}")
     groups = 0
-    for members in _sibling_sets(model):
+    for parent, names, members in _sibling_sets(model):
         if _groupable(members) and not all(m.quads_group is not None and m.quads_group.enabled for m in members):
-            _group(members, stack=True, enabled=True)
+            _group(parent, names, members, stack=True, enabled=True)
             groups += 1
     return groups
 
@@ -95,9 +98,9 @@ def sibling_groups_(model: nn.Module) -> list[SiblingSet]:
     layout, off until :func:`~quads.ops.sibling_linear.enabled_groups`) for sibling sets not
     grouped yet."""
     groups = {}
-    for members in _sibling_sets(model):
+    for parent, names, members in _sibling_sets(model):
         if all(getattr(m, "quads_group", None) is None for m in members) and _groupable(members):
-            _group(members, stack=False, enabled=False)
+            _group(parent, names, members, stack=False, enabled=False)
         group = getattr(members[0], "quads_group", None)
         if group is not None:
             groups[id(group)] = group

@@ -32,6 +32,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.nn as nn
 
+from quads.ops.parent_call import SiblingMembers
 from quads.policies.fused_projections import SIBLING_PROJECTIONS
 from quads.policies.shards import is_dtensor
 from quads.tensor.finite import check_finite
@@ -42,33 +43,28 @@ __all__ = ["ScaleGroup", "GroupScaleLoadCheck", "sibling_groups", "check_group_s
            "trainer_forward_weight"]
 
 
-class ScaleGroup:
+class ScaleGroup(SiblingMembers):
     """Sibling linears (one parent, one sibling set) whose weights share one NVFP4 global scale.
 
-    ``members`` are the modules (not registered as submodules: a plain attribute holding them
-    makes no module-tree cycle), ``names`` their qualified names in the model they were
-    converted in (for messages and checks), ``block_scaling`` the policy's
+    ``members``/``names``: the membership record (:class:`~quads.ops.parent_call.SiblingMembers`;
+    names qualified in the model they were converted in), ``block_scaling`` the policy's
     ``weight_block_scaling`` (the shared ``S_enc``'s numerator depends on it).
 
     Trainer side: ``quantize_`` calls :meth:`attach` with the members' parent, whose forward
     then computes the scale once for all members (``forward_scale``, set only while that forward
-    runs); ``hooks`` holds the two hook handles (:meth:`detach` removes them). The hooks are
-    bound methods of the group, so a ``copy.deepcopy`` of the model gets its own group, hooked
-    on its own parent.
+    runs; :meth:`detach` removes the hooks).
     """
 
     #: the group's scale (:meth:`scale`'s form) while a forward of the members' parent runs (set
-    #: by its pre-hook, dropped by its forward hook), else None
+    #: when it starts, dropped when it ends), else None
     forward_scale = None
 
     #: the members' ``QuadsPolicy.weight_block_scaling``
     block_scaling = "6"
 
     def __init__(self, members: Iterable[nn.Module], names: Iterable[str], block_scaling: str = "6"):
-        self.members = tuple(members)
-        self.names = tuple(names)
+        super().__init__(members, names)
         self.block_scaling = block_scaling
-        self.hooks: tuple = ()
 
     def __repr__(self) -> str:
         return f"ScaleGroup({', '.join(self.names)})"
@@ -105,25 +101,10 @@ class ScaleGroup:
                 )
         return weights
 
-    def attach(self, parent: nn.Module) -> None:
-        """Compute the scale once per forward of ``parent`` (the members' parent): a forward
-        pre-hook stores it in ``forward_scale``, a forward hook (``always_call``: an exception
-        too) drops it. Replaces the hooks of an earlier call."""
-        self.detach()
-        self.hooks = (parent.register_forward_pre_hook(self._begin_forward),
-                      parent.register_forward_hook(self._end_forward, always_call=True))
-
-    def detach(self) -> None:
-        """Remove the hooks :meth:`attach` registered (if any); members compute the scale themselves."""
-        for handle in self.hooks:
-            handle.remove()
-        self.hooks = ()
-        self.forward_scale = None
-
-    def _begin_forward(self, module: nn.Module, args) -> None:
+    def _open_call(self, parent: nn.Module, args) -> None:
         self.forward_scale = self._forward_scale_now()
 
-    def _end_forward(self, module: nn.Module, args, output) -> None:
+    def _close_call(self, parent, args, output) -> None:
         self.forward_scale = None
 
 

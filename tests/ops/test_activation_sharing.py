@@ -167,55 +167,93 @@ class _Member:
         return self.kernel, None
 
 
+class _Parent(torch.nn.Module):
+    """A stand-in parent: its forward runs ``body`` (the members' calls) inside one parent call."""
+
+    def forward(self, body):
+        return body()
+
+
 def _group(k, enabled=True):
     backend = _Counting()
     members = [_Member(backend, 8, k), _Member(backend, 8, k)]
-    return backend, SiblingSet(backend, ActivationQuant(), [8, 8], members, enabled=enabled)
+    group = SiblingSet(backend, ActivationQuant(), [8, 8], members, enabled=enabled)
+    parent = _Parent()
+    group.attach(parent)
+    return backend, group, parent
 
 
-def test_hits_need_the_same_tensor_and_version():
-    backend, g = _group(32)
+def test_members_share_within_one_parent_call_for_the_same_tensor():
+    backend, g, parent = _group(32)
     x = torch.randn(4, 32)
-    a = g.forward(0, x)
-    assert g.forward(1, x.reshape(-1, 32)) is not None and backend.calls == 1  # a view of the same rows: hit
-    g.forward(0, x)
-    assert backend.calls == 2  # member 0 already served for this input: computed again
-    x.add_(1.0)  # an in-place write bumps the version counter: miss
-    g.forward(1, x)
-    assert backend.calls == 3
-    g.forward(0, x.clone())  # equal values, another tensor: miss
-    assert backend.calls == 4
-    g.forward(1, x[:2])  # other rows of the same storage: miss
+    assert g.forward(0, x) is None and g.forward(1, x) is None and backend.calls == 0  # outside: alone
+
+    def body():
+        a = g.forward(0, x)
+        assert g.forward(1, x) is not None and g.forward(0, x) is not None and backend.calls == 1  # shared
+        x.add_(1.0)  # an in-place write bumps the version counter: computed anew
+        g.forward(1, x)
+        assert backend.calls == 2
+        g.forward(0, x.clone())  # equal values, another tensor: computed anew
+        g.forward(1, x.view(4, 32))  # a view is another tensor object: computed anew
+        assert backend.calls == 4
+        _, other, _ = _group(32)
+        other.forward(0, x)  # another set (not attached to this parent) never serves this one
+        return a
+
+    assert parent(body).shape == (4, 8)
+    assert g._slot is None  # emptied when the parent's forward ended
+    parent(lambda: g.forward(1, x))  # a new parent call starts empty
     assert backend.calls == 5
-    _, other = _group(32)
-    other.forward(0, x)  # another group (another configuration or backend) never serves this one
-    g.forward(1, x)
-    assert backend.calls == 6 and a.shape == (4, 8)
 
 
-def test_dormant_groups_share_only_inside_the_block_and_entries_do_not_outlive_it():
-    backend, g = _group(16, enabled=False)
+def test_the_slot_is_emptied_when_the_parent_raises_or_a_weight_is_written():
+    """An exception ends the call (the forward hook runs); a ``KeyboardInterrupt`` skips torch's
+    forward hooks, and the next weight write (every sync notifies the set) empties the slot."""
+    backend, g, parent = _group(16)
     x = torch.randn(2, 16)
-    assert g.forward(0, x) is None and backend.calls == 0  # dormant: the member computes alone
+
+    def body(error):
+        g.forward(0, x)
+        raise error
+
+    with pytest.raises(RuntimeError):
+        parent(lambda: body(RuntimeError("boom")))
+    assert g._slot is None and not g._call_open
+    with pytest.raises(KeyboardInterrupt):
+        parent(lambda: body(KeyboardInterrupt))
+    g.write_scale(0, torch.ones(()))
+    assert g._slot is None and not g._call_open
+    assert g.forward(1, x) is None and backend.calls == 2  # outside a parent call: alone
+
+
+def test_dissolve_removes_the_parent_hooks():
+    backend, g, parent = _group(16)
+    g.dissolve()
+    assert not parent._forward_pre_hooks and not parent._forward_hooks and g.hooks == ()
+
+
+def test_dormant_groups_share_only_inside_the_block():
+    backend, g, parent = _group(16, enabled=False)
+    x = torch.randn(2, 16)
+    assert parent(lambda: g.forward(0, x)) is None and backend.calls == 0  # dormant: the member computes alone
     with enabled_groups([g]):
         with enabled_groups([g]):
-            g.forward(0, x)
-        g.forward(1, x)  # the inner exit keeps the entry (the outer block switched it on)
-        assert backend.calls == 1
-        g.forward(0, x)
-    assert g._pending is None and not g.enabled  # nothing kept after the block
-    with enabled_groups([g]):
-        g.forward(1, x)  # a new block starts empty
-    assert backend.calls == 3
+            parent(lambda: g.forward(0, x))
+        parent(lambda: (g.forward(0, x), g.forward(1, x)))  # the inner exit left it on (the outer block switched it on)
+        assert backend.calls == 2
+    assert g._slot is None and not g.enabled  # nothing kept after the block
+    assert parent(lambda: g.forward(1, x)) is None and backend.calls == 2
 
 
 def test_inference_tensors_and_compiled_code_never_share(monkeypatch):
-    backend, g = _group(16)
+    backend, g, parent = _group(16)
     with torch.inference_mode():
         xi = torch.randn(2, 16)
-    assert g.forward(0, xi) is None and g.forward(1, xi) is None  # no version counter: members alone
+    assert parent(lambda: (g.forward(0, xi), g.forward(1, xi))) == (None, None)  # no version counter: alone
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert g.forward(0, torch.randn(2, 16)) is None
+    x = torch.randn(2, 16)
+    assert parent(lambda: g.forward(0, x)) is None
     assert backend.calls == 0
 
 

@@ -190,7 +190,7 @@ class HopperSiblingKernel(SiblingKernel):
     no output has a bias and the tokens (with their residual rows) fit one decode launch."""
 
     def apply(self, x, i=None, bias=None):
-        hit, key, biased = self.siblings.begin(i, x, bias)
+        hit, biased = self.siblings.begin(i, x, bias)
         if hit is not None:
             return hit
         from quads.kernels.hopper.fp16_operand import scaled_fp16_rows
@@ -201,13 +201,13 @@ class HopperSiblingKernel(SiblingKernel):
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         m = x2.shape[0]
         if self.act is None:
-            return self.siblings.keep(i, key, x, None, scaled_fp16_rows(x2))
+            return self.siblings.keep(i, x, None, scaled_fp16_rows(x2))
         ops = as_operands(quantize_rows(x2, **operand_row_args(x2, self.act)), m)
         y = None
         if self.stacked is not None and not biased and 2 * m <= max_decode_columns():
             y = decode_gemm(ops.stacked, ops.main_scale, self.stacked, self.row_scales, m, ops.residual is not None,
                             None, x.dtype)
-        return self.siblings.keep(i, key, x, y, ops)
+        return self.siblings.keep(i, x, y, ops)
 
 
 def stack_prepared_hopper(prepared: Sequence, shared_scale: bool = False, weight_only: bool = False):

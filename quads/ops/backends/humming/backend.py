@@ -503,7 +503,7 @@ class HummingSiblingKernel(HopperSiblingKernel):
             return self._weight_only(x, i, bias)
         if self.layer is None or x.dtype not in HummingLinearKernel.humming_dtypes:
             return super().apply(x, i, bias)
-        hit, key, biased = self.siblings.begin(i, x, bias)
+        hit, biased = self.siblings.begin(i, x, bias)
         if hit is not None:
             return hit
         from quads.kernels.humming.operands import unscale_rows
@@ -519,25 +519,25 @@ class HummingSiblingKernel(HopperSiblingKernel):
         else:
             ops = as_operands(quantize_rows(x2, **operand_row_args(x2, act)), m)
             if i is not None and biased:  # the operands once, for the members' own kernels
-                return self.siblings.keep(i, key, x, None, ops)
+                return self.siblings.keep(i, x, None, ops)
             stacked = ops.residual is not None
             op, scale = (ops.stacked if stacked else ops.main), ops.main_scale
         scaling = "summed" if summed else "w4a4"
         y = unscale_rows(layer(op, scaling), m, layer.unshift[scaling], scale, bias, x2.dtype, stacked=stacked)
-        return self.siblings.keep(i, key, x, y, None)
+        return self.siblings.keep(i, x, y, None)
 
     def _weight_only(self, x, i, bias):
         """W4A16: one GEMM over the stacked weight in ``x.dtype`` (each column ``fp32 sum of exact
         products * (1/S_w)``, rounded once: a member's own kernel's arithmetic); with a bias
         anywhere, each member computes alone."""
-        hit, key, biased = self.siblings.begin(i, x, bias)
+        hit, biased = self.siblings.begin(i, x, bias)
         if hit is not None:
             return hit
         if biased:
-            return self.siblings.keep(i, key, x, None, None)
+            return self.siblings.keep(i, x, None, None)
         x2 = x.reshape(-1, x.shape[-1])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        return self.siblings.keep(i, key, x, self.layers[x2.dtype](x2), None)
+        return self.siblings.keep(i, x, self.layers[x2.dtype](x2), None)
 
 
 class HummingBackend(HopperBackend):
