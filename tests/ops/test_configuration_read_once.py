@@ -91,7 +91,7 @@ def test_the_recorder_sees_a_read():
         os.getenv("QUADS_BACKEND")
         "QUADS_CACHE" in os.environ  # noqa: B015
         os.environ.get("HOME")
-    assert reads == ["QUADS_EAGER_CASTS", "QUADS_BACKEND", "QUADS_CACHE"] and os.environ is not None
+    assert reads == ["QUADS_EAGER_CASTS", "QUADS_BACKEND", "QUADS_CACHE"]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])

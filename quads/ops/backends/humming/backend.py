@@ -166,15 +166,15 @@ class HummingWeight:
             tensors += t
             specs.append(spec)
         self.op_tensors: list[torch.Tensor] = tensors
-        self.op_config = json.dumps({"shape": list(self.shape), "mode": self.mode, "tuned": self.tuned, "layers": specs,
-                                     "rows_hint": list(self.rows_hint) if self.rows_hint else None})
+        self.op_config = json.dumps({"shape": list(self.shape), "mode": self.mode, "tuned": self.tuned,
+                                     "layers": specs, "rows_hint": list(self.rows_hint) if self.rows_hint else None})
 
     @classmethod
     def from_op_fields(cls, tensors, config: str, global_encode_scale, parts: NVFP4Parts | None = None):
         """The prepared weight of :attr:`op_tensors` / :attr:`op_config` (a compiled call's arguments):
         layers over those tensors under the configurations built in this process for the same shapes,
-        dtypes, modes and tuned tables (nothing looked up by identity). ``parts``: the weight's packed parts where
-        the layout cannot give them back."""
+        dtypes, modes and tuned tables (nothing looked up by identity). ``parts``: the weight's packed
+        parts where the layout cannot give them back."""
         spec = _op_spec(config)
         self = cls.__new__(cls)
         self.shape, self.mode, self.tuned = tuple(spec["shape"]), spec["mode"], spec["tuned"]
@@ -449,10 +449,10 @@ def _layer_fields(w: HummingWeight):
 
 
 def stack_prepared_humming(prepared, shared_scale: bool):
-    """A :class:`HummingStack` of sibling humming weights (one K, mode, tuned table and device, humming's direct
-    layout, one global scale by construction: ``shared_scale``; each N a multiple of 64, so that a
-    member's layout is whole 64-row blocks of the stacked one, padded or not), and the members' own
-    weights as their views; None when they do not qualify."""
+    """A :class:`HummingStack` of sibling humming weights (one K, mode, tuned table and device,
+    humming's direct layout, one global scale by construction: ``shared_scale``; each N a multiple
+    of 64, so that a member's layout is whole 64-row blocks of the stacked one, padded or not), and
+    the members' own weights as their views; None when they do not qualify."""
     if not shared_scale or not all(isinstance(p, HummingWeight) and len(p.shape) == 2 for p in prepared):
         return None
     first = prepared[0]

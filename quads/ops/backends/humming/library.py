@@ -14,8 +14,7 @@ stays below ``2^15``; the GEMM reads ``2^-c / S_w`` and the epilogue multiplies 
 **Configurations** (``mode``, :data:`HUMMING_MODES`): ``"default"`` (humming's M-interval table,
 Stream-K: not deterministic run to run, measured max diff 0.0078 at 4096^2), ``"no_stream_k"``
 (the same table without Stream-K: deterministic) and ``"batch_invariant"``; the first two take the
-GPU's measured configurations on their M intervals where quads ships them (:mod:`.tuning`; the
-layer's ``tuned`` choice, its backend's).
+GPU's measured configurations on their M intervals where quads ships them (:mod:`.tuning`).
 
 **JIT**: a layer's first call compiles its table (~1.5 s per shape; :meth:`HummingNVFP4.warmup`
 before CUDA-graph capture), cached under quads' cache directory (``HUMMING_CACHE_DIR``).
