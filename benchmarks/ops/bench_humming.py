@@ -385,7 +385,7 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
     # compile only the kernels humming picks for the row counts run here (stacked: 2M rows): the
     # same kernel per M as its full table (quads.ops.backends.humming.library.prune_table)
     hint = sorted({1, 2, *ms, *(2 * m for m in ms), *CHECK_MS, *(2 * m for m in CHECK_MS)})
-    base = [HummingWeight(p, "default", rows_hint=hint) for p in parts]
+    base = [HummingWeight(p, "default", rows_hint=hint, tuned=BACKENDS["stacked"].tuned) for p in parts]
     for hw in base:
         hw.layer(torch.float16), hw.layer(torch.bfloat16)
     sync()
@@ -397,7 +397,7 @@ def bench_shape(k, n, ms, modes, check_modes, budget, dev, dense_from, first, pr
     if full_jit and not DRY and first:  # the production cost: humming's full table, one layer
         try:
             t = time.time()
-            full = hg.HummingNVFP4(*parts[0], dtype=torch.float16, mode="default")
+            full = hg.HummingNVFP4(*parts[0], dtype=torch.float16, mode="default", tuned=BACKENDS["stacked"].tuned)
             full(x1.half())
             sync()
             record("jit", shape=tag, mode="default", dtype="float16", full_table=True,
@@ -583,8 +583,8 @@ def bench_moe(budget, dev, configs=MOE_CONFIGS, ts=MOE_TS, modes=("default",)):
         qgu, qdn = NVFP4Tensor.from_float(gu), NVFP4Tensor.from_float(dn)
         del gu, dn
         prep_h = (HOPPER.prepare_weight(qgu.parts), HOPPER.prepare_weight(qdn.parts))
-        prep_m = (HummingWeight(qgu.parts, "default", rows_hint=[T * TOPK for T in ts]),
-                  HummingWeight(qdn.parts, "default", rows_hint=[T * TOPK for T in ts]))
+        prep_m = (HummingWeight(qgu.parts, "default", rows_hint=[T * TOPK for T in ts], tuned=humming.tuned),
+                  HummingWeight(qdn.parts, "default", rows_hint=[T * TOPK for T in ts], tuned=humming.tuned))
         t = time.time()
         for p in prep_m:
             p.layer(torch.float16), p.layer(torch.bfloat16)

@@ -8,25 +8,53 @@ one BF16 ulp off can move an NVFP4 code, and with it the logits. inductor's
 op calls :func:`align_this_compile`, which turns it on for the rest of the ``torch.compile``
 it runs in (dynamo's tracing, inductor's lowering and code generation) and restores the
 previous value when that compile ends (dynamo's end-of-compile callback). Graphs without quads
-ops compile as configured. ``QUADS_EAGER_CASTS=0`` leaves inductor's setting alone (faster fused
-BF16 math, a bounded drift from eager).
+ops compile as configured.
+
+The switch is one process-wide setting, read from ``QUADS_EAGER_CASTS`` once, at import
+(``QUADS_EAGER_CASTS=0``: off, leaving inductor's setting alone: faster fused BF16 math, a bounded
+drift from eager); :func:`set_eager_casts` / :func:`eager_casts` change it for the compiles that
+start afterwards (a graph already compiled keeps what it was compiled with). Compiles read the
+stored value, never the environment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
 import torch
 
-__all__ = ["align_this_compile", "enabled"]
+__all__ = ["align_this_compile", "eager_casts", "enabled", "set_eager_casts"]
 
 _state = threading.local()
+_eager_casts = os.environ.get("QUADS_EAGER_CASTS", "1") != "0"  # read once, here
 
 
 def enabled() -> bool:
-    """False when ``QUADS_EAGER_CASTS=0``: compiled quads graphs then use inductor's setting as is."""
-    return os.environ.get("QUADS_EAGER_CASTS", "1") != "0"
+    """Whether compiles of graphs holding quads ops keep eager's roundings (the stored setting:
+    ``QUADS_EAGER_CASTS`` at import, else :func:`set_eager_casts`'s last value)."""
+    return _eager_casts
+
+
+def set_eager_casts(on: bool) -> None:
+    """Turn the alignment on or off for the compiles that start from now on, process-wide
+    (what ``QUADS_EAGER_CASTS=0`` does at import)."""
+    global _eager_casts
+    if not isinstance(on, bool):
+        raise TypeError(f"set_eager_casts takes a bool, got {on!r}")
+    _eager_casts = on
+
+
+@contextlib.contextmanager
+def eager_casts(on: bool):
+    """:func:`set_eager_casts` inside a ``with`` block, the previous setting restored after it."""
+    previous = _eager_casts
+    set_eager_casts(on)
+    try:
+        yield
+    finally:
+        set_eager_casts(previous)
 
 
 def align_this_compile() -> None:

@@ -5,6 +5,7 @@ it gives (unchanged where no entry matches)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import types
@@ -72,33 +73,51 @@ def test_merge_copies_configs_and_keeps_a_table_without_tuned_entries():
 
 # -- the file: lookup and validation --------------------------------------------------------------
 
-def test_lookup_by_device_shape_dtype_mode_and_experts(tmp_path, monkeypatch):
+def test_lookup_by_device_shape_dtype_mode_and_experts(tmp_path):
     nsk = [[0, 64, _cfg(3, sk=False)]]
     path = _table_file(tmp_path, [_entry(), _entry(mode="no_stream_k", intervals=nsk), _entry(experts=8)])
-    monkeypatch.setenv("QUADS_HUMMING_TUNED", str(path))
-    assert ht.tuned_intervals(DEVICE, 64, 128, "float16", "default", None) == [[48, 64, _cfg(7)]]
-    assert ht.tuned_intervals(DEVICE, 64, 128, "float16", "no_stream_k", None) == nsk
-    assert ht.tuned_intervals(DEVICE, 64, 128, "float16", "default", 8) == [[48, 64, _cfg(7)]]
+    tuned = hb.HummingBackend(tuned=path).tuned  # the backend's choice, handed to the lookup
+    assert ht.tuned_intervals(DEVICE, 64, 128, "float16", "default", None, tuned) == [[48, 64, _cfg(7)]]
+    assert ht.tuned_intervals(DEVICE, 64, 128, "float16", "no_stream_k", None, tuned) == nsk
+    assert ht.tuned_intervals(DEVICE, 64, 128, "float16", "default", 8, tuned) == [[48, 64, _cfg(7)]]
     for key in [(128, 64, "float16", "default", None), (64, 128, "bfloat16", "default", None),
                 (64, 128, "float16", "default", 4), (64, 128, "float16", "batch_invariant", None)]:
-        assert ht.tuned_intervals(DEVICE, *key) is None, key
+        assert ht.tuned_intervals(DEVICE, *key, tuned) is None, key
     with pytest.raises(ValueError, match="this device is 'NVIDIA H100'"):
-        ht.tuned_intervals("NVIDIA H100", 64, 128, "float16", "default", None)
-    monkeypatch.setenv("QUADS_HUMMING_TUNED", "0")
-    assert ht.tuned_intervals(DEVICE, 64, 128, "float16", "default", None) is None
+        ht.tuned_intervals("NVIDIA H100", 64, 128, "float16", "default", None, tuned)
+    off = hb.HummingBackend(tuned=False).tuned
+    assert ht.tuned_intervals(DEVICE, 64, 128, "float16", "default", None, off) is None
 
 
-def test_shipped_table_path_is_named_after_the_device(monkeypatch, tmp_path):
-    monkeypatch.delenv("QUADS_HUMMING_TUNED", raising=False)
+def test_shipped_table_path_is_named_after_the_device(tmp_path):
     assert ht.device_slug("NVIDIA H200") == "nvidia-h200" and ht.device_slug(" NVIDIA H100 80GB HBM3") == \
         "nvidia-h100-80gb-hbm3"
     assert ht.table_path(DEVICE) == ht.TUNED_DIR / "nvidia-h200.json"
+    assert ht.table_path(DEVICE, hb.HummingBackend(tuned=True).tuned) == ht.TUNED_DIR / "nvidia-h200.json"
     # shipped with the package (pyproject's package-data: quads/assets/**)
     assert ht.TUNED_DIR.parent == Path(quads.__file__).resolve().parent / "assets"
     assert ht.load_table("No Such GPU") == {}  # no file: no entries
-    monkeypatch.setenv("QUADS_HUMMING_TUNED", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="missing.json: no such file"):
-        ht.load_table(DEVICE)
+        ht.load_table(DEVICE, hb.HummingBackend(tuned=tmp_path / "missing.json").tuned)
+
+
+def test_the_table_choice_is_read_from_the_environment_when_the_backend_is_made(tmp_path, monkeypatch):
+    """``QUADS_HUMMING_TUNED`` (unset or 1: shipped, 0: off, else a file) is the default of
+    ``HummingBackend(tuned=)``, read when the backend is made; the argument wins; a bad one is refused."""
+    path = tmp_path / "t.json"
+    for env, want in ((None, ht.SHIPPED), ("1", ht.SHIPPED), ("0", ht.OFF), (str(path), str(path))):
+        if env is None:
+            monkeypatch.delenv("QUADS_HUMMING_TUNED", raising=False)
+        else:
+            monkeypatch.setenv("QUADS_HUMMING_TUNED", env)
+        backend = hb.HummingBackend()
+        monkeypatch.setenv("QUADS_HUMMING_TUNED", "0")  # later changes do not reach it
+        assert backend.tuned == want and hb.HummingBackend(tuned=path).tuned == str(path)
+    assert hb.HummingBackend(tuned="off").tuned == ht.OFF and hb.HummingBackend(tuned="shipped").tuned == ht.SHIPPED
+    monkeypatch.chdir(tmp_path)
+    assert hb.HummingBackend(tuned="rel.json").tuned == os.path.join(os.getcwd(), "rel.json")  # fixed when made
+    with pytest.raises(ValueError, match="tuned must be"):
+        hb.HummingBackend(tuned=1)
 
 
 def test_every_shipped_table_validates():
@@ -127,26 +146,24 @@ def test_every_shipped_table_validates():
     (lambda d: d["entries"][0]["intervals"][0][2].update(num_stages=[4]), "num_stages must be a JSON scalar"),
     (lambda d: d["entries"][0].update(mode="no_stream_k"), "must have use_stream_k false"),
 ])
-def test_a_tampered_table_is_one_line_naming_the_file(tmp_path, monkeypatch, edit, message):
+def test_a_tampered_table_is_one_line_naming_the_file(tmp_path, edit, message):
     data = {"format": ht.TABLE_FORMAT, "device": DEVICE, "humming": ht.HUMMING_REQUIREMENT, "entries": [_entry()]}
     ht.validate_table(json.loads(json.dumps(data)), DEVICE)  # the unedited table is valid
     edit(data)
     path = tmp_path / "t.json"
     path.write_text(json.dumps(data))
-    monkeypatch.setenv("QUADS_HUMMING_TUNED", str(path))
     with pytest.raises(ValueError, match=message) as err:
-        ht.tuned_intervals(DEVICE, 64, 128, "float16", "default", None)
+        ht.tuned_intervals(DEVICE, 64, 128, "float16", "default", None, hb.HummingBackend(tuned=path).tuned)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
 def test_a_corrupt_file_is_an_error_and_0_turns_the_table_off(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
     path.write_text('{"format": ')
-    monkeypatch.setenv("QUADS_HUMMING_TUNED", str(path))
     with pytest.raises(ValueError, match="humming tuned table .*t.json: .*QUADS_HUMMING_TUNED=0"):
-        ht.load_table(DEVICE)
+        ht.load_table(DEVICE, hb.HummingBackend(tuned=path).tuned)
     monkeypatch.setenv("QUADS_HUMMING_TUNED", "0")
-    assert ht.load_table(DEVICE) == {}
+    assert ht.load_table(DEVICE, hb.HummingBackend().tuned) == {}
 
 
 # -- the layer's configuration -------------------------------------------------------------------
@@ -169,46 +186,48 @@ def heuristics(monkeypatch):
     return table
 
 
-def _layer(mode, **kw):
-    # a (64, 128) weight, held padded: its GEMM, the tables' key, is 128 x 128
-    return hb.HummingWeight(_weight(), mode, **kw).layer(torch.float16)
+def _layer(mode, tuned, rows_hint=None):
+    """The fp16 layer a backend of this ``tuned`` choice prepares (a (64, 128) weight, held padded: its
+    GEMM, the tables' key, is 128 x 128); a row hint (benchmarks) through the weight's own argument."""
+    backend = hb.HummingBackend(mode=mode, tuned=tuned)
+    if rows_hint is not None:
+        return hb.HummingWeight(_weight(), mode, rows_hint=rows_hint, tuned=backend.tuned).layer(torch.float16)
+    return backend.prepare_weight(_weight()).layer(torch.float16)
 
 
 def _plain(table):
     return json.loads(json.dumps(table, default=hg._json_value))
 
 
-def test_layer_configs_unchanged_when_no_entry_matches(fake_humming, heuristics, tmp_path, monkeypatch):
+def test_layer_configs_unchanged_when_no_entry_matches(fake_humming, heuristics, tmp_path):
     path = _table_file(tmp_path, [_entry(n=128, dtype="bfloat16"), _entry(n=64)])  # other dtype, the unpadded N
-    for env in ("0", str(path), None):  # off, a table without this layer's key, the shipped one
-        if env is None:
-            monkeypatch.delenv("QUADS_HUMMING_TUNED")
-        else:
-            monkeypatch.setenv("QUADS_HUMMING_TUNED", env)
-        assert _ORIG_CONFIGS(_layer("default")) == (None, None)
-        compute, tuning = _ORIG_CONFIGS(_layer("no_stream_k"))
+    for tuned in (False, path, True):  # off, a table without this layer's key, the shipped one
+        assert _ORIG_CONFIGS(_layer("default", tuned)) == (None, None)
+        compute, tuning = _ORIG_CONFIGS(_layer("no_stream_k", tuned))
         assert compute is None and json.loads(tuning) == [[lo, hi, {**c, "use_stream_k": False}]
                                                           for lo, hi, c in _plain(heuristics)]
-        assert _ORIG_CONFIGS(_layer("batch_invariant")) == (json.dumps({"use_batch_invariant": True}), None)
-        compute, tuning = _ORIG_CONFIGS(_layer("default", rows_hint=(4,)))
+        assert _ORIG_CONFIGS(_layer("batch_invariant", tuned)) == (json.dumps({"use_batch_invariant": True}), None)
+        compute, tuning = _ORIG_CONFIGS(_layer("default", tuned, rows_hint=(4,)))
         assert json.loads(tuning) == [[0, BIG, _plain(heuristics)[0][2]]]
 
 
-def test_layer_configs_take_tuned_entries_by_mode(fake_humming, heuristics, tmp_path, monkeypatch):
+def test_layer_configs_take_tuned_entries_by_mode(fake_humming, heuristics, tmp_path):
     nsk = [[32, 64, _cfg(5, sk=False)]]
     path = _table_file(tmp_path, [_entry(n=128), _entry(n=128, mode="no_stream_k", intervals=nsk)])
-    monkeypatch.setenv("QUADS_HUMMING_TUNED", str(path))
     h = _plain(heuristics)
-    compute, tuning = _ORIG_CONFIGS(_layer("default"))
+    compute, tuning = _ORIG_CONFIGS(_layer("default", path))
     assert compute is None
     assert json.loads(tuning) == [[0, 8, h[0][2]], [8, 48, h[1][2]], [48, 64, _cfg(7)], [64, BIG, h[2][2]]]
-    compute, tuning = _ORIG_CONFIGS(_layer("no_stream_k"))
+    compute, tuning = _ORIG_CONFIGS(_layer("no_stream_k", path))
     off = [[lo, hi, {**c, "use_stream_k": False}] for lo, hi, c in h]
     assert json.loads(tuning) == [off[0], [8, 32, off[1][2]], [32, 64, _cfg(5, sk=False)], off[2]]
+    # the mode's view of a layer keeps its table; off: humming's own
+    assert json.loads(_ORIG_CONFIGS(_layer("default", path).with_mode("no_stream_k"))[1]) == json.loads(tuning)
+    assert _ORIG_CONFIGS(_layer("default", False)) == (None, None)
     # batch_invariant: humming's own (no tuned entries)
-    assert _ORIG_CONFIGS(_layer("batch_invariant")) == (json.dumps({"use_batch_invariant": True}), None)
+    assert _ORIG_CONFIGS(_layer("batch_invariant", path)) == (json.dumps({"use_batch_invariant": True}), None)
     # a row hint prunes the merged table: M = 50 runs the tuned kernel
-    compute, tuning = _ORIG_CONFIGS(_layer("default", rows_hint=(50,)))
+    compute, tuning = _ORIG_CONFIGS(_layer("default", path, rows_hint=(50,)))
     assert json.loads(tuning) == [[0, BIG, _cfg(7)]]
     assert heuristics[1][2]["block_shape"] == (64, 128, 64)  # humming's cached table not modified
 
@@ -265,7 +284,8 @@ def test_the_gpu_run_s_bookkeeping_with_stand_ins(monkeypatch, tmp_path):
     times = {(64, 128, 64): 10.0, (32, 128, 64): 8.0}  # by block shape; Stream-K off costs 0.5 us more
 
     class Layer:
-        def __init__(self, qdata, scale, gs, dtype, mode, rows_hint):
+        def __init__(self, qdata, scale, gs, dtype, mode, rows_hint, tuned):
+            assert tuned is False  # the baseline is humming's heuristic, whatever table ships
             self.w = torch.randn(qdata.shape[0], qdata.shape[1] * 2, generator=torch.Generator().manual_seed(0))
             self.dtype, self.tuning_config, self.layer = dtype, None, types.SimpleNamespace(humming_config="cfg")
 
@@ -284,7 +304,7 @@ def test_the_gpu_run_s_bookkeeping_with_stand_ins(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(humming_library, "HummingNVFP4",
-                        lambda q, s, g, dtype, mode, rows_hint: Layer(q, s, g, dtype, mode, rows_hint))
+                        lambda q, s, g, dtype, mode, rows_hint, tuned: Layer(q, s, g, dtype, mode, rows_hint, tuned))
     monkeypatch.setattr(th, "plan", lambda lc, m, mx, dev=None: ([[0, BIG, heur]], (56, 64, heur), cands, []))
     monkeypatch.setattr(th, "_precompile", lambda layer, cfgs, dev: None)
     monkeypatch.setattr(benchmarks.timing, "graph_time", graph_time)

@@ -40,6 +40,7 @@ from quads.ops.activation_quant import as_operands, operand_row_args, per_row_sc
 from quads.ops.backend_registry import LinearArgs, LinearKernel, register_backend
 from quads.ops.backends.hopper import (HopperBackend, HopperExpertsKernel, HopperLinearKernel, HopperSiblingKernel,
                                        prepare_weight_hopper, stack_prepared_hopper)
+from quads.ops.backends.humming.tuning import SHIPPED, tuned_choice, tuned_from_env
 from quads.ops.linear_op import compiled_linear
 from quads.tensor.nvfp4_math import NVFP4Parts
 
@@ -122,12 +123,13 @@ class HummingWeight:
 
     Compiled code passes it to ``quads::linear`` as :attr:`op_tensors` (every layer's tensors) and
     :attr:`op_config` (their static description, a JSON string); :meth:`from_op_fields` makes it
-    back from them inside the op."""
+    back from them inside the op. ``tuned``: the tuned table its layers read (the backend's,
+    :func:`~quads.ops.backends.humming.tuning.tuned_choice`; default the shipped one)."""
 
     backend_name = "humming"
 
-    def __init__(self, weight: NVFP4Parts, mode: str, rows_hint=None):
-        self.mode = mode
+    def __init__(self, weight: NVFP4Parts, mode: str, rows_hint=None, tuned=SHIPPED):
+        self.mode, self.tuned = mode, tuned_choice(tuned)
         self.rows_hint = rows_hint  # benchmarks: compile only the kernels of these row counts
         self.shape = tuple(weight.qdata.shape)
         self.device = weight.qdata.device
@@ -149,7 +151,7 @@ class HummingWeight:
         if dtype == torch.float16:
             operand_max.update(_OPERAND_MAX)
         held = HummingNVFP4(parts.qdata, parts.scale, parts.global_encode_scale, dtype=dtype, mode=self.mode,
-                            operand_max=operand_max, rows_hint=self.rows_hint)
+                            operand_max=operand_max, rows_hint=self.rows_hint, tuned=self.tuned)
         owner = next((lay for lay in self.layers.values() if not lay.shared), None)
         if owner is not None:
             held.share_layout_(owner)  # one layout for both activation dtypes when the bits agree
@@ -164,18 +166,18 @@ class HummingWeight:
             tensors += t
             specs.append(spec)
         self.op_tensors: list[torch.Tensor] = tensors
-        self.op_config = json.dumps({"shape": list(self.shape), "mode": self.mode, "layers": specs,
-                                     "rows_hint": list(self.rows_hint) if self.rows_hint else None})
+        self.op_config = json.dumps({"shape": list(self.shape), "mode": self.mode, "tuned": self.tuned,
+                                     "layers": specs, "rows_hint": list(self.rows_hint) if self.rows_hint else None})
 
     @classmethod
     def from_op_fields(cls, tensors, config: str, global_encode_scale, parts: NVFP4Parts | None = None):
         """The prepared weight of :attr:`op_tensors` / :attr:`op_config` (a compiled call's arguments):
         layers over those tensors under the configurations built in this process for the same shapes,
-        dtypes and modes (nothing looked up by identity). ``parts``: the weight's packed parts where
-        the layout cannot give them back."""
+        dtypes, modes and tuned tables (nothing looked up by identity). ``parts``: the weight's packed
+        parts where the layout cannot give them back."""
         spec = _op_spec(config)
         self = cls.__new__(cls)
-        self.shape, self.mode = tuple(spec["shape"]), spec["mode"]
+        self.shape, self.mode, self.tuned = tuple(spec["shape"]), spec["mode"], spec["tuned"]
         self.rows_hint = tuple(spec["rows_hint"]) if spec["rows_hint"] else None
         self.global_encode_scale, self._parts, self.holds_parts = global_encode_scale, parts, parts is None
         self.layers, layout, it = {}, None, iter(tensors)
@@ -279,7 +281,7 @@ class HummingWeight:
         tuning configurations humming caches them under follow from it): weights of one key share
         their kernels, so warming one compiles them for all."""
         experts = self.shape[0] if len(self.shape) == 3 else None
-        return (experts, self.padded_shape, dtype, self.mode, self.rows_hint, str(self.device))
+        return (experts, self.padded_shape, dtype, self.mode, self.rows_hint, self.tuned, str(self.device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -447,19 +449,19 @@ def _layer_fields(w: HummingWeight):
 
 
 def stack_prepared_humming(prepared, shared_scale: bool):
-    """A :class:`HummingStack` of sibling humming weights (one K, mode and device, humming's direct
-    layout, one global scale by construction: ``shared_scale``; each N a multiple of 64, so that a
-    member's layout is whole 64-row blocks of the stacked one, padded or not), and the members' own
-    weights as their views; None when they do not qualify."""
+    """A :class:`HummingStack` of sibling humming weights (one K, mode, tuned table and device,
+    humming's direct layout, one global scale by construction: ``shared_scale``; each N a multiple
+    of 64, so that a member's layout is whole 64-row blocks of the stacked one, padded or not), and
+    the members' own weights as their views; None when they do not qualify."""
     if not shared_scale or not all(isinstance(p, HummingWeight) and len(p.shape) == 2 for p in prepared):
         return None
     first = prepared[0]
     if any(p.shape[0] % 64 or p.shape[1] != first.shape[1] or p.device != first.device or p.mode != first.mode
-           or p.rows_hint != first.rows_hint or not p.can_hold_parts for p in prepared):
+           or p.rows_hint != first.rows_hint or p.tuned != first.tuned or not p.can_hold_parts for p in prepared):
         return None
     parts = [p.packed_parts() for p in prepared]  # transient: the stacked layout is built from them
     weight = HummingWeight(NVFP4Parts(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]),
-                                      first.global_encode_scale), first.mode, first.rows_hint)
+                                      first.global_encode_scale), first.mode, first.rows_hint, first.tuned)
     del parts
     offsets = [0]
     for p in prepared:
@@ -541,10 +543,14 @@ class HummingSiblingKernel(HopperSiblingKernel):
 
 
 class HummingBackend(HopperBackend):
-    """See the module doc. ``mode``/``residual_layout`` default to ``QUADS_HUMMING_MODE`` /
-    ``QUADS_HUMMING_RESIDUAL`` (read here, once: the registered backend reads them at import), then
-    ``"default"``/``"auto"``; ``stack_siblings`` (default on; ``QUADS_HUMMING_STACK_SIBLINGS=0`` turns
-    it off): a sibling set of one global scale runs one GEMM over a stacked copy of its members'
+    """See the module doc. Every setting is read once, here, and stored on the backend (the
+    registered backend reads the environment when this module is imported: on first use of
+    ``humming``); kernels read the stored values. ``mode``/``residual_layout`` default to
+    ``QUADS_HUMMING_MODE`` / ``QUADS_HUMMING_RESIDUAL``, then ``"default"``/``"auto"``; ``tuned``
+    (the tuned table its layers read: ``True``/``"shipped"``, ``False``/``"off"`` or a file's path,
+    :func:`~quads.ops.backends.humming.tuning.tuned_choice`) defaults to ``QUADS_HUMMING_TUNED``
+    (unset: the shipped table); ``stack_siblings`` (default on; ``QUADS_HUMMING_STACK_SIBLINGS=0``
+    turns it off): a sibling set of one global scale runs one GEMM over a stacked copy of its members'
     layouts (:class:`HummingStack`: the members' bytes once more, and each member's output under
     the set's output-range shift, within the bound, not the member GEMM's bits). On because the one
     GEMM is measured 1.4-2.8x faster than the members' GEMMs at 1-64 rows (docs/humming.md)."""
@@ -558,7 +564,8 @@ class HummingBackend(HopperBackend):
     def shape_problem(self, n: int, k: int) -> str | None:
         return humming_shape_problem(n, k)
 
-    def __init__(self, mode: str | None = None, residual_layout: str | None = None, stack_siblings: bool | None = None):
+    def __init__(self, mode: str | None = None, residual_layout: str | None = None, stack_siblings: bool | None = None,
+                 tuned=None):
         from quads.ops.backends.humming.library import HUMMING_MODES
 
         if stack_siblings is None:
@@ -574,13 +581,14 @@ class HummingBackend(HopperBackend):
             raise ValueError(f"QUADS_HUMMING_RESIDUAL / residual_layout must be one of {RESIDUAL_LAYOUTS}, "
                              f"got {residual_layout!r}")
         self.residual_layout = residual_layout
+        self.tuned = tuned_from_env() if tuned is None else tuned_choice(tuned)
 
     def prepare_weight(self, weight: NVFP4Parts, out=None):
         if not humming_supports(weight):
             return prepare_weight_hopper(weight, out if not isinstance(out, HummingWeight) else None)
-        if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode:
+        if isinstance(out, HummingWeight) and out.fits(weight) and out.mode == self.mode and out.tuned == self.tuned:
             return out.write_parts_(weight)
-        return HummingWeight(weight, self.mode)
+        return HummingWeight(weight, self.mode, tuned=self.tuned)
 
     def op_prepared(self, prepared):
         if isinstance(prepared, HummingWeight):
@@ -607,7 +615,7 @@ class HummingBackend(HopperBackend):
 def humming_w4a4(x2d, layer, bias, act, static_mask=None, residual_layout: str = "auto", operands=None) -> torch.Tensor:
     """W4A4 (+ residual) through one fp16 humming layer in any activation dtype (fp32: the GEMM's
     error without the final rounding): one call of :class:`HummingLinearKernel`."""
-    kernel = HummingLinearKernel(HummingBackend(layer.mode, residual_layout),
+    kernel = HummingLinearKernel(HummingBackend(layer.mode, residual_layout, stack_siblings=False, tuned=layer.tuned),
                                  LinearArgs(None, act, static_mask, _OneLayer(layer)))
     kernel.humming_dtypes = (x2d.dtype,)
     return kernel.apply(x2d, bias, operands)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from quads.kernels.humming.layout import humming_padded_shape, pad_parts, unpad_parts
-from quads.ops.backends.humming.tuning import HUMMING_REQUIREMENT, merge_tuned, tuned_intervals
+from quads.ops.backends.humming.tuning import HUMMING_REQUIREMENT, SHIPPED, merge_tuned, tuned_choice, tuned_intervals
 
 __all__ = [
     "HUMMING_REQUIREMENT",
@@ -270,7 +270,7 @@ def transform_into_(layer, qdata, scale, global_encode_scale) -> None:
         held[name].data.copy_(v)
 
 
-#: (experts, N, K, dtype, mode, rows_hint, device) -> (humming_config, compute_config, tuning_config) of the
+#: (experts, N, K, dtype, mode, rows_hint, tuned, device) -> (humming_config, compute_config, tuning_config) of the
 #: layers built in this process: what a layer made back from a compiled call's tensors runs under
 _LAYER_CONFIGS: dict[tuple, tuple] = {}
 
@@ -307,10 +307,12 @@ class HummingNVFP4:
     inputs, outputs and packed parts are of the weight's ``(shape_n, shape_k)``: a call pads the
     activations in K where K needs it (one copy) and gives the output's N columns as a view.
     ``operand_max``: the operand bound of the output-range rule for each named
-    scaling (``{"unit": None}`` = no shift: weight_scale_2 = 1/S_w, for inputs whose outputs fit)."""
+    scaling (``{"unit": None}`` = no shift: weight_scale_2 = 1/S_w, for inputs whose outputs fit).
+    ``tuned``: which tuned table the configuration reads (:func:`~.tuning.tuned_choice`; the
+    backend's, default the shipped one): looked up here, once."""
 
     def __init__(self, qdata, scale, global_encode_scale, *, dtype=torch.float16, mode: str = "default",
-                 operand_max: dict[str, float | None] | None = None, rows_hint=None):
+                 operand_max: dict[str, float | None] | None = None, rows_hint=None, tuned=SHIPPED):
         if mode not in HUMMING_MODES:
             raise ValueError(f"humming mode must be one of {HUMMING_MODES}, got {mode!r}")
         if dtype not in (torch.float16, torch.bfloat16):
@@ -318,7 +320,7 @@ class HummingNVFP4:
         self.num_experts, _ = _check_parts(qdata, scale, global_encode_scale)
         self.device = check_humming_device(qdata.device)
         self.humming = import_humming()
-        self.dtype, self.mode = dtype, mode
+        self.dtype, self.mode, self.tuned = dtype, mode, tuned_choice(tuned)
         self.rows_hint = tuple(sorted(set(rows_hint))) if rows_hint else None
         self.shape_n, self.shape_k = qdata.shape[-2], qdata.shape[-1] * 2
         self.pad_n, self.pad_k = humming_padded_shape(self.shape_n, self.shape_k)
@@ -443,7 +445,7 @@ class HummingNVFP4:
             compute["use_batch_invariant"] = True
         compute_str = json.dumps(compute) if compute else None
         tuned = tuned_intervals(device_name(self.device), self.pad_n, self.pad_k,
-                                str(self.dtype).removeprefix("torch."), self.mode, self.num_experts)
+                                str(self.dtype).removeprefix("torch."), self.mode, self.num_experts, self.tuned)
         if self.mode != "no_stream_k" and self.rows_hint is None and not tuned:
             return compute_str, None  # humming resolves its own table (the same call as below)
         from humming.tune import get_heuristics_config
@@ -471,7 +473,8 @@ class HummingNVFP4:
 
     # -- as a custom op's arguments (torch.compile) ------------------------------------------------
     def _key(self) -> tuple:
-        return (self.num_experts, self.shape_n, self.shape_k, self.dtype, self.mode, self.rows_hint, str(self.device))
+        return (self.num_experts, self.shape_n, self.shape_k, self.dtype, self.mode, self.rows_hint, self.tuned,
+                str(self.device))
 
     def _remember_configs(self) -> None:
         _LAYER_CONFIGS[self._key()] = (self.layer.humming_config, self.compute_config, self.tuning_config)
@@ -486,7 +489,8 @@ class HummingNVFP4:
         scalings = list(self.ws2)
         tensors = [*params.values(), *buffers.values(), *(self.ws2[n] for n in scalings),
                    *(self.unshift[n] for n in scalings)]
-        spec = {"dtype": str(self.dtype).removeprefix("torch."), "mode": self.mode, "shared": self.shared,
+        spec = {"dtype": str(self.dtype).removeprefix("torch."), "mode": self.mode, "tuned": self.tuned,
+                "shared": self.shared,
                 "rows_hint": list(self.rows_hint) if self.rows_hint else None, "params": list(params),
                 "buffers": list(buffers), "scalings": scalings}
         return tensors, spec
@@ -495,9 +499,10 @@ class HummingNVFP4:
     def from_op_fields(cls, spec: dict, tensors, layout: dict | None, shape: tuple) -> "HummingNVFP4":
         """A layer over ``tensors`` (an iterator, consumed in :meth:`op_fields`' order; ``layout``:
         the owner's layout tensors by name, for a layer sharing them) of a weight of packed shape
-        ``shape``, under the configuration built in this process for the same shape, dtype and mode."""
+        ``shape``, under the configuration built in this process for the same shape, dtype, mode and tuned table."""
         self = cls.__new__(cls)
         self.dtype, self.mode, self.shared = getattr(torch, spec["dtype"]), spec["mode"], spec["shared"]
+        self.tuned = spec["tuned"]
         self.rows_hint = tuple(spec["rows_hint"]) if spec["rows_hint"] else None
         self.num_experts = shape[0] if len(shape) == 3 else None
         self.shape_n, self.shape_k = shape[-2], shape[-1] * 2

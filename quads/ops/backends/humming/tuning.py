@@ -15,8 +15,13 @@ must have ``use_stream_k`` false); ``"batch_invariant"`` layers never read the t
 
 **Errors**: a file that does not validate raises one line naming the file and the problem (a
 shipped table is written by the script; a broken one is a packaging bug, not a slower kernel to
-hide). ``QUADS_HUMMING_TUNED=0`` turns the table off; ``QUADS_HUMMING_TUNED=<path.json>`` reads
-that file instead of the shipped one (its ``device`` must still match). Nothing here imports humming.
+hide).
+
+**Which table** (:func:`tuned_choice`): ``"shipped"`` (the file above, if there is one), ``"off"``
+or a named file (its ``device`` must still match). The humming backend decides it once, when it
+is made (``HummingBackend(tuned=...)``, default ``QUADS_HUMMING_TUNED``: :func:`tuned_from_env`)
+and hands it down to each layer; the lookups here take it as an argument and never read the
+environment. Nothing here imports humming.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["HUMMING_REQUIREMENT", "TABLE_FORMAT", "TUNED_DIR", "TUNED_MODES", "device_slug", "load_table", "merge_tuned",
-           "table_path", "tuned_intervals", "validate_table"]
+__all__ = ["HUMMING_REQUIREMENT", "OFF", "SHIPPED", "TABLE_FORMAT", "TUNED_DIR", "TUNED_MODES", "device_slug",
+           "load_table", "merge_tuned", "table_path", "tuned_choice", "tuned_from_env", "tuned_intervals",
+           "validate_table"]
 
 TABLE_FORMAT = "quads-humming-tuned/1"
 HUMMING_REQUIREMENT = "humming-kernels==0.1.19"  # the humming quads runs (the library module re-exports it)
@@ -46,6 +52,7 @@ TUNING_KEYS = frozenset((
     "use_tma_c", "use_tma_bs", "use_tma_bs2", "use_tma_bzp", "use_tma_bias", "smem_reuse_mode",
     "multi_cast_size_a", "multi_cast_size_b", "use_pdl", "raster_group_m", "evict_weights_first", "num_sms"))
 DTYPES = ("float16", "bfloat16")
+SHIPPED, OFF = "shipped", "off"  # the table choices besides a named file (an absolute path)
 
 
 def device_slug(name: str) -> str:
@@ -53,14 +60,33 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def table_path(device_name: str) -> Path | None:
-    """The table file for ``device_name`` (None: turned off by ``QUADS_HUMMING_TUNED=0``)."""
+def tuned_choice(tuned) -> str:
+    """A table choice as layers store it: :data:`SHIPPED` (``True`` or ``"shipped"``), :data:`OFF`
+    (``False`` or ``"off"``), or a named file (any other str or ``os.PathLike``) as an absolute path."""
+    if tuned is True or tuned == SHIPPED:
+        return SHIPPED
+    if tuned is False or tuned == OFF:
+        return OFF
+    if isinstance(tuned, (str, os.PathLike)) and str(tuned):
+        return os.path.abspath(Path(tuned).expanduser())
+    raise ValueError(f"tuned must be True/'shipped', False/'off' or a table file's path, got {tuned!r}")
+
+
+def tuned_from_env() -> str:
+    """The table choice ``QUADS_HUMMING_TUNED`` names (unset or ``1``: the shipped table, ``0``: off,
+    else a file): what :class:`~quads.ops.backends.humming.backend.HummingBackend` reads when it is made."""
     env = os.environ.get("QUADS_HUMMING_TUNED", "")
-    if env == "0":
+    if env in ("", "1"):
+        return SHIPPED
+    return OFF if env == "0" else tuned_choice(env)
+
+
+def table_path(device_name: str, tuned=SHIPPED) -> Path | None:
+    """The table file of choice ``tuned`` (:func:`tuned_choice`) for ``device_name`` (None: off)."""
+    tuned = tuned_choice(tuned)
+    if tuned == OFF:
         return None
-    if env and env != "1":
-        return Path(env).expanduser()
-    return TUNED_DIR / f"{device_slug(device_name)}.json"
+    return TUNED_DIR / f"{device_slug(device_name)}.json" if tuned == SHIPPED else Path(tuned)
 
 
 def _check_cfg(cfg, mode: str, where: str) -> None:
@@ -132,30 +158,34 @@ def _load(path: str, mtime_ns: int, device_name: str) -> dict:
         data = json.loads(Path(path).read_text())
         validate_table(data, device_name)
     except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
-        raise ValueError(f"humming tuned table {path}: {err} (QUADS_HUMMING_TUNED=0 turns it off)") from None
+        raise ValueError(f"humming tuned table {path}: {err} (QUADS_HUMMING_TUNED=0 or tuned=False turns it "
+                         "off)") from None
     return {(e["n"], e["k"], e["dtype"], e["mode"], e["experts"]): e["intervals"] for e in data["entries"]}
 
 
-def load_table(device_name: str) -> dict:
-    """(n, k, dtype, mode, experts) -> intervals of ``device_name``'s table; {} when there is none
-    (or it is turned off). Read once per file version."""
-    path = table_path(device_name)
+def load_table(device_name: str, tuned=SHIPPED) -> dict:
+    """(n, k, dtype, mode, experts) -> intervals of ``device_name``'s table of choice ``tuned``
+    (:func:`tuned_choice`); {} when there is none (or it is off). Read once per file version."""
+    tuned = tuned_choice(tuned)
+    path = table_path(device_name, tuned)
     if path is None:
         return {}
     try:
         mtime = path.stat().st_mtime_ns
     except FileNotFoundError:
-        if os.environ.get("QUADS_HUMMING_TUNED", "") not in ("", "1"):  # a named file must be there
-            raise ValueError(f"humming tuned table {path}: no such file (QUADS_HUMMING_TUNED)") from None
+        if tuned != SHIPPED:  # a named file must be there
+            raise ValueError(f"humming tuned table {path}: no such file (QUADS_HUMMING_TUNED / tuned=)") from None
         return {}
     return _load(str(path), mtime, device_name)
 
 
-def tuned_intervals(device_name: str, n: int, k: int, dtype: str, mode: str, experts: int | None) -> list | None:
-    """The tuned ``[lo, hi, cfg]`` entries for one layer, or None (none; ``batch_invariant``)."""
+def tuned_intervals(device_name: str, n: int, k: int, dtype: str, mode: str, experts: int | None,
+                    tuned=SHIPPED) -> list | None:
+    """The tuned ``[lo, hi, cfg]`` entries for one layer from the table of choice ``tuned``, or None
+    (none; ``batch_invariant``)."""
     if mode not in TUNED_MODES:
         return None
-    return load_table(device_name).get((n, k, dtype, mode, experts))
+    return load_table(device_name, tuned).get((n, k, dtype, mode, experts))
 
 
 def merge_tuned(table: list, tuned: list) -> list:
