@@ -11,6 +11,8 @@
 #                humming_padded, humming_siblings, humming) beside pytest tests/gpu/test_fast_kernel_gpu.py
 #   rechecks     gpu_checks compiled, humming_padded and humming alone (a longer limit) beside the
 #                fast-kernel GPU test
+#   siblings     gpu_checks of the sibling and humming-layer paths (fused, graphed_sync, humming_siblings,
+#                humming_compiled) beside the GPU suite's examples on the embedded MoE
 #   host         host time of one eager decode step of the embedded MoE on the GPU
 #                (benchmarks.ops.bench_decode_host --device cuda), this tree and, when carried, the
 #                tree in .before/ (the same script over an older quads), one after the other
@@ -53,6 +55,11 @@ run_step() {
       $PY -m pytest -q -m gpu tests/gpu/test_fast_kernel_gpu.py -p no:cacheprovider > "$W/gpu_tests.log" 2>&1 &
       step rechecks 560 $PY -m benchmarks.gpu_checks --out "$W/rechecks" --only compiled,humming_padded,humming
       wait; echo "[$(date +%T)] gpu_tests: $(tail -n 1 "$W/gpu_tests.log")" >> "$W/driver.log" ;;
+    siblings)
+      $PY -m benchmarks.gpu_checks --out "$W/sibling_checks" --only fused,graphed_sync,humming_siblings,humming_compiled \
+        > "$W/sibling_checks.log" 2>&1 &
+      EXAMPLE_MODELS=embedded OUT=$W/examples step examples 520 bash scripts/gpu_suite.sh examples
+      wait; echo "[$(date +%T)] sibling_checks: $(grep '^CHECKS:' "$W/sibling_checks.log" | tail -n 1)" >> "$W/driver.log" ;;
     host)
       for i in 1; do
         step "host_after_$i" 120 $PY -m benchmarks.ops.bench_decode_host --device cuda --steps 300

@@ -12,6 +12,7 @@ import torch
 import quads
 import quads.ops.backend_registry
 import quads.policies.scale_groups as scale_groups
+from quads.policies.scale_groups import ScaleGroup
 from tests.scale_reference import reference_forward_weight
 from tests.tiny_models import build
 
@@ -33,7 +34,9 @@ def _groups(model) -> list:
 
 
 def _hook_count(model) -> int:
-    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    """Forward hooks of trainer scale groups (a rollout's sibling sets hook their parents too)."""
+    return sum(isinstance(getattr(h, "__self__", None), ScaleGroup)
+               for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
 
 
 @pytest.fixture
@@ -230,6 +233,8 @@ def test_copies_for_rollout_and_undone_conversions_carry_no_hook():
     assert _hook_count(quads.policies.copy_model(model)) == 0
     rollout = quads.policies.build_rollout_model(model, quads.QuadsPolicy(side="rollout", activations="bf16"))
     assert _hook_count(rollout) == 0
+    hooked = {type(getattr(h, "__self__", None)).__name__ for m in rollout.modules() for h in m._forward_pre_hooks.values()}
+    assert hooked == {"SiblingSet"}  # the rollout's own: its sibling sets share within their parents' forwards
     undo()
     assert _hook_count(model) == 0
     assert not any(isinstance(m, quads.policies.modules.QuadsModule) for m in model.modules())
