@@ -21,7 +21,9 @@ Inside a CUDA-graph capture the sharing is decided at capture time.
 
 Sets are made by :func:`quads.fuse_projections_` (stacked) and by the graphed decoder (dormant
 sets, switched on inside its forwards by :func:`enabled_groups`). Members are any objects with
-``quads_sibling_inputs()`` returning ``(LinearKernel, bias)`` and ``quads_group``/``quads_group_index``.
+``quads_sibling_inputs()`` returning ``(LinearKernel, bias)``, ``quads_group``/``quads_group_index``
+and ``quads_sibling_set_changed()`` (called after the set changed them: a rollout linear then runs
+its forward through a :class:`SiblingMember`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend
 from quads.ops.parent_call import SiblingMembers
 
-__all__ = ["SiblingSet", "SiblingKernel", "enabled_groups"]
+__all__ = ["SiblingSet", "SiblingKernel", "SiblingMember", "enabled_groups"]
 
 
 class SiblingSet(SiblingMembers):
@@ -61,7 +63,8 @@ class SiblingSet(SiblingMembers):
         self._kernel: tuple | None = None  # (sources, kernel)
         for i, m in enumerate(self.members):
             m.quads_group, m.quads_group_index = self, i
-        self._refresh_kernel()  # made now, never inside a forward (a compiled graph would guard on its absence)
+            m.quads_sibling_set_changed()
+        self.refresh_kernel()  # made now, never inside a forward (a compiled graph would guard on its absence)
 
     # -- the stacked layout ----------------------------------------------------------------------
 
@@ -81,7 +84,7 @@ class SiblingSet(SiblingMembers):
         self.row_scales = torch.empty(self.offsets[-1], dtype=torch.float32, device=global_scales[0].device)
         for i, gs in enumerate(global_scales):
             self.write_scale(i, gs)
-        self._refresh_kernel()  # made now over the stacked layout
+        self.refresh_kernel()  # made now over the stacked layout
         return self.views
 
     def write_scale(self, i: int, global_encode_scale: torch.Tensor) -> None:
@@ -111,14 +114,13 @@ class SiblingSet(SiblingMembers):
     # -- the kernel ------------------------------------------------------------------------------
 
     def kernel(self) -> "SiblingKernel | None":
-        """The set's kernel (None while dormant): made when the stacked layout is set, and again
-        only when one of its sources (backend, configuration, stacked layout, row scales) was
-        replaced, compared by identity."""
-        if not self.enabled:
-            return None
-        return self._refresh_kernel()
+        """The set's kernel (None while dormant), as the last :meth:`refresh_kernel` made it."""
+        return self._kernel[1] if self.enabled else None
 
-    def _refresh_kernel(self) -> "SiblingKernel":
+    def refresh_kernel(self) -> "SiblingKernel":
+        """Make the kernel again if one of its sources (backend, configuration, stacked layout, row
+        scales) was replaced since, compared by identity: called when the set is made and when its
+        stacked layout is set; a source replaced by hand must be followed by a call of it."""
         sources = (self.backend, self.act, self.stacked, self.row_scales)
         held = self._kernel
         if held is None or any(a is not b for a, b in zip(held[0], sources)):
@@ -187,6 +189,7 @@ class SiblingSet(SiblingMembers):
             if self.stacked is not None and not hasattr(self.stacked, "write_member_"):
                 m.quads_unstack(self.views[i])
             m.quads_group, m.quads_group_index = None, 0
+            m.quads_sibling_set_changed()
         self.members = ()
 
 
@@ -208,6 +211,22 @@ class SiblingKernel:
             return hit
         operands = self.backend.activation_operands(x.reshape(-1, x.shape[-1]), self.act)
         return self.siblings.keep(i, x, None, operands)
+
+
+class SiblingMember:
+    """A member's kernel while it is in a set (its forward's ``kernel.apply``): its columns of the
+    set's output, or the set's operands into its own kernel ``own``, within its parent's forward
+    (:meth:`SiblingSet.begin`); else, and while the set is dormant, ``own`` alone."""
+
+    def __init__(self, siblings: SiblingSet, i: int, own):
+        self.siblings, self.i, self.own = siblings, i, own
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        kernel = self.siblings.kernel()
+        if kernel is None:
+            return self.own.apply(x, bias)
+        y, operands = kernel.apply(x, self.i)
+        return y if y is not None else self.own.apply(x, bias, operands)
 
 
 @contextlib.contextmanager

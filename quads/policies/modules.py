@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from quads.ops.activation_quant import ActivationQuant
 from quads.ops.backend_registry import Backend, LinearArgs, LinearKernel, gemm_shape, select_backend
 from quads.ops.experts_op import act_and_mul, experts_loop
+from quads.ops.sibling_linear import SiblingMember
 from quads.policies.policy import QuadsPolicy
 from quads.policies.ste import fake_quant_linear, fake_quantize_activation, fake_quantize_weight
 from quads.policies.trainer_experts import grouped_experts_forward, grouped_mm_available
@@ -273,16 +274,21 @@ class RolloutLinear(RolloutModule):
         return self.quads_backend.linear_kernel(LinearArgs(self.weight, self.quads_act, self.quads_static_mask,
                                                            prepared))
 
+    def _quads_forward_inputs(self) -> None:
+        # the forward's kernel: this linear's own, or in a sibling set (q/k/v, gate/up) its member
+        # kernel (its columns of the set's GEMM, or the set's operands into its own kernel)
+        group = self.quads_group
+        self._quads_forward_kernel = (self._quads_kernel if group is None
+                                      else SiblingMember(group, self.quads_group_index, self._quads_kernel))
+
+    def quads_sibling_set_changed(self) -> None:
+        """Called by a :class:`~quads.ops.sibling_linear.SiblingSet` after it made this linear a
+        member or released it."""
+        if "_quads_kernel" in self.__dict__:
+            self._quads_forward_inputs()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This linear's kernel; in a sibling set (q/k/v, gate/up) first the set's kernel: this
-        linear's columns of the stacked GEMM, or the input's operands computed once for all."""
-        siblings = self.quads_group
-        if siblings is not None and (kernel := siblings.kernel()) is not None:
-            y, operands = kernel.apply(x, self.quads_group_index)
-            if y is not None:
-                return y
-            return self._quads_kernel.apply(x, self.bias, operands)
-        return self._quads_kernel.apply(x, self.bias)
+        return self._quads_forward_kernel.apply(x, self.bias)
 
     def quads_sibling_inputs(self) -> tuple:
         """(linear kernel, bias) as the sibling set computes with them."""

@@ -166,6 +166,9 @@ class _Member:
     def quads_sibling_inputs(self):
         return self.kernel, None
 
+    def quads_sibling_set_changed(self):
+        pass
+
 
 class _Parent(torch.nn.Module):
     """A stand-in parent: its forward runs ``body`` (the members' calls) inside one parent call."""

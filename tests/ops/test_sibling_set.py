@@ -1,5 +1,5 @@
 """A sibling set's one kernel (quads.ops.sibling_linear.SiblingSet): made once, one GEMM per set,
-and the launchers at most two calls below a member's forward.
+and the launchers three calls below a member's forward.
 
 Runs the Hopper backend's kernels under the Triton interpreter (tests/conftest.py) on a Llama
 whose projection rows are multiples of 64 (the stacked layout's row tile).
@@ -63,6 +63,8 @@ def test_the_set_kernel_is_made_once_and_reused(monkeypatch):
     assert len(made) == 4 and all(s.kernel() is kernels[i] for i, s in sets.items())
     group = model.model.layers[0].self_attn.q_proj.quads_group
     group.stacked = type(group.stacked)(group.stacked.values, group.stacked.scales, group.stacked.n, group.stacked.k)
+    assert group.kernel() is kernels[id(group)]  # nothing polled: a forward keeps the kernel until the refresh
+    group.refresh_kernel()
     assert group.kernel() is not kernels[id(group)] and len(made) == 5  # a source replaced: remade
 
 
@@ -117,8 +119,9 @@ def _launcher_depths(model, run) -> set[int]:
 
 
 @pytest.mark.parametrize("case", ["stacked", "prefill", "dormant", "w4a16"])
-def test_launchers_are_two_calls_below_a_member_forward(monkeypatch, case):
-    """forward -> kernel.apply -> launcher (-> the launch): 3 calls on every sibling path."""
+def test_launchers_are_three_calls_below_a_member_forward(monkeypatch, case):
+    """forward -> the member's kernel -> the set's or its own kernel.apply -> launcher (-> the
+    launch): 4 calls on every sibling path."""
     if case == "prefill":
         monkeypatch.setattr(w4a4_decode, "max_decode_columns", lambda: 0)
     model = _rollout(fuse=case != "dormant", **({"activations": "bf16"} if case == "w4a16" else {}))
@@ -128,4 +131,4 @@ def test_launchers_are_two_calls_below_a_member_forward(monkeypatch, case):
         with torch.no_grad(), share_quantization(model):
             model(ids)
 
-    assert _launcher_depths(model, run) == {2}
+    assert _launcher_depths(model, run) == {2, 3}  # o_proj / down_proj: forward -> kernel.apply -> launcher
