@@ -4,7 +4,8 @@ A :class:`SiblingSet` (one per parent) owns its members' stacked prepared weight
 member's own layout a view of it, written in place by every sync; humming: a copy each member
 write refreshes, ``stacked.write_member_``), the per-row weight global scales and one kernel
 (:class:`SiblingKernel`, the backend's ``sibling_kernel_class``), made when the members' weights
-are set. A member's forward calls ``kernel.apply(x, i)``: the input's GEMM operands once, then
+are set. A member's forward runs its member kernel (:class:`SiblingMember`), which calls the
+set's ``kernel.apply(x, i)``: the input's GEMM operands once, then
 the stacked GEMM (Hopper: few tokens, no biases, every output column with its own linear's bits;
 humming: one global scale for all members) or the operands for each member's own kernel. A
 vLLM merged layer is a set without members (``apply(x)``: every column at once).
