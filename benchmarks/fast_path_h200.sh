@@ -12,7 +12,8 @@
 #   rechecks     gpu_checks compiled, humming_padded and humming alone (a longer limit) beside the
 #                fast-kernel GPU test
 #   siblings     gpu_checks of the sibling and humming-layer paths (fused, graphed_sync, humming_siblings,
-#                humming_compiled) beside the GPU suite's examples on the embedded MoE
+#                humming_compiled) beside the GPU suite's examples on the embedded MoE, then quads' Python
+#                calls per eager decode step on the GPU (bench_decode_host --count-calls), this tree and .before/
 #   host         host time of one eager decode step of the embedded MoE on the GPU
 #                (benchmarks.ops.bench_decode_host --device cuda), this tree and, when carried, the
 #                tree in .before/ (the same script over an older quads), one after the other
@@ -59,7 +60,9 @@ run_step() {
       $PY -m benchmarks.gpu_checks --out "$W/sibling_checks" --only fused,graphed_sync,humming_siblings,humming_compiled \
         > "$W/sibling_checks.log" 2>&1 &
       EXAMPLE_MODELS=embedded OUT=$W/examples step examples 520 bash scripts/gpu_suite.sh examples
-      wait; echo "[$(date +%T)] sibling_checks: $(grep '^CHECKS:' "$W/sibling_checks.log" | tail -n 1)" >> "$W/driver.log" ;;
+      wait; echo "[$(date +%T)] sibling_checks: $(grep '^CHECKS:' "$W/sibling_checks.log" | tail -n 1)" >> "$W/driver.log"
+      step calls_after 120 $PY -m benchmarks.ops.bench_decode_host --device cuda --steps 48 --count-calls
+      [ -d .before/quads ] && step calls_before 120 bash -c "cd .before && $PY -m benchmarks.ops.bench_decode_host --device cuda --steps 48 --count-calls" ;;
     host)
       for i in 1; do
         step "host_after_$i" 120 $PY -m benchmarks.ops.bench_decode_host --device cuda --steps 300

@@ -1,6 +1,7 @@
 """Host time of one eager decode step of the embedded MoE (``quads/assets/tiny-moe-arith``).
 
     python -m benchmarks.ops.bench_decode_host [--steps 400] [--prompt 8] [--threads 1] [--device cpu|cuda]
+                                               [--count-calls]
 
 The rollout model (``quantize_(model, QuadsPolicy(side="rollout"))``: the torch backend on CPU,
 the exact Triton kernels on a CUDA GPU) decodes one token per step with transformers'
@@ -13,12 +14,18 @@ Python and launches cost. On CUDA attention runs on the math SDPA backend: under
 backend choice a cProfile of this script on the H200 put 7.7 ms of host time in each
 ``scaled_dot_product_attention`` call (eager decode, a new key length every step), more than
 the rest of the step, the same in every tree: not the rollout path's cost.
+
+``--count-calls`` counts instead the Python calls in quads' own files per decode step
+(``sys.setprofile`` over the timed steps): a count, not a time, so two trees compare without
+the machine's run-to-run spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -27,7 +34,9 @@ import quads
 from quads.tasks.default_model import load_default_model
 
 
-def decode_step_times(steps: int, prompt: int, run: int, device: str = "cpu") -> list[float]:
+def decode_step_times(steps: int, prompt: int, run: int, device: str = "cpu", count_calls: bool = False) -> list[float]:
+    """Each step's host time in seconds, or with ``count_calls`` each step's count of Python calls
+    in quads' own files."""
     model, _ = load_default_model()
     model.to(device)
     quads.quantize_(model, quads.QuadsPolicy(side="rollout"))
@@ -36,6 +45,12 @@ def decode_step_times(steps: int, prompt: int, run: int, device: str = "cpu") ->
 
     gen = torch.Generator().manual_seed(0)
     times: list[float] = []
+    root, calls = os.path.dirname(quads.__file__) + os.sep, [0]
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            calls[0] += 1
+
     with torch.no_grad():
         while len(times) < steps:
             ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=gen).to(device)
@@ -44,12 +59,17 @@ def decode_step_times(steps: int, prompt: int, run: int, device: str = "cpu") ->
             token = out.logits[:, -1:].argmax(-1)
             for pos in range(prompt, min(prompt + run, model.config.max_position_embeddings)):
                 sync()
-                t0 = time.perf_counter()
-                out = model(input_ids=token, past_key_values=cache, use_cache=True,
-                            position_ids=torch.tensor([[pos]], device=device))
+                t0, calls[0] = time.perf_counter(), 0
+                if count_calls:
+                    sys.setprofile(profile)
+                try:
+                    out = model(input_ids=token, past_key_values=cache, use_cache=True,
+                                position_ids=torch.tensor([[pos]], device=device))
+                finally:
+                    sys.setprofile(None)
                 token = out.logits[:, -1:].argmax(-1)
                 sync()
-                times.append(time.perf_counter() - t0)
+                times.append(calls[0] if count_calls else time.perf_counter() - t0)
     return times[:steps]
 
 
@@ -60,17 +80,22 @@ def main() -> None:
     ap.add_argument("--run", type=int, default=48, help="decode steps per cache")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--count-calls", action="store_true", help="count quads' Python calls per step instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.device == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.MATH]):
-            times = decode_step_times(args.steps, args.prompt, args.run, args.device)
+            times = decode_step_times(args.steps, args.prompt, args.run, args.device, args.count_calls)
     else:
-        times = decode_step_times(args.steps, args.prompt, args.run, args.device)
-    q = statistics.quantiles([t * 1e6 for t in times], n=4)
+        times = decode_step_times(args.steps, args.prompt, args.run, args.device, args.count_calls)
     where = "torch backend, CPU" if args.device == "cpu" else f"exact kernels, {torch.cuda.get_device_name()}"
+    if args.count_calls:
+        print(f"decode step, tiny-moe-arith, {where}: {statistics.median(times):.0f} Python calls in quads "
+              f"(min {min(times)}, max {max(times)}; {len(times)} steps)")
+        return
+    q = statistics.quantiles([t * 1e6 for t in times], n=4)
     print(f"decode step, tiny-moe-arith, {where}: median {q[1]:.0f} us "
           f"(quartiles {q[0]:.0f} / {q[2]:.0f}; {len(times)} steps)")
 
