@@ -4,27 +4,23 @@ A :class:`SiblingSet` (one per parent) owns its members' stacked prepared weight
 member's own layout a view of it, written in place by every sync; humming: a copy each member
 write refreshes, ``stacked.write_member_``), the per-row weight global scales and one kernel
 (:class:`SiblingKernel`, the backend's ``sibling_kernel_class``), made when the members' weights
-are set. A member's forward runs its member kernel (:class:`SiblingMember`), which calls the
-set's ``kernel.apply(x, i)``: the input's GEMM operands once, then
-the stacked GEMM (Hopper: few tokens, no biases, every output column with its own linear's bits;
-humming: one global scale for all members) or the operands for each member's own kernel. A
-vLLM merged layer is a set without members (``apply(x)``: every column at once).
+are set. A member's forward runs its :class:`SiblingMember` kernel, which calls the set's
+``kernel.apply(x, i)``: the input's GEMM operands once, then the stacked GEMM (Hopper: few
+tokens, no biases, each column with its own linear's bits; humming: one global scale for all
+members) or the operands for each member's own kernel. A vLLM merged layer is a set without
+members (``apply(x)``: every column at once).
 
-Members called one by one share within one forward of their parent (the set is attached to it,
-:class:`~quads.ops.parent_call.SiblingMembers`): the first member computes for every member and
-keeps the result in the call's slot; a member called next with the same input (the same tensor
-object, its version counter unchanged) takes its columns or the operands from it. The parent's
-forward hook empties the slot, so nothing computed for one call is seen by another, and a member
-called outside its parent's forward (or with another input) computes alone. Never shared:
-inference-mode tensors (no version counter: an in-place write could not be seen), tensor
-subclasses, meta tensors, code traced by ``torch.compile`` (the hooks open no slot there).
-Inside a CUDA-graph capture the sharing is decided at capture time.
+Members share within one forward of their parent (the set is attached to it,
+:class:`~quads.ops.parent_call.SiblingMembers`): the first member computes for all and keeps the
+result in the call's slot; a member called next with the same tensor object, version unchanged,
+takes its columns or the operands; the parent's forward hook empties the slot. Outside the
+parent's forward, or with another input, a member computes alone. Never shared: inference-mode
+tensors (no version counter), tensor subclasses, meta tensors, traced code (the hooks open no
+slot there). In a CUDA-graph capture the sharing is decided at capture time.
 
-Sets are made by :func:`quads.fuse_projections_` (stacked) and by the graphed decoder (dormant
-sets, switched on inside its forwards by :func:`enabled_groups`). Members are any objects with
-``quads_sibling_inputs()`` returning ``(LinearKernel, bias)``, ``quads_group``/``quads_group_index``
-and ``quads_sibling_set_changed()`` (called after the set changed them: a rollout linear then runs
-its forward through a :class:`SiblingMember`).
+Sets are made by :func:`quads.fuse_projections_` (stacked) and the graphed decoder (dormant sets,
+switched on by :func:`enabled_groups`). Members are objects with ``quads_sibling_inputs()``
+(``(LinearKernel, bias)``), ``quads_group``/``quads_group_index`` and ``quads_sibling_set_changed()``.
 """
 
 from __future__ import annotations
