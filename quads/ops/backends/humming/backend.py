@@ -290,9 +290,9 @@ def _op_spec(config: str) -> dict:
     return json.loads(config)
 
 
-class HummingLinearKernel(LinearKernel):
+class HummingLinearKernel(HopperLinearKernel):
     """One weight's linear on humming (see the module doc). Activations of other dtypes than
-    :attr:`humming_dtypes` take the exact kernels (the parts derived from the layout); compiled
+    :attr:`humming_dtypes` take the exact Hopper kernel it extends (the parts derived from the layout); compiled
     code calls ``quads::linear`` with the layout's tensors, whose body runs this kernel eagerly.
 
     * W4A16 (``act=None``): the layer of ``x.dtype``; output = ``fp32 sum of exact products *
@@ -322,8 +322,7 @@ class HummingLinearKernel(LinearKernel):
             self.check_input(x)
         if x.dtype not in self.humming_dtypes:  # the one per-call choice: the exact kernels, on the parts
             held = self.prepared is not None  # (derived from the layout, which is the weight's storage)
-            return HopperLinearKernel.apply(self, x, bias, operands, self.prepared.real_parts(self.parts) if held
-                                            else self.parts, None)
+            return super().apply(x, bias, operands, self.prepared.real_parts(self.parts) if held else self.parts, None)
         prepared = self.prepared if self.prepared is not None else self.backend.prepare_weight(self.parts)
         act = self.act
         x2 = x.reshape(-1, x.shape[-1])
