@@ -45,8 +45,10 @@ class SiblingSet(SiblingMembers):
     sets are switched on by :func:`enabled_groups`). Members share only once the set is attached
     to their parent (:meth:`attach`)."""
 
-    #: the current parent call's ``(input, its version, (outputs, operands))``, or None
+    #: the current parent call's ``(input, its version, (outputs, operands), members served)``, or None
     _slot: tuple | None = None
+    #: inside a forward of the members' parent (its pre-hook ran, its forward hook not yet)
+    _call_open = False
 
     def __init__(self, backend: Backend, act: ActivationQuant | None, sizes: Sequence[int],
                  members: Sequence = (), enabled: bool = True, names: Sequence[str] = ()):
@@ -56,7 +58,6 @@ class SiblingSet(SiblingMembers):
         self.stacked = None  # the stacked weights as the backend's sibling kernel reads them
         self.views: list = []  # member i's prepared weight: a view into ``stacked``
         self.row_scales: torch.Tensor | None = None  # (N,) fp32: each output row's weight global scale
-        self._call_open = False  # inside a forward of the members' parent
         self._kernel: tuple | None = None  # (sources, kernel)
         for i, m in enumerate(self.members):
             m.quads_group, m.quads_group_index = self, i
@@ -88,7 +89,7 @@ class SiblingSet(SiblingMembers):
         """Member ``i``'s weight was written: mirror its global scale into its rows of the per-row
         vector and, where the stacked layout is a copy (``stacked.write_member_``), its layout.
         Drops the call's slot (a parent forward interrupted by a ``BaseException``, which skips its
-        forward hook, leaves it open; nothing computed from the old weights is served after)."""
+        forward hook, leaves it open until the parent's next forward or this)."""
         self._close_call(None, None, None)
         if self.row_scales is not None:
             lo, hi = self.offsets[i], self.offsets[i + 1]
@@ -150,15 +151,19 @@ class SiblingSet(SiblingMembers):
         """``(hit, biased)`` before a kernel computes for member ``i`` (None: every output, no
         slot): ``hit`` the ``(output, operands)`` to return now (``(None, None)``: the member
         computes alone), else None (compute, then :meth:`keep`); ``biased`` whether an output has
-        a bias (no stacked GEMM then)."""
+        a bias (no stacked GEMM then). Each member is served once per slot: a member called again
+        computes anew (its first output may have been written in place since)."""
         if i is None:
             return None, bias is not None
-        if not self._call_open or type(x) is not torch.Tensor or x.is_inference() or x.device.type == "meta":
+        if (not self._call_open or torch.compiler.is_compiling() or type(x) is not torch.Tensor
+                or x.is_inference() or x.device.type == "meta"):
             return (None, None), False
         slot = self._slot
-        if slot is not None and slot[0] is x and slot[1] == x._version:
+        if slot is not None and slot[0] is x and slot[1] == x._version and i not in slot[3]:
+            slot[3].add(i)
             outs, operands = slot[2]
             return (None if outs is None else outs[i], operands), False
+        self._slot = None  # freed before the new input is quantized (no growth of prefill peaks)
         return None, any(m.quads_sibling_inputs()[1] is not None for m in self.members)
 
     def keep(self, i: int | None, x: torch.Tensor, y: torch.Tensor | None, operands) -> tuple:
@@ -174,16 +179,17 @@ class SiblingSet(SiblingMembers):
             outs = [y[..., o[j]:o[j + 1]] for j in range(len(o) - 1)]
             operands = None
         if self._call_open:
-            self._slot = (x, x._version, (outs, operands))
+            self._slot = (x, x._version, (outs, operands), {i})
         return (None if outs is None else outs[i]), operands
 
-    def dissolve(self) -> None:
-        """Members compute alone again (each gets its own copy of its stacked view; a stacked copy
+    def dissolve(self, keep: int | None = None) -> None:
+        """Members compute alone again (each gets its own copy of its stacked view, but member
+        ``keep``, which holds a new layout of its own already; a stacked copy
         (``stacked.write_member_``) is dropped, the members' own layouts kept); the parent's hooks
         are removed."""
         self.detach()
         for i, m in enumerate(self.members):
-            if self.stacked is not None and not hasattr(self.stacked, "write_member_"):
+            if self.stacked is not None and not hasattr(self.stacked, "write_member_") and i != keep:
                 m.quads_unstack(self.views[i])
             m.quads_group, m.quads_group_index = None, 0
             m.quads_sibling_set_changed()

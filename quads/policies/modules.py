@@ -141,7 +141,7 @@ class RolloutModule(QuadsModule):
             if group.backend is self.quads_backend and group.holds(i, self.quads_prepared[0]):
                 group.write_scale(i, self.weight.global_encode_scale)
             else:  # another backend, or a layout not written in place (a device move): alone again
-                group.dissolve()
+                group.dissolve(keep=i)  # this member keeps the layout it has just made
         if getattr(self, "quads_policy", None) is not None:
             self._quads_refresh_kernel()
 

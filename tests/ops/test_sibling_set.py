@@ -94,8 +94,9 @@ def test_one_decode_gemm_per_stacked_set(monkeypatch, fuse):
 LAUNCHERS = {"quantize_rows", "scaled_fp16_rows", "decode_gemm", "w4a4_gemm"}
 
 
-def _launcher_depths(model, run) -> set[int]:
-    """Calls from a rollout linear's ``forward`` to each outermost launcher (the launch is one more)."""
+def _launcher_depths(model, run) -> set[tuple[bool, int]]:
+    """(whether the linear is in a sibling set, calls from its ``forward`` to each outermost
+    launcher (the launch is one more))."""
     forward = RolloutLinear.forward.__code__
     depths: set[int] = set()
 
@@ -108,7 +109,7 @@ def _launcher_depths(model, run) -> set[int]:
                 return  # called from inside a launcher: not the outermost
             depth, f = depth + 1, f.f_back
         if f is not None:
-            depths.add(depth)
+            depths.add((f.f_locals["self"].quads_group is not None, depth))
 
     sys.setprofile(profile)
     try:
@@ -131,4 +132,4 @@ def test_launchers_are_three_calls_below_a_member_forward(monkeypatch, case):
         with torch.no_grad(), share_quantization(model):
             model(ids)
 
-    assert _launcher_depths(model, run) == {2, 3}  # o_proj / down_proj: forward -> kernel.apply -> launcher
+    assert _launcher_depths(model, run) == {(True, 3), (False, 2)}  # o_proj / down_proj: forward -> kernel.apply -> launcher

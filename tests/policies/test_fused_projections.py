@@ -135,3 +135,23 @@ def test_unfusing_remakes_the_kernels_over_their_own_layouts_at_once():
     attn = model.model.layers[0].self_attn
     for m in (attn.q_proj, attn.k_proj, attn.v_proj):
         assert m.quads_kernel().args.prepared is m.quads_prepared[0]
+
+
+def test_a_member_that_made_its_own_layout_keeps_it_when_the_set_dissolves(monkeypatch):
+    """A member whose refresh made a new layout of its own (a device move: the old one does not
+    fit) dissolves its set; it keeps the layout it made, its siblings get copies of their views,
+    and every output keeps its bits."""
+    model, plain = _rollout(), _rollout()
+    ids = torch.randint(0, 64, (1, 3), generator=torch.Generator().manual_seed(5))
+    assert quads.fuse_projections_(model) == 2
+    attn = model.model.layers[0].self_attn
+    backend, made = attn.q_proj.quads_backend, []
+    real = backend.prepare_weight
+    monkeypatch.setattr(backend, "prepare_weight", lambda parts, out=None: made.append(real(parts, out)) or made[-1])
+    attn.q_proj.quads_prepared = ()  # what a move to another device leaves: no layout that fits
+    attn.q_proj.quads_weights_changed()
+    assert len(made) == 1 and attn.q_proj.quads_prepared[0] is made[0]  # the one it made, not a copy of its view
+    assert attn.q_proj.quads_kernel().args.prepared is made[0]
+    assert all(m.quads_group is None for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert not attn._forward_pre_hooks  # the set's hooks left with it
+    assert torch.equal(_logits(model, ids), _logits(plain, ids))

@@ -65,11 +65,15 @@ class HopperLinearKernel(LinearKernel):
     ``DQ(W)``, a cuBLAS product) the weight is not rounded to bf16 and the fp32 sums run in
     another order: differences of that size."""
 
+    #: the quantization's row arguments made with the kernel (a subclass whose own GEMM reads
+    #: none, humming's, makes none: its exact path passes the parts and computes them per call)
+    fixed_row_args = True
+
     def __init__(self, backend, args: LinearArgs):
         super().__init__(backend, args)
         self.row_args_device = None if self.parts is None else self.parts.qdata.device
-        self.row_args = None if self.k is None else fixed_operand_row_args(self.k, self.row_args_device, self.act,
-                                                                           self.static_mask)
+        self.row_args = (None if self.k is None or not self.fixed_row_args else
+                         fixed_operand_row_args(self.k, self.row_args_device, self.act, self.static_mask))
 
     def apply(self, x, bias=None, operands=None, parts=None, prepared=None):
         """``parts``/``prepared``: read instead of the kernel's own (the humming kernel's exact path

@@ -306,6 +306,7 @@ class HummingLinearKernel(HopperLinearKernel):
       :func:`humming_residual_layout` picks (``auto``: stacked below :data:`SUMMED_FROM_ROWS` rows)."""
 
     humming_dtypes = (torch.float16, torch.bfloat16)
+    fixed_row_args = False
 
     def __init__(self, backend, args: LinearArgs):
         super().__init__(backend, args)
@@ -484,7 +485,7 @@ class HummingSiblingKernel(HopperSiblingKernel):
     """The humming backend's sibling-set kernel: over a :class:`HummingStack`, for 16-bit inputs
     where no member has a bias, one humming GEMM over the stacked weight, its columns to the
     members: W4A4 (+ residual) with the input quantized once (:class:`HummingLinearKernel`'s steps
-    and bits, inline: the launchers two calls below a member's forward), W4A16 on the input as it
+    and bits, inline: the launchers three calls below a member's forward), W4A16 on the input as it
     is (the layer of its dtype, ``1 / S_w`` for all members: their one global scale); else the
     operands once for the members' own kernels; over a Hopper-laid stack the Hopper decode GEMM
     (:class:`~quads.ops.backends.hopper.HopperSiblingKernel`'s)."""
