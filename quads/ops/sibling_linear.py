@@ -59,10 +59,10 @@ class SiblingSet(SiblingMembers):
         self.views: list = []  # member i's prepared weight: a view into ``stacked``
         self.row_scales: torch.Tensor | None = None  # (N,) fp32: each output row's weight global scale
         self._kernel: tuple | None = None  # (sources, kernel)
+        self.refresh_kernel()  # made now (before any member joins), never inside a forward
         for i, m in enumerate(self.members):
             m.quads_group, m.quads_group_index = self, i
             m.quads_sibling_set_changed()
-        self.refresh_kernel()  # made now, never inside a forward (a compiled graph would guard on its absence)
 
     # -- the stacked layout ----------------------------------------------------------------------
 
