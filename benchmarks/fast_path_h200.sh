@@ -12,7 +12,8 @@
 #   rechecks     gpu_checks compiled, humming_padded and humming alone (a longer limit) beside the
 #                fast-kernel GPU test
 #   siblings     gpu_checks of the sibling and humming-layer paths (fused, graphed_sync, humming_siblings,
-#                humming_compiled) beside the GPU suite's examples on the embedded MoE, then quads' Python
+#                humming_compiled, and compiled: a fused Qwen3-MoE rollout, its sets' parent hooks traced,
+#                under torch.compile) beside the GPU suite's examples on the embedded MoE, then quads' Python
 #                calls per eager decode step on the GPU (bench_decode_host --count-calls), this tree and .before/
 #   host         host time of one eager decode step of the embedded MoE on the GPU
 #                (benchmarks.ops.bench_decode_host --device cuda), this tree and, when carried, the
@@ -57,7 +58,7 @@ run_step() {
       step rechecks 560 $PY -m benchmarks.gpu_checks --out "$W/rechecks" --only compiled,humming_padded,humming
       wait; echo "[$(date +%T)] gpu_tests: $(tail -n 1 "$W/gpu_tests.log")" >> "$W/driver.log" ;;
     siblings)
-      $PY -m benchmarks.gpu_checks --out "$W/sibling_checks" --only fused,graphed_sync,humming_siblings,humming_compiled \
+      $PY -m benchmarks.gpu_checks --out "$W/sibling_checks" --only fused,graphed_sync,humming_siblings,humming_compiled,compiled \
         > "$W/sibling_checks.log" 2>&1 &
       EXAMPLE_MODELS=embedded OUT=$W/examples step examples 520 bash scripts/gpu_suite.sh examples
       wait; echo "[$(date +%T)] sibling_checks: $(grep '^CHECKS:' "$W/sibling_checks.log" | tail -n 1)" >> "$W/driver.log"

@@ -82,7 +82,9 @@ def build_rollout_model(
     ``policy=None`` leaves the copy unquantized (a BF16 rollout engine). Otherwise
     ``quads.quantize_(copy, policy)`` then ``quads.sync_weights_(copy, trainer_model)``, so the
     rollout's dequantized weights equal the trainer's fake-quant weights bit for bit; with
-    ``fuse_projections`` then :func:`quads.fuse_projections_` (Hopper backend only; same bits).
+    ``fuse_projections`` then :func:`quads.fuse_projections_` (on every backend: one activation
+    quantization per sibling input; the exact kernels' stacked GEMM keeps the bits, humming's stacked
+    copy is within its stated bound).
     """
     if policy is not None and policy.side != "rollout":
         raise ValueError(f"build_rollout_model needs a rollout-side policy, got side={policy.side!r}")
