@@ -271,3 +271,28 @@ def test_a_sync_writes_through_w4a16_members_into_the_stacked_gemm(fake_humming)
         after, want = fused(x).logits, alone(x).logits
     assert not torch.equal(after, before)
     assert torch.equal(after, want)
+
+
+def test_unstacked_w4a16_sets_on_humming_layouts_share_nothing(fake_humming, monkeypatch):
+    """Weight-only siblings without a stacked weight (the decoder's dormant sets on an unfused
+    model): each member's humming GEMM reads the input as it is, so the set computes no fp16
+    operand rows for them (a launch per set whose result no member would read)."""
+    import quads.kernels.hopper.fp16_operand as fp16_operand
+    from quads.ops.sibling_linear import enabled_groups
+    from quads.policies.fused_projections import sibling_groups_
+
+    model = _fast_w4a16_rollout(seed=2)
+    x = _input()
+    with torch.no_grad():
+        want = model(x).logits
+    sets = sibling_groups_(model)
+    assert sets and all(s.stacked is None for s in sets)
+    made = []
+    real = fp16_operand.scaled_fp16_rows
+    monkeypatch.setattr(fp16_operand, "scaled_fp16_rows", lambda rows: made.append(rows.shape) or real(rows))
+    del fake_humming[:]
+    with torch.no_grad(), enabled_groups(sets):
+        got = model(x).logits
+    assert made == []
+    assert len(fake_humming) == len(_linears(model))  # every member its own GEMM
+    assert torch.equal(got, want)

@@ -486,8 +486,9 @@ class HummingSiblingKernel(HopperSiblingKernel):
     where no member has a bias, one humming GEMM over the stacked weight, its columns to the
     members: W4A4 (+ residual) with the input quantized once (:class:`HummingLinearKernel`'s steps
     and bits, inline: the launchers three calls below a member's forward), W4A16 on the input as it
-    is (the layer of its dtype, ``1 / S_w`` for all members: their one global scale); else the
-    operands once for the members' own kernels; over a Hopper-laid stack the Hopper decode GEMM
+    is (the layer of its dtype, ``1 / S_w`` for all members: their one global scale); W4A16
+    without a stacked weight: nothing shared (each member's GEMM reads the input as it is); else
+    the operands once for the members' own kernels; over a Hopper-laid stack the Hopper decode GEMM
     (:class:`~quads.ops.backends.hopper.HopperSiblingKernel`'s)."""
 
     def __init__(self, siblings):
@@ -503,6 +504,9 @@ class HummingSiblingKernel(HopperSiblingKernel):
     def apply(self, x, i=None, bias=None):
         if self.layers and x.dtype in self.layers:
             return self._weight_only(x, i, bias)
+        if self.act is None and i is not None and x.dtype in HummingLinearKernel.humming_dtypes and all(
+                isinstance(m.quads_sibling_inputs()[0], HummingLinearKernel) for m in self.siblings.members):
+            return None, None  # W4A16, no stacked weight: each member's humming GEMM reads x as it is
         if self.layer is None or x.dtype not in HummingLinearKernel.humming_dtypes:
             return super().apply(x, i, bias)
         hit, biased = self.siblings.begin(i, x, bias)
