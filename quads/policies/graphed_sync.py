@@ -87,9 +87,11 @@ def _plan_key(writes, modules) -> tuple:
                     s.stride(), _Same(w.backend), w.block_scaling,
                     tuple(_Same(g.param) for g in w.group) if w.group else None, _written_storage(w.param)))
     for m in modules:
-        group = getattr(m, "quads_group", None)
-        key.append((_Same(m), _Same(m.quads_backend), _Same(group), _Same(getattr(group, "stacked", None)),
-                    tuple(_Same(p) for p in m.quads_prepared)))
+        stacked = getattr(getattr(m, "quads_group", None), "stacked", None)
+        # a set with a stacked layout is written by the sync (its rows' scales, its copy); one
+        # without (a decoder's dormant set, made after a capture) is not, so it is not part of the key
+        key.append((_Same(m), _Same(m.quads_backend), _Same(m.quads_group if stacked is not None else None),
+                    _Same(stacked), tuple(_Same(p) for p in m.quads_prepared)))
     return tuple(key)
 
 

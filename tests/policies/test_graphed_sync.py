@@ -213,11 +213,15 @@ def test_what_the_graphs_write_stays_alive_while_they_are_held(rerun):
 
     from quads.policies.fused_projections import unfuse_projections_
 
-    trainer, rollout, _ = _pair(fuse=True)
+    trainer = quads.quantize_(_llama(1), quads.QuadsPolicy(side="trainer"))
+    rollout = _llama(2)
+    with quads.use_backend("hopper"):  # (its sets stack their layouts: the sync writes into them)
+        quads.quantize_(rollout, quads.QuadsPolicy(side="rollout"))
+    quads.fuse_projections_(rollout)
     sync = GraphedSync(rollout, trainer)
     sync()
     group = rollout.model.layers[0].self_attn.q_proj.quads_group
-    assert group is not None
+    assert group is not None and group.stacked is not None  # the sync writes into it
     old = weakref.ref(group)
     del group
     unfuse_projections_(rollout)
@@ -488,3 +492,19 @@ def test_a_capture_that_loses_a_write_is_caught_at_the_first_replay(monkeypatch)
     sync = GraphedSync(rollout, trainer)
     _sync_like_eager(sync, trainer, twin, 3)
     assert sync.replays == 0 and sync.captures == 1 and "other bytes" in sync.blocker
+
+
+def test_dormant_sibling_sets_made_after_a_capture_keep_its_graphs(rerun):
+    """The decoder makes its dormant sibling sets (quantization sharing, no stacked layout: nothing
+    on the device for a sync to write) at its first forward, after the sync's first capture: the
+    next sync replays rather than capturing again."""
+    from quads.policies.fused_projections import sibling_groups_
+
+    trainer, rollout, twin = _pair("llama")
+    sync = GraphedSync(rollout, trainer)
+    _sync_like_eager(sync, trainer, twin, 1)
+    assert sync.captures == 1
+    sets = sibling_groups_(rollout)
+    assert sets and all(s.stacked is None for s in sets)
+    _sync_like_eager(sync, trainer, twin, 2)
+    assert sync.captures == 1 and sync.replays == 2
