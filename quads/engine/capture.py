@@ -23,13 +23,16 @@ error, so a synchronizing op is refused there, before the capture (docs/engine.m
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
+from quads.policies.modules import RolloutModule
 from quads.policies.quantize import quantized_modules
 
-__all__ = ["CAPTURABLE_EXPERTS", "CapturePlan", "capture_plan", "transformers_experts"]
+__all__ = ["CAPTURABLE_EXPERTS", "CapturePlan", "capture_plan", "captured_reads", "transformers_experts"]
 
 #: transformers experts implementations whose forward has no host synchronization
 CAPTURABLE_EXPERTS = ("grouped_mm", "batched_mm")
@@ -94,3 +97,24 @@ def capture_plan(model: nn.Module, grouped_mm_ok: bool) -> CapturePlan:
             return CapturePlan(blocker=f"{name} ({type(module).__name__}): experts implementation {impl!r} is not "
                                        f"known to capture (capturable: {', '.join(CAPTURABLE_EXPERTS)})")
     return CapturePlan(switch=tuple(switch.values()))
+
+
+def _addresses(t: torch.Tensor) -> tuple:
+    """Where a captured step reads ``t``: a packed weight's stored or layout tensors, else its own."""
+    held = t.written_storage() if hasattr(t, "written_storage") else (t,)
+    return tuple((h.data_ptr(), h.dtype, tuple(h.shape), h.stride()) for h in held)
+
+
+def captured_reads(model: nn.Module) -> list:
+    """What a captured decode step of ``model`` reads, for a decoder to compare before replaying
+    it: every parameter's and buffer's storage (address, dtype, shape, strides), and each quads
+    rollout module's kernel and sibling set, by weak reference (a write in place keeps them; a
+    refresh that replaced what a kernel reads makes a new kernel; fusing or dissolving makes or
+    drops a set). Nothing is kept alive by it; a dead reference equals only itself."""
+    reads = [_addresses(t) for t in (*model.parameters(), *model.buffers())]
+    for module in model.modules():
+        if isinstance(module, RolloutModule):
+            group = getattr(module, "quads_group", None)
+            held = (module.__dict__.get("_quads_kernel"), group, None if group is None else group.kernel())
+            reads.append(tuple(None if o is None else weakref.ref(o) for o in held))
+    return reads

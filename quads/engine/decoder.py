@@ -8,13 +8,14 @@ every new token. Everything the step reads lives in static buffers updated insid
 (a fixed-length :class:`SlotCache`, the current token, slot, positions, mask and finished rows).
 
 Weights are read from the modules' own tensors, so a graph stays valid across
-``quads.sync_weights_`` (which writes packed parts and their kernel layout in place).
+``quads.sync_weights_`` (which writes them in place); a tensor or kernel replaced since the
+capture (sets fused or dissolved, a move) is seen before the next replay
+(:func:`~quads.engine.capture.captured_reads`): the step is captured again.
 
 Sampling follows ``generate``'s warpers for what a GRPO rollout uses: temperature, top-k,
 top-p (greedy when ``do_sample=False``); logits are float32 as ``generate`` makes them, and the
-returned log-prob is that of the sampled token under the processed distribution (what TRL
-keeps from vLLM). Configurations it
-does not cover (repetition penalty, min-p, beams, ...) are reported by
+returned log-prob is that of the sampled token under the processed distribution (what TRL keeps
+from vLLM). Other configurations (repetition penalty, min-p, beams, ...) are reported by
 :func:`unsupported_reason` so callers fall back to ``generate``.
 
 Inside its forwards it runs grouped-query attention without ``repeat_kv`` (``gqa_attention``) and
@@ -34,7 +35,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from quads.engine.capture import CapturePlan, capture_plan
+from quads.engine.capture import CapturePlan, capture_plan, captured_reads
 from quads.engine.gqa_attention import model_configs, use_gqa_attention
 from quads.engine.sampling import SamplingSpec, sample_tokens, unsupported_reason  # noqa: F401
 from quads.engine.slot_cache import SlotCache, Slots
@@ -166,6 +167,14 @@ class GraphedDecoder:
         self._experts_switch: CapturePlan | None = None  # the plan applied in this call's forwards
         self._recorder = RoutingRecorder(model) if record_routing else None
         self.last_routing: torch.Tensor | None = None
+        self._captured_reads: list | None = None  # what the captured step reads (captured_reads)
+
+    def _forget_captures(self) -> None:
+        """The model's tensors or kernels were replaced since the capture: drop the graph (it reads
+        the old addresses), the sibling sets and the capture plan; warm up and capture again."""
+        if self._state is not None:
+            self._state.graph = None
+        self._captured_reads, self._groups, self._plan, self._kernels_warm = None, None, None, False
 
     def _glue(self):
         """The forward's context: the GQA attention switched in, sibling linears sharing one
@@ -311,6 +320,8 @@ class GraphedDecoder:
                 f"{tuple(attention_mask.shape)} must be the same (batch, prompt) shape"
             )
         device = input_ids.device
+        if self._captured_reads is not None and self._captured_reads != captured_reads(self.model):
+            self._forget_captures()  # tensors or kernels replaced since (fused, moved, reloaded): read anew
         if not self._kernels_warm:  # the JIT kernels compile here, with a progress line, not mid-capture
             warm_up_kernels(self.model)
             self._kernels_warm = True
@@ -350,6 +361,7 @@ class GraphedDecoder:
         if steps and graphs and state.graph is None:
             try:
                 self._capture(state, spec)
+                self._captured_reads = captured_reads(self.model)
             except _CaptureRefused as why:
                 self._refuse(str(why))
                 graphs = False

@@ -7,6 +7,7 @@ from transformers import GenerationConfig
 import quads
 from quads.diagnostics.scoring import build_scoring_batch, score_incremental
 from quads.engine import GraphedDecoder, SamplingSpec, process_logits, unsupported_reason
+from tests.ops.test_humming_backend import fake_humming  # noqa: F401  (fixture)
 from tests.tiny_models import build
 
 # the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
@@ -157,3 +158,91 @@ def test_min_cache_len_sizes_the_cache_and_keeps_the_tokens():
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="min_cache_len"):
         GraphedDecoder(model, min_cache_len=-1)
+
+
+class _EagerGraph:
+    """A captured step's stand-in on CPU: ``replay`` runs the step again (what the graph runs)."""
+
+    def __init__(self, step):
+        self.replay = step
+
+
+def _recording_decoder(model, monkeypatch):
+    """A decoder whose 'captures' on CPU are counted stand-ins (the decision to capture, keep or
+    capture again is the real one)."""
+    monkeypatch.setattr(GraphedDecoder, "_graphs_on", lambda self, device: True)
+
+    def capture(self, state, spec):
+        state.graph = _EagerGraph(lambda: self._step(state, spec))
+        self.num_captures += 1
+
+    monkeypatch.setattr(GraphedDecoder, "_capture", capture)
+    return None if model is None else GraphedDecoder(model)
+
+
+def test_a_capture_is_kept_across_syncs_and_taken_again_when_the_model_changed(monkeypatch):
+    """A captured step reads the model's tensors and kernel layouts by address: kept across syncs
+    (written in place), captured again once they were replaced (sibling sets fused or dissolved,
+    a parameter replaced), with the same tokens as the eager decoder."""
+    from quads.policies.fused_projections import unfuse_projections_
+    from tests.ops.test_humming_memory import _llama
+
+    trainer = quads.quantize_(_llama(1), quads.QuadsPolicy(side="trainer"))
+    rollout = quads.quantize_(_llama(2), quads.QuadsPolicy(side="rollout"))
+    decoder = _recording_decoder(rollout, monkeypatch)
+    eager = GraphedDecoder(rollout, use_cuda_graph=False)
+    _, ids, am = _prompts(batch=2)
+    spec = SamplingSpec(max_new_tokens=3, eos_token_ids=(), pad_token_id=0, do_sample=False)
+
+    def decode_and_compare():
+        tokens, logps = decoder.generate(ids, am, spec)
+        want_tokens, want_logps = eager.generate(ids, am, spec)
+        assert torch.equal(tokens, want_tokens) and torch.equal(logps, want_logps)
+
+    decode_and_compare()
+    decode_and_compare()
+    assert decoder.num_captures == 1
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    quads.sync_weights_(rollout, trainer)
+    decode_and_compare()
+    assert decoder.num_captures == 1  # written in place: the capture reads the new weights
+    assert quads.fuse_projections_(rollout) >= 1
+    decode_and_compare()
+    assert decoder.num_captures == 2
+    unfuse_projections_(rollout)
+    decode_and_compare()
+    assert decoder.num_captures == 3
+    norm = rollout.model.norm.weight
+    norm.data = norm.data.clone()  # a new storage for a dense parameter
+    decode_and_compare()
+    assert decoder.num_captures == 4
+    decode_and_compare()
+    assert decoder.num_captures == 4
+
+
+@pytest.mark.parametrize("backend", ["hopper", "humming"])
+def test_what_a_capture_reads_is_kept_by_a_sync_of_stacked_sets(backend, fake_humming):
+    """The kernel backends' layouts (Hopper's derived copy, humming's layout as the weight's
+    storage) and fused sets' stacked layouts are written in place by a sync: what a captured step
+    reads is unchanged; dissolving the sets changes it."""
+    from quads.engine.capture import captured_reads
+    from quads.policies.fused_projections import unfuse_projections_
+    from tests.ops.test_humming_memory import _llama
+
+    trainer = quads.quantize_(_llama(1), quads.QuadsPolicy(side="trainer"))
+    rollout = _llama(2)
+    with quads.use_backend(backend):
+        quads.quantize_(rollout, quads.QuadsPolicy(side="rollout", kernel="fast" if backend == "humming" else "exact"))
+    assert quads.fuse_projections_(rollout) >= 1
+    assert any(getattr(m, "quads_group", None) is not None and m.quads_group.stacked is not None
+               for m in rollout.modules())
+    reads = captured_reads(rollout)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    quads.sync_weights_(rollout, trainer)
+    assert captured_reads(rollout) == reads
+    unfuse_projections_(rollout)
+    assert captured_reads(rollout) != reads

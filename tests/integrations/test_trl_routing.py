@@ -260,3 +260,18 @@ def test_a_failed_set_up_takes_the_routing_hooks_off(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="probe failed"):
         QuadsGRPOTrainer(model, reward_digit_ones, args, train_dataset=ds, processing_class=tok)
     assert [len(r._forward_hooks) for r in routers] == before
+
+
+@pytest.mark.parametrize("policy", ["quads", "w4a16"])
+def test_the_decode_step_is_captured_once_over_training_steps(policy, tmp_path, monkeypatch):
+    """Over three GRPO steps (a weight sync after each), the rollout's captured decode step stays
+    valid: what it reads is written in place (one capture per session); the decoder's stand-in
+    capture on CPU (the decision to capture, keep or capture again is the real one)."""
+    from tests.engine.test_graphed_decode import _recording_decoder
+
+    _recording_decoder(None, monkeypatch)  # (patches the class; the engine makes its own decoder)
+    trainer = _trainer(tmp_path, quads_policy=policy, graphed_decode=True)
+    trainer.args.max_steps = 3
+    trainer.train()
+    report = trainer.quads_rollout.decode_report()
+    assert report["decoder"] == "graphed" and report["captures"] == 1, report
