@@ -477,6 +477,14 @@ def check_fused_projections():
     record("fused model: graphed tokens after a sync == a fresh unfused model's eager tokens",
            bits_equal(after, want) and not bits_equal(before, after),
            f"changed by the sync: {int((before != after).sum())} of {after.numel()} tokens")
+    record("the sync kept the captured step (what it reads was written in place)", decoder.num_captures == 1,
+           f"{decoder.num_captures} captures")
+    from quads.policies.fused_projections import unfuse_projections_
+
+    unfuse_projections_(fused)  # the stacked layouts freed: the captured step must not read them
+    again = decoder.generate(prompts, torch.ones_like(prompts), spec)[0]
+    record("after unfuse_projections_: captured again, the fresh unfused model's tokens",
+           decoder.num_captures == 2 and bits_equal(again, want), f"{decoder.num_captures} captures")
 
 
 def humming_unavailable() -> str | None:
