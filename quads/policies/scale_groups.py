@@ -82,9 +82,10 @@ class ScaleGroup(SiblingMembers):
         bits, from which each member's fused pass derives the same ``S_enc``): the one its
         parent's forward computed (:meth:`attach`), or, outside such a forward, one computed now.
         The parent's scale is read only while the masters are the tensors it was computed from,
-        version counters and storages unchanged: a forward interrupted by a ``BaseException``
-        (``KeyboardInterrupt``) skips the hook that drops it, and an optimizer step before the
-        next parent forward must not reach a member called alone with it."""
+        version counters and storages unchanged, in the inference mode it was computed in: a
+        forward interrupted by a ``BaseException`` (``KeyboardInterrupt``) skips the hook that
+        drops it, and an optimizer step (or inference mode left) before the parent's next forward
+        must not reach a member called alone with it."""
         scale = self.forward_scale
         if scale is None or not (torch.compiler.is_compiling() or self._forward_key == self._masters_key()):
             return self._forward_scale_now()
@@ -111,8 +112,10 @@ class ScaleGroup(SiblingMembers):
 
     def _masters_key(self) -> tuple:
         """What identifies the masters' current values short of reading them (writes through
-        ``.data`` move no version counter: not seen)."""
-        return tuple((id(w), w._version, w.data_ptr()) for w in (m.weight for m in self.members))
+        ``.data`` move no version counter: not seen), and whether inference mode is on (a scale
+        computed in it is an inference tensor, which autograd refuses to save)."""
+        return (torch.is_inference_mode_enabled(),
+                *((id(w), w._version, w.data_ptr()) for w in (m.weight for m in self.members)))
 
     def _open_call(self, parent: nn.Module, args) -> None:
         self.forward_scale = self._forward_scale_now()

@@ -88,9 +88,9 @@ def _members(parent_name: str) -> tuple[str, ...]:
 
 def _script(rng: random.Random, n: int, raising: bool) -> list[tuple]:
     """Steps on the side's tensor pool and the parent's members (indices resolved at run time)."""
-    kinds = ["new", "clone", "view", "noncontig", "write", "member", "member", "member", "member", "out_write",
-             "weight"]
-    steps = [(rng.choice(kinds), rng.randrange(1 << 30), rng.randrange(1 << 30)) for _ in range(n)]
+    kinds = {"new": 1, "clone": 1, "view": 1, "noncontig": 1, "write": 3, "member": 7, "out_write": 1, "weight": 1}
+    steps = [(rng.choices(list(kinds), list(kinds.values()))[0], rng.randrange(1 << 30), rng.randrange(1 << 30))
+             for _ in range(n)]
     if raising:
         steps.insert(rng.randrange(len(steps) + 1), ("raise", rng.choice(["exception", "interrupt"]), 0))
     return steps
@@ -109,6 +109,7 @@ class Side:
         self.outputs: list = []
         self.mismatches: list[str] = []
         self.where = ""
+        self.focus: torch.Tensor | None = None  # the input of the parent op running
 
     # -- tensors ---------------------------------------------------------------------------------
 
@@ -117,7 +118,7 @@ class Side:
 
     def new(self, r: int, three_d: bool = False) -> torch.Tensor:
         g = torch.Generator().manual_seed(r)
-        shape = (1 + r % 2, (1, 3, 4)[r // 2 % 3], 64)
+        shape = (1 + r % 2, (1, 3)[r // 2 % 2], 64)
         if not three_d and r // 6 % 4 == 0:
             shape = (shape[0] * shape[1], 64)
         x = (torch.randn(shape, generator=g) * 2.0).to(self.dtype())
@@ -126,7 +127,13 @@ class Side:
         return x
 
     def pick(self, r: int) -> torch.Tensor:
-        return self.pool[r % len(self.pool)] if self.pool else self.new(r)
+        """Mostly the parent's input (while a parent op runs) or the newest tensor: the objects
+        the siblings collide on; else any of the pool."""
+        if not self.pool:
+            return self.new(r)
+        if r % 4 < 2 and self.focus is not None:
+            return self.focus
+        return self.pool[-1] if r % 4 == 2 else self.pool[r // 4 % len(self.pool)]
 
     def step(self, kind: str, a: int, b: int, members: tuple, module_of) -> None:
         if kind == "new":
@@ -176,7 +183,10 @@ class Side:
         """Trainer only: an optimizer-style write of one member's master (rollouts ignore it)."""
         if not self.trainer_side:
             return
-        w = module_of(name).weight
+        with torch.inference_mode(False):  # (the masters stay normal tensors: later forwards record autograd)
+            self._weight_write(module_of(name).weight, r, tracked_only)
+
+    def _weight_write(self, w, r, tracked_only):
         g = torch.Generator().manual_seed(r)
         delta = torch.randn(w.shape, generator=g) * 0.3 * float(w.detach().abs().max())
         kind = ("no_grad", "sgd")[r % 2] if tracked_only else ("data_add", "no_grad", "data_replace", "sgd")[r % 4]
@@ -240,6 +250,8 @@ def run_op(side: Side, op: dict) -> tuple:
                 x = side.pick(op["r"]) if op["reuse"] and side.pool and side.pick(op["r"]).dim() == 3 else None
                 if x is None or (x.is_inference() and op["ctx"] == "grad"):
                     x = side.new(op["r"], three_d=True)
+                side.pool = [t for t in side.pool if t is not x] + [x]  # the newest: later ops pick it most
+                side.focus = x
                 if op["position"] is not None:
                     hooks.append(_install(side, parent, name, op))
                 side.outputs.append(("parent", _call_parent(side, name, x).detach().clone()))
@@ -254,6 +266,7 @@ def run_op(side: Side, op: dict) -> tuple:
     except (Interrupt, KeyboardInterrupt) as e:
         raised = type(e).__name__
     finally:
+        side.focus = None
         for h in hooks:
             if h[0] is not None:
                 h[0].remove()
@@ -286,25 +299,40 @@ def _install(side: Side, parent, parent_name: str, op: dict) -> list:
     return held
 
 
-ROLLOUT_OPS = {"model": 2, "parent": 6, "script": 3, "sync": 1, "load": 1}
-TRAINER_OPS = {"model": 2, "parent": 6, "script": 3, "write": 3}
+ROLLOUT_OPS = {"model": 2, "parent": 6, "script": 3, "sync": 1, "load": 1, "interrupt": 2}
+TRAINER_OPS = {"model": 2, "parent": 6, "script": 3, "write": 3, "interrupt": 2}
 #: the interpreted Hopper kernels take ~0.1 s a member call: parents and members only, in the modes that share
-HOPPER_OPS = {"parent": 6, "script": 3, "sync": 1}
+HOPPER_OPS = {"parent": 4, "script": 2, "sync": 1, "interrupt": 3}
 
 
-def make_op(rng: random.Random, parents: list[str], weights: dict, dormant: bool = False, trainer=None,
-            stale: set = frozenset(), contexts=tuple(CONTEXTS)) -> dict:
+def make_ops(rng: random.Random, parents: list[str], weights: dict, dormant: bool = False, trainer=None,
+             stale: set = frozenset(), contexts=tuple(CONTEXTS), raising: float = 0.4) -> list[dict]:
+    """One random op, or the ``interrupt`` scenario: a parent forward interrupted after one member
+    (an ``Exception``, or a ``KeyboardInterrupt``, after which torch runs no forward hook), a weight
+    write or none, then every member alone on that forward's input object, in a random order."""
     kind = rng.choices(list(weights), list(weights.values()))[0]
     op = {"kind": kind, "ctx": rng.choice(contexts), "r": rng.randrange(1 << 30),
           "share": dormant and rng.random() < 0.7}
     parent = rng.choice(parents)
     op["parent"] = parent
+    if kind == "interrupt":
+        error = rng.choice(["exception", "interrupt"])
+        n = len(_members(parent))  # r a multiple of it: after the first member, the others not served yet
+        ops = [dict(op, kind="parent", r=op["r"] * 6, reuse=True, position="member_post", steps=[("raise", error, 0)])]
+        writes = {k: 1 for k in ("sync", "load", "write") if k in weights}
+        if rng.random() < 0.7:
+            stale = set(stale) | ({parent} if error == "interrupt" else set())
+            ops += make_ops(rng, [parent], writes, dormant, trainer, stale, contexts)
+        members = list(range(n))
+        rng.shuffle(members)
+        script = [("member", 2, j) for j in members]  # a = 2: the pool's newest tensor, the forward's input
+        return ops + [dict(op, kind="script", r=rng.randrange(1 << 30), steps=script)]
     if kind == "parent":
         op["reuse"] = rng.random() < 0.6
         op["position"] = rng.choice((*POSITIONS, None))
-        op["steps"] = _script(rng, rng.randrange(1, 7), raising=rng.random() < 0.4)
+        op["steps"] = _script(rng, rng.randrange(2, 9), raising=rng.random() < raising)
     elif kind == "script":
-        op["steps"] = _script(rng, rng.randrange(1, 6), raising=False)
+        op["steps"] = _script(rng, rng.randrange(2, 8), raising=False)
     elif kind in ("sync", "load"):
         g = torch.Generator().manual_seed(op["r"])
         with torch.no_grad():
@@ -319,7 +347,7 @@ def make_op(rng: random.Random, parents: list[str], weights: dict, dormant: bool
             op["r"] += 1
     if kind == "write":
         op["ctx"] = "no_grad"
-    return op
+    return [op]
 
 
 def _describe(op: dict) -> str:
@@ -350,11 +378,11 @@ def _oracle(test: Side, ref_model) -> None:
 
 
 CASES = [  # (model, backend, sharing, seed, ops)
-    ("llama", "torch", "fused", 0, 45),
-    ("llama", "torch", "fused", 1, 45),
-    ("llama", "torch", "dormant", 2, 45),
-    ("qwen3_moe", "torch", "fused", 3, 40),
-    ("llama", "hopper", "fused", 4, 8),
+    ("llama", "torch", "fused", 0, 250),
+    ("llama", "torch", "fused", 1, 250),
+    ("llama", "torch", "dormant", 2, 250),
+    ("qwen3_moe", "torch", "fused", 3, 150),
+    ("llama", "hopper", "fused", 4, 12),
 ]
 
 
@@ -395,10 +423,13 @@ def test_rollout_sharing_never_changes_a_bit(kind, backend, sharing, seed, n_ops
     _oracle(test, ref_model)
     parents = list(_parents(test_model))
     rng = random.Random(seed)
-    weights, contexts = (HOPPER_OPS, ("no_grad", "grad")) if backend == "hopper" else (ROLLOUT_OPS, tuple(CONTEXTS))
+    hopper = backend == "hopper"
+    weights, contexts = (HOPPER_OPS, ("no_grad", "grad")) if hopper else (ROLLOUT_OPS, tuple(CONTEXTS))
     raised = set()
-    for i in range(n_ops):
-        op = make_op(rng, parents, weights, test.dormant, trainer, contexts=contexts)
+    ops = []
+    while len(ops) < n_ops:
+        ops += make_ops(rng, parents, weights, test.dormant, trainer, contexts=contexts)
+    for i, op in enumerate(ops):
         want = run_op(ref, op)
         raised.add(want[1])
         got = run_op(test, op)
@@ -440,17 +471,19 @@ def test_trainer_group_scale_is_always_the_masters_scale(seed):
     rng = random.Random(100 + seed)
     stale: set[str] = set()  # parents whose forward a KeyboardInterrupt left open
     seen = set()
-    for i in range(70):
-        op = make_op(rng, parents, TRAINER_OPS, stale=stale)
-        _, raised = run_op(side, op)
-        seen.add(raised)
-        assert not side.mismatches, f"seed {seed} op {i}: {_describe(op)}: {side.mismatches}"
-        if raised == "KeyboardInterrupt":
-            stale.add(op["parent"])
-        elif op["kind"] == "parent" and raised is None:
-            stale.discard(op["parent"])
-        elif op["kind"] == "model" and raised is None:
-            stale.clear()
+    i = 0
+    while i < 200:
+        for op in make_ops(rng, parents, TRAINER_OPS, stale=stale):
+            i += 1
+            _, raised = run_op(side, op)
+            seen.add(raised)
+            assert not side.mismatches, f"seed {seed} op {i}: {_describe(op)}: {side.mismatches}"
+            if raised == "KeyboardInterrupt":
+                stale.add(op["parent"])
+            elif op["kind"] == "parent" and raised is None:
+                stale.discard(op["parent"])
+            elif op["kind"] == "model" and raised is None:
+                stale.clear()
     assert seen == {None, "Interrupt", "KeyboardInterrupt"}
 
 

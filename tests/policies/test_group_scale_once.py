@@ -231,6 +231,29 @@ def test_a_keyboard_interrupt_leaves_no_stale_scale_for_a_member_called_alone(wr
         assert torch.equal(y, want), name
 
 
+def test_a_keyboard_interrupt_in_inference_mode_leaves_no_scale_for_autograd():
+    """The scale a parent forward computed in inference mode is an inference tensor, which autograd
+    refuses to save: a member called alone with gradients after that forward was interrupted
+    computes its own (found by tests/ops/test_sibling_sharing_fuzz.py)."""
+    model = _trainer()
+    attn = model.get_submodule(ATTN)
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    handle = attn.q_proj.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), torch.inference_mode():
+        model(IDS)
+    handle.remove()
+    assert attn.q_proj.quads_scale_group.forward_scale.is_inference()  # torch ran no forward hook
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    y = attn.k_proj(x)
+    y.sum().backward()
+    masters = {n: p.detach() for n, p in model.named_parameters()}
+    want = torch.nn.functional.linear(x, reference_forward_weight(masters, f"{ATTN}.k_proj.weight"))
+    assert torch.equal(y.detach(), want) and attn.k_proj.weight.grad is not None
+
+
 def test_a_distributed_member_is_still_refused_in_the_parent_forward(monkeypatch):
     model = _trainer()
     v = model.get_parameter(f"{ATTN}.v_proj.weight")
