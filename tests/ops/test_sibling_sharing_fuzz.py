@@ -363,9 +363,9 @@ def _describe(op: dict) -> str:
 # -- rollout ------------------------------------------------------------------------------------
 
 
-def _rollout(plain, backend: str):
+def _rollout(plain, backend: str, **policy):
     with quads.use_backend(backend):
-        return quads.quantize_(plain, quads.QuadsPolicy(side="rollout"))
+        return quads.quantize_(plain, quads.QuadsPolicy(side="rollout", **policy))
 
 
 def _oracle(test: Side, ref_model) -> None:
@@ -383,12 +383,14 @@ def _oracle(test: Side, ref_model) -> None:
             test.model.get_submodule(name).register_forward_hook(check)
 
 
-CASES = [  # (model, backend, sharing, seed, ops)
-    ("llama", "torch", "fused", 0, 250),
-    ("llama", "torch", "fused", 1, 250),
-    ("llama", "torch", "dormant", 2, 250),
-    ("qwen3_moe", "torch", "fused", 3, 150),
-    ("llama", "hopper", "fused", 4, 12),
+CASES = [  # (model, backend, sharing, seed, ops, rollout policy)
+    ("llama", "torch", "fused", 0, 200, {}),
+    ("llama", "torch", "fused", 1, 150, {"residual_fraction": 0.0}),
+    ("llama", "torch", "dormant", 2, 200, {}),
+    ("llama", "torch", "fused", 6, 80, {"activations": "bf16"}),
+    ("qwen3_moe", "torch", "fused", 3, 120, {}),
+    ("llama", "hopper", "fused", 4, 12, {}),
+    ("llama", "hopper", "dormant", 5, 8, {}),
 ]
 
 
@@ -407,18 +409,18 @@ def served(monkeypatch):
     return count
 
 
-@pytest.mark.parametrize("kind,backend,sharing,seed,n_ops", CASES,
-                         ids=[f"{k}-{b}-{s}-seed{seed}" for k, b, s, seed, _ in CASES])
-def test_rollout_sharing_never_changes_a_bit(kind, backend, sharing, seed, n_ops, served):
+@pytest.mark.parametrize("kind,backend,sharing,seed,n_ops,policy", CASES,
+                         ids=[f"{k}-{b}-{s}-seed{seed}" for k, b, s, seed, _, _ in CASES])
+def test_rollout_sharing_never_changes_a_bit(kind, backend, sharing, seed, n_ops, policy, served):
     if backend == "hopper":
         pytest.importorskip("triton")
     layers = 1 if backend == "hopper" else 2
-    test_model = _rollout(_plain(kind, seed, layers), backend).eval()
-    ref_model = _rollout(_plain(kind, seed, layers), backend).eval()
+    test_model = _rollout(_plain(kind, seed, layers), backend, **policy).eval()
+    ref_model = _rollout(_plain(kind, seed, layers), backend, **policy).eval()
     trainer = _plain(kind, seed, layers)
     if sharing == "fused":
         assert quads.fuse_projections_(test_model) > 0
-        if backend == "hopper":
+        if backend == "hopper" and not policy:
             assert all(g.stacked is not None for g in {id(m.quads_group): m.quads_group for m in test_model.modules()
                                                        if getattr(m, "quads_group", None) is not None}.values())
     else:
@@ -448,7 +450,7 @@ def test_rollout_sharing_never_changes_a_bit(kind, backend, sharing, seed, n_ops
         assert [n for n, _ in got[0]] == [n for n, _ in want[0]], where
         for (n, a), (_, b) in zip(got[0], want[0]):
             assert a.shape == b.shape and torch.equal(a, b), f"{where}: output {n}"
-    assert served[0] > 0  # the members did share
+    assert served[0] > 0 or policy.get("activations") == "bf16"  # the members did share (W4A16 on torch: nothing to)
     if backend == "torch":
         assert raised == {None, "Interrupt", "KeyboardInterrupt"}  # both kinds of interrupted forwards ran
     else:
@@ -472,10 +474,11 @@ def _trainer_oracle(side: Side) -> None:
             model.get_submodule(name).register_forward_hook(check)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_trainer_group_scale_is_always_the_masters_scale(seed):
+@pytest.mark.parametrize("seed,block_scaling", [(0, "6"), (1, "6"), (2, "4over6")])
+def test_trainer_group_scale_is_always_the_masters_scale(seed, block_scaling):
     model = quads.quantize_(build("llama", seed, dtype=torch.float32),
-                            quads.QuadsPolicy(side="trainer", weight_global_scale="group"))
+                            quads.QuadsPolicy(side="trainer", weight_global_scale="group",
+                                              weight_block_scaling=block_scaling))
     side = Side(model, True)
     _trainer_oracle(side)
     parents = list(_parents(model))
@@ -483,7 +486,7 @@ def test_trainer_group_scale_is_always_the_masters_scale(seed):
     stale: set[str] = set()  # parents whose forward a KeyboardInterrupt left open
     seen = set()
     i = 0
-    while i < 200:
+    while i < 150:
         for op in make_ops(rng, parents, TRAINER_OPS, stale=stale):
             i += 1
             _, raised = run_op(side, op)
