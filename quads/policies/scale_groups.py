@@ -58,7 +58,8 @@ class ScaleGroup(SiblingMembers):
     #: the group's scale (:meth:`scale`'s form) while a forward of the members' parent runs (set
     #: when it starts, dropped when it ends), else None
     forward_scale = None
-    #: the members' masters when ``forward_scale`` was computed: ``(tensor, version, address)`` each
+    #: :meth:`_masters_key` when ``forward_scale`` was computed (inference mode, then each master's
+    #: ``(id, version, storage address)``)
     _forward_key: tuple = ()
 
     #: the members' ``QuadsPolicy.weight_block_scaling``
