@@ -58,6 +58,9 @@ class ScaleGroup(SiblingMembers):
     #: the group's scale (:meth:`scale`'s form) while a forward of the members' parent runs (set
     #: when it starts, dropped when it ends), else None
     forward_scale = None
+    #: :meth:`_masters_key` when ``forward_scale`` was computed (inference mode, then each master's
+    #: ``(id, version, storage address)``)
+    _forward_key: tuple = ()
 
     #: the members' ``QuadsPolicy.weight_block_scaling``
     block_scaling = "6"
@@ -78,9 +81,16 @@ class ScaleGroup(SiblingMembers):
         """The global scale a member's forward quantizes with, in the form its backend's fake
         quantizer takes (``Backend.group_scale``: ``S_enc``, or the kernel backends' group amax
         bits, from which each member's fused pass derives the same ``S_enc``): the one its
-        parent's forward computed (:meth:`attach`), or, outside such a forward, one computed now."""
+        parent's forward computed (:meth:`attach`), or, outside such a forward, one computed now.
+        The parent's scale is read only while the masters are the tensors it was computed from,
+        version counters and storages unchanged, in the inference mode it was computed in: a
+        forward interrupted by a ``BaseException`` (``KeyboardInterrupt``) skips the hook that
+        drops it, and an optimizer step (or inference mode left) before the parent's next forward
+        must not reach a member called alone with it."""
         scale = self.forward_scale
-        return self._forward_scale_now() if scale is None else scale
+        if scale is None or not (torch.compiler.is_compiling() or self._forward_key == self._masters_key()):
+            return self._forward_scale_now()
+        return scale
 
     def _forward_scale_now(self):
         """The group's scale from the masters as they are now, by the members' backend (the
@@ -101,11 +111,20 @@ class ScaleGroup(SiblingMembers):
                 )
         return weights
 
+    def _masters_key(self) -> tuple:
+        """What identifies the masters' current values short of reading them (writes through
+        ``.data`` move no version counter: not seen), and whether inference mode is on (a scale
+        computed in it is an inference tensor, which autograd refuses to save)."""
+        return (torch.is_inference_mode_enabled(),
+                *((id(w), w._version, w.data_ptr()) for w in (m.weight for m in self.members)))
+
     def _open_call(self, parent: nn.Module, args) -> None:
         self.forward_scale = self._forward_scale_now()
+        if not torch.compiler.is_compiling():
+            self._forward_key = self._masters_key()
 
     def _close_call(self, parent, args, output) -> None:
-        self.forward_scale = None
+        self.forward_scale, self._forward_key = None, ()
 
 
 def group_scale_of(module: nn.Module) -> torch.Tensor | None:

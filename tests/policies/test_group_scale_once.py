@@ -195,6 +195,65 @@ def test_an_exception_in_the_parent_forward_drops_the_scale():
         assert torch.equal(model(IDS).logits, fresh(IDS).logits)
 
 
+@pytest.mark.parametrize("write", ["no_grad_mul_", "data_replaced", "optimizer"])
+def test_a_keyboard_interrupt_leaves_no_stale_scale_for_a_member_called_alone(write):
+    """torch skips the parent's forward hook after a ``KeyboardInterrupt``: the scale its pre-hook
+    computed stays set. A master written after it (version counter or storage moved) and a member
+    called alone before the parent's next forward: the member computes the scale from the masters
+    as they are now (found by tests/ops/test_sibling_sharing_fuzz.py)."""
+    model = _trainer()
+    attn = model.get_submodule(ATTN)
+    group = attn.q_proj.quads_scale_group
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = attn.v_proj.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(IDS)
+    handle.remove()
+    assert group.forward_scale is not None  # torch ran no forward hook
+    k = model.get_parameter(f"{ATTN}.k_proj.weight")
+    if write == "no_grad_mul_":
+        with torch.no_grad():
+            k.mul_(4.0)
+    elif write == "data_replaced":
+        k.data = k.data * 4.0
+    else:
+        k.grad = torch.full_like(k, -1.0)
+        torch.optim.SGD([k], lr=10.0).step()
+    masters = {n: p.detach() for n, p in model.named_parameters()}
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    for name in ("q_proj", "v_proj"):  # served before the interrupt, and not
+        with torch.no_grad():
+            y = attn.get_submodule(name)(x)
+        want = torch.nn.functional.linear(x, reference_forward_weight(masters, f"{ATTN}.{name}.weight"))
+        assert torch.equal(y, want), name
+
+
+def test_a_keyboard_interrupt_in_inference_mode_leaves_no_scale_for_autograd():
+    """The scale a parent forward computed in inference mode is an inference tensor, which autograd
+    refuses to save: a member called alone with gradients after that forward was interrupted
+    computes its own (found by tests/ops/test_sibling_sharing_fuzz.py)."""
+    model = _trainer()
+    attn = model.get_submodule(ATTN)
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    handle = attn.q_proj.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), torch.inference_mode():
+        model(IDS)
+    handle.remove()
+    assert attn.q_proj.quads_scale_group.forward_scale.is_inference()  # torch ran no forward hook
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    y = attn.k_proj(x)
+    y.sum().backward()
+    masters = {n: p.detach() for n, p in model.named_parameters()}
+    want = torch.nn.functional.linear(x, reference_forward_weight(masters, f"{ATTN}.k_proj.weight"))
+    assert torch.equal(y.detach(), want) and attn.k_proj.weight.grad is not None
+
+
 def test_a_distributed_member_is_still_refused_in_the_parent_forward(monkeypatch):
     model = _trainer()
     v = model.get_parameter(f"{ATTN}.v_proj.weight")
