@@ -39,12 +39,26 @@ def build(kind: str, seed: int = 0, dtype=torch.bfloat16):
         model = LlamaForCausalLM(cfg)
     else:
         raise ValueError(kind)
+    return _scaled(model).to(dtype)
+
+
+def _scaled(model):
     # Default init is near-uniform; scale weights up a little so logits are not all ~0.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.mul_(3.0)
-    return model.to(dtype)
+    return model
+
+
+def square_llama(seed: int = 0, width: int = 64, layers: int = 1, dtype=torch.bfloat16):
+    """A Llama whose every linear is ``width x width`` (one head of ``width``): 64 is the Hopper
+    stacked layout's row tile; 128 (N a multiple of 128, K of 64) the smallest shapes humming serves."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=width, hidden_size=width, intermediate_size=width,
+                      num_hidden_layers=layers, num_attention_heads=1, num_key_value_heads=1, head_dim=width,
+                      max_position_embeddings=width // 2, tie_word_embeddings=False)
+    return _scaled(LlamaForCausalLM(cfg)).to(dtype)
 
 
 def twin(kind: str, seed: int = 0):

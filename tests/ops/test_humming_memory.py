@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import quads
 from quads.ops.backends.humming import backend as hb
@@ -23,6 +22,7 @@ from quads.tensor import NVFP4Tensor
 from quads.tensor.nvfp4_math import nvfp4_quantize
 from tests.model_state import assert_unchanged, snapshot
 from tests.ops.test_humming_backend import fake_humming  # noqa: F401  (fixture)
+from tests.tiny_models import square_llama
 
 # the weight quantizer kernel runs once per distinct weight in the session (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("memo_weight_kernel")
@@ -33,16 +33,7 @@ LIMIT = 1.1  # rollout weight memory <= 1.1x the NVFP4 packed bytes
 def _llama(seed=0):
     """Every linear's N a multiple of 128 and K of 64 (the shapes humming serves, as in real models),
     the smallest such shapes: the weight quantizer runs under the interpreter."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=1,
-                      num_key_value_heads=1, head_dim=128, intermediate_size=128, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(3.0)
-    return model.to(torch.bfloat16)
+    return square_llama(seed, width=128)
 
 
 def _fast_rollout(seed=0):

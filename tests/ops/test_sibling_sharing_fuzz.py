@@ -37,13 +37,12 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import quads
 from quads.ops.sibling_linear import SiblingSet
 from quads.policies.fused_projections import share_quantization, sibling_groups_
 from quads.policies.scale_groups import trainer_forward_weight
-from tests.tiny_models import build
+from tests.tiny_models import build, square_llama
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # the interpreter's 1/0 on zero scales
@@ -72,16 +71,7 @@ class Interrupt(RuntimeError):
 
 def _llama(seed: int, layers: int, dtype=torch.bfloat16):
     """Projections of 64 rows (the stacked layout's row tile): Hopper stacks q/k/v and gate/up."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=32,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(3.0)
-    return model.to(dtype)
+    return square_llama(seed, layers=layers, dtype=dtype)
 
 
 def _plain(kind: str, seed: int, layers: int):

@@ -6,11 +6,11 @@ Llama whose projection rows are multiples of 64 (the stacked layout's row tile).
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import quads
 from quads.policies import build_rollout_model, unfuse_projections_
 from quads.policies.modules import RolloutLinear
+from tests.tiny_models import square_llama
 
 pytest.importorskip("triton")
 pytestmark = [
@@ -21,16 +21,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=32,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(3.0)
-    return model.to(torch.bfloat16).to(DEV)
+    return square_llama(seed).to(DEV)
 
 
 def _rollout(seed=0):
