@@ -15,6 +15,7 @@
 #                humming_compiled, and compiled: a fused Qwen3-MoE rollout, its sets' parent hooks traced,
 #                under torch.compile) beside the GPU suite's examples on the embedded MoE, then quads' Python
 #                calls per eager decode step on the GPU (bench_decode_host --count-calls), this tree and .before/
+#   suite        the GPU suite's tests and checks (scripts/gpu_suite.sh tests checks), outputs in /tmp/fast_path/suite
 #   host         host time of one eager decode step of the embedded MoE on the GPU
 #                (benchmarks.ops.bench_decode_host --device cuda), this tree and, when carried, the
 #                tree in .before/ (the same script over an older quads), one after the other
@@ -64,6 +65,9 @@ run_step() {
       wait; echo "[$(date +%T)] sibling_checks: $(grep '^CHECKS:' "$W/sibling_checks.log" | tail -n 1)" >> "$W/driver.log"
       step calls_after 120 $PY -m benchmarks.ops.bench_decode_host --device cuda --steps 48 --count-calls
       [ -d .before/quads ] && step calls_before 120 bash -c "cd .before && $PY -m benchmarks.ops.bench_decode_host --device cuda --steps 48 --count-calls" ;;
+    suite)
+      OUT=$W/suite step suite 1700 bash scripts/gpu_suite.sh tests checks
+      echo "[$(date +%T)] suite: $(grep -E '^(tests|checks):' "$W/suite/gpu_suite_summary.txt" | tr '\n' ' ')" >> "$W/driver.log" ;;
     host)
       for i in 1; do
         step "host_after_$i" 120 $PY -m benchmarks.ops.bench_decode_host --device cuda --steps 300
