@@ -127,6 +127,12 @@ class SiblingSet(SiblingMembers):
             held = self._kernel = (sources, self.backend.sibling_kernel_class(self))
         return held[1]
 
+    def serves(self, own) -> bool:
+        """Whether the set's kernel gives anything to a member whose own kernel is ``own`` (its
+        columns, or operands ``own`` reads): decided when the member's forward kernel is set, so a
+        member with nothing to gain runs ``own`` directly."""
+        return self._kernel[1].serves(own)
+
     def forward(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member ``i``'s output through the set, or None (the member computes alone): one call
         for callers that hold no kernel (a member's forward calls :meth:`kernel` itself)."""
@@ -204,6 +210,10 @@ class SiblingKernel:
         self.siblings = siblings
         self.backend, self.act = siblings.backend, siblings.act
         self.stacked, self.row_scales = siblings.stacked, siblings.row_scales
+
+    def serves(self, own) -> bool:
+        """Whether a member with its own kernel ``own`` gains from this kernel (:meth:`SiblingSet.serves`)."""
+        return True
 
     def apply(self, x: torch.Tensor, i: int | None = None, bias: torch.Tensor | None = None) -> tuple:
         """``(y, operands)`` for ``x (..., K)``: ``y`` the stacked GEMM's output (member ``i``'s

@@ -287,6 +287,7 @@ def test_unstacked_w4a16_sets_on_humming_layouts_share_nothing(fake_humming, mon
         want = model(x).logits
     sets = sibling_groups_(model)
     assert sets and all(s.stacked is None for s in sets)
+    assert all(m._quads_forward_kernel is m._quads_kernel for m in _linears(model))  # decided at the refresh
     made = []
     real = fp16_operand.scaled_fp16_rows
     monkeypatch.setattr(fp16_operand, "scaled_fp16_rows", lambda rows: made.append(rows.shape) or real(rows))

@@ -487,7 +487,7 @@ class HummingSiblingKernel(HopperSiblingKernel):
     members: W4A4 (+ residual) with the input quantized once (:class:`HummingLinearKernel`'s steps
     and bits, inline: the launchers three calls below a member's forward), W4A16 on the input as it
     is (the layer of its dtype, ``1 / S_w`` for all members: their one global scale); W4A16
-    without a stacked weight: nothing shared (each member's GEMM reads the input as it is); else
+    without a stacked weight: nothing to share with a humming-laid member (:meth:`serves`); else
     the operands once for the members' own kernels; over a Hopper-laid stack the Hopper decode GEMM
     (:class:`~quads.ops.backends.hopper.HopperSiblingKernel`'s)."""
 
@@ -501,12 +501,13 @@ class HummingSiblingKernel(HopperSiblingKernel):
                 self.layer = self.stacked.weight.layer(torch.float16)
             self.stacked = None
 
+    def serves(self, own) -> bool:
+        # W4A16 without a stacked weight: a member's humming GEMM reads the input as it is
+        return not (self.act is None and not self.layers and isinstance(own, HummingLinearKernel))
+
     def apply(self, x, i=None, bias=None):
         if self.layers and x.dtype in self.layers:
             return self._weight_only(x, i, bias)
-        if self.act is None and i is not None and x.dtype in HummingLinearKernel.humming_dtypes and all(
-                isinstance(m.quads_sibling_inputs()[0], HummingLinearKernel) for m in self.siblings.members):
-            return None, None  # W4A16, no stacked weight: each member's humming GEMM reads x as it is
         if self.layer is None or x.dtype not in HummingLinearKernel.humming_dtypes:
             return super().apply(x, i, bias)
         hit, biased = self.siblings.begin(i, x, bias)
