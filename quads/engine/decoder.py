@@ -359,9 +359,9 @@ class GraphedDecoder:
 
         steps = spec.max_new_tokens - 1
         if steps and graphs and state.graph is None:
+            self._captured_reads = captured_reads(self.model)  # first: no graph is ever held without it
             try:
                 self._capture(state, spec)
-                self._captured_reads = captured_reads(self.model)
             except _CaptureRefused as why:
                 self._refuse(str(why))
                 graphs = False
