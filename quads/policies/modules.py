@@ -275,8 +275,9 @@ class RolloutLinear(RolloutModule):
                                                            prepared))
 
     def _quads_forward_inputs(self) -> None:
-        # the forward's kernel: this linear's own, or in a sibling set (q/k/v, gate/up) its member
-        # kernel (its columns of the set's GEMM, or the set's operands into its own kernel)
+        # the forward's kernel: this linear's own, or in a sibling set (q/k/v, gate/up) that has
+        # something for it its member kernel (its columns of the set's GEMM, or the set's operands
+        # into its own kernel)
         group = self.quads_group
         self._quads_forward_kernel = (self._quads_kernel if group is None or not group.serves(self._quads_kernel)
                                       else SiblingMember(group, self.quads_group_index, self._quads_kernel))
